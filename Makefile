@@ -1,0 +1,43 @@
+# tierzero: `make train` and `make test` are the whole setup on a fresh machine.
+# Each installs what is missing (PyTorch into a project-local virtualenv for tch), then runs.
+
+TORCH_VERSION := 2.11.0
+VENV          := $(CURDIR)/.venv
+PYTHON        ?= python3
+TORCH_STAMP   := $(VENV)/.torch-$(TORCH_VERSION)
+CONFIG        ?= configs/default.json
+CARGO         ?= cargo
+
+# torch-sys finds libtorch through LIBTORCH (the pip wheel's torch directory).
+export LIBTORCH = $(shell ls -d $(VENV)/lib/python3*/site-packages/torch 2>/dev/null | head -n 1)
+export LIBTORCH_BYPASS_VERSION_CHECK = 1
+
+.PHONY: train test setup build lint unit bench-adam clean-venv
+
+setup: $(TORCH_STAMP)
+
+$(TORCH_STAMP):
+	@command -v $(PYTHON) >/dev/null || (apt-get update && apt-get install -y python3 python3-venv python3-pip)
+	@test -x $(VENV)/bin/pip || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
+	@touch $@
+
+build: setup
+	$(MAKE) --no-print-directory LIBTORCH=$$(ls -d $(VENV)/lib/python3*/site-packages/torch) _build
+
+_build:
+	$(CARGO) build --release --bin tierzero
+
+train: build
+	./target/release/tierzero train --config $(CONFIG)
+
+test: setup
+	$(MAKE) --no-print-directory LIBTORCH=$$(ls -d $(VENV)/lib/python3*/site-packages/torch) _test
+
+_test:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) test --workspace
+
+bench-adam: build
+	./target/release/tierzero bench adam --params 100000000
