@@ -128,7 +128,7 @@ mod imp {
     super::super::simd::simd_kernels!("avx512f");
 }
 
-#[cfg(target_arch = "x86_64")]
-pub(super) use imp::{is_supported, roofline, sweep};
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) use super::simd::unsupported::{is_supported, roofline, sweep};
+#[cfg(target_arch = "x86_64")]
+pub(super) use imp::{is_supported, roofline, sweep};

@@ -145,12 +145,7 @@ impl Kernel {
     }
 
     /// Every kernel, fastest last.
-    pub const ALL: [Kernel; 4] = [
-        Kernel::Reference,
-        Kernel::Portable,
-        Kernel::Avx2,
-        Kernel::Avx512,
-    ];
+    pub const ALL: [Kernel; 4] = [Kernel::Reference, Kernel::Portable, Kernel::Avx2, Kernel::Avx512];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -210,11 +205,7 @@ pub fn step(c: &Coefficients, sweep: Sweep<'_>) -> Result<SweepReport, AdamError
 }
 
 /// One AdamW step with a chosen kernel, split across the current rayon pool.
-pub fn step_with(
-    kernel: Kernel,
-    c: &Coefficients,
-    sweep: Sweep<'_>,
-) -> Result<SweepReport, AdamError> {
+pub fn step_with(kernel: Kernel, c: &Coefficients, sweep: Sweep<'_>) -> Result<SweepReport, AdamError> {
     if !kernel.is_supported() {
         return Err(AdamError::Unsupported(kernel));
     }

@@ -2,7 +2,7 @@
 //! LLVM vectorises on any target (NEON `fmla` on aarch64, where `mul_add` is one
 //! instruction). The fallback when no x86 SIMD kernel applies.
 
-use super::reference::update_one;
+use super::reference::{non_finite_bits, update_one};
 use super::{Coefficients, GradSlice, LowPrecisionOut, Sweep};
 use crate::convert::{bf16_to_f32, f32_to_bf16, f32_to_f16};
 
@@ -36,7 +36,7 @@ pub(super) fn sweep(c: &Coefficients, s: Sweep<'_>) -> bool {
         let m = &mut exp_avg[range.clone()];
         let v = &mut exp_avg_sq[range.clone()];
         for i in 0..len {
-            poison |= (g[i] - g[i]).to_bits();
+            poison |= non_finite_bits(g[i]);
             (p[i], m[i], v[i]) = update_one(c, p[i], m[i], v[i], g[i]);
         }
         match &mut low {

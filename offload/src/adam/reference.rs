@@ -60,3 +60,11 @@ pub fn sweep(c: &Coefficients, s: Sweep<'_>) -> bool {
     }
     non_finite
 }
+
+/// Bits of `g − g`: zero for finite `g`, a NaN pattern for NaN or ±inf. OR-ing these
+/// over a sweep flags a non-finite gradient without a branch, as the SIMD kernels do.
+#[inline(always)]
+#[allow(clippy::eq_op)] // x − x is the point: it is NaN exactly when x is not finite
+pub fn non_finite_bits(g: f32) -> u32 {
+    (g - g).to_bits()
+}

@@ -25,15 +25,13 @@ fn scalar(s: Sweep<'_>) -> bool {
             GradSlice::F32(g) => g[i],
             GradSlice::Bf16(g) => bf16_to_f32(g[i]),
         };
-        poison |= (g - g).to_bits();
+        poison |= super::reference::non_finite_bits(g);
         master[i] += g;
         exp_avg[i] += g;
         exp_avg_sq[i] += g;
         match &mut low {
             LowPrecisionOut::None => {}
-            LowPrecisionOut::Bf16(o) | LowPrecisionOut::F16(o) => {
-                o[i] = (master[i].to_bits() >> 16) as u16
-            }
+            LowPrecisionOut::Bf16(o) | LowPrecisionOut::F16(o) => o[i] = (master[i].to_bits() >> 16) as u16,
         }
     }
     poison != 0

@@ -117,11 +117,7 @@ impl<'a> Sweep<'a> {
         for (what, got) in lengths {
             if let Some(got) = got {
                 if got != expected {
-                    return Err(AdamError::LengthMismatch {
-                        what,
-                        got,
-                        expected,
-                    });
+                    return Err(AdamError::LengthMismatch { what, got, expected });
                 }
             }
         }
@@ -162,10 +158,7 @@ impl<'a> Sweep<'a> {
         }
         let mid = (len / task).div_ceil(2) * task;
         let (left, right) = self.split_at(mid);
-        let (a, b) = rayon::join(
-            || left.par_fold(task, work),
-            || right.par_fold(task, work),
-        );
+        let (a, b) = rayon::join(|| left.par_fold(task, work), || right.par_fold(task, work));
         a | b
     }
 }

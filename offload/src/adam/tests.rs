@@ -106,7 +106,11 @@ fn every_kernel_matches_the_reference_bit_for_bit() {
                         assert_eq!(flags, (false, false), "{what}");
                         assert_eq!(bits(&got.master), bits(&expected.master), "master {what}");
                         assert_eq!(bits(&got.exp_avg), bits(&expected.exp_avg), "exp_avg {what}");
-                        assert_eq!(bits(&got.exp_avg_sq), bits(&expected.exp_avg_sq), "exp_avg_sq {what}");
+                        assert_eq!(
+                            bits(&got.exp_avg_sq),
+                            bits(&expected.exp_avg_sq),
+                            "exp_avg_sq {what}"
+                        );
                         assert_eq!(got.low, expected.low, "low {what}");
                     }
                 }
@@ -166,9 +170,11 @@ fn first_step_has_the_closed_form() {
     let before = s.master.clone();
     step(&hyper.coefficients(1, 1.0), s.sweep(false, "none")).unwrap();
     for ((&p1, &p0), &g) in s.master.iter().zip(&before).zip(&s.grad) {
-        let expected = f64::from(p0) * (1.0 - 0.01 * 0.1)
-            - 0.01 * f64::from(g) / (f64::from(g).abs() + 1e-8);
-        assert!((f64::from(p1) - expected).abs() <= 1e-6 * expected.abs().max(1e-3), "{p1} vs {expected}");
+        let expected = f64::from(p0) * (1.0 - 0.01 * 0.1) - 0.01 * f64::from(g) / (f64::from(g).abs() + 1e-8);
+        assert!(
+            (f64::from(p1) - expected).abs() <= 1e-6 * expected.abs().max(1e-3),
+            "{p1} vs {expected}"
+        );
     }
 }
 
@@ -179,7 +185,11 @@ fn mismatched_lengths_are_an_error_not_a_panic() {
     let err = step(&AdamHyper::default().coefficients(1, 1.0), s.sweep(false, "none")).unwrap_err();
     assert_eq!(
         err,
-        AdamError::LengthMismatch { what: "exp_avg", got: 9, expected: 10 }
+        AdamError::LengthMismatch {
+            what: "exp_avg",
+            got: 9,
+            expected: 10
+        }
     );
 }
 

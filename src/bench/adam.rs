@@ -1,0 +1,168 @@
+//! `tierzero bench adam`: CPU AdamW throughput against its own memory roofline.
+//!
+//! The limit is measured in the same run, with the same threads and arrays: a sweep that
+//! makes exactly the AdamW kernel's memory traffic (read master, exp_avg, exp_avg_sq and
+//! the gradient; write master, both moments and the low-precision copy) with trivial
+//! arithmetic ([`tierzero_offload::adam::roofline_sweep`]). Roofline and AdamW sweeps
+//! alternate so that both see the same machine state; medians are reported.
+
+use serde::Serialize;
+use std::time::Instant;
+use tierzero_offload::adam::{self, AdamHyper, GradSlice, Kernel, LowPrecisionOut, Sweep};
+use tierzero_offload::convert::f32_to_bf16;
+use tierzero_offload::host::AlignedBuf;
+
+#[derive(Clone, Debug)]
+pub struct AdamBenchArgs {
+    pub params: usize,
+    pub threads: usize,
+    pub grad_bf16: bool,
+    pub kernel: Kernel,
+    pub repeats: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AdamBenchReport {
+    pub kernel: String,
+    pub grad_dtype: String,
+    pub params: usize,
+    pub threads: usize,
+    pub repeats: usize,
+    pub bytes_per_param: usize,
+    pub adam_seconds: f64,
+    pub roofline_seconds: f64,
+    pub params_per_s: f64,
+    pub gbps: f64,
+    pub roofline_gbps: f64,
+    pub ratio_to_roofline: f64,
+}
+
+struct Arrays {
+    master: AlignedBuf<f32>,
+    exp_avg: AlignedBuf<f32>,
+    exp_avg_sq: AlignedBuf<f32>,
+    grad_f32: AlignedBuf<f32>,
+    grad_bf16: AlignedBuf<u16>,
+    low: AlignedBuf<u16>,
+}
+
+impl Arrays {
+    fn sweep(&mut self, grad_bf16: bool) -> Sweep<'_> {
+        Sweep {
+            master: &mut self.master,
+            exp_avg: &mut self.exp_avg,
+            exp_avg_sq: &mut self.exp_avg_sq,
+            grad: if grad_bf16 {
+                GradSlice::Bf16(&self.grad_bf16)
+            } else {
+                GradSlice::F32(&self.grad_f32)
+            },
+            low: LowPrecisionOut::Bf16(&mut self.low),
+        }
+    }
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Runs the benchmark. Errors are allocation or thread-pool failures.
+pub fn run(args: &AdamBenchArgs) -> anyhow::Result<AdamBenchReport> {
+    anyhow::ensure!(args.params > 0, "--params must be positive");
+    anyhow::ensure!(
+        args.kernel.is_supported(),
+        "kernel {} is not supported by this CPU",
+        args.kernel
+    );
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(args.threads.max(1))
+        .build()?;
+    let n = args.params;
+    let (grad_f32_len, grad_bf16_len) = if args.grad_bf16 { (0, n) } else { (n, 0) };
+    let mut arrays = Arrays {
+        master: AlignedBuf::zeroed(n)?,
+        exp_avg: AlignedBuf::zeroed(n)?,
+        exp_avg_sq: AlignedBuf::zeroed(n)?,
+        grad_f32: AlignedBuf::zeroed(grad_f32_len)?,
+        grad_bf16: AlignedBuf::zeroed(grad_bf16_len)?,
+        low: AlignedBuf::zeroed(n)?,
+    };
+    // first touch from the pool's threads; positive gradients keep exp_avg_sq positive
+    // under the roofline's adds
+    pool.install(|| {
+        use rayon::prelude::*;
+        arrays
+            .master
+            .par_iter_mut()
+            .enumerate()
+            .for_each(|(i, p)| *p = 1.0 + (i % 97) as f32 * 1e-3);
+        arrays.exp_avg.par_iter_mut().for_each(|m| *m = 1e-4);
+        arrays.exp_avg_sq.par_iter_mut().for_each(|v| *v = 1e-6);
+        arrays
+            .grad_f32
+            .par_iter_mut()
+            .enumerate()
+            .for_each(|(i, g)| *g = 1e-3 + (i % 13) as f32 * 1e-4);
+        arrays
+            .grad_bf16
+            .par_iter_mut()
+            .enumerate()
+            .for_each(|(i, g)| *g = f32_to_bf16(1e-3 + (i % 13) as f32 * 1e-4));
+    });
+    let hyper = AdamHyper::default();
+    let mut roofline_times = Vec::new();
+    let mut adam_times = Vec::new();
+    for step in 0..=args.repeats {
+        let start = Instant::now();
+        pool.install(|| adam::roofline_sweep(args.kernel, arrays.sweep(args.grad_bf16)))?;
+        let roofline = start.elapsed().as_secs_f64();
+        let coefficients = hyper.coefficients(step as u64 + 1, 1.0);
+        let start = Instant::now();
+        pool.install(|| adam::step_with(args.kernel, &coefficients, arrays.sweep(args.grad_bf16)))?;
+        let adam = start.elapsed().as_secs_f64();
+        // the first round warms caches, page tables and the pool
+        if step > 0 {
+            roofline_times.push(roofline);
+            adam_times.push(adam);
+        }
+    }
+    let bytes_per_param = if args.grad_bf16 {
+        4 * 3 + 2 + 4 * 3 + 2
+    } else {
+        4 * 4 + 4 * 3 + 2
+    };
+    let adam_seconds = median(adam_times);
+    let roofline_seconds = median(roofline_times);
+    let traffic = (bytes_per_param * n) as f64;
+    Ok(AdamBenchReport {
+        kernel: args.kernel.name().into(),
+        grad_dtype: if args.grad_bf16 { "bf16" } else { "fp32" }.into(),
+        params: n,
+        threads: args.threads,
+        repeats: args.repeats,
+        bytes_per_param,
+        adam_seconds,
+        roofline_seconds,
+        params_per_s: n as f64 / adam_seconds,
+        gbps: traffic / adam_seconds / 1e9,
+        roofline_gbps: traffic / roofline_seconds / 1e9,
+        ratio_to_roofline: roofline_seconds / adam_seconds,
+    })
+}
+
+impl AdamBenchReport {
+    pub fn human(&self) -> String {
+        format!(
+            "adam  kernel {:<8} grad {:<4} params {:>11} threads {:>2}  {:>8.3} Gparams/s  {:>6.2} GB/s  roofline {:>6.2} GB/s  ratio {:.3}",
+            self.kernel,
+            self.grad_dtype,
+            self.params,
+            self.threads,
+            self.params_per_s / 1e9,
+            self.gbps,
+            self.roofline_gbps,
+            self.ratio_to_roofline
+        )
+    }
+}

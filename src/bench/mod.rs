@@ -1,0 +1,4 @@
+//! Built-in throughput benchmarks. Each measures its hardware limit in the same run and
+//! reports throughput next to it.
+
+pub mod adam;

@@ -1,0 +1,181 @@
+//! The human form of a [`Plan`]: what `tierzero plan` prints.
+//!
+//! Model-state bytes per rank follow the ZeRO paper's accounting (Rajbhandari et al.,
+//! 2020, §5): low-precision parameters, gradients and the fp32 optimizer state (master,
+//! exp_avg, exp_avg_sq: 12 bytes per parameter), each divided by the world size from the
+//! stage that shards it, and placed on the tier the config chooses.
+
+use super::plan::{Plan, Scheduler, Tier};
+use std::fmt::Write;
+
+/// One row of the model-state table.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct StateRow {
+    pub state: &'static str,
+    pub tier: Tier,
+    pub bytes_per_rank: u64,
+    pub sharded: bool,
+}
+
+/// Model-state bytes per rank and where they live.
+pub fn model_states(plan: &Plan) -> Vec<StateRow> {
+    let params = plan.model.config.num_parameters() as u64;
+    let world = plan.world_size as u64;
+    let stage = plan.zero.stage;
+    let per_rank = |bytes_per_param: u64, sharded: bool| {
+        if sharded {
+            (params * bytes_per_param).div_ceil(world)
+        } else {
+            params * bytes_per_param
+        }
+    };
+    let low = plan.precision.bytes() as u64;
+    let optimizer_tier = plan.zero.offload_optimizer.tier;
+    vec![
+        StateRow {
+            state: "parameters",
+            tier: plan.zero.offload_param.tier,
+            bytes_per_rank: per_rank(low, stage >= 3),
+            sharded: stage >= 3,
+        },
+        StateRow {
+            state: "gradients",
+            // the fp32 gradient shard sits next to the optimizer state; with the state on
+            // NVMe it is accumulated in pinned host memory, as DeepSpeed does
+            tier: match (stage >= 2, optimizer_tier) {
+                (false, _) => Tier::Device,
+                (true, Tier::Nvme) => Tier::Cpu,
+                (true, tier) => tier,
+            },
+            bytes_per_rank: if stage >= 2 {
+                per_rank(4, true)
+            } else {
+                per_rank(low, false)
+            },
+            sharded: stage >= 2,
+        },
+        StateRow {
+            state: "optimizer states",
+            tier: optimizer_tier,
+            bytes_per_rank: per_rank(12, stage >= 1),
+            sharded: stage >= 1,
+        },
+    ]
+}
+
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+/// The plan as an aligned text table.
+pub fn plan_table(plan: &Plan) -> String {
+    let mut out = String::new();
+    let m = &plan.model.config;
+    let params = m.num_parameters();
+    let units = m.unit_numels();
+    let largest = units.iter().copied().max().unwrap_or(0);
+    let row = |out: &mut String, k: &str, v: String| {
+        let _ = writeln!(out, "  {k:<28} {v}");
+    };
+    let _ = writeln!(out, "model");
+    row(&mut out, "source", plan.model.source.clone());
+    row(
+        &mut out,
+        "shape",
+        format!(
+            "{:?}: hidden {}, layers {}, heads {} (kv {}), ffn {}, vocab {}",
+            m.architecture,
+            m.hidden_size,
+            m.num_hidden_layers,
+            m.num_attention_heads,
+            m.num_key_value_heads,
+            m.intermediate_size,
+            m.vocab_size
+        ),
+    );
+    row(
+        &mut out,
+        "parameters",
+        format!("{params} ({:.3} B)", params as f64 / 1e9),
+    );
+    row(
+        &mut out,
+        "units",
+        format!("{} (largest {largest} parameters)", units.len()),
+    );
+    let _ = writeln!(out, "batch");
+    let b = &plan.batch;
+    row(
+        &mut out,
+        "train_batch_size",
+        format!(
+            "{} = micro {} × accumulation {} × devices {}",
+            b.train_batch_size, b.micro_batch_per_gpu, b.gradient_accumulation_steps, plan.world_size
+        ),
+    );
+    row(&mut out, "seq_len", plan.data.seq_len.to_string());
+    row(&mut out, "tokens per step", plan.tokens_per_step().to_string());
+    let _ = writeln!(out, "training");
+    row(&mut out, "steps", plan.train.steps.to_string());
+    row(&mut out, "precision", plan.precision.name().to_string());
+    let o = &plan.optimizer;
+    row(
+        &mut out,
+        "optimizer",
+        format!(
+            "{} lr {:e} betas ({}, {}) eps {:e} weight_decay {}",
+            if o.decoupled { "AdamW" } else { "Adam (L2)" },
+            o.lr,
+            o.beta1,
+            o.beta2,
+            o.eps,
+            o.weight_decay
+        ),
+    );
+    let scheduler = match plan.scheduler {
+        Scheduler::Constant => "constant".to_string(),
+        other => format!("{other:?}"),
+    };
+    row(&mut out, "scheduler", scheduler);
+    row(
+        &mut out,
+        "gradient_clipping",
+        if plan.gradient_clipping > 0.0 {
+            plan.gradient_clipping.to_string()
+        } else {
+            "off".into()
+        },
+    );
+    row(&mut out, "data", format!("{:?}", plan.data.source));
+    let _ = writeln!(out, "zero (stage {}, {} ranks)", plan.zero.stage, plan.world_size);
+    for s in model_states(plan) {
+        row(
+            &mut out,
+            s.state,
+            format!(
+                "{:>10.3} GiB per rank on {}{}",
+                gib(s.bytes_per_rank),
+                s.tier.name(),
+                if s.sharded { " (sharded)" } else { "" }
+            ),
+        );
+    }
+    for (what, path) in [
+        ("offload_param.nvme_path", &plan.zero.offload_param.nvme_path),
+        (
+            "offload_optimizer.nvme_path",
+            &plan.zero.offload_optimizer.nvme_path,
+        ),
+    ] {
+        if let Some(p) = path {
+            row(&mut out, what, p.display().to_string());
+        }
+    }
+    row(&mut out, "sub_group_size", plan.zero.sub_group_size.to_string());
+    row(
+        &mut out,
+        "output_dir",
+        plan.train.output_dir.display().to_string(),
+    );
+    out
+}

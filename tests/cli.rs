@@ -1,0 +1,113 @@
+//! The binary: exit statuses, `plan --json`, and that a bad config writes nothing.
+
+use std::process::Command;
+
+fn tierzero() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tierzero"))
+}
+
+fn default_config() -> String {
+    concat!(env!("CARGO_MANIFEST_DIR"), "/configs/default.json").to_string()
+}
+
+#[test]
+fn plan_json_has_the_resolved_plan() {
+    let out = tierzero()
+        .args(["plan", "--config", &default_config(), "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["plan"]["zero"]["stage"], 3);
+    assert_eq!(v["plan"]["world_size"], 2);
+    assert_eq!(v["plan"]["zero"]["offload_optimizer"]["tier"], "nvme");
+    assert!(v["parameters"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn config_errors_exit_2_and_write_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("run");
+    let output_dir = format!("train.output_dir={}", out_dir.display());
+    let config = default_config();
+    for bad in ["fp16.enabled=true", "zero_optimization.bogus_key=1"] {
+        let mut args = vec!["train", "--config", &config, "--set", &output_dir, "--set", bad];
+        if bad.starts_with("fp16") {
+            args.extend(["--set", "bf16.enabled=true"]);
+        }
+        let out = tierzero().args(&args).output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{bad}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stderr).contains("error:"));
+        assert!(
+            !out_dir.exists(),
+            "{bad}: a failed config wrote {}",
+            out_dir.display()
+        );
+    }
+    let out = tierzero()
+        .args(["plan", "--config", "/nonexistent/ds_config.json"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/ds_config.json"));
+}
+
+#[test]
+fn estimate_prints_the_deepspeed_table() {
+    let out = tierzero()
+        .args([
+            "estimate",
+            "--params",
+            "2851e6",
+            "--largest-layer",
+            "32e6",
+            "--gpus-per-node",
+            "8",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("71.69GB |   0.12GB | offload_param=cpu , offload_optimizer=cpu , zero_init=1"),
+        "{text}"
+    );
+}
+
+#[test]
+fn bench_adam_reports_against_its_roofline() {
+    let out = tierzero()
+        .args([
+            "bench",
+            "adam",
+            "--params",
+            "300000",
+            "--repeats",
+            "1",
+            "--json",
+            "--grad-dtype",
+            "bf16",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for field in [
+        "params_per_s",
+        "bytes_per_param",
+        "gbps",
+        "roofline_gbps",
+        "ratio_to_roofline",
+        "kernel",
+        "grad_dtype",
+    ] {
+        assert!(!v[field].is_null(), "missing {field}");
+    }
+    assert_eq!(v["bytes_per_param"], 28);
+    assert_eq!(v["grad_dtype"], "bf16");
+}

@@ -1,0 +1,301 @@
+//! Configuration: DeepSpeed spellings, defaults, `"auto"`, batch math, and every
+//! contradiction refused with the key named.
+
+use serde_json::{json, Value};
+use tierzero::config::plan::{Precision, Scheduler};
+use tierzero::config::{from_json, ConfigError, DeviceFacts, Loaded, Tier};
+
+fn load(v: Value) -> Result<Loaded, ConfigError> {
+    from_json(v, &[], DeviceFacts::default())
+}
+
+fn base() -> Value {
+    json!({ "train_micro_batch_size_per_gpu": 2, "model": {"preset": "llama-tiny"} })
+}
+
+fn with(mut v: Value, sets: &[&str]) -> Result<Loaded, ConfigError> {
+    for s in sets {
+        tierzero::config::overrides::apply(&mut v, s).unwrap();
+    }
+    load(v)
+}
+
+fn error_of(v: Value, sets: &[&str]) -> String {
+    match with(v, sets) {
+        Ok(_) => panic!("expected an error for {sets:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn every_shipped_config_loads() {
+    for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/configs")).unwrap() {
+        let path = entry.unwrap().path();
+        tierzero::config::load(&path, &[], DeviceFacts::default())
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    }
+}
+
+#[test]
+fn deepspeed_defaults_apply() {
+    let plan = load(base()).unwrap().plan;
+    assert_eq!(plan.zero.stage, 0);
+    assert_eq!(plan.zero.reduce_bucket_size, 500_000_000);
+    assert_eq!(plan.zero.sub_group_size, 1_000_000_000);
+    assert_eq!(plan.zero.prefetch_bucket_size, 50_000_000);
+    assert_eq!(plan.zero.param_persistence_threshold, 100_000);
+    assert_eq!(plan.zero.offload_param.buffer_count, 5);
+    assert_eq!(plan.zero.offload_optimizer.buffer_count, 4);
+    assert_eq!(plan.aio.block_size, 1_048_576);
+    assert_eq!(plan.aio.queue_depth, 8);
+    assert!(plan.aio.overlap_events);
+    assert_eq!(plan.steps_per_print, 10);
+    assert_eq!(plan.gradient_clipping, 0.0);
+    assert_eq!(plan.precision, Precision::Fp32);
+    assert_eq!(plan.scheduler, Scheduler::Constant);
+    assert_eq!(plan.batch.gradient_accumulation_steps, 1);
+}
+
+#[test]
+fn numbers_in_every_spelling() {
+    for spelling in [json!(5e8), json!("5e8"), json!(500000000), json!("500_000_000")] {
+        let mut v = base();
+        v["zero_optimization"] = json!({ "reduce_bucket_size": spelling });
+        assert_eq!(load(v).unwrap().plan.zero.reduce_bucket_size, 500_000_000);
+    }
+    let mut v = base();
+    v["zero_optimization"] = json!({ "reduce_bucket_size": 2.5 });
+    assert!(load(v)
+        .unwrap_err()
+        .to_string()
+        .contains("zero_optimization.reduce_bucket_size"));
+}
+
+#[test]
+fn auto_resolves_from_the_model_like_the_hf_integration() {
+    let mut v = base();
+    v["zero_optimization"] = json!({
+        "stage": 3,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto"
+    });
+    v["gradient_clipping"] = json!("auto");
+    v["bf16"] = json!({"enabled": "auto"});
+    let plan = load(v.clone()).unwrap().plan;
+    let h = 64; // llama-tiny hidden size
+    assert_eq!(plan.zero.reduce_bucket_size, h * h);
+    assert_eq!(plan.zero.prefetch_bucket_size, (0.9 * (h * h) as f64) as usize);
+    assert_eq!(plan.zero.param_persistence_threshold, 10 * h);
+    assert_eq!(plan.gradient_clipping, 1.0);
+    // precision from the device: no CUDA bf16 here → fp32; a bf16 GPU → bf16
+    assert_eq!(plan.precision, Precision::Fp32);
+    let gpu = from_json(v, &[], DeviceFacts { cuda_bf16: true }).unwrap().plan;
+    assert_eq!(gpu.precision, Precision::Bf16);
+}
+
+#[test]
+fn auto_learning_rate_says_which_set_supplies_it() {
+    let mut v = base();
+    v["optimizer"] = json!({"type": "AdamW", "params": {"lr": "auto"}});
+    let e = load(v).unwrap_err().to_string();
+    assert!(
+        e.contains("optimizer.params.lr") && e.contains("--set optimizer.params.lr="),
+        "{e}"
+    );
+}
+
+#[test]
+fn unknown_keys_name_the_closest_valid_key() {
+    let mut v = base();
+    v["zero_optimization"] = json!({"stage3_prefetch_bukcet_size": 1});
+    let e = load(v).unwrap_err().to_string();
+    assert!(e.contains("zero_optimization.stage3_prefetch_bukcet_size"), "{e}");
+    assert!(
+        e.contains("did you mean `zero_optimization.stage3_prefetch_bucket_size`"),
+        "{e}"
+    );
+    let e = error_of(base(), &["train.stesp=3"]);
+    assert!(e.contains("did you mean `train.steps`"), "{e}");
+}
+
+#[test]
+fn deepspeed_only_keys_are_accepted_and_listed_once() {
+    let mut v = base();
+    v["tensorboard"] = json!({"enabled": true});
+    v["activation_checkpointing"] = json!({"partition_activations": true});
+    v["zero_allow_untested_optimizer"] = json!(true);
+    v["zero_optimization"] = json!({"round_robin_gradients": true});
+    let loaded = load(v).unwrap();
+    let listed: Vec<&String> = loaded
+        .warnings
+        .iter()
+        .filter(|w| w.contains("not acted on by tierzero"))
+        .collect();
+    assert_eq!(listed.len(), 1);
+    for key in [
+        "tensorboard",
+        "activation_checkpointing",
+        "zero_allow_untested_optimizer",
+        "zero_optimization.round_robin_gradients",
+    ] {
+        assert!(listed[0].contains(key), "{key} missing from {}", listed[0]);
+    }
+}
+
+#[test]
+fn parsed_but_unacted_keys_are_reported() {
+    let loaded = with(base(), &["zero_optimization.overlap_comm=true"]).unwrap();
+    assert!(loaded
+        .warnings
+        .iter()
+        .any(|w| w.contains("zero_optimization.overlap_comm")));
+}
+
+#[test]
+fn deprecated_aliases_are_accepted_with_a_warning() {
+    let mut v = base();
+    v["zero_optimization"] = json!({"stage": 2, "cpu_offload": true});
+    let loaded = load(v).unwrap();
+    assert_eq!(loaded.plan.zero.offload_optimizer.tier, Tier::Cpu);
+    assert!(loaded
+        .warnings
+        .iter()
+        .any(|w| w.contains("cpu_offload is deprecated")));
+    let mut v = base();
+    v["zero_optimization"] =
+        json!({"stage": 3, "prefetch_bucket_size": 123, "stage3_gather_fp16_weights_on_model_save": true});
+    let loaded = load(v).unwrap();
+    assert_eq!(loaded.plan.zero.prefetch_bucket_size, 123);
+    assert!(loaded.plan.zero.gather_16bit_weights_on_model_save);
+    v = base();
+    v["bfloat16"] = json!({"enabled": true});
+    assert_eq!(load(v).unwrap().plan.precision, Precision::Bf16);
+}
+
+#[test]
+fn batch_triple_is_completed_or_refused_like_deepspeed() {
+    let batch = |sets: &[&str]| with(json!({}), sets).map(|l| l.plan.batch);
+    let b = batch(&["train_batch_size=32", "train.devices=4"]).unwrap();
+    assert_eq!((b.micro_batch_per_gpu, b.gradient_accumulation_steps), (8, 1));
+    let b = batch(&[
+        "train_batch_size=32",
+        "train_micro_batch_size_per_gpu=2",
+        "train.devices=4",
+    ])
+    .unwrap();
+    assert_eq!(b.gradient_accumulation_steps, 4);
+    let b = batch(&[
+        "train_micro_batch_size_per_gpu=2",
+        "gradient_accumulation_steps=3",
+        "train.devices=2",
+    ])
+    .unwrap();
+    assert_eq!(b.train_batch_size, 12);
+    let e = batch(&[
+        "train_batch_size=30",
+        "train_micro_batch_size_per_gpu=2",
+        "gradient_accumulation_steps=2",
+        "train.devices=2",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("train_batch_size") && e.contains("30 != "), "{e}");
+    let e = batch(&[]).unwrap_err().to_string();
+    assert!(e.contains("--set train_micro_batch_size_per_gpu"), "{e}");
+}
+
+#[test]
+fn contradictions_name_the_keys_and_the_fix() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &[
+                "zero_optimization.stage=3",
+                "zero_optimization.offload_optimizer.device=nvme",
+            ],
+            "offload_optimizer.nvme_path",
+        ),
+        (&["fp16.enabled=true", "bf16.enabled=true"], "fp16.enabled"),
+        (
+            &[
+                "zero_optimization.stage=2",
+                "zero_optimization.offload_param.device=cpu",
+            ],
+            "needs ZeRO stage 3",
+        ),
+        (&["zero_optimization.offload_optimizer.device=cpu"], "stage 0"),
+        (
+            &[
+                "zero_optimization.stage=3",
+                "zero_optimization.offload_param.device=nvme",
+                "zero_optimization.offload_param.nvme_path=/tmp",
+            ],
+            "optimizer state off the device",
+        ),
+        (&["zero_optimization.reduce_bucket_size=0"], "must be positive"),
+        (&["train.devices=0"], "train.devices"),
+        (
+            &["train_micro_batch_size_per_gpu=-1"],
+            "train_micro_batch_size_per_gpu",
+        ),
+        (&["aio.block_size=1000"], "aio.block_size"),
+        (&["zero_optimization.stage=4"], "zero_optimization.stage"),
+        (
+            &["zero_optimization.offload_optimizer.device=disk"],
+            "\"none\", \"cpu\" or \"nvme\"",
+        ),
+        (&["optimizer.type=Lamb"], "optimizer.type"),
+        (
+            &["scheduler.type=WarmupLR", "scheduler.params.total_num_steps=10"],
+            "scheduler.params.total_num_steps",
+        ),
+        (&["model.preset=llama-tiyn"], "did you mean \"llama-tiny\""),
+        (&["model.num_attention_heads=3"], "num_attention_heads"),
+        (&["data.seq_len=100000"], "data.seq_len"),
+        (&["data.synthetic=poetry"], "data.synthetic"),
+        (
+            &[
+                "zero_optimization.stage=3",
+                "zero_optimization.offload_optimizer.device=nvme",
+                "zero_optimization.offload_optimizer.nvme_path=/etc/hostname/x",
+            ],
+            "is a file",
+        ),
+    ];
+    for (sets, needle) in cases {
+        let e = error_of(base(), sets);
+        assert!(e.contains(needle), "{sets:?}: {e:?} lacks {needle:?}");
+    }
+}
+
+#[test]
+fn type_errors_name_the_key_path() {
+    let mut v = base();
+    v["zero_optimization"] = json!({"offload_optimizer": {"pin_memory": "yes please"}});
+    let e = load(v).unwrap_err().to_string();
+    assert!(
+        e.contains("zero_optimization.offload_optimizer.pin_memory"),
+        "{e}"
+    );
+}
+
+#[test]
+fn fp16_loss_scaling_keys_follow_deepspeed() {
+    let mut v = base();
+    v["fp16"] = json!({"enabled": true, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 3, "min_loss_scale": 0.5});
+    match load(v).unwrap().plan.precision {
+        Precision::Fp16(s) => {
+            assert_eq!(
+                (
+                    s.static_scale,
+                    s.initial_scale_power,
+                    s.window,
+                    s.hysteresis,
+                    s.min_scale
+                ),
+                (0.0, 12, 500, 3, 0.5)
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
