@@ -1,0 +1,445 @@
+//! The swap store: optimizer state (and offloaded parameters) in NVMe files.
+//!
+//! Each (rank, state) has one preallocated file; each tensor (unit, rank, state) is an
+//! extent of it, cut into chunks of `chunk_elems` elements (the optimizer's sub-groups),
+//! each padded to the O_DIRECT alignment. Every chunk write records a crc32c of the bytes
+//! written; every read verifies it, so a corrupted or truncated file is an error naming
+//! the file and offset, never silent garbage. A chunk that was never written cannot be
+//! read.
+//!
+//! Files live in `<nvme_path>/<name>/`, next to an `OWNER` marker that this process holds
+//! an exclusive `flock` on. A restart that finds the directory with a marker nobody holds
+//! removes the stale files it recognises by name (and only those); a live owner, or a
+//! directory without a marker, is an error that leaves everything in place. The store
+//! removes its files when dropped.
+
+use super::{BlockFile, BlockIo, IoError, Op, Pending, DIRECT_ALIGN};
+use crate::pool::IoBuf;
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// Which state a tensor holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum State {
+    Master,
+    ExpAvg,
+    ExpAvgSq,
+    /// The low-precision parameter shard (offload_param to nvme).
+    Param,
+}
+
+impl State {
+    pub const ALL: [State; 4] = [State::Master, State::ExpAvg, State::ExpAvgSq, State::Param];
+    /// The three fp32 optimizer states, in the order the pipeline reads them.
+    pub const OPTIMIZER: [State; 3] = [State::Master, State::ExpAvg, State::ExpAvgSq];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            State::Master => "master",
+            State::ExpAvg => "exp_avg",
+            State::ExpAvgSq => "exp_avg_sq",
+            State::Param => "param",
+        }
+    }
+}
+
+/// A tensor in the store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TensorKey {
+    pub unit: u32,
+    pub rank: u32,
+    pub state: State,
+}
+
+/// A tensor to lay out: its key, element count and bytes per element.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorSpec {
+    pub key: TensorKey,
+    pub numel: usize,
+    pub elem_bytes: usize,
+}
+
+#[derive(Debug)]
+struct Extent {
+    file: Arc<BlockFile>,
+    offset: u64,
+    numel: usize,
+    elem_bytes: usize,
+    /// crc32c of each chunk as last written; None until written.
+    checksums: Mutex<Vec<Option<u32>>>,
+}
+
+const MARKER: &str = "OWNER";
+const MARKER_MAGIC: &str = "tierzero swap directory v1";
+
+/// Whether `name` is a file this store creates (`r<rank>.<state>.swp`).
+fn is_store_file(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix('r') else {
+        return false;
+    };
+    let Some((rank, tail)) = rest.split_once('.') else {
+        return false;
+    };
+    !rank.is_empty()
+        && rank.bytes().all(|b| b.is_ascii_digit())
+        && State::ALL.iter().any(|s| tail == format!("{}.swp", s.name()))
+}
+
+fn io_at(path: &Path, message: impl Into<String>) -> IoError {
+    IoError::Store {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+pub struct SwapStore {
+    dir: PathBuf,
+    engine: Arc<dyn BlockIo>,
+    chunk_elems: usize,
+    extents: HashMap<TensorKey, Extent>,
+    files: Vec<PathBuf>,
+    /// Holds the flock for the store's lifetime.
+    _marker: File,
+}
+
+impl SwapStore {
+    /// Creates `<nvme_path>/<name>/` and preallocates room for every tensor.
+    /// `chunk_elems` is rounded up so that a chunk of any element size is aligned.
+    pub fn create(
+        nvme_path: &Path,
+        name: &str,
+        engine: Arc<dyn BlockIo>,
+        tensors: &[TensorSpec],
+        chunk_elems: usize,
+    ) -> Result<SwapStore, IoError> {
+        let dir = nvme_path.join(name);
+        let marker = claim_directory(&dir)?;
+        let chunk_elems = chunk_elems.max(1).div_ceil(DIRECT_ALIGN as usize) * DIRECT_ALIGN as usize;
+        let mut sizes: HashMap<(u32, State), u64> = HashMap::new();
+        let mut layout = Vec::new();
+        for spec in tensors {
+            let end = sizes.entry((spec.key.rank, spec.key.state)).or_insert(0);
+            layout.push((spec, *end));
+            *end += padded_bytes(spec.numel, spec.elem_bytes, chunk_elems);
+        }
+        let mut files: HashMap<(u32, State), Arc<BlockFile>> = HashMap::new();
+        let mut paths = Vec::new();
+        let mut file_keys: Vec<_> = sizes.keys().copied().collect();
+        file_keys.sort();
+        for (rank, state) in file_keys {
+            let path = dir.join(format!("r{rank}.{}.swp", state.name()));
+            let file = BlockFile::open(&path, true, engine.direct())?;
+            paths.push(path);
+            file.preallocate(sizes[&(rank, state)])?;
+            files.insert((rank, state), file);
+        }
+        let extents = layout
+            .into_iter()
+            .map(|(spec, offset)| {
+                let chunks = spec.numel.div_ceil(chunk_elems);
+                let extent = Extent {
+                    file: files[&(spec.key.rank, spec.key.state)].clone(),
+                    offset,
+                    numel: spec.numel,
+                    elem_bytes: spec.elem_bytes,
+                    checksums: Mutex::new(vec![None; chunks]),
+                };
+                (spec.key, extent)
+            })
+            .collect();
+        Ok(SwapStore {
+            dir,
+            engine,
+            chunk_elems,
+            extents,
+            files: paths,
+            _marker: marker,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn engine(&self) -> &Arc<dyn BlockIo> {
+        &self.engine
+    }
+
+    /// Elements per chunk (the optimizer's sub-group size, rounded up to alignment).
+    pub fn chunk_elems(&self) -> usize {
+        self.chunk_elems
+    }
+
+    /// Number of chunks of a tensor.
+    pub fn chunks(&self, key: TensorKey) -> Result<usize, IoError> {
+        Ok(self.extent(key)?.numel.div_ceil(self.chunk_elems))
+    }
+
+    /// Elements in chunk `chunk` of `key`.
+    pub fn chunk_numel(&self, key: TensorKey, chunk: usize) -> Result<usize, IoError> {
+        let extent = self.extent(key)?;
+        Ok(self
+            .chunk_elems
+            .min(extent.numel.saturating_sub(chunk * self.chunk_elems)))
+    }
+
+    /// Bytes one chunk occupies on disk and in a buffer (for sizing pools).
+    pub fn chunk_bytes(&self, elem_bytes: usize) -> usize {
+        (self.chunk_elems * elem_bytes).div_ceil(DIRECT_ALIGN as usize) * DIRECT_ALIGN as usize
+    }
+
+    fn extent(&self, key: TensorKey) -> Result<&Extent, IoError> {
+        self.extents
+            .get(&key)
+            .ok_or_else(|| io_at(&self.dir, format!("no tensor {key:?} in this swap store")))
+    }
+
+    /// (file, offset, padded length, valid length) of a chunk.
+    fn locate(&self, key: TensorKey, chunk: usize) -> Result<(&Extent, u64, usize, usize), IoError> {
+        let extent = self.extent(key)?;
+        let chunks = extent.numel.div_ceil(self.chunk_elems);
+        if chunk >= chunks {
+            return Err(io_at(
+                extent.file.path(),
+                format!("{key:?} has {chunks} chunks; chunk {chunk} does not exist"),
+            ));
+        }
+        let stride = self.chunk_bytes(extent.elem_bytes);
+        let valid = self.chunk_elems.min(extent.numel - chunk * self.chunk_elems) * extent.elem_bytes;
+        let padded = valid.div_ceil(DIRECT_ALIGN as usize) * DIRECT_ALIGN as usize;
+        Ok((extent, extent.offset + (chunk * stride) as u64, padded, valid))
+    }
+
+    /// Starts writing chunk `chunk` of `key` from `buf` (its first valid bytes; the
+    /// padding up to the alignment is written too and covered by the checksum).
+    pub fn write_async(
+        &self,
+        key: TensorKey,
+        chunk: usize,
+        buf: IoBuf,
+    ) -> Result<StoreWrite<'_>, (IoError, IoBuf)> {
+        let (extent, offset, padded, _) = match self.locate(key, chunk) {
+            Ok(found) => found,
+            Err(e) => return Err((e, buf)),
+        };
+        if buf.capacity() < padded {
+            let error = IoError::BufferTooSmall {
+                op: "write",
+                path: extent.file.path().to_path_buf(),
+                len: padded,
+                capacity: buf.capacity(),
+            };
+            return Err((error, buf));
+        }
+        let checksum = crc32c::crc32c(&buf.as_bytes()[..padded]);
+        let pending = self.engine.submit(Op::write(&extent.file, offset, padded, buf));
+        Ok(StoreWrite {
+            pending,
+            extent,
+            chunk,
+            checksum,
+        })
+    }
+
+    /// Starts reading chunk `chunk` of `key` into `buf`.
+    pub fn read_async(
+        &self,
+        key: TensorKey,
+        chunk: usize,
+        buf: IoBuf,
+    ) -> Result<StoreRead, (IoError, IoBuf)> {
+        let (extent, offset, padded, _) = match self.locate(key, chunk) {
+            Ok(found) => found,
+            Err(e) => return Err((e, buf)),
+        };
+        let expected = extent.checksums.lock().unwrap_or_else(|e| e.into_inner())[chunk];
+        let Some(expected) = expected else {
+            let error = io_at(
+                extent.file.path(),
+                format!("chunk {chunk} of {key:?} at offset {offset} was never written"),
+            );
+            return Err((error, buf));
+        };
+        let pending = self.engine.submit(Op::read(&extent.file, offset, padded, buf));
+        Ok(StoreRead {
+            pending,
+            path: extent.file.path().to_path_buf(),
+            offset,
+            padded,
+            expected,
+        })
+    }
+
+    /// Writes a whole tensor from `data` (initialisation, checkpoint restore).
+    pub fn write_tensor(&self, key: TensorKey, data: &[u8], scratch: IoBuf) -> Result<IoBuf, IoError> {
+        let mut buf = scratch;
+        for chunk in 0..self.chunks(key)? {
+            let (_, _, padded, valid) = self.locate(key, chunk)?;
+            let start = chunk * self.chunk_elems * self.extent(key)?.elem_bytes;
+            let bytes = buf.as_bytes_mut();
+            if bytes.len() < padded {
+                return Err(io_at(&self.dir, "scratch buffer smaller than one chunk"));
+            }
+            bytes[..valid].copy_from_slice(&data[start..start + valid]);
+            bytes[valid..padded].fill(0);
+            buf = self.write_async(key, chunk, buf).map_err(|(e, _)| e)?.wait()?;
+        }
+        Ok(buf)
+    }
+
+    /// Reads a whole tensor into `out` (checkpoint save, tests).
+    pub fn read_tensor(&self, key: TensorKey, out: &mut [u8], scratch: IoBuf) -> Result<IoBuf, IoError> {
+        let mut buf = scratch;
+        for chunk in 0..self.chunks(key)? {
+            let (_, _, _, valid) = self.locate(key, chunk)?;
+            let start = chunk * self.chunk_elems * self.extent(key)?.elem_bytes;
+            buf = self.read_async(key, chunk, buf).map_err(|(e, _)| e)?.wait()?;
+            out[start..start + valid].copy_from_slice(&buf.as_bytes()[..valid]);
+        }
+        Ok(buf)
+    }
+
+    /// Bytes the store's files occupy.
+    pub fn disk_bytes(&self) -> u64 {
+        self.files
+            .iter()
+            .filter_map(|p| std::fs::metadata(p).ok())
+            .map(|m| m.len())
+            .sum()
+    }
+}
+
+fn padded_bytes(numel: usize, elem_bytes: usize, chunk_elems: usize) -> u64 {
+    let chunk_bytes = (chunk_elems * elem_bytes).div_ceil(DIRECT_ALIGN as usize) * DIRECT_ALIGN as usize;
+    let full = numel / chunk_elems;
+    let tail = (numel % chunk_elems * elem_bytes).div_ceil(DIRECT_ALIGN as usize) * DIRECT_ALIGN as usize;
+    (full * chunk_bytes + tail) as u64
+}
+
+/// Takes ownership of `dir`: creates it with a locked marker, or cleans a stale one.
+fn claim_directory(dir: &Path) -> Result<File, IoError> {
+    let marker_path = dir.join(MARKER);
+    let existed = dir.exists();
+    if existed && !marker_path.exists() {
+        return Err(io_at(
+            dir,
+            "exists but was not created by tierzero (no OWNER marker); remove it or choose another nvme_path",
+        ));
+    }
+    std::fs::create_dir_all(dir).map_err(|source| IoError::Open {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut marker = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&marker_path)
+        .map_err(|source| IoError::Open {
+            path: marker_path.clone(),
+            source,
+        })?;
+    // SAFETY: flock on an fd we own.
+    if unsafe { libc::flock(marker.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let mut owner = String::new();
+        let _ = marker.read_to_string(&mut owner);
+        return Err(io_at(
+            dir,
+            format!(
+                "is in use by another tierzero run ({}); give each run its own nvme_path",
+                owner.trim()
+            ),
+        ));
+    }
+    if existed {
+        let mut content = String::new();
+        let _ = marker.read_to_string(&mut content);
+        if !content.starts_with(MARKER_MAGIC) {
+            return Err(io_at(
+                &marker_path,
+                "is not a tierzero marker; remove the directory or choose another nvme_path",
+            ));
+        }
+        let entries = std::fs::read_dir(dir).map_err(|source| IoError::Open {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if is_store_file(&name) {
+                tracing::info!("removing stale swap file {}", entry.path().display());
+                let _ = std::fs::remove_file(entry.path());
+            } else if name != MARKER {
+                tracing::warn!(
+                    "leaving {} in the swap directory: tierzero did not create it",
+                    entry.path().display()
+                );
+            }
+        }
+    }
+    marker
+        .set_len(0)
+        .and_then(|()| writeln!(marker, "{MARKER_MAGIC} pid={}", std::process::id()))
+        .map_err(|e| io_at(&marker_path, format!("cannot write the marker: {e}")))?;
+    Ok(marker)
+}
+
+impl Drop for SwapStore {
+    fn drop(&mut self) {
+        for path in &self.files {
+            let _ = std::fs::remove_file(path);
+        }
+        let _ = std::fs::remove_file(self.dir.join(MARKER));
+        // only succeeds if the directory is now empty: foreign files stay
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// A chunk write in flight; `wait` records its checksum once it is on disk.
+#[must_use = "wait() returns the buffer and records the checksum"]
+pub struct StoreWrite<'a> {
+    pending: Pending,
+    extent: &'a Extent,
+    chunk: usize,
+    checksum: u32,
+}
+
+impl StoreWrite<'_> {
+    pub fn wait(self) -> Result<IoBuf, IoError> {
+        let buf = self.pending.wait()?.into_result()?;
+        self.extent.checksums.lock().unwrap_or_else(|e| e.into_inner())[self.chunk] = Some(self.checksum);
+        Ok(buf)
+    }
+}
+
+/// A chunk read in flight; `wait` verifies its checksum.
+#[must_use = "wait() returns the buffer and verifies the checksum"]
+pub struct StoreRead {
+    pending: Pending,
+    path: PathBuf,
+    offset: u64,
+    padded: usize,
+    expected: u32,
+}
+
+impl StoreRead {
+    pub fn wait(self) -> Result<IoBuf, IoError> {
+        let buf = self.pending.wait()?.into_result()?;
+        let got = crc32c::crc32c(&buf.as_bytes()[..self.padded]);
+        if got != self.expected {
+            return Err(IoError::Checksum {
+                path: self.path,
+                offset: self.offset,
+                len: self.padded,
+                expected: self.expected,
+                got,
+            });
+        }
+        Ok(buf)
+    }
+}

@@ -1,0 +1,375 @@
+//! The io_uring engine: O_DIRECT files, registered fixed buffers, requests split into
+//! `block_size` pieces with up to `queue_depth` of them in flight per ring.
+//!
+//! Each ring has one thread that owns it: it takes operations from a channel, keeps the
+//! submission queue full (`single_submit`: one `io_uring_enter` per piece, as DeepSpeed's
+//! option of that name; otherwise one per batch), and reaps completions as they arrive
+//! (`overlap_events`) or a whole batch at a time. Buffers leased from the pool the engine
+//! was built with go through `READ_FIXED`/`WRITE_FIXED` (pages pinned once, at start-up);
+//! other buffers use plain `READ`/`WRITE`. `intra_op_parallelism` rings take operations
+//! round-robin. An operation's buffer stays in the ring thread's table until its last
+//! piece completes, then goes back to the submitter with the result.
+
+use super::{BlockIo, Direction, Done, EngineConfig, IoError, Op, Pending};
+use crate::pool::BufferPool;
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use io_uring::{opcode, types, IoUring};
+use std::collections::VecDeque;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+
+type Job = (Op, Sender<Done>);
+
+pub struct Uring {
+    rings: Vec<Sender<Job>>,
+    workers: Vec<JoinHandle<()>>,
+    next: AtomicUsize,
+    direct: bool,
+    registered: bool,
+}
+
+impl Uring {
+    /// Starts `config.parallelism` rings. With `pool`, its buffers are registered as
+    /// fixed buffers on every ring.
+    pub fn new(config: EngineConfig, direct: bool, pool: Option<&BufferPool>) -> Result<Uring, IoError> {
+        let depth = config.queue_depth.clamp(1, 4096);
+        let mut rings = Vec::new();
+        let mut workers = Vec::new();
+        let mut registered = pool.is_some();
+        for index in 0..config.parallelism.max(1) {
+            let ring = IoUring::new(depth.next_power_of_two() as u32).map_err(|source| IoError::Os {
+                op: "io_uring_setup",
+                path: "(io_uring)".into(),
+                offset: 0,
+                len: 0,
+                source,
+            })?;
+            let fixed = pool.and_then(|pool| {
+                let iovecs: Vec<libc::iovec> = pool
+                    .regions()
+                    .iter()
+                    .map(|&(addr, len)| libc::iovec {
+                        iov_base: addr as *mut libc::c_void,
+                        iov_len: len,
+                    })
+                    .collect();
+                // SAFETY: the regions are the pool's allocations; the worker keeps a
+                // clone of the pool, so they outlive the ring.
+                match unsafe { ring.submitter().register_buffers(&iovecs) } {
+                    Ok(()) => Some(pool.clone()),
+                    Err(e) => {
+                        tracing::warn!(
+                            "io_uring: cannot register {} fixed buffers ({e}); using plain reads and writes",
+                            iovecs.len()
+                        );
+                        None
+                    }
+                }
+            });
+            registered &= fixed.is_some();
+            let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+            let worker = RingWorker {
+                ring,
+                jobs: rx,
+                fixed,
+                block_size: config.block_size.max(4096),
+                depth,
+                single_submit: config.single_submit,
+                overlap_events: config.overlap_events,
+                slots: Vec::new(),
+                free_slots: Vec::new(),
+                queue: VecDeque::new(),
+                in_flight: 0,
+            };
+            let handle = std::thread::Builder::new()
+                .name(format!("tierzero-uring-{index}"))
+                .spawn(move || worker.run())
+                .map_err(|source| IoError::Os {
+                    op: "spawn",
+                    path: "(io_uring thread)".into(),
+                    offset: 0,
+                    len: 0,
+                    source,
+                })?;
+            rings.push(tx);
+            workers.push(handle);
+        }
+        Ok(Uring {
+            rings,
+            workers,
+            next: AtomicUsize::new(0),
+            direct,
+            registered,
+        })
+    }
+
+    /// Whether every ring registered the pool's buffers.
+    pub fn uses_fixed_buffers(&self) -> bool {
+        self.registered
+    }
+}
+
+impl BlockIo for Uring {
+    fn name(&self) -> &'static str {
+        "uring"
+    }
+
+    fn direct(&self) -> bool {
+        self.direct
+    }
+
+    fn submit(&self, op: Op) -> Pending {
+        let (reply, pending) = Pending::channel("uring");
+        let ring = self.next.fetch_add(1, Ordering::Relaxed) % self.rings.len();
+        if let Err(crossbeam_channel::SendError((op, _))) = self.rings[ring].send((op, reply)) {
+            return Pending::ready(
+                "uring",
+                Done {
+                    buf: op.buf,
+                    result: Err(IoError::Shutdown("uring")),
+                },
+            );
+        }
+        pending
+    }
+}
+
+impl Drop for Uring {
+    fn drop(&mut self) {
+        // closing the channels lets each ring drain what is in flight, then exit
+        self.rings.clear();
+        for worker in self.workers.drain(..) {
+            let _ = worker.join();
+        }
+    }
+}
+
+/// One operation owned by a ring thread.
+struct Slot {
+    op: Op,
+    reply: Sender<Done>,
+    pieces: usize,
+    submitted: usize,
+    completed: usize,
+    error: Option<IoError>,
+}
+
+struct RingWorker {
+    ring: IoUring,
+    jobs: Receiver<Job>,
+    /// The pool registered with this ring, if any.
+    fixed: Option<BufferPool>,
+    block_size: usize,
+    depth: usize,
+    single_submit: bool,
+    overlap_events: bool,
+    slots: Vec<Option<Slot>>,
+    free_slots: Vec<usize>,
+    /// Slots with pieces not yet submitted, oldest first.
+    queue: VecDeque<usize>,
+    /// Pieces submitted and not yet completed.
+    in_flight: usize,
+}
+
+impl RingWorker {
+    fn run(mut self) {
+        let mut open = true;
+        loop {
+            // take new operations; block only when there is nothing else to do
+            if open && self.in_flight == 0 && self.queue.is_empty() {
+                match self.jobs.recv() {
+                    Ok(job) => self.accept(job),
+                    Err(_) => open = false,
+                }
+            }
+            while open {
+                match self.jobs.try_recv() {
+                    Ok(job) => self.accept(job),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => open = false,
+                }
+            }
+            if !open && self.in_flight == 0 && self.queue.is_empty() {
+                return;
+            }
+            self.fill();
+            if self.in_flight == 0 {
+                continue;
+            }
+            let want = if self.overlap_events { 1 } else { self.in_flight };
+            if let Err(e) = self.ring.submit_and_wait(want) {
+                if e.raw_os_error() != Some(libc::EINTR) && e.raw_os_error() != Some(libc::EBUSY) {
+                    self.fail_all(e);
+                    continue;
+                }
+            }
+            self.reap();
+        }
+    }
+
+    fn accept(&mut self, (op, reply): Job) {
+        if let Err(error) = op.validate() {
+            let _ = reply.send(Done {
+                buf: op.buf,
+                result: Err(error),
+            });
+            return;
+        }
+        if op.len == 0 {
+            let _ = reply.send(Done {
+                buf: op.buf,
+                result: Ok(()),
+            });
+            return;
+        }
+        let pieces = op.len.div_ceil(self.block_size);
+        let slot = Slot {
+            op,
+            reply,
+            pieces,
+            submitted: 0,
+            completed: 0,
+            error: None,
+        };
+        let index = match self.free_slots.pop() {
+            Some(i) => {
+                self.slots[i] = Some(slot);
+                i
+            }
+            None => {
+                self.slots.push(Some(slot));
+                self.slots.len() - 1
+            }
+        };
+        self.queue.push_back(index);
+    }
+
+    /// Pushes pieces until `depth` are in flight or nothing is left to submit.
+    fn fill(&mut self) {
+        while self.in_flight < self.depth {
+            let Some(&index) = self.queue.front() else { break };
+            let Some(slot) = self.slots[index].as_mut() else {
+                self.queue.pop_front();
+                continue;
+            };
+            let piece = slot.submitted;
+            let start = piece * self.block_size;
+            let len = self.block_size.min(slot.op.len - start);
+            let offset = slot.op.offset + start as u64;
+            let fd = types::Fd(slot.op.file.file().as_raw_fd());
+            let fixed_index = match &self.fixed {
+                Some(pool) if slot.op.buf.is_from(pool) => slot.op.buf.registered_index(),
+                _ => None,
+            };
+            // SAFETY: start < op.len <= the buffer's capacity (validated in accept).
+            let ptr = unsafe { slot.op.buf.as_mut_ptr().add(start) };
+            let entry = match (slot.op.direction, fixed_index) {
+                (Direction::Read, Some(i)) => opcode::ReadFixed::new(fd, ptr, len as u32, i)
+                    .offset(offset)
+                    .build(),
+                (Direction::Read, None) => opcode::Read::new(fd, ptr, len as u32).offset(offset).build(),
+                (Direction::Write, Some(i)) => opcode::WriteFixed::new(fd, ptr, len as u32, i)
+                    .offset(offset)
+                    .build(),
+                (Direction::Write, None) => opcode::Write::new(fd, ptr, len as u32).offset(offset).build(),
+            }
+            .user_data(((index as u64) << 32) | piece as u64);
+            // SAFETY: the buffer and the file stay in this slot until the piece's
+            // completion is reaped; the submission queue has room because at most
+            // depth <= entries pieces are in flight.
+            if unsafe { self.ring.submission().push(&entry) }.is_err() {
+                break;
+            }
+            self.in_flight += 1;
+            slot.submitted += 1;
+            if slot.submitted == slot.pieces {
+                self.queue.pop_front();
+            }
+            if self.single_submit {
+                let _ = self.ring.submit();
+            }
+        }
+    }
+
+    fn reap(&mut self) {
+        let completions: Vec<(u64, i32)> = self
+            .ring
+            .completion()
+            .map(|c| (c.user_data(), c.result()))
+            .collect();
+        for (user_data, result) in completions {
+            self.in_flight -= 1;
+            let index = (user_data >> 32) as usize;
+            let piece = (user_data & 0xFFFF_FFFF) as usize;
+            let Some(slot) = self.slots[index].as_mut() else {
+                continue;
+            };
+            slot.completed += 1;
+            let start = piece * self.block_size;
+            let expected = self.block_size.min(slot.op.len - start);
+            let offset = slot.op.offset + start as u64;
+            let name = slot.op.direction.name();
+            if slot.error.is_none() {
+                if result < 0 {
+                    let source = std::io::Error::from_raw_os_error(-result);
+                    slot.error = Some(IoError::from_os(
+                        name,
+                        slot.op.file.path(),
+                        offset,
+                        expected,
+                        source,
+                    ));
+                } else if (result as usize) < expected {
+                    slot.error = Some(IoError::Short {
+                        op: name,
+                        path: slot.op.file.path().to_path_buf(),
+                        offset,
+                        expected,
+                        got: result as usize,
+                    });
+                }
+            }
+            if slot.completed == slot.pieces {
+                self.finish(index);
+            }
+        }
+    }
+
+    fn finish(&mut self, index: usize) {
+        if let Some(slot) = self.slots[index].take() {
+            let result = slot.error.map_or(Ok(()), Err);
+            let _ = slot.reply.send(Done {
+                buf: slot.op.buf,
+                result,
+            });
+            self.free_slots.push(index);
+        }
+    }
+
+    /// The ring itself failed: wait out what the kernel holds, then fail everything.
+    fn fail_all(&mut self, error: std::io::Error) {
+        tracing::error!("io_uring_enter failed: {error}");
+        while self.in_flight > 0 {
+            if self.ring.submit_and_wait(1).is_err() {
+                break;
+            }
+            let n = self.ring.completion().count();
+            self.in_flight = self.in_flight.saturating_sub(n);
+        }
+        self.queue.clear();
+        for index in 0..self.slots.len() {
+            if let Some(slot) = self.slots[index].as_mut() {
+                slot.error.get_or_insert_with(|| IoError::Os {
+                    op: slot.op.direction.name(),
+                    path: slot.op.file.path().to_path_buf(),
+                    offset: slot.op.offset,
+                    len: slot.op.len,
+                    source: std::io::Error::new(error.kind(), error.to_string()),
+                });
+                slot.completed = slot.pieces;
+                self.finish(index);
+            }
+        }
+    }
+}

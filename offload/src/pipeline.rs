@@ -1,0 +1,366 @@
+//! The optimizer step over NVMe-resident state: read sub-group i+1 | update i | write i−1.
+//!
+//! DeepSpeed's `PipelinedOptimizerSwapper` (`runtime/swap_tensor/`) in three stages joined
+//! by bounded crossbeam channels:
+//!
+//! 1. the reader leases a buffer set (master, exp_avg, exp_avg_sq) and submits the three
+//!    chunk reads of the next sub-group;
+//! 2. the updater waits for them (checksums verified), runs the SIMD AdamW on the
+//!    sub-group with its gradient and low-precision output in host memory, and submits
+//!    the three writes;
+//! 3. the completer waits for the writes (checksums recorded) and returns the set.
+//!
+//! At most `buffer_count` sets exist, so memory is bounded and the reader runs at most
+//! that far ahead. `pipeline_read: false` makes the reader wait for each update before
+//! reading the next sub-group; `pipeline_write: false` makes the updater wait for its
+//! writes. Results are bit-identical to the same AdamW on in-memory state: the kernel is
+//! elementwise and sees exactly the same inputs.
+
+use crate::adam::{self, Coefficients, GradSlice, LowPrecisionOut, Sweep};
+use crate::nvme::swap::{State, StoreRead, StoreWrite, SwapStore, TensorKey};
+use crate::nvme::IoError;
+use crate::pool::{BufferPool, IoBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// One sub-group to update: chunk `chunk` of the (unit, rank) optimizer state, with its
+/// gradient and low-precision output in host memory.
+#[derive(Debug)]
+pub struct SubGroup<'a> {
+    pub unit: u32,
+    pub rank: u32,
+    pub chunk: usize,
+    pub grad: GradSlice<'a>,
+    pub low: LowPrecisionOut<'a>,
+}
+
+impl SubGroup<'_> {
+    fn key(&self, state: State) -> TensorKey {
+        TensorKey {
+            unit: self.unit,
+            rank: self.rank,
+            state,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PipelineConfig {
+    /// Buffer sets in flight (DeepSpeed's `offload_optimizer.buffer_count`).
+    pub buffer_count: usize,
+    pub pipeline_read: bool,
+    pub pipeline_write: bool,
+}
+
+/// What a pipelined step did and where its time went.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PipelineReport {
+    pub found_non_finite: bool,
+    pub sub_groups: usize,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    /// Time the updater waited for reads.
+    pub read_wait: Duration,
+    /// Time in the AdamW kernel.
+    pub update: Duration,
+    /// Time waiting for writes (in the completer, or the updater without pipeline_write).
+    pub write_wait: Duration,
+    pub total: Duration,
+}
+
+/// A pool big enough for `buffer_count` sets of one chunk of each optimizer state.
+pub fn buffer_pool_for(store: &SwapStore, buffer_count: usize) -> Result<BufferPool, IoError> {
+    let bytes = store.chunk_bytes(4);
+    BufferPool::new(3 * buffer_count.max(1), bytes).map_err(|e| IoError::Store {
+        path: store.dir().to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+type Reads = Vec<StoreRead>;
+type Writes<'s> = Vec<StoreWrite<'s>>;
+
+/// Records the first error; later ones are consequences of it.
+struct FirstError(Mutex<Option<IoError>>);
+
+impl FirstError {
+    fn set(&self, e: IoError) {
+        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        slot.get_or_insert(e);
+    }
+    fn is_set(&self) -> bool {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+    fn take(self) -> Option<IoError> {
+        self.0.into_inner().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn submit_reads(store: &SwapStore, pool: &BufferPool, group: (u32, u32, usize)) -> Result<Reads, IoError> {
+    let (unit, rank, chunk) = group;
+    State::OPTIMIZER
+        .iter()
+        .map(|&state| {
+            let key = TensorKey { unit, rank, state };
+            store.read_async(key, chunk, pool.lease()).map_err(|(e, _)| e)
+        })
+        .collect()
+}
+
+fn wait_all_reads(reads: Reads) -> Result<Vec<IoBuf>, IoError> {
+    let mut buffers = Vec::with_capacity(3);
+    let mut first = None;
+    for read in reads {
+        match read.wait() {
+            Ok(buf) => buffers.push(buf),
+            Err(e) => {
+                first.get_or_insert(e);
+            }
+        }
+    }
+    first.map_or(Ok(buffers), Err)
+}
+
+fn wait_all_writes(writes: Writes<'_>) -> Result<(), IoError> {
+    let mut first = None;
+    for write in writes {
+        if let Err(e) = write.wait() {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+/// Runs AdamW over every sub-group, streaming the optimizer state through `pool`.
+/// The pool's buffers must hold one chunk of fp32 ([`buffer_pool_for`]).
+pub fn nvme_adam_step(
+    store: &SwapStore,
+    pool: &BufferPool,
+    groups: Vec<SubGroup<'_>>,
+    coefficients: &Coefficients,
+    config: PipelineConfig,
+) -> Result<PipelineReport, IoError> {
+    let start = Instant::now();
+    let sets = config.buffer_count.max(1);
+    let order: Vec<(u32, u32, usize)> = groups.iter().map(|g| (g.unit, g.rank, g.chunk)).collect();
+    let error = FirstError(Mutex::new(None));
+    let report = Mutex::new(PipelineReport {
+        sub_groups: groups.len(),
+        ..PipelineReport::default()
+    });
+    let (to_update, updates) = crossbeam_channel::bounded::<Reads>(sets);
+    let (to_complete, completions) = crossbeam_channel::bounded::<Writes<'_>>(sets);
+    // without pipeline_read the reader waits for this after each sub-group
+    let (updated, updated_rx) = crossbeam_channel::bounded::<()>(sets);
+
+    std::thread::scope(|scope| {
+        // stage 3: wait for writes, then the buffers go back to the pool
+        let completer = scope.spawn(|| {
+            for writes in completions {
+                let t = Instant::now();
+                let result = wait_all_writes(writes);
+                report.lock().unwrap_or_else(|p| p.into_inner()).write_wait += t.elapsed();
+                if let Err(e) = result {
+                    error.set(e);
+                }
+            }
+        });
+
+        // stage 2: update
+        let updater = scope.spawn(|| {
+            let mut groups = groups.into_iter();
+            for reads in updates.iter() {
+                let Some(group) = groups.next() else { break };
+                if error.is_set() {
+                    break;
+                }
+                let t = Instant::now();
+                let buffers = match wait_all_reads(reads) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        error.set(e);
+                        break;
+                    }
+                };
+                let read_wait = t.elapsed();
+                let t = Instant::now();
+                let n = group.grad.len();
+                let (keys, chunk) = (State::OPTIMIZER.map(|state| group.key(state)), group.chunk);
+                let mut buffers = buffers.into_iter();
+                let (Some(mut master), Some(mut exp_avg), Some(mut exp_avg_sq)) =
+                    (buffers.next(), buffers.next(), buffers.next())
+                else {
+                    break;
+                };
+                let sweep = Sweep {
+                    master: master.typed_mut::<f32>(n),
+                    exp_avg: exp_avg.typed_mut::<f32>(n),
+                    exp_avg_sq: exp_avg_sq.typed_mut::<f32>(n),
+                    grad: group.grad,
+                    low: group.low,
+                };
+                let found = match adam::step(coefficients, sweep) {
+                    Ok(r) => r.found_non_finite,
+                    Err(e) => {
+                        error.set(IoError::Store {
+                            path: store.dir().to_path_buf(),
+                            message: e.to_string(),
+                        });
+                        break;
+                    }
+                };
+                let update = t.elapsed();
+                let mut writes = Vec::with_capacity(3);
+                for (key, buf) in keys.into_iter().zip([master, exp_avg, exp_avg_sq]) {
+                    match store.write_async(key, chunk, buf) {
+                        Ok(w) => writes.push(w),
+                        Err((e, _)) => error.set(e),
+                    }
+                }
+                {
+                    let mut r = report.lock().unwrap_or_else(|p| p.into_inner());
+                    r.found_non_finite |= found;
+                    r.read_wait += read_wait;
+                    r.update += update;
+                    r.bytes_read += 3 * store.chunk_bytes(4) as u64;
+                    r.bytes_written += 3 * store.chunk_bytes(4) as u64;
+                }
+                if config.pipeline_write {
+                    if to_complete.send(writes).is_err() {
+                        break;
+                    }
+                } else {
+                    let t = Instant::now();
+                    let result = wait_all_writes(writes);
+                    report.lock().unwrap_or_else(|p| p.into_inner()).write_wait += t.elapsed();
+                    if let Err(e) = result {
+                        error.set(e);
+                        break;
+                    }
+                }
+                if !config.pipeline_read && updated.send(()).is_err() {
+                    break;
+                }
+            }
+            drop(to_complete);
+            drop(updated);
+            // after an error the reader may still be queueing: drain, so that the
+            // buffers held by queued reads return to the pool and it can finish
+            for reads in updates.iter() {
+                let _ = wait_all_reads(reads);
+            }
+        });
+
+        // stage 1 (this thread): read ahead
+        for (i, &group) in order.iter().enumerate() {
+            if error.is_set() {
+                break;
+            }
+            if !config.pipeline_read && i > 0 && updated_rx.recv().is_err() {
+                break;
+            }
+            match submit_reads(store, pool, group) {
+                Ok(reads) => {
+                    if to_update.send(reads).is_err() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    error.set(e);
+                    break;
+                }
+            }
+        }
+        drop(to_update);
+        drop(updated_rx);
+        let _ = updater.join();
+        let _ = completer.join();
+    });
+    if let Some(e) = error.take() {
+        return Err(e);
+    }
+    let mut report = report.into_inner().unwrap_or_else(|p| p.into_inner());
+    report.total = start.elapsed();
+    Ok(report)
+}
+
+/// Reads every chunk of `keys` (with `depth` sets in flight) and discards the data:
+/// the read leg of the pipeline alone, for `bench swap`.
+pub fn read_only(
+    store: &SwapStore,
+    pool: &BufferPool,
+    groups: &[(u32, u32, usize)],
+) -> Result<Duration, IoError> {
+    let start = Instant::now();
+    let (tx, rx) = crossbeam_channel::bounded::<Reads>(pool.count() / 3);
+    std::thread::scope(|scope| {
+        // keeps waiting after an error so that every buffer returns to the pool
+        let waiter = scope.spawn(move || -> Result<(), IoError> {
+            let mut result = Ok(());
+            for reads in rx {
+                result = result.and(wait_all_reads(reads).map(drop));
+            }
+            result
+        });
+        let mut submitted = Ok(());
+        for &group in groups {
+            match submit_reads(store, pool, group) {
+                Ok(reads) => {
+                    if tx.send(reads).is_err() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    submitted = Err(e);
+                    break;
+                }
+            }
+        }
+        drop(tx);
+        let waited = waiter.join().unwrap_or(Ok(()));
+        submitted.and(waited)
+    })?;
+    Ok(start.elapsed())
+}
+
+/// Writes every chunk of the optimizer states of `groups` from pool buffers as they are:
+/// the write leg alone, for `bench swap` and for initialising the store.
+pub fn write_only(
+    store: &SwapStore,
+    pool: &BufferPool,
+    groups: &[(u32, u32, usize)],
+) -> Result<Duration, IoError> {
+    let start = Instant::now();
+    let (tx, rx) = crossbeam_channel::bounded::<Writes<'_>>(pool.count() / 3);
+    std::thread::scope(|scope| {
+        // keeps waiting after an error so that every buffer returns to the pool
+        let waiter = scope.spawn(move || -> Result<(), IoError> {
+            let mut result = Ok(());
+            for writes in rx {
+                result = result.and(wait_all_writes(writes));
+            }
+            result
+        });
+        let mut submitted = Ok(());
+        'groups: for &(unit, rank, chunk) in groups {
+            let mut writes = Vec::with_capacity(3);
+            for state in State::OPTIMIZER {
+                let key = TensorKey { unit, rank, state };
+                match store.write_async(key, chunk, pool.lease()) {
+                    Ok(w) => writes.push(w),
+                    Err((e, _)) => {
+                        submitted = Err(e);
+                        break 'groups;
+                    }
+                }
+            }
+            if tx.send(writes).is_err() {
+                break;
+            }
+        }
+        drop(tx);
+        let waited = waiter.join().unwrap_or(Ok(()));
+        submitted.and(waited)
+    })?;
+    Ok(start.elapsed())
+}

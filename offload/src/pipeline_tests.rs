@@ -1,0 +1,332 @@
+//! Swap store and pipeline tests: checksums, stale files, ENOSPC, and the pipelined
+//! NVMe AdamW equal to in-memory AdamW bit for bit.
+
+use crate::adam::{self, AdamHyper, GradSlice, LowPrecisionOut, Sweep};
+use crate::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
+use crate::nvme::tests::{engines, test_dir};
+use crate::nvme::{BlockIo, IoError};
+use crate::pipeline::{buffer_pool_for, nvme_adam_step, PipelineConfig, SubGroup};
+use crate::pool::IoBuf;
+use std::io::{Seek, SeekFrom, Write};
+use std::sync::Arc;
+
+fn specs(units: &[usize], rank: u32) -> Vec<TensorSpec> {
+    units
+        .iter()
+        .enumerate()
+        .flat_map(|(unit, &numel)| {
+            State::OPTIMIZER.into_iter().map(move |state| TensorSpec {
+                key: TensorKey {
+                    unit: unit as u32,
+                    rank,
+                    state,
+                },
+                numel,
+                elem_bytes: 4,
+            })
+        })
+        .collect()
+}
+
+fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(2654435761) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x as f32 / u32::MAX as f32 - 0.5) * scale
+        })
+        .collect()
+}
+
+fn as_bytes(x: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding; u8 has no alignment requirement.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), std::mem::size_of_val(x)) }
+}
+
+fn as_bytes_mut(x: &mut [f32]) -> &mut [u8] {
+    // SAFETY: every byte pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast(), std::mem::size_of_val(x)) }
+}
+
+fn store_with(engine: Arc<dyn BlockIo>, dir: &std::path::Path, units: &[usize], chunk: usize) -> SwapStore {
+    SwapStore::create(dir, "swap", engine, &specs(units, 0), chunk).unwrap()
+}
+
+#[test]
+fn pipeline_equals_in_memory_adamw_bit_for_bit() {
+    let dir = test_dir();
+    // three units, the last with a ragged tail; chunks of 4096 elements
+    let units = [10_000usize, 4096, 9_999];
+    for engine in engines(dir.path(), None) {
+        for (buffer_count, pipeline_read, pipeline_write) in
+            [(1, false, false), (2, true, false), (4, true, true)]
+        {
+            let store = store_with(engine.clone(), dir.path(), &units, 4096);
+            let mut memory: Vec<[Vec<f32>; 3]> = Vec::new();
+            let mut scratch = IoBuf::new(store.chunk_bytes(4)).unwrap();
+            for (unit, &n) in units.iter().enumerate() {
+                let state = [
+                    values(n, unit as u32, 2.0),
+                    values(n, 10 + unit as u32, 0.01),
+                    values(n, 20 + unit as u32, 0.001),
+                ];
+                let state = [
+                    state[0].clone(),
+                    state[1].clone(),
+                    state[2].iter().map(|v| v.abs()).collect(),
+                ];
+                for (s, data) in State::OPTIMIZER.iter().zip(&state) {
+                    let key = TensorKey {
+                        unit: unit as u32,
+                        rank: 0,
+                        state: *s,
+                    };
+                    scratch = store.write_tensor(key, as_bytes(data), scratch).unwrap();
+                }
+                memory.push(state);
+            }
+            let pool = buffer_pool_for(&store, buffer_count).unwrap();
+            let hyper = AdamHyper {
+                lr: 1e-2,
+                weight_decay: 0.1,
+                ..AdamHyper::default()
+            };
+            for step in 1..=3u64 {
+                let c = hyper.coefficients(step, 0.5);
+                let grads: Vec<Vec<f32>> = units
+                    .iter()
+                    .enumerate()
+                    .map(|(u, &n)| values(n, 100 * step as u32 + u as u32, 0.1))
+                    .collect();
+                let mut low_nvme: Vec<Vec<u16>> = units.iter().map(|&n| vec![0; n]).collect();
+                let mut low_memory = low_nvme.clone();
+                // in memory
+                for (u, state) in memory.iter_mut().enumerate() {
+                    let [master, exp_avg, exp_avg_sq] = state;
+                    adam::step(
+                        &c,
+                        Sweep {
+                            master,
+                            exp_avg,
+                            exp_avg_sq,
+                            grad: GradSlice::F32(&grads[u]),
+                            low: LowPrecisionOut::Bf16(&mut low_memory[u]),
+                        },
+                    )
+                    .unwrap();
+                }
+                // on nvme, sub-group by sub-group
+                let mut groups = Vec::new();
+                for (u, (grad, low)) in grads.iter().zip(low_nvme.iter_mut()).enumerate() {
+                    let mut grad: &[f32] = grad;
+                    let mut low: &mut [u16] = low;
+                    for chunk in 0..store
+                        .chunks(TensorKey {
+                            unit: u as u32,
+                            rank: 0,
+                            state: State::Master,
+                        })
+                        .unwrap()
+                    {
+                        let n = grad.len().min(store.chunk_elems());
+                        let (g, g_rest) = grad.split_at(n);
+                        let (l, l_rest) = std::mem::take(&mut low).split_at_mut(n);
+                        groups.push(SubGroup {
+                            unit: u as u32,
+                            rank: 0,
+                            chunk,
+                            grad: GradSlice::F32(g),
+                            low: LowPrecisionOut::Bf16(l),
+                        });
+                        grad = g_rest;
+                        low = l_rest;
+                    }
+                }
+                let config = PipelineConfig {
+                    buffer_count,
+                    pipeline_read,
+                    pipeline_write,
+                };
+                let report = nvme_adam_step(&store, &pool, groups, &c, config).unwrap();
+                assert_eq!(report.sub_groups, 3 + 1 + 3);
+                assert_eq!(low_nvme, low_memory, "{} step {step}", engine.name());
+            }
+            for (unit, state) in memory.iter().enumerate() {
+                for (s, expected) in State::OPTIMIZER.iter().zip(state) {
+                    let mut got = vec![0f32; expected.len()];
+                    let key = TensorKey {
+                        unit: unit as u32,
+                        rank: 0,
+                        state: *s,
+                    };
+                    scratch = store.read_tensor(key, as_bytes_mut(&mut got), scratch).unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(expected),
+                        "{} {s:?} unit {unit} buffers {buffer_count}",
+                        engine.name()
+                    );
+                }
+            }
+            assert_eq!(pool.available(), pool.count());
+        }
+    }
+}
+
+#[test]
+fn corruption_and_truncation_are_detected_with_file_and_offset() {
+    let dir = test_dir();
+    for engine in engines(dir.path(), None) {
+        let store = store_with(engine.clone(), dir.path(), &[3 * 4096], 4096);
+        let key = TensorKey {
+            unit: 0,
+            rank: 0,
+            state: State::ExpAvg,
+        };
+        let data = values(3 * 4096, 7, 1.0);
+        let scratch = store
+            .write_tensor(key, as_bytes(&data), IoBuf::new(16384).unwrap())
+            .unwrap();
+        // flip one byte of chunk 1 behind the store's back
+        let path = store.dir().join("r0.exp_avg.swp");
+        let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.seek(SeekFrom::Start(16384 + 5)).unwrap();
+        f.write_all(&[0xAB]).unwrap();
+        f.sync_all().unwrap();
+        let e = store.read_async(key, 1, scratch).unwrap().wait().unwrap_err();
+        assert!(matches!(e, IoError::Checksum { offset: 16384, .. }), "{e}");
+        assert!(e.to_string().contains("r0.exp_avg.swp"), "{e}");
+        // a chunk that was never written cannot be read
+        let never = TensorKey {
+            unit: 0,
+            rank: 0,
+            state: State::Master,
+        };
+        let (e, _) = store
+            .read_async(never, 0, IoBuf::new(16384).unwrap())
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("never written"), "{e}");
+        // truncation: reading chunk 2 now runs past the end
+        f.set_len(16384 * 2).unwrap();
+        let e = store
+            .read_async(key, 2, IoBuf::new(16384).unwrap())
+            .unwrap()
+            .wait()
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("r0.exp_avg.swp") && e.to_string().contains("32768"),
+            "{e}"
+        );
+        drop(store);
+        assert!(!dir.path().join("swap").exists(), "the store removes its files");
+    }
+}
+
+#[test]
+fn pipeline_stops_with_the_error_instead_of_hanging() {
+    let dir = test_dir();
+    let engine = engines(dir.path(), None).pop().unwrap();
+    let store = store_with(engine, dir.path(), &[8 * 4096], 4096);
+    let zeros = vec![0f32; 8 * 4096];
+    let mut scratch = IoBuf::new(16384).unwrap();
+    for state in State::OPTIMIZER {
+        scratch = store
+            .write_tensor(
+                TensorKey {
+                    unit: 0,
+                    rank: 0,
+                    state,
+                },
+                as_bytes(&zeros),
+                scratch,
+            )
+            .unwrap();
+    }
+    let path = store.dir().join("r0.master.swp");
+    let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.seek(SeekFrom::Start(5 * 16384)).unwrap();
+    f.write_all(&[1]).unwrap();
+    let pool = buffer_pool_for(&store, 2).unwrap();
+    let grad = vec![0.1f32; 8 * 4096];
+    let groups = (0..8)
+        .map(|chunk| SubGroup {
+            unit: 0,
+            rank: 0,
+            chunk,
+            grad: GradSlice::F32(&grad[chunk * 4096..][..4096]),
+            low: LowPrecisionOut::None,
+        })
+        .collect();
+    let c = AdamHyper::default().coefficients(1, 1.0);
+    let config = PipelineConfig {
+        buffer_count: 2,
+        pipeline_read: true,
+        pipeline_write: true,
+    };
+    let e = nvme_adam_step(&store, &pool, groups, &c, config).unwrap_err();
+    assert!(matches!(e, IoError::Checksum { offset: 81920, .. }), "{e}");
+    assert_eq!(
+        pool.available(),
+        pool.count(),
+        "every buffer returned after the error"
+    );
+}
+
+#[test]
+fn stale_files_are_removed_and_foreign_files_kept() {
+    let dir = test_dir();
+    let engine = engines(dir.path(), None).remove(0);
+    let swap = dir.path().join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    std::fs::write(swap.join("OWNER"), "tierzero swap directory v1 pid=1\n").unwrap();
+    std::fs::write(swap.join("r3.master.swp"), b"stale").unwrap();
+    std::fs::write(swap.join("notes.txt"), b"mine").unwrap();
+    let store = store_with(engine.clone(), dir.path(), &[4096], 4096);
+    assert!(!swap.join("r3.master.swp").exists());
+    assert!(swap.join("notes.txt").exists());
+    // a second store on the same directory is refused while the first lives
+    let e = SwapStore::create(dir.path(), "swap", engine.clone(), &specs(&[4096], 0), 4096)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("in use by another tierzero run"), "{e}");
+    drop(store);
+    assert!(
+        swap.join("notes.txt").exists(),
+        "never deletes what it did not create"
+    );
+    // a directory without a marker is not ours
+    let foreign = dir.path().join("foreign");
+    std::fs::create_dir_all(&foreign).unwrap();
+    let e = SwapStore::create(dir.path(), "foreign", engine, &specs(&[4096], 0), 4096)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("not created by tierzero"), "{e}");
+}
+
+/// A real full disk: a 1 MiB tmpfs mounted by the test (root only).
+#[test]
+fn no_space_is_a_clear_error_naming_the_path() {
+    let dir = test_dir();
+    let mount = dir.path().join("small");
+    std::fs::create_dir_all(&mount).unwrap();
+    let status = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+        .arg(&mount)
+        .stderr(std::process::Stdio::null())
+        .status();
+    if !matches!(status, Ok(s) if s.success()) {
+        println!("skipped: cannot mount a size-limited tmpfs here (needs root and mount rights)");
+        return;
+    }
+    let engine: Arc<dyn BlockIo> =
+        Arc::new(crate::nvme::pread::Pread::new(Default::default(), false).unwrap());
+    let result = SwapStore::create(&mount, "swap", engine, &specs(&[1 << 20], 0), 1 << 16);
+    let _ = std::process::Command::new("umount").arg(&mount).status();
+    let e = result.err().expect("4 MiB of state cannot fit in 1 MiB");
+    assert!(matches!(e, IoError::NoSpace { .. }), "{e}");
+    assert!(e.to_string().contains("small/swap/r0."), "{e}");
+}
