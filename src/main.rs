@@ -135,9 +135,45 @@ enum Bench {
         json: bool,
     },
     /// NVMe block I/O against a plain O_DIRECT loop and fio.
-    Nvme,
+    Nvme {
+        /// A directory on the NVMe drive to test.
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, default_value_t = 512)]
+        size_mb: u64,
+        /// Block size (e.g. 1M, 256K); default: 256K, 1M and 8M.
+        #[arg(long, value_parser = parse_bytes)]
+        block_size: Option<u64>,
+        /// Requests in flight; default: 8 and 32.
+        #[arg(long)]
+        queue_depth: Option<usize>,
+        /// Interleaved rounds per case (medians are reported).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// The pipelined NVMe optimizer step against its read, update and write alone.
-    Swap,
+    Swap {
+        #[arg(long, default_value = "100000000", value_parser = parse_count)]
+        params: u64,
+        #[arg(long)]
+        dir: PathBuf,
+        /// Elements per sub-group (DeepSpeed's sub_group_size).
+        #[arg(long, default_value = "10000000", value_parser = parse_count)]
+        sub_group_size: u64,
+        /// Buffer sets in flight (offload_optimizer.buffer_count).
+        #[arg(long, default_value_t = 4)]
+        buffer_count: usize,
+        #[arg(long, default_value = "1M", value_parser = parse_bytes)]
+        block_size: u64,
+        #[arg(long, default_value_t = 32)]
+        queue_depth: usize,
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Tokens/s, MFU and the step breakdown for a config.
     Step,
     /// Peak device memory per rank for several ZeRO stages.
@@ -158,6 +194,35 @@ fn parse_count(s: &str) -> Result<u64, String> {
         return Err(format!("{s:?} is not a whole non-negative number"));
     }
     Ok(v as u64)
+}
+
+/// Parses `1048576`, `1M`, `256K`, `8MiB`.
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim().trim_end_matches("iB").trim_end_matches('B');
+    let (number, unit) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    Ok(parse_count(number)? * unit)
+}
+
+/// Prints a report as one JSON line or in human form.
+fn emit<T: serde::Serialize>(
+    report: &T,
+    json: bool,
+    human: impl FnOnce(&T) -> String,
+) -> Result<(), Failure> {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(report).context("serialising the report")?
+        );
+    } else {
+        println!("{}", human(report));
+    }
+    Ok(())
 }
 
 /// Errors that decide the exit status.
@@ -282,17 +347,51 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     repeats: repeats.max(1),
                 };
                 let report: AdamBenchReport = tierzero::bench::adam::run(&args)?;
-                if json {
-                    println!(
-                        "{}",
-                        serde_json::to_string(&report).context("serialising the report")?
-                    );
-                } else {
-                    println!("{}", report.human());
-                }
-                Ok(())
+                emit(&report, json, AdamBenchReport::human)
             }
-            Bench::Nvme | Bench::Swap => Err(not_built("this benchmark", "NVMe tier issue")),
+            Bench::Nvme {
+                dir,
+                size_mb,
+                block_size,
+                queue_depth,
+                repeats,
+                json,
+            } => {
+                let args = tierzero::bench::nvme::NvmeBenchArgs {
+                    repeats,
+                    dir,
+                    size_bytes: size_mb << 20,
+                    block_sizes: block_size.map_or(vec![256 << 10, 1 << 20, 8 << 20], |b| vec![b as usize]),
+                    queue_depths: queue_depth.map_or(vec![8, 32], |d| vec![d]),
+                };
+                let report = tierzero::bench::nvme::run(&args)?;
+                emit(&report, json, tierzero::bench::nvme::NvmeReport::human)
+            }
+            Bench::Swap {
+                params,
+                dir,
+                sub_group_size,
+                buffer_count,
+                block_size,
+                queue_depth,
+                repeats,
+                json,
+            } => {
+                let args = tierzero::bench::swap::SwapBenchArgs {
+                    dir,
+                    params: params as usize,
+                    sub_group_size: sub_group_size as usize,
+                    buffer_count,
+                    engine: tierzero_offload::nvme::EngineConfig {
+                        block_size: block_size as usize,
+                        queue_depth,
+                        ..Default::default()
+                    },
+                    repeats,
+                };
+                let report = tierzero::bench::swap::run(&args)?;
+                emit(&report, json, tierzero::bench::swap::SwapReport::human)
+            }
             Bench::Step | Bench::Memory => Err(not_built("this benchmark", "ZeRO engine issue")),
             Bench::H2d | Bench::Gpu => Err(not_built("this benchmark", "CUDA issue")),
         },

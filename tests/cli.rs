@@ -111,3 +111,84 @@ fn bench_adam_reports_against_its_roofline() {
     assert_eq!(v["bytes_per_param"], 28);
     assert_eq!(v["grad_dtype"], "bf16");
 }
+
+/// A scratch directory on the build disk (O_DIRECT works there; /tmp may be tmpfs).
+fn disk_dir() -> tempfile::TempDir {
+    let base = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli");
+    std::fs::create_dir_all(&base).unwrap();
+    tempfile::tempdir_in(base).unwrap()
+}
+
+#[test]
+fn bench_nvme_reports_both_engines_against_the_baseline() {
+    let dir = disk_dir();
+    let out = tierzero()
+        .args([
+            "bench",
+            "nvme",
+            "--size-mb",
+            "8",
+            "--block-size",
+            "1M",
+            "--queue-depth",
+            "8",
+            "--repeats",
+            "1",
+            "--json",
+            "--dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert!(rows.iter().any(|r| r["engine"] == "pread"));
+    for r in rows {
+        assert!(r["gbps"].as_f64().unwrap() > 0.0 && r["ratio_to_baseline"].as_f64().unwrap() > 0.0);
+    }
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "the bench removes its file"
+    );
+}
+
+#[test]
+fn bench_swap_reports_the_pipeline_against_its_legs() {
+    let dir = disk_dir();
+    let out = tierzero()
+        .args([
+            "bench",
+            "swap",
+            "--params",
+            "200000",
+            "--sub-group-size",
+            "16384",
+            "--repeats",
+            "1",
+            "--json",
+            "--dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for field in [
+        "read_seconds",
+        "adam_seconds",
+        "write_seconds",
+        "read_write_seconds",
+        "pipeline_seconds",
+        "ratio_to_bound",
+        "ratio_to_duplex_bound",
+    ] {
+        assert!(v[field].as_f64().unwrap() > 0.0, "{field}");
+    }
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "the swap store removes its files"
+    );
+}

@@ -2,3 +2,5 @@
 //! reports throughput next to it.
 
 pub mod adam;
+pub mod nvme;
+pub mod swap;

@@ -234,7 +234,9 @@ impl Op {
                 capacity: self.buf.capacity(),
             });
         }
-        if self.file.direct && (self.offset % DIRECT_ALIGN != 0 || self.len as u64 % DIRECT_ALIGN != 0) {
+        if self.file.direct
+            && (!self.offset.is_multiple_of(DIRECT_ALIGN) || !(self.len as u64).is_multiple_of(DIRECT_ALIGN))
+        {
             return Err(IoError::Misaligned {
                 op,
                 path: self.file.path.clone(),

@@ -17,12 +17,46 @@ use io_uring::{opcode, types, IoUring};
 use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 type Job = (Op, Sender<Done>);
 
+/// `user_data` of the wake-up poll on a ring's eventfd.
+const WAKE: u64 = u64::MAX;
+
+/// An eventfd that `submit` writes to, so a ring thread asleep in `io_uring_enter`
+/// picks up new work at once instead of at its next unrelated completion.
+struct Doorbell(std::os::fd::OwnedFd);
+
+impl Doorbell {
+    fn new() -> std::io::Result<Doorbell> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain syscall; the fd is owned by the returned value.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh, valid descriptor that nothing else owns.
+        Ok(Doorbell(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }))
+    }
+
+    fn ring(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes from a live u64 to our eventfd; EAGAIN (counter full)
+        // still leaves the eventfd readable, which is all we need.
+        unsafe { libc::write(self.0.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    fn clear(&self) {
+        let mut value = 0u64;
+        // SAFETY: reads 8 bytes into a live u64; non-blocking.
+        unsafe { libc::read(self.0.as_raw_fd(), (&mut value as *mut u64).cast(), 8) };
+    }
+}
+
 pub struct Uring {
-    rings: Vec<Sender<Job>>,
+    rings: Vec<(Sender<Job>, Arc<Doorbell>)>,
     workers: Vec<JoinHandle<()>>,
     next: AtomicUsize,
     direct: bool,
@@ -38,13 +72,14 @@ impl Uring {
         let mut workers = Vec::new();
         let mut registered = pool.is_some();
         for index in 0..config.parallelism.max(1) {
-            let ring = IoUring::new(depth.next_power_of_two() as u32).map_err(|source| IoError::Os {
-                op: "io_uring_setup",
-                path: "(io_uring)".into(),
-                offset: 0,
-                len: 0,
-                source,
-            })?;
+            let ring =
+                IoUring::new((depth + 1).next_power_of_two() as u32).map_err(|source| IoError::Os {
+                    op: "io_uring_setup",
+                    path: "(io_uring)".into(),
+                    offset: 0,
+                    len: 0,
+                    source,
+                })?;
             let fixed = pool.and_then(|pool| {
                 let iovecs: Vec<libc::iovec> = pool
                     .regions()
@@ -69,9 +104,18 @@ impl Uring {
             });
             registered &= fixed.is_some();
             let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+            let doorbell = Arc::new(Doorbell::new().map_err(|source| IoError::Os {
+                op: "eventfd",
+                path: "(io_uring doorbell)".into(),
+                offset: 0,
+                len: 0,
+                source,
+            })?);
             let worker = RingWorker {
                 ring,
                 jobs: rx,
+                doorbell: doorbell.clone(),
+                armed: false,
                 fixed,
                 block_size: config.block_size.max(4096),
                 depth,
@@ -92,7 +136,7 @@ impl Uring {
                     len: 0,
                     source,
                 })?;
-            rings.push(tx);
+            rings.push((tx, doorbell));
             workers.push(handle);
         }
         Ok(Uring {
@@ -121,8 +165,8 @@ impl BlockIo for Uring {
 
     fn submit(&self, op: Op) -> Pending {
         let (reply, pending) = Pending::channel("uring");
-        let ring = self.next.fetch_add(1, Ordering::Relaxed) % self.rings.len();
-        if let Err(crossbeam_channel::SendError((op, _))) = self.rings[ring].send((op, reply)) {
+        let (ring, doorbell) = &self.rings[self.next.fetch_add(1, Ordering::Relaxed) % self.rings.len()];
+        if let Err(crossbeam_channel::SendError((op, _))) = ring.send((op, reply)) {
             return Pending::ready(
                 "uring",
                 Done {
@@ -131,6 +175,7 @@ impl BlockIo for Uring {
                 },
             );
         }
+        doorbell.ring();
         pending
     }
 }
@@ -138,7 +183,10 @@ impl BlockIo for Uring {
 impl Drop for Uring {
     fn drop(&mut self) {
         // closing the channels lets each ring drain what is in flight, then exit
-        self.rings.clear();
+        for (ring, doorbell) in self.rings.drain(..) {
+            drop(ring);
+            doorbell.ring();
+        }
         for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
@@ -158,6 +206,9 @@ struct Slot {
 struct RingWorker {
     ring: IoUring,
     jobs: Receiver<Job>,
+    doorbell: Arc<Doorbell>,
+    /// Whether a poll on the doorbell is in the ring.
+    armed: bool,
     /// The pool registered with this ring, if any.
     fixed: Option<BufferPool>,
     block_size: usize,
@@ -196,6 +247,13 @@ impl RingWorker {
             self.fill();
             if self.in_flight == 0 {
                 continue;
+            }
+            if open && !self.armed {
+                let poll = opcode::PollAdd::new(types::Fd(self.doorbell.0.as_raw_fd()), libc::POLLIN as u32)
+                    .build()
+                    .user_data(WAKE);
+                // SAFETY: the eventfd outlives the ring (both are owned by this worker).
+                self.armed = unsafe { self.ring.submission().push(&poll) }.is_ok();
             }
             let want = if self.overlap_events { 1 } else { self.in_flight };
             if let Err(e) = self.ring.submit_and_wait(want) {
@@ -299,6 +357,11 @@ impl RingWorker {
             .map(|c| (c.user_data(), c.result()))
             .collect();
         for (user_data, result) in completions {
+            if user_data == WAKE {
+                self.armed = false;
+                self.doorbell.clear();
+                continue;
+            }
             self.in_flight -= 1;
             let index = (user_data >> 32) as usize;
             let piece = (user_data & 0xFFFF_FFFF) as usize;

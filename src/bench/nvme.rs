@@ -1,0 +1,270 @@
+//! `tierzero bench nvme`: block-I/O throughput of both engines against two baselines
+//! measured on the same file in the same run.
+//!
+//! Baselines: a plain synchronous O_DIRECT pread/pwrite loop from an mlock'ed buffer (one
+//! request in flight), and, when `fio` is on PATH, fio with `ioengine=io_uring,
+//! direct=1, fixedbufs` at the same size, block size and depth. `ratio_to_baseline` is
+//! each engine's GB/s over the better baseline for the same block size and depth.
+
+use serde::Serialize;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+use tierzero_offload::nvme::{pread::Pread, uring::Uring, BlockFile, BlockIo, EngineConfig, Op};
+use tierzero_offload::pool::{BufferPool, IoBuf};
+
+#[derive(Clone, Debug)]
+pub struct NvmeBenchArgs {
+    pub dir: PathBuf,
+    pub size_bytes: u64,
+    pub block_sizes: Vec<usize>,
+    pub queue_depths: Vec<usize>,
+    /// Rounds; in each, every method runs once, interleaved. Medians are reported.
+    pub repeats: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct NvmeRow {
+    pub engine: String,
+    pub direction: String,
+    pub block_size: usize,
+    pub queue_depth: usize,
+    pub gbps: f64,
+    pub baseline_sync_gbps: f64,
+    pub baseline_fio_gbps: Option<f64>,
+    pub ratio_to_baseline: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct NvmeReport {
+    pub dir: PathBuf,
+    pub size_bytes: u64,
+    pub fio: Option<String>,
+    pub buffers_locked: bool,
+    pub fixed_buffers: bool,
+    pub rows: Vec<NvmeRow>,
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+fn largest_block(args: &NvmeBenchArgs) -> usize {
+    args.block_sizes.iter().copied().max().unwrap_or(1 << 20)
+}
+
+fn gbps(bytes: u64, seconds: f64) -> f64 {
+    bytes as f64 / seconds / 1e9
+}
+
+/// One pass over the file with `engine`, `depth` requests of `block` bytes in flight:
+/// one thread keeps the queue full and reuses each returned buffer for the next request.
+fn engine_pass(
+    engine: &dyn BlockIo,
+    file: &Arc<BlockFile>,
+    pool: &BufferPool,
+    size: u64,
+    block: usize,
+    write: bool,
+) -> anyhow::Result<f64> {
+    let start = Instant::now();
+    let submit = |offset: u64, buf| {
+        let op = if write {
+            Op::write(file, offset, block, buf)
+        } else {
+            Op::read(file, offset, block, buf)
+        };
+        engine.submit(op)
+    };
+    let mut in_flight = std::collections::VecDeque::with_capacity(pool.count());
+    let mut offset = 0;
+    while offset < size && in_flight.len() < pool.count() {
+        in_flight.push_back(submit(offset, pool.lease()));
+        offset += block as u64;
+    }
+    while let Some(pending) = in_flight.pop_front() {
+        let buf = pending.wait()?.into_result()?;
+        if offset < size {
+            in_flight.push_back(submit(offset, buf));
+            offset += block as u64;
+        }
+    }
+    Ok(gbps(size, start.elapsed().as_secs_f64()))
+}
+
+/// The synchronous baseline: one O_DIRECT pread/pwrite at a time from a locked buffer.
+fn sync_pass(path: &Path, size: u64, block: usize, write: bool) -> anyhow::Result<f64> {
+    let file = BlockFile::open(path, false, true)?;
+    let mut buf = IoBuf::new(block)?;
+    // SAFETY: the buffer's own allocation.
+    unsafe { libc::mlock(buf.as_mut_ptr() as *const libc::c_void, buf.capacity()) };
+    let start = Instant::now();
+    let mut offset = 0;
+    while offset < size {
+        let n = if write {
+            file.file().write_at(&buf.as_bytes()[..block], offset)?
+        } else {
+            file.file().read_at(&mut buf.as_bytes_mut()[..block], offset)?
+        };
+        anyhow::ensure!(n == block, "short transfer at {offset} in {}", path.display());
+        offset += block as u64;
+    }
+    Ok(gbps(size, start.elapsed().as_secs_f64()))
+}
+
+fn fio_pass(path: &Path, size: u64, block: usize, depth: usize, write: bool) -> Option<f64> {
+    let out = std::process::Command::new("fio")
+        .args([
+            "--name=tierzero",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--fixedbufs",
+            "--output-format=json",
+            &format!("--filename={}", path.display()),
+            &format!("--size={size}"),
+            &format!("--bs={block}"),
+            &format!("--iodepth={depth}"),
+            &format!("--rw={}", if write { "write" } else { "read" }),
+        ])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    let side = if write { "write" } else { "read" };
+    let bytes_per_s = v["jobs"][0][side]["bw_bytes"].as_f64()?;
+    Some(bytes_per_s / 1e9)
+}
+
+pub fn run(args: &NvmeBenchArgs) -> anyhow::Result<NvmeReport> {
+    let largest = largest_block(args);
+    let size = args.size_bytes.div_ceil(largest as u64) * largest as u64;
+    let report = tierzero_offload::nvme::probe(&args.dir)?;
+    anyhow::ensure!(
+        report.direct.is_ok(),
+        "O_DIRECT is not available in {}: {}",
+        args.dir.display(),
+        report.fallback_reason()
+    );
+    let path = args
+        .dir
+        .join(format!(".tierzero-bench-nvme-{}", std::process::id()));
+    let result = run_on(args, &path, size, report.uring.is_ok());
+    let _ = std::fs::remove_file(&path);
+    result
+}
+
+fn run_on(args: &NvmeBenchArgs, path: &Path, size: u64, uring_ok: bool) -> anyhow::Result<NvmeReport> {
+    let file = BlockFile::open(path, true, true)?;
+    file.preallocate(size)?;
+    let fio = std::process::Command::new("fio")
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    let mut rows = Vec::new();
+    let mut locked = true;
+    let mut fixed = true;
+    // the file must hold data before the first read
+    sync_pass(path, size, largest_block(args), true)?;
+    for &block in &args.block_sizes {
+        for &depth in &args.queue_depths {
+            let pool = BufferPool::new(depth, block)?;
+            locked &= pool.is_locked();
+            let config = EngineConfig {
+                block_size: block,
+                queue_depth: depth,
+                parallelism: 1,
+                ..EngineConfig::default()
+            };
+            let mut engines: Vec<(String, Box<dyn BlockIo>)> =
+                vec![("pread".into(), Box::new(Pread::new(config, true)?))];
+            if uring_ok {
+                let uring = Uring::new(config, true, Some(&pool))?;
+                fixed &= uring.uses_fixed_buffers();
+                engines.insert(0, ("uring".into(), Box::new(uring)));
+            }
+            for (direction, write) in [("write", true), ("read", false)] {
+                // these virtual disks drift by 2× between runs: interleave the methods
+                // round by round and compare medians
+                let mut sync = Vec::new();
+                let mut fio_runs = Vec::new();
+                let mut engine_runs = vec![Vec::new(); engines.len()];
+                for _ in 0..args.repeats.max(1) {
+                    sync.push(sync_pass(path, size, block, write)?);
+                    if fio.is_some() {
+                        if let Some(g) = fio_pass(path, size, block, depth, write) {
+                            fio_runs.push(g);
+                        }
+                    }
+                    for ((_, engine), runs) in engines.iter().zip(engine_runs.iter_mut()) {
+                        runs.push(engine_pass(engine.as_ref(), &file, &pool, size, block, write)?);
+                    }
+                }
+                let sync_gbps = median(sync);
+                let fio_gbps = (!fio_runs.is_empty()).then(|| median(fio_runs));
+                let baseline = fio_gbps.unwrap_or(0.0).max(sync_gbps);
+                for ((name, _), runs) in engines.iter().zip(engine_runs) {
+                    let g = median(runs);
+                    rows.push(NvmeRow {
+                        engine: name.clone(),
+                        direction: direction.into(),
+                        block_size: block,
+                        queue_depth: depth,
+                        gbps: g,
+                        baseline_sync_gbps: sync_gbps,
+                        baseline_fio_gbps: fio_gbps,
+                        ratio_to_baseline: g / baseline,
+                    });
+                }
+            }
+        }
+    }
+    Ok(NvmeReport {
+        dir: args.dir.clone(),
+        size_bytes: size,
+        fio,
+        buffers_locked: locked,
+        fixed_buffers: fixed,
+        rows,
+    })
+}
+
+impl NvmeReport {
+    pub fn human(&self) -> String {
+        let mut out = format!(
+            "nvme bench: {} MiB in {} (fio: {}; buffers locked: {}, fixed buffers: {})\n{:<6} {:<5} {:>6} {:>5} {:>8} {:>9} {:>9} {:>7}\n",
+            self.size_bytes >> 20,
+            self.dir.display(),
+            self.fio.as_deref().unwrap_or("not on PATH"),
+            self.buffers_locked,
+            self.fixed_buffers,
+            "engine",
+            "dir",
+            "block",
+            "depth",
+            "GB/s",
+            "sync GB/s",
+            "fio GB/s",
+            "ratio"
+        );
+        for r in &self.rows {
+            out.push_str(&format!(
+                "{:<6} {:<5} {:>5}K {:>5} {:>8.3} {:>9.3} {:>9} {:>7.3}\n",
+                r.engine,
+                r.direction,
+                r.block_size >> 10,
+                r.queue_depth,
+                r.gbps,
+                r.baseline_sync_gbps,
+                r.baseline_fio_gbps.map_or("-".into(), |g| format!("{g:.3}")),
+                r.ratio_to_baseline
+            ));
+        }
+        out
+    }
+}
