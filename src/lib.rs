@@ -8,4 +8,5 @@
 pub mod bench;
 pub mod config;
 pub mod model;
+pub mod torch;
 pub mod zero;

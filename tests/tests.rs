@@ -4,3 +4,4 @@ mod adam_torch;
 mod cli;
 mod config;
 mod estimate;
+mod model;

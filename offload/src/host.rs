@@ -25,6 +25,10 @@ unsafe impl Pod for u16 {}
 unsafe impl Pod for u32 {}
 // SAFETY: as above.
 unsafe impl Pod for f32 {}
+// SAFETY: as above.
+unsafe impl Pod for i64 {}
+// SAFETY: as above.
+unsafe impl Pod for u64 {}
 
 /// A zeroed, page-aligned, fixed-length host buffer of `T`.
 pub struct AlignedBuf<T: Pod> {

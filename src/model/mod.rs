@@ -1,4 +1,188 @@
-//! Models: Llama-family and GPT-2 shapes as lists of units, and (with the model issue)
-//! their blocks in tch and Hugging Face weight I/O.
+//! Models as lists of units, each a function of its flat parameter buffer.
+//!
+//! - `config.rs`: shapes, presets, Hugging Face `config.json`
+//! - `layout.rs`: tensor names, shapes and offsets inside each unit's flat buffer
+//! - `blocks.rs`: Llama and GPT-2 blocks, embeddings, final norms (tch)
+//! - `head.rs`: chunked LM head + cross-entropy with a hand-written backward
+//!
+//! [`Model`] runs one unit forward without autograd, and one unit backward by
+//! recomputing its forward with the flat buffer as a leaf that requires grad and
+//! back-propagating the incoming gradient: the leaf's grad is the unit's flat gradient.
+//! Only unit inputs are kept between forward and backward (activation checkpointing at
+//! unit boundaries).
 
+pub mod blocks;
 pub mod config;
+pub mod head;
+pub mod layout;
+
+use blocks::Params;
+use config::{Architecture, ModelConfig};
+use layout::{UnitKind, UnitLayout};
+use std::sync::Mutex;
+use tch::{Kind, TchError, Tensor};
+
+pub struct Model {
+    pub config: ModelConfig,
+    pub units: Vec<UnitLayout>,
+    /// Element type of parameters and activations.
+    pub kind: Kind,
+    rope: Mutex<Option<(i64, Tensor, Tensor)>>,
+}
+
+/// Gradients of the final unit.
+pub struct FinalGrads {
+    /// Flat gradient of the final unit's own parameters (fp32).
+    pub params: Tensor,
+    /// Gradient of the tied embedding matrix [V, H] (fp32), when embeddings are tied.
+    pub tied: Option<Tensor>,
+    /// Gradient of the unit's input [B, T, H].
+    pub input: Tensor,
+    pub loss_sum: f64,
+    pub count: i64,
+}
+
+impl Model {
+    pub fn new(config: ModelConfig, kind: Kind) -> Model {
+        let units = layout::units(&config);
+        Model {
+            config,
+            units,
+            kind,
+            rope: Mutex::new(None),
+        }
+    }
+
+    fn rope(&self, seq_len: i64) -> Result<(Tensor, Tensor), TchError> {
+        let mut cache = self.rope.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((t, cos, sin)) = cache.as_ref() {
+            if *t == seq_len {
+                return Ok((cos.shallow_clone(), sin.shallow_clone()));
+            }
+        }
+        let (cos, sin) = blocks::rope_tables(&self.config, seq_len, self.kind)?;
+        *cache = Some((seq_len, cos.shallow_clone(), sin.shallow_clone()));
+        Ok((cos, sin))
+    }
+
+    /// The LM head matrix [V, H]: the final unit's own, or the tied embedding's.
+    fn head_weight(&self, final_params: &Tensor, tied: Option<&Tensor>) -> Result<Tensor, TchError> {
+        let (v, h) = (self.config.vocab_size as i64, self.config.hidden_size as i64);
+        match (self.config.tie_word_embeddings, tied) {
+            (true, Some(embedding)) => embedding.f_narrow(0, 0, v * h)?.f_view([v, h]),
+            (true, None) => Err(TchError::Kind(
+                "tied embeddings: the embedding unit's parameters are needed".into(),
+            )),
+            (false, _) => Params::new(self.units.last().unwrap_or_else(|| unreachable!()), final_params)
+                .get("lm_head.weight"),
+        }
+    }
+
+    /// Forward of unit `u` (not the final one) under no_grad: tokens or hidden → hidden.
+    pub fn forward_unit(&self, u: usize, params: &Tensor, input: &Tensor) -> Result<Tensor, TchError> {
+        tch::no_grad(|| self.forward_graph(u, params, input))
+    }
+
+    fn forward_graph(&self, u: usize, params: &Tensor, input: &Tensor) -> Result<Tensor, TchError> {
+        let layout = &self.units[u];
+        let p = Params::new(layout, params);
+        match layout.kind {
+            UnitKind::Embedding => blocks::embed(&self.config, &p, input),
+            UnitKind::Block(_) => match self.config.architecture {
+                Architecture::Llama => {
+                    blocks::llama_block(&self.config, &p, input, &self.rope(input.size()[1])?)
+                }
+                Architecture::Gpt2 => blocks::gpt2_block(&self.config, &p, input),
+            },
+            UnitKind::Final => blocks::final_norm(&self.config, &p, input),
+        }
+    }
+
+    /// Forward of unit `u` inside the caller's autograd graph (tests build whole-model
+    /// references with it). Panics on a tch error.
+    #[doc(hidden)]
+    pub fn forward_graph_for_tests(&self, u: usize, params: &Tensor, input: &Tensor) -> Tensor {
+        self.forward_graph(u, params, input)
+            .unwrap_or_else(|e| panic!("unit {u}: {e}"))
+    }
+
+    /// Loss of the final unit: (sum of token losses, counted tokens).
+    pub fn loss(
+        &self,
+        params: &Tensor,
+        tied: Option<&Tensor>,
+        x: &Tensor,
+        targets: &Tensor,
+    ) -> Result<(f64, i64), TchError> {
+        tch::no_grad(|| {
+            let h = self.forward_graph(self.units.len() - 1, params, x)?;
+            head::loss_sum(&h, &self.head_weight(params, tied)?, targets)
+        })
+    }
+
+    /// Backward of unit `u` (not the final one) by recompute: returns the flat fp32
+    /// gradient of its parameters and, for blocks, the gradient of its input.
+    pub fn backward_unit(
+        &self,
+        u: usize,
+        params: &Tensor,
+        input: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>), TchError> {
+        let leaf = params.f_detach()?.f_set_requires_grad(true)?;
+        let is_block = matches!(self.units[u].kind, UnitKind::Block(_));
+        let x = if is_block {
+            input.f_detach()?.f_set_requires_grad(true)?
+        } else {
+            input.shallow_clone()
+        };
+        let y = self.forward_graph(u, &leaf, &x)?;
+        let seed = y.f_mul(&grad_out.f_to_kind(y.kind())?)?.f_sum(Kind::Float)?;
+        let inputs: Vec<&Tensor> = if is_block { vec![&leaf, &x] } else { vec![&leaf] };
+        let mut grads = Tensor::f_run_backward(&[seed], &inputs, false, false)?;
+        let grad_input = if is_block { grads.pop() } else { None };
+        let grad_params = grads
+            .pop()
+            .ok_or_else(|| TchError::Kind("autograd returned no gradient".into()))?;
+        Ok((grad_params.f_to_kind(Kind::Float)?, grad_input))
+    }
+
+    /// Backward of the final unit for loss `scale · Σloss / count`.
+    pub fn backward_final(
+        &self,
+        params: &Tensor,
+        tied: Option<&Tensor>,
+        x: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+    ) -> Result<FinalGrads, TchError> {
+        let last = self.units.len() - 1;
+        let leaf = params.f_detach()?.f_set_requires_grad(true)?;
+        let x_leaf = x.f_detach()?.f_set_requires_grad(true)?;
+        let h = self.forward_graph(last, &leaf, &x_leaf)?;
+        let weight = tch::no_grad(|| self.head_weight(params, tied))?;
+        let (dh, dw, loss_sum, count) = head::backward(&h.f_detach()?, &weight, targets, scale)?;
+        let seed = h.f_to_kind(Kind::Float)?.f_mul(&dh)?.f_sum(Kind::Float)?;
+        let grads = Tensor::f_run_backward(&[seed], &[&leaf, &x_leaf], false, false)?;
+        let mut grad_params = grads[0].f_to_kind(Kind::Float)?;
+        let tied_grad = if self.config.tie_word_embeddings {
+            Some(dw)
+        } else {
+            let spec = self.units[last]
+                .param("lm_head.weight")
+                .ok_or_else(|| TchError::Kind("untied model without lm_head.weight".into()))?;
+            grad_params
+                .f_narrow(0, spec.offset as i64, spec.numel as i64)?
+                .f_copy_(&dw.f_reshape([-1])?)?;
+            grad_params = grad_params.f_contiguous()?;
+            None
+        };
+        Ok(FinalGrads {
+            params: grad_params,
+            tied: tied_grad,
+            input: grads[1].shallow_clone(),
+            loss_sum,
+            count,
+        })
+    }
+}

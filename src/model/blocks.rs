@@ -1,0 +1,203 @@
+//! Transformer blocks and embeddings as functions of (flat parameters, input).
+//!
+//! Llama (RMSNorm, RoPE with Llama-3 frequency scaling, grouped-query attention through
+//! `scaled_dot_product_attention`, SwiGLU) follows Hugging Face `modeling_llama.py`;
+//! GPT-2 (LayerNorm, learned positions, GELU-tanh, Conv1D weights stored [in, out])
+//! follows `modeling_gpt2.py`. Norm statistics are computed in fp32 as HF does.
+
+use super::config::{Architecture, ModelConfig};
+use super::layout::UnitLayout;
+use tch::{Kind, TchError, Tensor};
+
+/// The named tensors of one unit, as views into its flat buffer.
+pub struct Params<'a> {
+    layout: &'a UnitLayout,
+    flat: &'a Tensor,
+}
+
+impl<'a> Params<'a> {
+    pub fn new(layout: &'a UnitLayout, flat: &'a Tensor) -> Self {
+        Params { layout, flat }
+    }
+
+    pub fn get(&self, suffix: &str) -> Result<Tensor, TchError> {
+        let p = self
+            .layout
+            .param(suffix)
+            .ok_or_else(|| TchError::Kind(format!("unit has no parameter ending in {suffix}")))?;
+        self.flat
+            .f_narrow(0, p.offset as i64, p.numel as i64)?
+            .f_view(p.shape.as_slice())
+    }
+}
+
+/// HF `LlamaRMSNorm`: normalise in fp32, cast back, then scale.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor, TchError> {
+    let kind = x.kind();
+    let xf = x.f_to_kind(Kind::Float)?;
+    let variance = xf.f_pow_tensor_scalar(2)?.f_mean_dim(-1, true, Kind::Float)?;
+    let normed = xf
+        .f_mul(&variance.f_add_scalar(eps)?.f_rsqrt()?)?
+        .f_to_kind(kind)?;
+    weight.f_mul(&normed)
+}
+
+/// GPT-2 LayerNorm, with fp32 statistics.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor, TchError> {
+    let kind = x.kind();
+    let h = x.size().last().copied().unwrap_or(0);
+    x.f_to_kind(Kind::Float)?
+        .f_layer_norm(
+            &[h],
+            Some(weight.f_to_kind(Kind::Float)?),
+            Some(bias.f_to_kind(Kind::Float)?),
+            eps,
+            false,
+        )?
+        .f_to_kind(kind)
+}
+
+/// RoPE cos/sin tables [T, head_dim] in `kind` (HF `LlamaRotaryEmbedding`, with the
+/// Llama-3 `_compute_llama3_parameters` frequency scaling).
+pub fn rope_tables(config: &ModelConfig, seq_len: i64, kind: Kind) -> Result<(Tensor, Tensor), TchError> {
+    let hd = config.head_dim();
+    let mut inv_freq: Vec<f64> = (0..hd / 2)
+        .map(|i| 1.0 / config.rope_theta.powf((2 * i) as f64 / hd as f64))
+        .collect();
+    if let Some(s) = config.rope_scaling {
+        let old = s.original_max_position_embeddings as f64;
+        let low_wavelen = old / s.low_freq_factor;
+        let high_wavelen = old / s.high_freq_factor;
+        for f in inv_freq.iter_mut() {
+            let wavelen = std::f64::consts::TAU / *f;
+            if wavelen > low_wavelen {
+                *f /= s.factor;
+            } else if wavelen >= high_wavelen {
+                let smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
+            }
+        }
+    }
+    let inv: Vec<f32> = inv_freq.iter().map(|&f| f as f32).collect();
+    let inv = Tensor::f_from_slice(&inv)?;
+    let positions = Tensor::f_arange(seq_len, (Kind::Float, tch::Device::Cpu))?;
+    let freqs = positions.f_unsqueeze(1)?.f_mul(&inv.f_unsqueeze(0)?)?;
+    let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?;
+    Ok((emb.f_cos()?.f_to_kind(kind)?, emb.f_sin()?.f_to_kind(kind)?))
+}
+
+fn rotate_half(x: &Tensor) -> Result<Tensor, TchError> {
+    let half = x.size().last().copied().unwrap_or(0) / 2;
+    let x1 = x.f_narrow(-1, 0, half)?;
+    let x2 = x.f_narrow(-1, half, half)?;
+    Tensor::f_cat(&[&x2.f_neg()?, &x1], -1)
+}
+
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor, TchError> {
+    x.f_mul(cos)?.f_add(&rotate_half(x)?.f_mul(sin)?)
+}
+
+/// [B, T, heads·hd] → [B, heads, T, hd]
+fn split_heads(x: &Tensor, heads: i64) -> Result<Tensor, TchError> {
+    let s = x.size();
+    x.f_view([s[0], s[1], heads, s[2] / heads])?.f_transpose(1, 2)
+}
+
+/// [B, heads, T, hd] → [B, T, heads·hd]
+fn merge_heads(x: &Tensor) -> Result<Tensor, TchError> {
+    let s = x.size();
+    x.f_transpose(1, 2)?
+        .f_contiguous()?
+        .f_view([s[0], s[2], s[1] * s[3]])
+}
+
+fn linear(x: &Tensor, weight_out_in: &Tensor) -> Result<Tensor, TchError> {
+    x.f_matmul(&weight_out_in.f_tr()?)
+}
+
+pub fn llama_block(
+    config: &ModelConfig,
+    p: &Params,
+    x: &Tensor,
+    rope: &(Tensor, Tensor),
+) -> Result<Tensor, TchError> {
+    let (heads, kv_heads) = (
+        config.num_attention_heads as i64,
+        config.num_key_value_heads as i64,
+    );
+    let h = rms_norm(x, &p.get("input_layernorm.weight")?, config.norm_eps)?;
+    let q = split_heads(&linear(&h, &p.get("q_proj.weight")?)?, heads)?;
+    let k = split_heads(&linear(&h, &p.get("k_proj.weight")?)?, kv_heads)?;
+    let v = split_heads(&linear(&h, &p.get("v_proj.weight")?)?, kv_heads)?;
+    let (q, k) = (
+        apply_rope(&q, &rope.0, &rope.1)?,
+        apply_rope(&k, &rope.0, &rope.1)?,
+    );
+    let attn = Tensor::f_scaled_dot_product_attention(
+        &q,
+        &k,
+        &v,
+        None::<Tensor>,
+        0.0,
+        true,
+        None,
+        kv_heads != heads,
+    )?;
+    let x = x.f_add(&linear(&merge_heads(&attn)?, &p.get("o_proj.weight")?)?)?;
+    let h = rms_norm(&x, &p.get("post_attention_layernorm.weight")?, config.norm_eps)?;
+    let gate = linear(&h, &p.get("gate_proj.weight")?)?.f_silu()?;
+    let up = linear(&h, &p.get("up_proj.weight")?)?;
+    x.f_add(&linear(&gate.f_mul(&up)?, &p.get("down_proj.weight")?)?)
+}
+
+/// GPT-2's Conv1D: `x @ W + b` with W stored [in, out].
+fn conv1d(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Result<Tensor, TchError> {
+    x.f_matmul(weight)?.f_add(bias)
+}
+
+pub fn gpt2_block(config: &ModelConfig, p: &Params, x: &Tensor) -> Result<Tensor, TchError> {
+    let heads = config.num_attention_heads as i64;
+    let hidden = config.hidden_size as i64;
+    let h = layer_norm(x, &p.get("ln_1.weight")?, &p.get("ln_1.bias")?, config.norm_eps)?;
+    let qkv = conv1d(&h, &p.get("attn.c_attn.weight")?, &p.get("attn.c_attn.bias")?)?;
+    let parts = qkv.f_split(hidden, -1)?;
+    let (q, k, v) = (
+        split_heads(&parts[0], heads)?,
+        split_heads(&parts[1], heads)?,
+        split_heads(&parts[2], heads)?,
+    );
+    let attn = Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false)?;
+    let x = x.f_add(&conv1d(
+        &merge_heads(&attn)?,
+        &p.get("attn.c_proj.weight")?,
+        &p.get("attn.c_proj.bias")?,
+    )?)?;
+    let h = layer_norm(&x, &p.get("ln_2.weight")?, &p.get("ln_2.bias")?, config.norm_eps)?;
+    let m = conv1d(&h, &p.get("mlp.c_fc.weight")?, &p.get("mlp.c_fc.bias")?)?.f_gelu("tanh")?;
+    x.f_add(&conv1d(
+        &m,
+        &p.get("mlp.c_proj.weight")?,
+        &p.get("mlp.c_proj.bias")?,
+    )?)
+}
+
+/// Token (and, for GPT-2, position) embeddings: tokens [B, T] → [B, T, H].
+pub fn embed(config: &ModelConfig, p: &Params, tokens: &Tensor) -> Result<Tensor, TchError> {
+    match config.architecture {
+        Architecture::Llama => Tensor::f_embedding(&p.get("embed_tokens.weight")?, tokens, -1, false, false),
+        Architecture::Gpt2 => {
+            let t = tokens.size()[1];
+            let wte = Tensor::f_embedding(&p.get("wte.weight")?, tokens, -1, false, false)?;
+            let wpe = p.get("wpe.weight")?.f_narrow(0, 0, t)?;
+            wte.f_add(&wpe.f_unsqueeze(0)?)
+        }
+    }
+}
+
+/// The final norm: [B, T, H] → [B, T, H].
+pub fn final_norm(config: &ModelConfig, p: &Params, x: &Tensor) -> Result<Tensor, TchError> {
+    match config.architecture {
+        Architecture::Llama => rms_norm(x, &p.get("model.norm.weight")?, config.norm_eps),
+        Architecture::Gpt2 => layer_norm(x, &p.get("ln_f.weight")?, &p.get("ln_f.bias")?, config.norm_eps),
+    }
+}

@@ -1,0 +1,99 @@
+//! The LM head and cross-entropy, chunked over tokens.
+//!
+//! Logits are computed `CHUNK` tokens at a time in fp32, so a [tokens, vocab] logits
+//! tensor never exists whole (Liger-Kernel's fused linear cross-entropy does the same on
+//! GPU). The backward is written by hand for the same reason: per chunk,
+//! dlogits = softmax − onehot(target) scaled by the upstream gradient ÷ the token count,
+//! then dh = dlogits · W and dW += dlogitsᵀ · h. Targets < 0 are ignored.
+
+use tch::{Kind, TchError, Tensor};
+
+/// Tokens per logits chunk.
+pub const CHUNK: i64 = 1024;
+
+/// Sum of per-token losses and the number of counted tokens.
+pub fn loss_sum(h: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<(f64, i64), TchError> {
+    let (hf, wf, tg) = flatten(h, weight, targets)?;
+    let n = tg.size()[0];
+    let mut total = 0.0;
+    let mut start = 0;
+    while start < n {
+        let len = CHUNK.min(n - start);
+        let (logits, target, valid) = chunk(&hf, &wf, &tg, start, len)?;
+        let lse = logits.f_logsumexp([-1], false)?;
+        let picked = logits
+            .f_gather(1, &target.f_unsqueeze(1)?, false)?
+            .f_squeeze_dim(1)?;
+        total += lse
+            .f_sub(&picked)?
+            .f_mul(&valid)?
+            .f_sum(Kind::Double)?
+            .f_double_value(&[])?;
+        start += len;
+    }
+    let count = tg.f_ge(0)?.f_sum(Kind::Int64)?.f_int64_value(&[])?;
+    Ok((total, count))
+}
+
+fn flatten(h: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor, Tensor), TchError> {
+    let hidden = h.size().last().copied().unwrap_or(0);
+    Ok((
+        h.f_reshape([-1, hidden])?.f_to_kind(Kind::Float)?,
+        weight.f_to_kind(Kind::Float)?,
+        targets.f_reshape([-1])?,
+    ))
+}
+
+/// fp32 logits of tokens [start, start+len), their targets (ignored ones clamped to 0)
+/// and a 0/1 mask of counted tokens.
+fn chunk(
+    hf: &Tensor,
+    wf: &Tensor,
+    tg: &Tensor,
+    start: i64,
+    len: i64,
+) -> Result<(Tensor, Tensor, Tensor), TchError> {
+    let logits = hf.f_narrow(0, start, len)?.f_matmul(&wf.f_tr()?)?;
+    let target = tg.f_narrow(0, start, len)?;
+    let valid = target.f_ge(0)?.f_to_kind(Kind::Float)?;
+    Ok((logits, target.f_clamp_min(0)?, valid))
+}
+
+/// Gradients of `scale · loss_sum / count` with respect to h [.., H] (as fp32, h's
+/// shape) and W [V, H] (fp32). `count` is the number of counted tokens.
+pub fn backward(
+    h: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    scale: f64,
+) -> Result<(Tensor, Tensor, f64, i64), TchError> {
+    let (hf, wf, tg) = flatten(h, weight, targets)?;
+    let n = tg.size()[0];
+    let count = tg.f_ge(0)?.f_sum(Kind::Int64)?.f_int64_value(&[])?;
+    let factor = scale / count.max(1) as f64;
+    let dh = Tensor::f_zeros_like(&hf)?;
+    let mut dw = Tensor::f_zeros_like(&wf)?;
+    let mut total = 0.0;
+    let mut start = 0;
+    while start < n {
+        let len = CHUNK.min(n - start);
+        let (logits, target, valid) = chunk(&hf, &wf, &tg, start, len)?;
+        let lse = logits.f_logsumexp([-1], true)?;
+        let picked = logits.f_gather(1, &target.f_unsqueeze(1)?, false)?;
+        total += lse
+            .f_sub(&picked)?
+            .f_squeeze_dim(1)?
+            .f_mul(&valid)?
+            .f_sum(Kind::Double)?
+            .f_double_value(&[])?;
+        // dlogits = (softmax - onehot) · valid · factor
+        let mut d = logits.f_sub(&lse)?.f_exp()?;
+        let minus_one = Tensor::f_full([len, 1], -1.0, (Kind::Float, hf.device()))?;
+        d = d.f_scatter_add(1, &target.f_unsqueeze(1)?, &minus_one)?;
+        d = d.f_mul(&valid.f_unsqueeze(1)?.f_mul_scalar(factor)?)?;
+        dh.f_narrow(0, start, len)?.f_copy_(&d.f_matmul(&wf)?)?;
+        dw = dw.f_add(&d.f_tr()?.f_matmul(&hf.f_narrow(0, start, len)?)?)?;
+        start += len;
+    }
+    Ok((dh.f_view(h.size().as_slice())?, dw, total, count))
+}
