@@ -6,7 +6,9 @@
 //! See `README.md` for the architecture and `../shared/DESIGN.md` for the map.
 
 pub mod bench;
+pub mod comm;
 pub mod config;
+pub mod data;
 pub mod model;
 pub mod torch;
 pub mod zero;

@@ -29,6 +29,8 @@ unsafe impl Pod for f32 {}
 unsafe impl Pod for i64 {}
 // SAFETY: as above.
 unsafe impl Pod for u64 {}
+// SAFETY: as above.
+unsafe impl Pod for f64 {}
 
 /// A zeroed, page-aligned, fixed-length host buffer of `T`.
 pub struct AlignedBuf<T: Pod> {
