@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use tierzero::bench::adam::{AdamBenchArgs, AdamBenchReport};
 use tierzero::config::{self, ConfigError, DeviceFacts, Loaded};
 use tierzero::zero::estimate;
+use tierzero::zero::trainer::{self, TrainOptions};
 use tierzero_offload::adam::Kernel;
 
 #[derive(Parser)]
@@ -400,15 +401,46 @@ fn run(cli: Cli) -> Result<(), Failure> {
             resume,
             trace,
         } => {
-            let _ = (resume, trace);
             let loaded = load_config(&config)?;
+            if let Some(r) = resume {
+                return Err(not_built(&format!("--resume {r}"), "checkpoint issue"));
+            }
+            if trace || loaded.plan.train.trace {
+                return Err(not_built("tracing (--trace / train.trace)", "breakdown issue"));
+            }
             print!("{}", config::plan_table(&loaded.plan));
-            Err(not_built("training", "model and ZeRO engine issues"))
+            let options = TrainOptions {
+                write_outputs: true,
+                collect_master: false,
+            };
+            let result = trainer::train(&loaded.plan, options).map_err(anyhow::Error::from)?;
+            let first = result.steps.first().map_or(f64::NAN, |m| m.loss);
+            let last = result.steps.last().map_or(f64::NAN, |m| m.loss);
+            let tokens_per_s =
+                result.steps.iter().map(|m| m.tokens_per_s).sum::<f64>() / result.steps.len().max(1) as f64;
+            println!(
+                "done: {} steps in {:.1}s, loss {first:.4} -> {last:.4}, {tokens_per_s:.0} tokens/s; metrics in {}",
+                result.steps.len(),
+                result.seconds,
+                loaded.plan.train.output_dir.join("metrics.jsonl").display()
+            );
+            Ok(())
         }
         Command::Eval { config, json } => {
-            let _ = json;
-            load_config(&config)?;
-            Err(not_built("eval", "model issue"))
+            let loaded = load_config(&config)?;
+            let loss = trainer::evaluate(&loaded.plan).map_err(anyhow::Error::from)?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({ "loss": loss, "batches": loaded.plan.train.eval_batches })
+                );
+            } else {
+                println!(
+                    "eval loss {loss:.4} over {} batches",
+                    loaded.plan.train.eval_batches
+                );
+            }
+            Ok(())
         }
         Command::Export { .. } | Command::Inspect { .. } => {
             Err(not_built("this command", "checkpoint issue"))

@@ -5,3 +5,4 @@ mod cli;
 mod config;
 mod estimate;
 mod model;
+mod zero_equivalence;

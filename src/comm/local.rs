@@ -39,14 +39,25 @@ impl Local {
     pub fn group(world: usize) -> Vec<Local> {
         let hub = Arc::new(Hub {
             world,
-            round: Mutex::new(Round { slots: vec![None; world], ..Round::default() }),
+            round: Mutex::new(Round {
+                slots: vec![None; world],
+                ..Round::default()
+            }),
             changed: Condvar::new(),
         });
-        (0..world).map(|rank| Local { hub: hub.clone(), rank }).collect()
+        (0..world)
+            .map(|rank| Local {
+                hub: hub.clone(),
+                rank,
+            })
+            .collect()
     }
 
     fn aborted(&self, reason: &str) -> CommError {
-        CommError::Aborted { rank: self.rank, reason: reason.to_string() }
+        CommError::Aborted {
+            rank: self.rank,
+            reason: reason.to_string(),
+        }
     }
 
     /// Deposits `data` and returns every rank's contribution, in rank order.
@@ -63,7 +74,11 @@ impl Local {
         round.slots[self.rank] = Some(Arc::new(data));
         round.arrived += 1;
         if round.arrived == hub.world {
-            let all: Vec<Contribution> = round.slots.iter_mut().map(|s| s.take().unwrap_or_default()).collect();
+            let all: Vec<Contribution> = round
+                .slots
+                .iter_mut()
+                .map(|s| s.take().unwrap_or_default())
+                .collect();
             round.published = Some(Arc::new(all));
             round.arrived = 0;
             hub.changed.notify_all();
@@ -87,7 +102,11 @@ impl Local {
     }
 
     fn shape_error(&self, op: &'static str, message: String) -> CommError {
-        CommError::Shape { rank: self.rank, op, message }
+        CommError::Shape {
+            rank: self.rank,
+            op,
+            message,
+        }
     }
 }
 
@@ -115,12 +134,22 @@ impl Collective for Local {
 
     fn all_gather<T: Element>(&self, shard: &[T], out: &mut [T]) -> Result<(), CommError> {
         if out.len() != shard.len() * self.hub.world {
-            return Err(self.shape_error("all_gather", format!("output {} != world × shard {}", out.len(), shard.len())));
+            return Err(self.shape_error(
+                "all_gather",
+                format!("output {} != world × shard {}", out.len(), shard.len()),
+            ));
         }
         let all = self.exchange(to_bytes(shard))?;
         for (r, bytes) in all.iter().enumerate() {
             if bytes.len() != std::mem::size_of_val(shard) {
-                return Err(self.shape_error("all_gather", format!("rank {r} sent {} bytes, expected {}", bytes.len(), std::mem::size_of_val(shard))));
+                return Err(self.shape_error(
+                    "all_gather",
+                    format!(
+                        "rank {r} sent {} bytes, expected {}",
+                        bytes.len(),
+                        std::mem::size_of_val(shard)
+                    ),
+                ));
             }
             for (i, o) in out[r * shard.len()..(r + 1) * shard.len()].iter_mut().enumerate() {
                 *o = element(bytes, i);
@@ -132,7 +161,10 @@ impl Collective for Local {
     fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         let n = out.len();
         if full.len() != n * self.hub.world {
-            return Err(self.shape_error("reduce_scatter", format!("input {} != world × output {n}", full.len())));
+            return Err(self.shape_error(
+                "reduce_scatter",
+                format!("input {} != world × output {n}", full.len()),
+            ));
         }
         let all = self.exchange(to_bytes(full))?;
         let base = self.rank * n;
@@ -141,7 +173,11 @@ impl Collective for Local {
             for bytes in all.iter().skip(1) {
                 acc = acc.add(element(bytes, base + i));
             }
-            *o = if op == ReduceOp::Avg { acc.scale(1.0 / self.hub.world as f64) } else { acc };
+            *o = if op == ReduceOp::Avg {
+                acc.scale(1.0 / self.hub.world as f64)
+            } else {
+                acc
+            };
         }
         Ok(())
     }
@@ -153,13 +189,21 @@ impl Collective for Local {
             for bytes in all.iter().skip(1) {
                 acc = acc.add(element(bytes, i));
             }
-            *o = if op == ReduceOp::Avg { acc.scale(1.0 / self.hub.world as f64) } else { acc };
+            *o = if op == ReduceOp::Avg {
+                acc.scale(1.0 / self.hub.world as f64)
+            } else {
+                acc
+            };
         }
         Ok(())
     }
 
     fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<(), CommError> {
-        let all = self.exchange(if self.rank == root { to_bytes(data) } else { Vec::new() })?;
+        let all = self.exchange(if self.rank == root {
+            to_bytes(data)
+        } else {
+            Vec::new()
+        })?;
         for (i, o) in data.iter_mut().enumerate() {
             *o = element(&all[root], i);
         }

@@ -13,7 +13,11 @@ pub enum CommError {
     #[error("rank {rank}: collective aborted because {reason}")]
     Aborted { rank: usize, reason: String },
     #[error("rank {rank}: {op}: {message}")]
-    Shape { rank: usize, op: &'static str, message: String },
+    Shape {
+        rank: usize,
+        op: &'static str,
+        message: String,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -45,7 +45,12 @@ impl Dataset {
     pub fn open(plan: &Plan) -> Result<Dataset, DataError> {
         match &plan.data.source {
             DataSource::Synthetic { name } => Ok(Dataset::Synthetic(synthetic::Corpus::new(name))),
-            DataSource::Tokens { path, dtype } => Ok(Dataset::Tokens(tokens::TokenFile::open(path, *dtype, plan.data.seq_len, plan.model.config.vocab_size)?)),
+            DataSource::Tokens { path, dtype } => Ok(Dataset::Tokens(tokens::TokenFile::open(
+                path,
+                *dtype,
+                plan.data.seq_len,
+                plan.model.config.vocab_size,
+            )?)),
             DataSource::Text { path, .. } => Err(DataError::TextUnsupported(path.clone())),
         }
     }
@@ -72,7 +77,12 @@ impl Dataset {
             inputs.extend(i);
             targets.extend(t);
         }
-        Batch { rows, seq_len, inputs, targets }
+        Batch {
+            rows,
+            seq_len,
+            inputs,
+            targets,
+        }
     }
 }
 

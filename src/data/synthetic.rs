@@ -37,7 +37,9 @@ impl Stream {
 impl Corpus {
     /// `name` was validated by the plan.
     pub fn new(name: &str) -> Corpus {
-        Corpus { recall: name == "recall" }
+        Corpus {
+            recall: name == "recall",
+        }
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -58,7 +60,9 @@ impl Corpus {
             }
         }
         let inputs = tokens[..seq_len].to_vec();
-        let targets = (1..=seq_len).map(|i| if scored[i] { tokens[i] } else { -1 }).collect();
+        let targets = (1..=seq_len)
+            .map(|i| if scored[i] { tokens[i] } else { -1 })
+            .collect();
         (inputs, targets)
     }
 }
@@ -129,7 +133,11 @@ mod tests {
         let eq = inputs.iter().position(|&t| t == EQUALS).unwrap();
         let number = |ds: &[i64]| ds.iter().fold(0u64, |n, &d| n * 10 + d as u64);
         let (a, b) = (number(&inputs[..plus]), number(&inputs[plus + 1..eq]));
-        let answer: Vec<i64> = targets[eq..].iter().take_while(|&&t| t != NEWLINE).copied().collect();
+        let answer: Vec<i64> = targets[eq..]
+            .iter()
+            .take_while(|&&t| t != NEWLINE)
+            .copied()
+            .collect();
         assert_eq!(answer, digits(a + b));
         assert_eq!(c.sample(99, 64), (inputs, targets), "deterministic per key");
     }

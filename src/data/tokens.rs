@@ -16,24 +16,49 @@ pub struct TokenFile {
 }
 
 impl TokenFile {
-    pub fn open(path: &Path, dtype: TokenDtype, seq_len: usize, vocab: usize) -> Result<TokenFile, DataError> {
-        let file = std::fs::File::open(path).map_err(|source| DataError::Read { path: path.to_path_buf(), source })?;
+    pub fn open(
+        path: &Path,
+        dtype: TokenDtype,
+        seq_len: usize,
+        vocab: usize,
+    ) -> Result<TokenFile, DataError> {
+        let file = std::fs::File::open(path).map_err(|source| DataError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
         // SAFETY: the map is read-only; a concurrent writer truncating the file is the
         // usual memmap caveat, accepted for training data as nanoGPT does.
-        let map = unsafe { Mmap::map(&file) }.map_err(|source| DataError::Read { path: path.to_path_buf(), source })?;
+        let map = unsafe { Mmap::map(&file) }.map_err(|source| DataError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
         let width = match dtype {
             TokenDtype::U16 => 2,
             TokenDtype::U32 => 4,
         };
-        let invalid = |message: String| DataError::Invalid { path: path.to_path_buf(), message };
+        let invalid = |message: String| DataError::Invalid {
+            path: path.to_path_buf(),
+            message,
+        };
         if map.len() % width != 0 {
-            return Err(invalid(format!("{} bytes is not a whole number of {width}-byte tokens; check data.dtype", map.len())));
+            return Err(invalid(format!(
+                "{} bytes is not a whole number of {width}-byte tokens; check data.dtype",
+                map.len()
+            )));
         }
         let tokens = map.len() / width;
         if tokens < seq_len + 2 {
-            return Err(invalid(format!("{tokens} tokens is fewer than one sample of data.seq_len + 1 = {}", seq_len + 1)));
+            return Err(invalid(format!(
+                "{tokens} tokens is fewer than one sample of data.seq_len + 1 = {}",
+                seq_len + 1
+            )));
         }
-        let f = TokenFile { path: path.to_path_buf(), map, dtype, tokens };
+        let f = TokenFile {
+            path: path.to_path_buf(),
+            map,
+            dtype,
+            tokens,
+        };
         // a cheap guard against the wrong dtype or vocabulary: scan the first MiB
         let probe = tokens.min(1 << 18);
         if let Some(bad) = (0..probe).map(|i| f.token(i)).find(|&t| t as usize >= vocab) {

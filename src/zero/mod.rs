@@ -1,5 +1,13 @@
-//! The ZeRO engine: partitions, the fetch/release schedule, the step.
+//! The ZeRO engine: partitions, the per-rank state and step, and the trainer.
 //!
-//! This build has the memory estimator; the engine itself lands with the ZeRO issue.
+//! - `partition.rs`: padded flat buffers and each rank's slice
+//! - `rank.rs`: one rank's units on their tiers, and the training step for stages 0–3
+//! - `schedule.rs`: DeepSpeed's learning-rate schedules and fp16 loss scaling
+//! - `trainer.rs`: ranks as threads, the swap stores, metrics
+//! - `estimate.rs`: DeepSpeed's ZeRO-3 memory estimator
 
 pub mod estimate;
+pub mod partition;
+pub mod rank;
+pub mod schedule;
+pub mod trainer;

@@ -51,6 +51,7 @@ pub(super) fn sweep(c: &Coefficients, s: Sweep<'_>) -> bool {
                     *dst = f32_to_f16(x);
                 }
             }
+            LowPrecisionOut::F32(o) => o[range].copy_from_slice(p),
         }
         start += len;
     }

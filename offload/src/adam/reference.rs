@@ -56,6 +56,7 @@ pub fn sweep(c: &Coefficients, s: Sweep<'_>) -> bool {
             LowPrecisionOut::None => {}
             LowPrecisionOut::Bf16(o) => o[i] = f32_to_bf16(p),
             LowPrecisionOut::F16(o) => o[i] = f32_to_f16(p),
+            LowPrecisionOut::F32(o) => o[i] = p,
         }
     }
     non_finite

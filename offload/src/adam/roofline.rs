@@ -32,6 +32,7 @@ fn scalar(s: Sweep<'_>) -> bool {
         match &mut low {
             LowPrecisionOut::None => {}
             LowPrecisionOut::Bf16(o) | LowPrecisionOut::F16(o) => o[i] = (master[i].to_bits() >> 16) as u16,
+            LowPrecisionOut::F32(o) => o[i] = master[i],
         }
     }
     poison != 0

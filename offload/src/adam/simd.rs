@@ -88,6 +88,7 @@ macro_rules! simd_kernels {
                         LowPrecisionOut::None => {}
                         LowPrecisionOut::Bf16(o) => store_bf16(o.as_mut_ptr().add(i), pv),
                         LowPrecisionOut::F16(o) => store_f16(o.as_mut_ptr().add(i), pv),
+                        LowPrecisionOut::F32(o) => store(o.as_mut_ptr().add(i), pv),
                     }
                 }
                 i += LANES;
@@ -137,6 +138,7 @@ macro_rules! simd_kernels {
                         LowPrecisionOut::Bf16(o) | LowPrecisionOut::F16(o) => {
                             store_bf16_truncated(o.as_mut_ptr().add(i), pv)
                         }
+                        LowPrecisionOut::F32(o) => store(o.as_mut_ptr().add(i), pv),
                     }
                 }
                 i += LANES;

@@ -55,12 +55,14 @@ impl<'a> GradSlice<'a> {
     }
 }
 
-/// Where the updated parameter is also written in low precision (raw `u16` bits).
+/// Where the updated parameter is also written: in low precision (raw `u16` bits), or
+/// as an fp32 copy (fp32 training keeps its parameters apart from the master).
 #[derive(Debug)]
 pub enum LowPrecisionOut<'a> {
     None,
     Bf16(&'a mut [u16]),
     F16(&'a mut [u16]),
+    F32(&'a mut [f32]),
 }
 
 impl<'a> LowPrecisionOut<'a> {
@@ -68,10 +70,12 @@ impl<'a> LowPrecisionOut<'a> {
         match self {
             LowPrecisionOut::None => None,
             LowPrecisionOut::Bf16(o) | LowPrecisionOut::F16(o) => Some(o.len()),
+            LowPrecisionOut::F32(o) => Some(o.len()),
         }
     }
 
-    fn split_at(self, mid: usize) -> (Self, Self) {
+    /// Two outputs over `[0, mid)` and `[mid, len)`.
+    pub fn split_at(self, mid: usize) -> (Self, Self) {
         match self {
             LowPrecisionOut::None => (LowPrecisionOut::None, LowPrecisionOut::None),
             LowPrecisionOut::Bf16(o) => {
@@ -81,6 +85,10 @@ impl<'a> LowPrecisionOut<'a> {
             LowPrecisionOut::F16(o) => {
                 let (a, b) = o.split_at_mut(mid);
                 (LowPrecisionOut::F16(a), LowPrecisionOut::F16(b))
+            }
+            LowPrecisionOut::F32(o) => {
+                let (a, b) = o.split_at_mut(mid);
+                (LowPrecisionOut::F32(a), LowPrecisionOut::F32(b))
             }
         }
     }

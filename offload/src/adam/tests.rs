@@ -31,6 +31,7 @@ struct State {
     grad: Vec<f32>,
     grad_bf16: Vec<u16>,
     low: Vec<u16>,
+    low_f32: Vec<f32>,
 }
 
 impl State {
@@ -44,6 +45,7 @@ impl State {
             grad_bf16: grad.iter().map(|&g| f32_to_bf16(g)).collect(),
             grad,
             low: vec![0; n],
+            low_f32: vec![0.0; n],
         }
     }
 
@@ -60,6 +62,7 @@ impl State {
             low: match low {
                 "bf16" => LowPrecisionOut::Bf16(&mut self.low),
                 "fp16" => LowPrecisionOut::F16(&mut self.low),
+                "fp32" => LowPrecisionOut::F32(&mut self.low_f32),
                 _ => LowPrecisionOut::None,
             },
         }
@@ -91,7 +94,7 @@ fn every_kernel_matches_the_reference_bit_for_bit() {
         for &n in &SIZES {
             for hyper in hypers() {
                 for grad_bf16 in [false, true] {
-                    for low in ["none", "bf16", "fp16"] {
+                    for low in ["none", "bf16", "fp16", "fp32"] {
                         let mut expected = State::random(n, n as u64);
                         let mut got = expected.clone();
                         let mut flags = (false, false);
@@ -112,6 +115,7 @@ fn every_kernel_matches_the_reference_bit_for_bit() {
                             "exp_avg_sq {what}"
                         );
                         assert_eq!(got.low, expected.low, "low {what}");
+                        assert_eq!(bits(&got.low_f32), bits(&expected.low_f32), "low fp32 {what}");
                     }
                 }
             }

@@ -1,0 +1,737 @@
+//! One rank of the ZeRO engine: its state per unit, on its tiers, and the training step.
+//!
+//! Stages are residency rules over the same code (ZeRO paper, §5):
+//! - stage 0: parameters, gradients and optimizer state replicated; gradients all-reduced;
+//! - stage 1: optimizer state sharded; gradients all-reduced, each rank updates its shard
+//!   and the updated shards are all-gathered into every replica;
+//! - stage 2: as 1, with gradients reduce-scattered straight into the shard;
+//! - stage 3: as 2, with parameters sharded too: a unit is all-gathered only while it
+//!   computes, then released (units below `stage3_param_persistence_threshold` stay).
+//!
+//! Per unit and rank: the low-precision parameters (the shard at stage 3, else the full
+//! replica) in memory or in the swap store (`offload_param: nvme`); the fp32 gradient
+//! accumulator for the optimizer partition; fp32 master, exp_avg and exp_avg_sq in memory
+//! (`offload_optimizer: none|cpu`) or streamed through the NVMe pipeline (`nvme`).
+//!
+//! The step (DESIGN.md, "One training step"): forward unit by unit under no_grad keeping
+//! each unit's input; the final unit's loss and backward; backward in reverse by
+//! recompute, each flat gradient reduced into the shard; then the global gradient norm by
+//! all-reduce, clipping and fp16 overflow skipping, and AdamW unit by unit in forward
+//! order. This build runs the optimizer phase blocking and fetches without prefetch.
+
+use super::partition::Partition;
+use super::schedule::{learning_rate, LossScaler};
+use crate::comm::{Collective, CommError, ReduceOp};
+use crate::config::plan::{Plan, Precision, Tier};
+use crate::data::Dataset;
+use crate::model::layout::UnitKind;
+use crate::model::Model;
+use crate::torch;
+use tch::{Kind, TchError, Tensor};
+use tierzero_offload::adam::{self, GradSlice, LowPrecisionOut, Sweep};
+use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
+use tierzero_offload::nvme::IoError;
+use tierzero_offload::pipeline::{self, PipelineConfig, SubGroup};
+use tierzero_offload::pool::{BufferPool, IoBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("rank {rank}: torch: {source}")]
+    Torch { rank: usize, source: TchError },
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error("rank {rank}: nvme: {source}")]
+    Io { rank: usize, source: IoError },
+    #[error("rank {rank}: {message}")]
+    Other { rank: usize, message: String },
+}
+
+/// Low-precision parameters as stored: fp32 values or 16-bit float bits.
+#[derive(Clone, Debug)]
+pub enum LowParams {
+    F32(Vec<f32>),
+    U16(Vec<u16>),
+}
+
+impl LowParams {
+    fn zeros(len: usize, precision: &Precision) -> LowParams {
+        match precision {
+            Precision::Fp32 => LowParams::F32(vec![0.0; len]),
+            _ => LowParams::U16(vec![0; len]),
+        }
+    }
+
+    fn out(&mut self) -> LowPrecisionOut<'_> {
+        match self {
+            LowParams::F32(v) => LowPrecisionOut::F32(v),
+            LowParams::U16(v) => LowPrecisionOut::Bf16(v),
+        }
+    }
+
+    fn out_as(&mut self, precision: &Precision) -> LowPrecisionOut<'_> {
+        match (self, precision) {
+            (LowParams::U16(v), Precision::Fp16(_)) => LowPrecisionOut::F16(v),
+            (other, _) => other.out(),
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: f32/u16 have no padding; any byte view is valid.
+        unsafe {
+            match self {
+                LowParams::F32(v) => std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 4),
+                LowParams::U16(v) => std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 2),
+            }
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: any byte pattern is a valid f32/u16.
+        unsafe {
+            match self {
+                LowParams::F32(v) => std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 4),
+                LowParams::U16(v) => std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 2),
+            }
+        }
+    }
+
+    fn elem_bytes(&self) -> usize {
+        match self {
+            LowParams::F32(_) => 4,
+            LowParams::U16(_) => 2,
+        }
+    }
+}
+
+/// fp32 optimizer state of one partition, in memory.
+struct OptimizerState {
+    master: Vec<f32>,
+    exp_avg: Vec<f32>,
+    exp_avg_sq: Vec<f32>,
+}
+
+struct UnitState {
+    part: Partition,
+    /// Stage 3: this rank's shard; else the padded replica. Empty when on NVMe.
+    params: LowParams,
+    /// Stage 3 units at or below the persistence threshold keep their gathered form.
+    persistent: Option<Tensor>,
+    /// Offset and length of the optimizer partition within the padded buffer.
+    opt_start: usize,
+    opt_len: usize,
+    /// fp32 gradient accumulator: the optimizer partition at stage ≥ 2, else the whole
+    /// padded unit.
+    grad: Vec<f32>,
+    optimizer: Option<OptimizerState>,
+}
+
+/// Per-step numbers one rank reports.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepReport {
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub loss_scale: f64,
+    pub skipped: bool,
+}
+
+pub struct RankEngine<'a, C: Collective> {
+    pub comm: C,
+    plan: &'a Plan,
+    model: &'a Model,
+    dataset: &'a Dataset,
+    /// Optimizer state on NVMe.
+    store: Option<&'a SwapStore>,
+    /// Parameters on NVMe.
+    param_store: Option<&'a SwapStore>,
+    pool: Option<BufferPool>,
+    units: Vec<UnitState>,
+    scaler: LossScaler,
+    /// Optimizer steps applied (skipped steps do not count, as in DeepSpeed).
+    adam_steps: u64,
+    rank: usize,
+}
+
+impl<'a, C: Collective> RankEngine<'a, C> {
+    fn torch_err(&self) -> impl Fn(TchError) -> EngineError + '_ {
+        move |source| EngineError::Torch {
+            rank: self.rank,
+            source,
+        }
+    }
+
+    fn io_err(&self) -> impl Fn(IoError) -> EngineError + '_ {
+        move |source| EngineError::Io {
+            rank: self.rank,
+            source,
+        }
+    }
+
+    fn stage(&self) -> u8 {
+        self.plan.zero.stage
+    }
+
+    /// Builds this rank's state: each unit initialised (a pure function of the seed),
+    /// sliced to what this rank keeps, and written to its tier.
+    pub fn new(
+        comm: C,
+        plan: &'a Plan,
+        model: &'a Model,
+        dataset: &'a Dataset,
+        store: Option<&'a SwapStore>,
+        param_store: Option<&'a SwapStore>,
+    ) -> Result<Self, EngineError> {
+        let rank = comm.rank();
+        let world = comm.world();
+        let stage = plan.zero.stage;
+        let param_nvme = plan.zero.offload_param.tier == Tier::Nvme;
+        let optimizer_nvme = plan.zero.offload_optimizer.tier == Tier::Nvme;
+        let pool = match (store, optimizer_nvme) {
+            (Some(store), true) => Some(
+                pipeline::buffer_pool_for(store, plan.zero.offload_optimizer.buffer_count)
+                    .map_err(|source| EngineError::Io { rank, source })?,
+            ),
+            _ => None,
+        };
+        let mut units = Vec::with_capacity(model.units.len());
+        for (u, layout) in model.units.iter().enumerate() {
+            let part = Partition::new(layout.numel, world);
+            let mut full = vec![0f32; part.padded];
+            layout.init(plan.train.seed, &mut full[..layout.numel]);
+            let (opt_start, opt_len) = if stage == 0 {
+                (0, part.padded)
+            } else {
+                (part.range(rank).start, part.shard)
+            };
+            let master = full[opt_start..opt_start + opt_len].to_vec();
+            // the parameters this rank keeps: its shard at stage 3, else the replica
+            let kept = if stage == 3 {
+                &full[part.range(rank)]
+            } else {
+                &full[..]
+            };
+            let mut params = LowParams::zeros(kept.len(), &plan.precision);
+            round_into(kept, &mut params, &plan.precision);
+            let grad = vec![0f32; if stage >= 2 { opt_len } else { part.padded }];
+            let optimizer = if optimizer_nvme {
+                let (Some(store), Some(pool)) = (store, pool.as_ref()) else {
+                    return Err(EngineError::Other {
+                        rank,
+                        message: "optimizer on nvme without a swap store".into(),
+                    });
+                };
+                let zeros = vec![0f32; opt_len];
+                let mut scratch = pool.lease();
+                for (state, data) in [
+                    (State::Master, &master),
+                    (State::ExpAvg, &zeros),
+                    (State::ExpAvgSq, &zeros),
+                ] {
+                    let key = TensorKey {
+                        unit: u as u32,
+                        rank: rank as u32,
+                        state,
+                    };
+                    scratch = store
+                        .write_tensor(key, f32_bytes(data), scratch)
+                        .map_err(|source| EngineError::Io { rank, source })?;
+                }
+                None
+            } else {
+                Some(OptimizerState {
+                    master,
+                    exp_avg: vec![0.0; opt_len],
+                    exp_avg_sq: vec![0.0; opt_len],
+                })
+            };
+            if param_nvme {
+                let Some(store) = param_store else {
+                    return Err(EngineError::Other {
+                        rank,
+                        message: "parameters on nvme without a swap store".into(),
+                    });
+                };
+                let key = TensorKey {
+                    unit: u as u32,
+                    rank: rank as u32,
+                    state: State::Param,
+                };
+                let scratch =
+                    IoBuf::new(store.chunk_bytes(params.elem_bytes())).map_err(|e| EngineError::Other {
+                        rank,
+                        message: e.to_string(),
+                    })?;
+                store
+                    .write_tensor(key, params.bytes(), scratch)
+                    .map_err(|source| EngineError::Io { rank, source })?;
+                params = LowParams::zeros(0, &plan.precision);
+            }
+            units.push(UnitState {
+                part,
+                params,
+                persistent: None,
+                opt_start,
+                opt_len,
+                grad,
+                optimizer,
+            });
+        }
+        let scaler = LossScaler::new(match &plan.precision {
+            Precision::Fp16(s) => Some(s),
+            _ => None,
+        });
+        Ok(RankEngine {
+            comm,
+            plan,
+            model,
+            dataset,
+            store,
+            param_store,
+            pool,
+            units,
+            scaler,
+            adam_steps: 0,
+            rank,
+        })
+    }
+
+    /// The full parameters of unit `u` as a tensor of the compute kind.
+    fn fetch(&mut self, u: usize) -> Result<Tensor, EngineError> {
+        if let Some(t) = &self.units[u].persistent {
+            return Ok(t.shallow_clone());
+        }
+        let kind = self.model.kind;
+        let numel = self.units[u].part.numel;
+        let shard = self.local_params(u)?;
+        let full = if self.stage() == 3 {
+            let padded = self.units[u].part.padded;
+            match &shard {
+                LowParams::F32(s) => {
+                    let mut out = vec![0f32; padded];
+                    self.comm.all_gather(s, &mut out)?;
+                    LowParams::F32(out)
+                }
+                LowParams::U16(s) => {
+                    let mut out = vec![0u16; padded];
+                    self.comm.all_gather(s, &mut out)?;
+                    LowParams::U16(out)
+                }
+            }
+        } else {
+            shard
+        };
+        let tensor = match &full {
+            LowParams::F32(v) => torch::tensor_f32(&v[..numel]),
+            LowParams::U16(v) => torch::tensor_u16(&v[..numel], kind),
+        }
+        .map_err(self.torch_err())?;
+        if self.stage() == 3 && numel <= self.plan.zero.param_persistence_threshold {
+            self.units[u].persistent = Some(tensor.shallow_clone());
+        }
+        Ok(tensor)
+    }
+
+    /// This rank's stored parameters of unit `u` (from NVMe when offloaded there).
+    fn local_params(&self, u: usize) -> Result<LowParams, EngineError> {
+        let unit = &self.units[u];
+        if self.plan.zero.offload_param.tier != Tier::Nvme {
+            return Ok(unit.params.clone());
+        }
+        let Some(store) = self.param_store else {
+            return Err(EngineError::Other {
+                rank: self.rank,
+                message: "parameters on nvme without a swap store".into(),
+            });
+        };
+        let len = if self.stage() == 3 {
+            unit.part.shard
+        } else {
+            unit.part.padded
+        };
+        let mut params = LowParams::zeros(len, &self.plan.precision);
+        let key = TensorKey {
+            unit: u as u32,
+            rank: self.rank as u32,
+            state: State::Param,
+        };
+        let scratch = IoBuf::new(store.chunk_bytes(params.elem_bytes())).map_err(|e| EngineError::Other {
+            rank: self.rank,
+            message: e.to_string(),
+        })?;
+        store
+            .read_tensor(key, params.bytes_mut(), scratch)
+            .map_err(self.io_err())?;
+        Ok(params)
+    }
+
+    /// Adds a unit's flat gradient (numel elements, fp32) into this rank's accumulator.
+    fn accumulate(&mut self, u: usize, grad: &Tensor) -> Result<(), EngineError> {
+        let part = self.units[u].part;
+        let mut full = vec![0f32; part.padded];
+        let n = grad.numel();
+        torch::copy_to_f32(grad, &mut full[..n]).map_err(self.torch_err())?;
+        if self.stage() >= 2 {
+            let mut mine = vec![0f32; part.shard];
+            self.comm.reduce_scatter(&full, &mut mine, ReduceOp::Avg)?;
+            for (g, x) in self.units[u].grad.iter_mut().zip(mine) {
+                *g += x;
+            }
+        } else {
+            for (g, x) in self.units[u].grad.iter_mut().zip(full) {
+                *g += x;
+            }
+        }
+        Ok(())
+    }
+
+    /// One optimizer step: every micro-batch of this rank, then the update.
+    pub fn step(&mut self, step: u64) -> Result<StepReport, EngineError> {
+        let plan = self.plan;
+        let gas = plan.batch.gradient_accumulation_steps;
+        let world = self.comm.world();
+        let last = self.units.len() - 1;
+        let (rows, seq) = (plan.batch.micro_batch_per_gpu, plan.data.seq_len);
+        for unit in &mut self.units {
+            unit.grad.fill(0.0);
+        }
+        let mut loss = 0.0;
+        let loss_scale = self.scaler.scale;
+        for micro in 0..gas {
+            let global_micro = (micro * world + self.rank) as u64;
+            let batch = self
+                .dataset
+                .batch(plan.train.seed, 0, step, global_micro, rows, seq);
+            let shape = [rows as i64, seq as i64];
+            let tokens = torch::tensor_tokens(&batch.inputs, &shape).map_err(self.torch_err())?;
+            let targets = torch::tensor_tokens(&batch.targets, &shape).map_err(self.torch_err())?;
+            // forward, keeping each unit's input
+            let mut inputs = vec![tokens];
+            for u in 0..last {
+                let params = self.fetch(u)?;
+                let y = self
+                    .model
+                    .forward_unit(u, &params, &inputs[u])
+                    .map_err(self.torch_err())?;
+                inputs.push(y);
+            }
+            // loss and the final unit's backward
+            let params = self.fetch(last)?;
+            let tied = if self.model.config.tie_word_embeddings {
+                Some(self.fetch(0)?)
+            } else {
+                None
+            };
+            let fin = self
+                .model
+                .backward_final(
+                    &params,
+                    tied.as_ref(),
+                    &inputs[last],
+                    &targets,
+                    loss_scale / gas as f64,
+                )
+                .map_err(self.torch_err())?;
+            drop((params, tied));
+            loss += fin.loss_sum / fin.count.max(1) as f64 / gas as f64;
+            self.accumulate(last, &fin.params)?;
+            if let Some(t) = &fin.tied {
+                self.accumulate(0, &t.reshape([-1]))?;
+            }
+            // backward in reverse by recompute
+            let mut grad_out = fin.input;
+            for u in (0..last).rev() {
+                let params = self.fetch(u)?;
+                let (g, grad_in) = self
+                    .model
+                    .backward_unit(u, &params, &inputs[u], &grad_out)
+                    .map_err(self.torch_err())?;
+                self.accumulate(u, &g)?;
+                if let Some(d) = grad_in {
+                    grad_out = d;
+                }
+            }
+        }
+        // stages 0 and 1 all-reduce whole gradients once per step
+        if self.stage() <= 1 {
+            for u in 0..self.units.len() {
+                let mut g = std::mem::take(&mut self.units[u].grad);
+                self.comm.all_reduce(&mut g, ReduceOp::Avg)?;
+                self.units[u].grad = g;
+            }
+        }
+        let mut losses = [loss];
+        self.comm.all_reduce(&mut losses, ReduceOp::Avg)?;
+        // the global gradient norm (of the unscaled gradients)
+        let mut sum_sq = [self
+            .units
+            .iter()
+            .map(|u| {
+                self.opt_grad(u)
+                    .iter()
+                    .map(|&g| f64::from(g) * f64::from(g))
+                    .sum::<f64>()
+            })
+            .sum::<f64>()];
+        if self.stage() >= 1 {
+            self.comm.all_reduce(&mut sum_sq, ReduceOp::Sum)?;
+        }
+        let grad_norm = sum_sq[0].sqrt() / loss_scale;
+        let lr = learning_rate(&plan.scheduler, f64::from(plan.optimizer.lr), step);
+        let mut report = StepReport {
+            loss: losses[0],
+            grad_norm,
+            lr,
+            loss_scale,
+            skipped: false,
+        };
+        if !grad_norm.is_finite() {
+            // fp16 overflow (or a non-finite gradient in any precision): skip the update
+            self.scaler.update(true);
+            report.skipped = true;
+            return Ok(report);
+        }
+        self.scaler.update(false);
+        let mut grad_scale = 1.0 / loss_scale;
+        if plan.gradient_clipping > 0.0 {
+            let coefficient = plan.gradient_clipping / (grad_norm + 1e-6);
+            if coefficient < 1.0 {
+                grad_scale *= coefficient;
+            }
+        }
+        self.adam_steps += 1;
+        let coefficients = plan
+            .optimizer
+            .hyper(lr as f32)
+            .coefficients(self.adam_steps, grad_scale as f32);
+        for u in 0..self.units.len() {
+            self.update_unit(u, &coefficients)?;
+        }
+        Ok(report)
+    }
+
+    fn opt_grad<'u>(&self, unit: &'u UnitState) -> &'u [f32] {
+        if self.stage() == 1 {
+            &unit.grad[unit.opt_start..unit.opt_start + unit.opt_len]
+        } else {
+            &unit.grad
+        }
+    }
+
+    /// AdamW on unit `u`'s optimizer partition, then the new parameters to their tier.
+    fn update_unit(&mut self, u: usize, c: &adam::Coefficients) -> Result<(), EngineError> {
+        let precision = self.plan.precision;
+        let opt_len = self.units[u].opt_len;
+        let mut fresh = LowParams::zeros(opt_len, &precision);
+        let stage = self.stage();
+        let grad = {
+            let unit = &self.units[u];
+            if stage == 1 {
+                unit.grad[unit.opt_start..unit.opt_start + opt_len].to_vec()
+            } else {
+                std::mem::take(&mut self.units[u].grad)
+            }
+        };
+        if let Some(state) = self.units[u].optimizer.as_mut() {
+            let sweep = Sweep {
+                master: &mut state.master,
+                exp_avg: &mut state.exp_avg,
+                exp_avg_sq: &mut state.exp_avg_sq,
+                grad: GradSlice::F32(&grad),
+                low: fresh.out_as(&precision),
+            };
+            adam::step(c, sweep).map_err(|e| EngineError::Other {
+                rank: self.rank,
+                message: e.to_string(),
+            })?;
+        } else {
+            let (Some(store), Some(pool)) = (self.store, self.pool.as_ref()) else {
+                return Err(EngineError::Other {
+                    rank: self.rank,
+                    message: "optimizer state has no tier".into(),
+                });
+            };
+            let chunk = store.chunk_elems();
+            let mut groups = Vec::new();
+            let mut grad_rest: &[f32] = &grad;
+            let mut low_rest = fresh.out_as(&precision);
+            let mut index = 0;
+            while !grad_rest.is_empty() {
+                let n = chunk.min(grad_rest.len());
+                let (g, g_tail) = grad_rest.split_at(n);
+                let (l, l_tail) = low_rest.split_at(n);
+                groups.push(SubGroup {
+                    unit: u as u32,
+                    rank: self.rank as u32,
+                    chunk: index,
+                    grad: GradSlice::F32(g),
+                    low: l,
+                });
+                grad_rest = g_tail;
+                low_rest = l_tail;
+                index += 1;
+            }
+            let config = PipelineConfig {
+                buffer_count: self.plan.zero.offload_optimizer.buffer_count,
+                pipeline_read: self.plan.zero.offload_optimizer.pipeline_read,
+                pipeline_write: self.plan.zero.offload_optimizer.pipeline_write,
+            };
+            pipeline::nvme_adam_step(store, pool, groups, c, config).map_err(self.io_err())?;
+        }
+        if stage != 1 {
+            self.units[u].grad = grad;
+        }
+        // new parameters to where they live
+        let params = match stage {
+            3 | 0 => fresh,
+            _ => {
+                let padded = self.units[u].part.padded;
+                match &fresh {
+                    LowParams::F32(s) => {
+                        let mut out = vec![0f32; padded];
+                        self.comm.all_gather(s, &mut out)?;
+                        LowParams::F32(out)
+                    }
+                    LowParams::U16(s) => {
+                        let mut out = vec![0u16; padded];
+                        self.comm.all_gather(s, &mut out)?;
+                        LowParams::U16(out)
+                    }
+                }
+            }
+        };
+        self.units[u].persistent = None;
+        if self.plan.zero.offload_param.tier == Tier::Nvme {
+            let Some(store) = self.param_store else {
+                return Err(EngineError::Other {
+                    rank: self.rank,
+                    message: "parameters on nvme without a swap store".into(),
+                });
+            };
+            let key = TensorKey {
+                unit: u as u32,
+                rank: self.rank as u32,
+                state: State::Param,
+            };
+            let scratch =
+                IoBuf::new(store.chunk_bytes(params.elem_bytes())).map_err(|e| EngineError::Other {
+                    rank: self.rank,
+                    message: e.to_string(),
+                })?;
+            store
+                .write_tensor(key, params.bytes(), scratch)
+                .map_err(self.io_err())?;
+        } else {
+            self.units[u].params = params;
+        }
+        Ok(())
+    }
+
+    /// fp32 master weights of this rank's optimizer partition of unit `u`.
+    pub fn master(&self, u: usize) -> Result<(usize, Vec<f32>), EngineError> {
+        let unit = &self.units[u];
+        if let Some(state) = &unit.optimizer {
+            return Ok((unit.opt_start, state.master.clone()));
+        }
+        let Some(store) = self.store else {
+            return Err(EngineError::Other {
+                rank: self.rank,
+                message: "optimizer state has no tier".into(),
+            });
+        };
+        let mut master = vec![0f32; unit.opt_len];
+        let key = TensorKey {
+            unit: u as u32,
+            rank: self.rank as u32,
+            state: State::Master,
+        };
+        let scratch = IoBuf::new(store.chunk_bytes(4)).map_err(|e| EngineError::Other {
+            rank: self.rank,
+            message: e.to_string(),
+        })?;
+        store
+            .read_tensor(key, f32_bytes_mut(&mut master), scratch)
+            .map_err(self.io_err())?;
+        Ok((unit.opt_start, master))
+    }
+
+    pub fn unit_count(&self) -> usize {
+        self.units.len()
+    }
+
+    pub fn is_embedding(&self, u: usize) -> bool {
+        self.model.units[u].kind == UnitKind::Embedding
+    }
+
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.scale
+    }
+
+    /// Mean loss on `batches` evaluation micro-batches of this rank (no update).
+    pub fn eval(&mut self, batches: usize) -> Result<f64, EngineError> {
+        let plan = self.plan;
+        let world = self.comm.world();
+        let last = self.units.len() - 1;
+        let (rows, seq) = (plan.batch.micro_batch_per_gpu, plan.data.seq_len);
+        let (mut sum, mut count) = (0.0, 0.0);
+        for b in 0..batches {
+            let batch = self
+                .dataset
+                .batch(plan.train.seed, 1, 0, (b * world + self.rank) as u64, rows, seq);
+            let shape = [rows as i64, seq as i64];
+            let mut x = torch::tensor_tokens(&batch.inputs, &shape).map_err(self.torch_err())?;
+            let targets = torch::tensor_tokens(&batch.targets, &shape).map_err(self.torch_err())?;
+            for u in 0..last {
+                let params = self.fetch(u)?;
+                x = self
+                    .model
+                    .forward_unit(u, &params, &x)
+                    .map_err(self.torch_err())?;
+            }
+            let params = self.fetch(last)?;
+            let tied = if self.model.config.tie_word_embeddings {
+                Some(self.fetch(0)?)
+            } else {
+                None
+            };
+            let (s, c) = self
+                .model
+                .loss(&params, tied.as_ref(), &x, &targets)
+                .map_err(self.torch_err())?;
+            sum += s;
+            count += c as f64;
+        }
+        let mut totals = [sum, count];
+        self.comm.all_reduce(&mut totals, ReduceOp::Sum)?;
+        Ok(totals[0] / totals[1].max(1.0))
+    }
+}
+
+/// Rounds fp32 values into the stored precision.
+fn round_into(values: &[f32], out: &mut LowParams, precision: &Precision) {
+    match out {
+        LowParams::F32(o) => o.copy_from_slice(values),
+        LowParams::U16(o) => {
+            for (d, &x) in o.iter_mut().zip(values) {
+                *d = match precision {
+                    Precision::Fp16(_) => tierzero_offload::convert::f32_to_f16(x),
+                    _ => tierzero_offload::convert::f32_to_bf16(x),
+                };
+            }
+        }
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 4) }
+}
+
+fn f32_bytes_mut(v: &mut [f32]) -> &mut [u8] {
+    // SAFETY: any byte pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 4) }
+}
+
+/// The element kind tch uses for a precision (re-exported for the trainer).
+pub fn kind_for(precision: &Precision) -> Kind {
+    torch::compute_kind(precision)
+}

@@ -1,0 +1,419 @@
+//! `tierzero train`: N ranks as threads over the `Local` collective, the shared swap
+//! store, and what a run writes.
+//!
+//! One process, one worker thread per rank (DESIGN.md, "Processes and ranks"); the ranks
+//! share one swap store (one I/O engine per NVMe path) and the CPU cores are split
+//! between their libtorch intra-op threads. A rank that fails or panics aborts the
+//! communicator, so every other rank returns an error instead of hanging. Rank 0 reports
+//! each step; this thread writes `<output_dir>/metrics.jsonl` and the progress lines.
+
+use super::partition::Partition;
+use super::rank::{kind_for, EngineError, RankEngine, StepReport};
+use crate::comm::local::Local;
+use crate::comm::Collective;
+use crate::config::plan::{Plan, Tier};
+use crate::data::{DataError, Dataset};
+use crate::model::Model;
+use serde::Serialize;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
+use tierzero_offload::nvme::{open_engine, EngineChoice, EngineConfig, IoError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("swap store under {path}: {source}")]
+    Swap { path: PathBuf, source: IoError },
+    #[error("cannot write {path}: {source}")]
+    Output { path: PathBuf, source: std::io::Error },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TrainOptions {
+    /// Create the output directory and write metrics.jsonl; print progress.
+    pub write_outputs: bool,
+    /// Return the final fp32 master weights (tests, export).
+    pub collect_master: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub loss_scale: f64,
+    pub skipped: bool,
+    pub tokens: u64,
+    pub tokens_per_s: f64,
+    pub mfu: f64,
+    pub step_seconds: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+}
+
+#[derive(Debug, Default)]
+pub struct TrainResult {
+    pub steps: Vec<StepMetrics>,
+    /// Per unit, the fp32 master weights (unpadded), when collected.
+    pub master: Vec<Vec<f32>>,
+    pub seconds: f64,
+}
+
+struct RankMessage {
+    step: u64,
+    report: StepReport,
+    seconds: f64,
+    eval_loss: Option<f64>,
+}
+
+/// fp32 matmul throughput of this machine, the "peak" MFU is measured against on CPU.
+fn cpu_peak_flops() -> f64 {
+    let n = 512i64;
+    let a = tch::Tensor::ones([n, n], (tch::Kind::Float, tch::Device::Cpu));
+    let _ = a.matmul(&a);
+    let start = Instant::now();
+    let reps = 20;
+    for _ in 0..reps {
+        let _ = a.matmul(&a);
+    }
+    2.0 * (n * n * n) as f64 * reps as f64 / start.elapsed().as_secs_f64()
+}
+
+fn swap_specs(plan: &Plan, model: &Model, states: &[State], elem_bytes: usize) -> Vec<TensorSpec> {
+    let world = plan.world_size;
+    let mut specs = Vec::new();
+    for (u, layout) in model.units.iter().enumerate() {
+        let part = Partition::new(layout.numel, world);
+        for rank in 0..world {
+            let numel = match states[0] {
+                State::Param => part.shard,
+                _ if plan.zero.stage == 0 => part.padded,
+                _ => part.shard,
+            };
+            for &state in states {
+                specs.push(TensorSpec {
+                    key: TensorKey {
+                        unit: u as u32,
+                        rank: rank as u32,
+                        state,
+                    },
+                    numel,
+                    elem_bytes,
+                });
+            }
+        }
+    }
+    specs
+}
+
+fn open_store(
+    plan: &Plan,
+    path: &std::path::Path,
+    name: &str,
+    specs: &[TensorSpec],
+) -> Result<SwapStore, TrainError> {
+    let engine_config = EngineConfig {
+        block_size: plan.aio.block_size,
+        queue_depth: plan.aio.queue_depth,
+        parallelism: plan.aio.intra_op_parallelism,
+        single_submit: plan.aio.single_submit,
+        overlap_events: plan.aio.overlap_events,
+    };
+    let swap = |source| TrainError::Swap {
+        path: path.to_path_buf(),
+        source,
+    };
+    let (engine, _) = open_engine(path, engine_config, None, EngineChoice::Auto).map_err(swap)?;
+    let chunk = plan
+        .zero
+        .sub_group_size
+        .min(specs.iter().map(|s| s.numel).max().unwrap_or(1));
+    SwapStore::create(path, name, engine, specs, chunk).map_err(swap)
+}
+
+/// Trains `plan.train.steps` steps on `plan.world_size` CPU ranks.
+pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainError> {
+    let start = Instant::now();
+    let model = Model::new(plan.model.config.clone(), kind_for(&plan.precision));
+    let dataset = Dataset::open(plan)?;
+    if dataset.vocab_needed() > model.config.vocab_size {
+        return Err(TrainError::Invalid(format!(
+            "the synthetic corpus uses {} token ids but model.vocab_size is {}; raise model.vocab_size",
+            dataset.vocab_needed(),
+            model.config.vocab_size
+        )));
+    }
+    let (optimizer_store, param_store) = open_stores(plan, &model)?;
+    let world = plan.world_size;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    tch::set_num_threads((cores / world).max(1) as i32);
+
+    let mut metrics_file = None;
+    let peak = if options.write_outputs {
+        let dir = &plan.train.output_dir;
+        std::fs::create_dir_all(dir).map_err(|source| TrainError::Output {
+            path: dir.clone(),
+            source,
+        })?;
+        let path = dir.join("metrics.jsonl");
+        metrics_file = Some((
+            std::fs::File::create(&path).map_err(|source| TrainError::Output {
+                path: path.clone(),
+                source,
+            })?,
+            path,
+        ));
+        cpu_peak_flops()
+    } else {
+        0.0
+    };
+    let flops_per_token = model.config.flops_per_token(plan.data.seq_len);
+    let tokens_per_step = plan.tokens_per_step() as u64;
+
+    let (tx, rx) = crossbeam_channel::unbounded::<RankMessage>();
+    let comms = Local::group(world);
+    let mut result = TrainResult::default();
+    let outcomes: Vec<Result<Vec<(usize, Vec<f32>)>, TrainError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let tx = tx.clone();
+                let (model, dataset) = (&model, &dataset);
+                let (opt_store, par_store) = (optimizer_store.as_ref(), param_store.as_ref());
+                std::thread::Builder::new()
+                    .name(format!("tierzero-rank-{}", comm.rank()))
+                    .spawn_scoped(scope, move || {
+                        let guard = comm.clone();
+                        let rank = comm.rank();
+                        let body = std::panic::AssertUnwindSafe(|| {
+                            run_rank(comm, plan, model, dataset, opt_store, par_store, &tx, options)
+                        });
+                        match std::panic::catch_unwind(body) {
+                            Ok(Ok(master)) => Ok(master),
+                            Ok(Err(e)) => {
+                                guard.abort(&format!("rank {rank} failed: {e}"));
+                                Err(e)
+                            }
+                            Err(panic) => {
+                                let message = panic
+                                    .downcast_ref::<String>()
+                                    .cloned()
+                                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                                    .unwrap_or_default();
+                                guard.abort(&format!("rank {rank} panicked: {message}"));
+                                Err(TrainError::Invalid(format!("rank {rank} panicked: {message}")))
+                            }
+                        }
+                    })
+            })
+            .collect();
+        drop(tx);
+        let mut last = Instant::now();
+        for message in rx {
+            let seconds = message.seconds;
+            let tokens_per_s = tokens_per_step as f64 / seconds.max(1e-9);
+            let metrics = StepMetrics {
+                step: message.step + 1,
+                loss: message.report.loss,
+                lr: message.report.lr,
+                grad_norm: message.report.grad_norm,
+                loss_scale: message.report.loss_scale,
+                skipped: message.report.skipped,
+                tokens: tokens_per_step * (message.step + 1),
+                tokens_per_s,
+                mfu: if peak > 0.0 {
+                    flops_per_token * tokens_per_s / peak
+                } else {
+                    0.0
+                },
+                step_seconds: seconds,
+                eval_loss: message.eval_loss,
+            };
+            if let Some((file, _)) = metrics_file.as_mut() {
+                if let Ok(line) = serde_json::to_string(&metrics) {
+                    let _ = writeln!(file, "{line}");
+                }
+                let done = metrics.step;
+                if done % plan.train.log_interval == 0
+                    || done == plan.train.steps
+                    || last.elapsed().as_secs() >= 10
+                {
+                    last = Instant::now();
+                    let eta = seconds * (plan.train.steps - done) as f64;
+                    let eval = metrics
+                        .eval_loss
+                        .map(|l| format!("  eval {l:.4}"))
+                        .unwrap_or_default();
+                    println!(
+                        "step {done:>6}/{}  loss {:.4}{eval}  lr {:.2e}  grad_norm {:.3}  {:.0} tok/s  mfu {:.1}%  eta {:.0}s{}",
+                        plan.train.steps,
+                        metrics.loss,
+                        metrics.lr,
+                        metrics.grad_norm,
+                        metrics.tokens_per_s,
+                        100.0 * metrics.mfu,
+                        eta,
+                        if metrics.skipped { "  (skipped: overflow)" } else { "" }
+                    );
+                }
+            }
+            result.steps.push(metrics);
+        }
+        handles
+            .into_iter()
+            .map(|h| match h {
+                Ok(handle) => handle
+                    .join()
+                    .unwrap_or_else(|_| Err(TrainError::Invalid("a rank thread panicked".into()))),
+                Err(e) => Err(TrainError::Invalid(format!("cannot start a rank thread: {e}"))),
+            })
+            .collect()
+    });
+    // the root cause is the first error that is not another rank's abort
+    let mut partitions = Vec::new();
+    let mut first_error = None;
+    for outcome in outcomes {
+        match outcome {
+            Ok(p) => partitions.push(p),
+            Err(e) => {
+                let is_echo = matches!(&e, TrainError::Engine(EngineError::Comm(_)));
+                if first_error.is_none()
+                    || (!is_echo && matches!(first_error, Some(TrainError::Engine(EngineError::Comm(_)))))
+                {
+                    first_error = Some(e);
+                }
+            }
+        }
+    }
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    if options.collect_master {
+        result.master = model
+            .units
+            .iter()
+            .enumerate()
+            .map(|(u, layout)| {
+                let part = Partition::new(layout.numel, world);
+                let mut full = vec![0f32; part.padded];
+                for rank_parts in &partitions {
+                    let (start, values) = &rank_parts[u];
+                    full[*start..*start + values.len()].copy_from_slice(values);
+                }
+                full.truncate(layout.numel);
+                full
+            })
+            .collect();
+    }
+    result.seconds = start.elapsed().as_secs_f64();
+    if let Some((_, path)) = metrics_file {
+        tracing::debug!("metrics in {}", path.display());
+    }
+    Ok(result)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_rank(
+    comm: Local,
+    plan: &Plan,
+    model: &Model,
+    dataset: &Dataset,
+    optimizer_store: Option<&SwapStore>,
+    param_store: Option<&SwapStore>,
+    tx: &crossbeam_channel::Sender<RankMessage>,
+    options: TrainOptions,
+) -> Result<Vec<(usize, Vec<f32>)>, TrainError> {
+    let rank = comm.rank();
+    let mut engine = RankEngine::new(comm, plan, model, dataset, optimizer_store, param_store)?;
+    for step in 0..plan.train.steps {
+        let start = Instant::now();
+        let report = engine.step(step)?;
+        let seconds = start.elapsed().as_secs_f64();
+        let eval_loss = if plan.train.eval_interval > 0 && (step + 1) % plan.train.eval_interval == 0 {
+            Some(engine.eval(plan.train.eval_batches)?)
+        } else {
+            None
+        };
+        if rank == 0 {
+            let _ = tx.send(RankMessage {
+                step,
+                report,
+                seconds,
+                eval_loss,
+            });
+        }
+    }
+    if !options.collect_master {
+        return Ok(Vec::new());
+    }
+    (0..engine.unit_count())
+        .map(|u| engine.master(u).map_err(TrainError::from))
+        .collect()
+}
+
+/// Mean loss over `train.eval_batches` held-out batches, on every rank, without training.
+pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
+    let model = Model::new(plan.model.config.clone(), kind_for(&plan.precision));
+    let dataset = Dataset::open(plan)?;
+    let world = plan.world_size;
+    let (optimizer_store, param_store) = open_stores(plan, &model)?;
+    let losses: Vec<Result<f64, TrainError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = Local::group(world)
+            .into_iter()
+            .map(|comm| {
+                let (model, dataset) = (&model, &dataset);
+                let (opt_store, par_store) = (optimizer_store.as_ref(), param_store.as_ref());
+                scope.spawn(move || -> Result<f64, TrainError> {
+                    let guard = comm.clone();
+                    let run = || -> Result<f64, TrainError> {
+                        let mut engine = RankEngine::new(comm, plan, model, dataset, opt_store, par_store)?;
+                        Ok(engine.eval(plan.train.eval_batches)?)
+                    };
+                    run().inspect_err(|e| guard.abort(&e.to_string()))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(TrainError::Invalid("a rank panicked".into())))
+            })
+            .collect()
+    });
+    losses.into_iter().next().unwrap_or(Ok(f64::NAN))
+}
+
+/// The swap stores the plan's NVMe tiers need (optimizer state, parameters).
+fn open_stores(plan: &Plan, model: &Model) -> Result<(Option<SwapStore>, Option<SwapStore>), TrainError> {
+    let optimizer = match (
+        &plan.zero.offload_optimizer.tier,
+        &plan.zero.offload_optimizer.nvme_path,
+    ) {
+        (Tier::Nvme, Some(path)) => Some(open_store(
+            plan,
+            path,
+            "tierzero-optimizer",
+            &swap_specs(plan, model, &State::OPTIMIZER, 4),
+        )?),
+        _ => None,
+    };
+    let params = match (&plan.zero.offload_param.tier, &plan.zero.offload_param.nvme_path) {
+        (Tier::Nvme, Some(path)) => Some(open_store(
+            plan,
+            path,
+            "tierzero-params",
+            &swap_specs(plan, model, &[State::Param], plan.precision.bytes()),
+        )?),
+        _ => None,
+    };
+    Ok((optimizer, params))
+}
