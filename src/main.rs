@@ -82,13 +82,22 @@ enum Command {
         #[command(subcommand)]
         which: Bench,
     },
-    /// Export a checkpoint to a Hugging Face model directory.
+    /// Write a Hugging Face model directory: from a checkpoint, or (with --config) the
+    /// configured model's initial weights (a preset's random init, or model.hf_dir).
     Export {
-        checkpoint: PathBuf,
+        checkpoint: Option<PathBuf>,
+        /// Export the model a config describes instead of a checkpoint.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
         #[arg(long)]
         hf: PathBuf,
-        #[arg(long, default_value = "bf16")]
-        dtype: String,
+        #[arg(long, value_enum, default_value = "bf16")]
+        dtype: ExportDtype,
+        /// Largest safetensors shard, in bytes.
+        #[arg(long, default_value = "5G", value_parser = parse_bytes)]
+        max_shard_size: u64,
     },
     /// Print a checkpoint's manifest in human form.
     Inspect { checkpoint: PathBuf },
@@ -99,6 +108,12 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ExportDtype {
+    Fp32,
+    Bf16,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -442,9 +457,38 @@ fn run(cli: Cli) -> Result<(), Failure> {
             }
             Ok(())
         }
-        Command::Export { .. } | Command::Inspect { .. } => {
-            Err(not_built("this command", "checkpoint issue"))
+        Command::Export {
+            checkpoint,
+            config,
+            sets,
+            hf,
+            dtype,
+            max_shard_size,
+        } => {
+            let (None, Some(config)) = (&checkpoint, config) else {
+                return Err(not_built(
+                    "exporting a checkpoint (give --config to export a configured model)",
+                    "checkpoint issue",
+                ));
+            };
+            let loaded = config::load(&config, &sets, DeviceFacts::default())?;
+            let weights = trainer::initial_weights(&loaded.plan).map_err(anyhow::Error::from)?;
+            let dtype = match dtype {
+                ExportDtype::Fp32 => tierzero::model::hf::SaveDtype::F32,
+                ExportDtype::Bf16 => tierzero::model::hf::SaveDtype::Bf16,
+            };
+            tierzero::model::hf::save(
+                &hf,
+                &loaded.plan.model.config,
+                &weights,
+                dtype,
+                max_shard_size as usize,
+            )
+            .map_err(anyhow::Error::from)?;
+            println!("wrote {}", hf.display());
+            Ok(())
         }
+        Command::Inspect { .. } => Err(not_built("inspect", "checkpoint issue")),
     }
 }
 

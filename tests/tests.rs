@@ -4,5 +4,6 @@ mod adam_torch;
 mod cli;
 mod config;
 mod estimate;
+mod hf_reference;
 mod model;
 mod zero_equivalence;

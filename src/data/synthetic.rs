@@ -2,10 +2,11 @@
 //! on two CPU cores, with a known loss floor, so a first run shows learning without
 //! downloading anything.
 //!
-//! - `addition`: `a+b=c` problems with 1–3-digit operands, the sum written least
-//!   significant digit first (so each answer digit depends on the digits and carry just
-//!   seen), packed back to back. Only answer digits and the terminating newline are
-//!   targets. The answer is a function of the prompt, so the loss floor is 0.
+//! - `addition`: `a+b=c` problems with operands zero-padded to 3 digits and the sum to
+//!   4, written least significant digit first (so each answer digit depends on the
+//!   digits and carry just seen), packed back to back in 13-token problems. Only answer
+//!   digits and the terminating newline are targets. The answer is a function of the
+//!   prompt, so the loss floor is 0.
 //! - `recall`: eight random key→value pairs, then a query key; the target is its value.
 //!   Also floor 0, but it needs attention to retrieve, and takes longer to learn.
 //!
@@ -67,15 +68,15 @@ impl Corpus {
     }
 }
 
-fn digits(mut n: u64) -> Vec<i64> {
-    let mut d = Vec::new();
-    loop {
-        d.push((n % 10) as i64);
-        n /= 10;
-        if n == 0 {
-            return d;
-        }
-    }
+/// The `width` decimal digits of `n`, least significant first.
+fn digits(mut n: u64, width: usize) -> Vec<i64> {
+    (0..width)
+        .map(|_| {
+            let d = (n % 10) as i64;
+            n /= 10;
+            d
+        })
+        .collect()
 }
 
 fn addition_problem(s: &mut Stream, tokens: &mut Vec<i64>, scored: &mut Vec<bool>) {
@@ -85,16 +86,16 @@ fn addition_problem(s: &mut Stream, tokens: &mut Vec<i64>, scored: &mut Vec<bool
         tokens.push(t);
         scored.push(score);
     };
-    for d in digits(a).into_iter().rev() {
+    for d in digits(a, 3).into_iter().rev() {
         push(d, false);
     }
     push(PLUS, false);
-    for d in digits(b).into_iter().rev() {
+    for d in digits(b, 3).into_iter().rev() {
         push(d, false);
     }
     push(EQUALS, false);
     // least significant digit first
-    for d in digits(a + b) {
+    for d in digits(a + b, 4) {
         push(d, true);
     }
     push(NEWLINE, true);
@@ -138,7 +139,7 @@ mod tests {
             .take_while(|&&t| t != NEWLINE)
             .copied()
             .collect();
-        assert_eq!(answer, digits(a + b));
+        assert_eq!(answer, digits(a + b, 4));
         assert_eq!(c.sample(99, 64), (inputs, targets), "deterministic per key");
     }
 

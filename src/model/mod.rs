@@ -14,6 +14,7 @@
 pub mod blocks;
 pub mod config;
 pub mod head;
+pub mod hf;
 pub mod layout;
 
 use blocks::Params;

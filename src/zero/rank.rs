@@ -180,6 +180,7 @@ impl<'a, C: Collective> RankEngine<'a, C> {
         dataset: &'a Dataset,
         store: Option<&'a SwapStore>,
         param_store: Option<&'a SwapStore>,
+        pretrained: Option<&[Vec<f32>]>,
     ) -> Result<Self, EngineError> {
         let rank = comm.rank();
         let world = comm.world();
@@ -197,7 +198,10 @@ impl<'a, C: Collective> RankEngine<'a, C> {
         for (u, layout) in model.units.iter().enumerate() {
             let part = Partition::new(layout.numel, world);
             let mut full = vec![0f32; part.padded];
-            layout.init(plan.train.seed, &mut full[..layout.numel]);
+            match pretrained.and_then(|w| w.get(u)) {
+                Some(weights) => full[..layout.numel].copy_from_slice(weights),
+                None => layout.init(plan.train.seed, &mut full[..layout.numel]),
+            }
             let (opt_start, opt_len) = if stage == 0 {
                 (0, part.padded)
             } else {

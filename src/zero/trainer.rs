@@ -139,6 +139,22 @@ fn open_store(
     SwapStore::create(path, name, engine, specs, chunk).map_err(swap)
 }
 
+/// The model's starting weights per unit: `model.hf_dir`'s, or the seeded init.
+pub fn initial_weights(plan: &Plan) -> Result<Vec<Vec<f32>>, TrainError> {
+    if let Some(dir) = &plan.model.hf_dir {
+        return crate::model::hf::load(dir, &plan.model.config)
+            .map_err(|e| TrainError::Invalid(e.to_string()));
+    }
+    Ok(crate::model::layout::units(&plan.model.config)
+        .iter()
+        .map(|u| {
+            let mut flat = vec![0f32; u.numel];
+            u.init(plan.train.seed, &mut flat);
+            flat
+        })
+        .collect())
+}
+
 /// Trains `plan.train.steps` steps on `plan.world_size` CPU ranks.
 pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainError> {
     let start = Instant::now();
@@ -152,6 +168,10 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
         )));
     }
     let (optimizer_store, param_store) = open_stores(plan, &model)?;
+    let pretrained = match &plan.model.hf_dir {
+        Some(_) => Some(initial_weights(plan)?),
+        None => None,
+    };
     let world = plan.world_size;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     tch::set_num_threads((cores / world).max(1) as i32);
@@ -188,13 +208,23 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
                 let tx = tx.clone();
                 let (model, dataset) = (&model, &dataset);
                 let (opt_store, par_store) = (optimizer_store.as_ref(), param_store.as_ref());
+                let pretrained = pretrained.as_deref();
                 std::thread::Builder::new()
                     .name(format!("tierzero-rank-{}", comm.rank()))
                     .spawn_scoped(scope, move || {
                         let guard = comm.clone();
                         let rank = comm.rank();
                         let body = std::panic::AssertUnwindSafe(|| {
-                            run_rank(comm, plan, model, dataset, opt_store, par_store, &tx, options)
+                            run_rank(
+                                comm,
+                                plan,
+                                model,
+                                dataset,
+                                (opt_store, par_store),
+                                pretrained,
+                                &tx,
+                                options,
+                            )
                         });
                         match std::panic::catch_unwind(body) {
                             Ok(Ok(master)) => Ok(master),
@@ -326,13 +356,21 @@ fn run_rank(
     plan: &Plan,
     model: &Model,
     dataset: &Dataset,
-    optimizer_store: Option<&SwapStore>,
-    param_store: Option<&SwapStore>,
+    (optimizer_store, param_store): (Option<&SwapStore>, Option<&SwapStore>),
+    pretrained: Option<&[Vec<f32>]>,
     tx: &crossbeam_channel::Sender<RankMessage>,
     options: TrainOptions,
 ) -> Result<Vec<(usize, Vec<f32>)>, TrainError> {
     let rank = comm.rank();
-    let mut engine = RankEngine::new(comm, plan, model, dataset, optimizer_store, param_store)?;
+    let mut engine = RankEngine::new(
+        comm,
+        plan,
+        model,
+        dataset,
+        optimizer_store,
+        param_store,
+        pretrained,
+    )?;
     for step in 0..plan.train.steps {
         let start = Instant::now();
         let report = engine.step(step)?;
@@ -365,16 +403,22 @@ pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
     let dataset = Dataset::open(plan)?;
     let world = plan.world_size;
     let (optimizer_store, param_store) = open_stores(plan, &model)?;
+    let pretrained = match &plan.model.hf_dir {
+        Some(_) => Some(initial_weights(plan)?),
+        None => None,
+    };
     let losses: Vec<Result<f64, TrainError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = Local::group(world)
             .into_iter()
             .map(|comm| {
                 let (model, dataset) = (&model, &dataset);
                 let (opt_store, par_store) = (optimizer_store.as_ref(), param_store.as_ref());
+                let pretrained = pretrained.as_deref();
                 scope.spawn(move || -> Result<f64, TrainError> {
                     let guard = comm.clone();
                     let run = || -> Result<f64, TrainError> {
-                        let mut engine = RankEngine::new(comm, plan, model, dataset, opt_store, par_store)?;
+                        let mut engine =
+                            RankEngine::new(comm, plan, model, dataset, opt_store, par_store, pretrained)?;
                         Ok(engine.eval(plan.train.eval_batches)?)
                     };
                     run().inspect_err(|e| guard.abort(&e.to_string()))

@@ -1,0 +1,365 @@
+//! Hugging Face model directories: `config.json` plus safetensors weights.
+//!
+//! Save writes `config.json` and `model.safetensors` (or shards of at most
+//! `shard_bytes` with `model.safetensors.index.json`), tensor by tensor from the unit
+//! buffers, under `LlamaForCausalLM` / `GPT2LMHeadModel` names. Load memory-maps the
+//! files (single or sharded) and copies each tensor straight into its place in the unit
+//! buffers, converting bf16/fp16 to fp32; no second full copy of the model is made.
+//! GPT-2 names are accepted with or without the `transformer.` prefix, and a tied
+//! `lm_head.weight` is ignored. The safetensors format: an 8-byte little-endian header
+//! length, a JSON header {name: {dtype, shape, data_offsets}}, then the raw data.
+
+use super::config::{Architecture, ModelConfig};
+use super::layout::{units, UnitLayout};
+use memmap2::Mmap;
+use serde_json::{json, Map, Value};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum HfError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Format { path: PathBuf, message: String },
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> HfError + '_ {
+    move |source| HfError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn format_err(path: &Path, message: impl Into<String>) -> HfError {
+    HfError::Format {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+/// Stored element type of an export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SaveDtype {
+    F32,
+    Bf16,
+}
+
+impl SaveDtype {
+    fn name(self) -> &'static str {
+        match self {
+            SaveDtype::F32 => "F32",
+            SaveDtype::Bf16 => "BF16",
+        }
+    }
+    fn bytes(self) -> usize {
+        match self {
+            SaveDtype::F32 => 4,
+            SaveDtype::Bf16 => 2,
+        }
+    }
+}
+
+/// The Hugging Face `config.json` for a model.
+pub fn config_json(config: &ModelConfig, dtype: SaveDtype) -> Value {
+    let torch_dtype = if dtype == SaveDtype::Bf16 {
+        "bfloat16"
+    } else {
+        "float32"
+    };
+    match config.architecture {
+        Architecture::Llama => json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size,
+            "num_hidden_layers": config.num_hidden_layers,
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_key_value_heads,
+            "vocab_size": config.vocab_size,
+            "max_position_embeddings": config.max_position_embeddings,
+            "rms_norm_eps": config.norm_eps,
+            "rope_theta": config.rope_theta,
+            "rope_scaling": config.rope_scaling.map(|s| json!({
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            })),
+            "tie_word_embeddings": config.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": false,
+            "mlp_bias": false,
+            "torch_dtype": torch_dtype,
+        }),
+        Architecture::Gpt2 => json!({
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "n_embd": config.hidden_size,
+            "n_inner": config.intermediate_size,
+            "n_layer": config.num_hidden_layers,
+            "n_head": config.num_attention_heads,
+            "n_positions": config.max_position_embeddings,
+            "vocab_size": config.vocab_size,
+            "layer_norm_epsilon": config.norm_eps,
+            "activation_function": "gelu_new",
+            "tie_word_embeddings": true,
+            "torch_dtype": torch_dtype,
+        }),
+    }
+}
+
+/// Writes a Hugging Face directory from per-unit fp32 buffers.
+pub fn save(
+    dir: &Path,
+    config: &ModelConfig,
+    weights: &[Vec<f32>],
+    dtype: SaveDtype,
+    shard_bytes: usize,
+) -> Result<(), HfError> {
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let layouts = units(config);
+    // group tensors into shards in state-dict order
+    let mut shards: Vec<Vec<(usize, usize)>> = vec![Vec::new()];
+    let mut size = 0;
+    for (u, layout) in layouts.iter().enumerate() {
+        for (p, spec) in layout.params.iter().enumerate() {
+            let bytes = spec.numel * dtype.bytes();
+            if size > 0 && size + bytes > shard_bytes {
+                shards.push(Vec::new());
+                size = 0;
+            }
+            if let Some(last) = shards.last_mut() {
+                last.push((u, p));
+            }
+            size += bytes;
+        }
+    }
+    let count = shards.len();
+    let mut weight_map = Map::new();
+    let mut total = 0usize;
+    for (i, shard) in shards.iter().enumerate() {
+        let name = if count == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{count:05}.safetensors", i + 1)
+        };
+        let path = dir.join(&name);
+        let mut header = Map::new();
+        let mut offset = 0usize;
+        for &(u, p) in shard {
+            let spec = &layouts[u].params[p];
+            let end = offset + spec.numel * dtype.bytes();
+            header.insert(
+                spec.name.clone(),
+                json!({ "dtype": dtype.name(), "shape": spec.shape, "data_offsets": [offset, end] }),
+            );
+            weight_map.insert(spec.name.clone(), json!(name));
+            offset = end;
+        }
+        total += offset;
+        let mut header_bytes =
+            serde_json::to_vec(&Value::Object(header)).map_err(|e| format_err(&path, e.to_string()))?;
+        // pad the header with spaces so the data starts 8-byte aligned
+        while (header_bytes.len() + 8) % 8 != 0 {
+            header_bytes.push(b' ');
+        }
+        let file = std::fs::File::create(&path).map_err(io(&path))?;
+        let mut out = std::io::BufWriter::new(file);
+        out.write_all(&(header_bytes.len() as u64).to_le_bytes())
+            .map_err(io(&path))?;
+        out.write_all(&header_bytes).map_err(io(&path))?;
+        for &(u, p) in shard {
+            let spec = &layouts[u].params[p];
+            let values = &weights[u][spec.offset..spec.offset + spec.numel];
+            for &x in values {
+                match dtype {
+                    SaveDtype::F32 => out.write_all(&x.to_le_bytes()),
+                    SaveDtype::Bf16 => {
+                        out.write_all(&tierzero_offload::convert::f32_to_bf16(x).to_le_bytes())
+                    }
+                }
+                .map_err(io(&path))?;
+            }
+        }
+        out.flush().map_err(io(&path))?;
+    }
+    if count > 1 {
+        let index = json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+        let path = dir.join("model.safetensors.index.json");
+        std::fs::write(&path, serde_json::to_vec_pretty(&index).unwrap_or_default()).map_err(io(&path))?;
+    }
+    let path = dir.join("config.json");
+    let text = serde_json::to_vec_pretty(&config_json(config, dtype)).unwrap_or_default();
+    std::fs::write(&path, text).map_err(io(&path))
+}
+
+/// One memory-mapped safetensors file.
+struct SafeTensors {
+    path: PathBuf,
+    map: Mmap,
+    data_start: usize,
+    header: Map<String, Value>,
+}
+
+impl SafeTensors {
+    fn open(path: &Path) -> Result<SafeTensors, HfError> {
+        let file = std::fs::File::open(path).map_err(io(path))?;
+        // SAFETY: read-only map of a weights file; concurrent truncation is the usual
+        // memmap caveat, accepted as the safetensors library does.
+        let map = unsafe { Mmap::map(&file) }.map_err(io(path))?;
+        if map.len() < 8 {
+            return Err(format_err(path, "too short for a safetensors header"));
+        }
+        let mut len = [0u8; 8];
+        len.copy_from_slice(&map[..8]);
+        let header_len = u64::from_le_bytes(len) as usize;
+        let header_end = 8usize
+            .checked_add(header_len)
+            .filter(|&e| e <= map.len())
+            .ok_or_else(|| {
+                format_err(
+                    path,
+                    format!("header length {header_len} runs past the end of the file"),
+                )
+            })?;
+        let header: Value = serde_json::from_slice(&map[8..header_end])
+            .map_err(|e| format_err(path, format!("header is not JSON: {e}")))?;
+        let Value::Object(header) = header else {
+            return Err(format_err(path, "header is not a JSON object"));
+        };
+        Ok(SafeTensors {
+            path: path.to_path_buf(),
+            map,
+            data_start: header_end,
+            header,
+        })
+    }
+
+    /// Copies tensor `name` into `out` as fp32, checking dtype, shape and bounds.
+    fn read_into(&self, name: &str, shape: &[i64], out: &mut [f32]) -> Result<(), HfError> {
+        let entry = self
+            .header
+            .get(name)
+            .ok_or_else(|| format_err(&self.path, format!("no tensor {name}")))?;
+        let got_shape: Vec<i64> = entry["shape"]
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_i64).collect())
+            .unwrap_or_default();
+        if got_shape != shape {
+            return Err(format_err(
+                &self.path,
+                format!("{name} has shape {got_shape:?}, the config implies {shape:?}"),
+            ));
+        }
+        let offsets: Vec<usize> = entry["data_offsets"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|v| v.as_u64().map(|x| x as usize)).collect())
+            .unwrap_or_default();
+        let (start, end) = match offsets.as_slice() {
+            [s, e] if s <= e && self.data_start + e <= self.map.len() => {
+                (self.data_start + s, self.data_start + e)
+            }
+            _ => {
+                return Err(format_err(
+                    &self.path,
+                    format!("{name} has invalid data_offsets {offsets:?}"),
+                ))
+            }
+        };
+        let data = &self.map[start..end];
+        let dtype = entry["dtype"].as_str().unwrap_or("");
+        let width = match dtype {
+            "F32" => 4,
+            "BF16" | "F16" => 2,
+            other => {
+                return Err(format_err(
+                    &self.path,
+                    format!("{name} has dtype {other}; supported: F32, BF16, F16"),
+                ))
+            }
+        };
+        if data.len() != out.len() * width {
+            return Err(format_err(
+                &self.path,
+                format!(
+                    "{name}: {} bytes for {} elements of {dtype}",
+                    data.len(),
+                    out.len()
+                ),
+            ));
+        }
+        for (i, o) in out.iter_mut().enumerate() {
+            let b = &data[i * width..(i + 1) * width];
+            *o = match dtype {
+                "F32" => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                "BF16" => tierzero_offload::convert::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])),
+                _ => tierzero_offload::convert::f16_to_f32(u16::from_le_bytes([b[0], b[1]])),
+            };
+        }
+        Ok(())
+    }
+}
+
+/// Where each tensor name lives: one file or the shards of an index.
+fn tensor_files(dir: &Path) -> Result<(Vec<SafeTensors>, HashMap<String, usize>), HfError> {
+    let index_path = dir.join("model.safetensors.index.json");
+    let names: Vec<PathBuf> = if index_path.exists() {
+        let text = std::fs::read_to_string(&index_path).map_err(io(&index_path))?;
+        let index: Value = serde_json::from_str(&text).map_err(|e| format_err(&index_path, e.to_string()))?;
+        let map = index["weight_map"]
+            .as_object()
+            .ok_or_else(|| format_err(&index_path, "no weight_map"))?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|v| v.as_str().map(String::from))
+            .collect();
+        files.sort();
+        files.dedup();
+        files.into_iter().map(|f| dir.join(f)).collect()
+    } else {
+        vec![dir.join("model.safetensors")]
+    };
+    let files: Vec<SafeTensors> = names
+        .iter()
+        .map(|p| SafeTensors::open(p))
+        .collect::<Result<_, _>>()?;
+    let mut where_is = HashMap::new();
+    for (i, f) in files.iter().enumerate() {
+        for name in f.header.keys() {
+            where_is.insert(name.clone(), i);
+        }
+    }
+    Ok((files, where_is))
+}
+
+/// Reads a Hugging Face directory into per-unit fp32 buffers laid out for `config`.
+pub fn load(dir: &Path, config: &ModelConfig) -> Result<Vec<Vec<f32>>, HfError> {
+    let (files, where_is) = tensor_files(dir)?;
+    let layouts: Vec<UnitLayout> = units(config);
+    let mut out = Vec::with_capacity(layouts.len());
+    for layout in &layouts {
+        let mut flat = vec![0f32; layout.numel];
+        for spec in &layout.params {
+            let candidates = [
+                spec.name.clone(),
+                spec.name.trim_start_matches("transformer.").to_string(),
+            ];
+            let Some((name, &file)) = candidates.iter().find_map(|n| where_is.get(n).map(|f| (n, f))) else {
+                return Err(format_err(
+                    dir,
+                    format!("no tensor {} in the safetensors files", spec.name),
+                ));
+            };
+            files[file].read_into(
+                name,
+                &spec.shape,
+                &mut flat[spec.offset..spec.offset + spec.numel],
+            )?;
+        }
+        out.push(flat);
+    }
+    Ok(out)
+}
