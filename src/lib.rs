@@ -9,6 +9,7 @@ pub mod bench;
 pub mod comm;
 pub mod config;
 pub mod data;
+pub mod device;
 pub mod model;
 pub mod torch;
 pub mod zero;

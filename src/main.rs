@@ -193,7 +193,18 @@ enum Bench {
     /// Tokens/s, MFU and the step breakdown for a config.
     Step,
     /// Peak device memory per rank for several ZeRO stages.
-    Memory,
+    Memory {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Stages to compare, e.g. 0,3.
+        #[arg(long, value_delimiter = ',', default_value = "0,3")]
+        stages: Vec<u8>,
+        /// Steps per stage.
+        #[arg(long, default_value_t = 3)]
+        steps: u64,
+        #[arg(long)]
+        json: bool,
+    },
     /// Host↔device copy bandwidth.
     H2d,
     /// What this GPU machine offers.
@@ -286,6 +297,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 let value = serde_json::json!({
                     "plan": loaded.plan,
                     "model_states": config::report::model_states(&loaded.plan),
+                    "device_bytes_per_rank": tierzero::zero::memory::predict(&loaded.plan),
                     "parameters": loaded.plan.model.config.num_parameters(),
                     "warnings": loaded.warnings,
                 });
@@ -408,7 +420,19 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 let report = tierzero::bench::swap::run(&args)?;
                 emit(&report, json, tierzero::bench::swap::SwapReport::human)
             }
-            Bench::Step | Bench::Memory => Err(not_built("this benchmark", "ZeRO engine issue")),
+            Bench::Memory {
+                config,
+                stages,
+                steps,
+                json,
+            } => {
+                let mut loaded = load_config(&config)?;
+                loaded.plan.train.steps = steps;
+                let report =
+                    tierzero::bench::memory::run(&loaded.plan, &stages).map_err(anyhow::Error::from)?;
+                emit(&report, json, tierzero::bench::memory::MemoryReport::human)
+            }
+            Bench::Step => Err(not_built("this benchmark", "ZeRO engine issue")),
             Bench::H2d | Bench::Gpu => Err(not_built("this benchmark", "CUDA issue")),
         },
         Command::Train {

@@ -3,7 +3,9 @@
 mod adam_torch;
 mod cli;
 mod config;
+mod default_run;
 mod estimate;
 mod hf_reference;
+mod memory;
 mod model;
 mod zero_equivalence;

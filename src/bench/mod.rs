@@ -2,5 +2,6 @@
 //! reports throughput next to it.
 
 pub mod adam;
+pub mod memory;
 pub mod nvme;
 pub mod swap;

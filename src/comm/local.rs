@@ -245,7 +245,7 @@ mod tests {
                 c.reduce_scatter(&full, &mut mine, ReduceOp::Sum).unwrap();
                 let mut sum = [r as f64];
                 c.all_reduce(&mut sum, ReduceOp::Avg).unwrap();
-                let mut b = [r as f32 * 10.0];
+                let mut b = [r * 10.0];
                 c.broadcast(&mut b, world - 1).unwrap();
                 for _ in 0..50 {
                     c.barrier().unwrap();

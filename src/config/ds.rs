@@ -200,4 +200,6 @@ pub struct TrainSection {
     pub eval_batches: Option<Num>,
     pub keep_last: Option<Num>,
     pub trace: Option<bool>,
+    /// Bytes of "device" memory per CPU rank (the budget `CpuDevice` enforces).
+    pub device_memory: Option<Num>,
 }

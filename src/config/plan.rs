@@ -206,7 +206,7 @@ pub enum TokenDtype {
 }
 
 /// Built-in synthetic corpora.
-pub const SYNTHETIC: &[&str] = &["addition", "recall"];
+pub const SYNTHETIC: &[&str] = &["markov", "addition", "recall"];
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Data {
@@ -226,6 +226,8 @@ pub struct Train {
     pub eval_batches: usize,
     pub keep_last: usize,
     pub trace: bool,
+    /// Per-rank device memory budget in bytes (CPU devices); None = unlimited.
+    pub device_memory: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -430,6 +432,10 @@ fn build_train(t: TrainSection) -> Result<Train, ConfigError> {
         eval_batches: positive("train.eval_batches", t.eval_batches, 8)?,
         keep_last: positive("train.keep_last", t.keep_last, 2)?,
         trace: t.trace.unwrap_or(false),
+        device_memory: match t.device_memory {
+            None | Some(Num::Auto) => None,
+            some => Some(positive("train.device_memory", some, 1)? as u64),
+        },
     })
 }
 

@@ -171,6 +171,19 @@ pub fn plan_table(plan: &Plan) -> String {
             row(&mut out, what, p.display().to_string());
         }
     }
+    let device = crate::zero::memory::predict(plan);
+    row(
+        &mut out,
+        "device memory per rank",
+        format!(
+            "{:.3} GiB (params {:.3}, grads {:.3}, optimizer {:.3}, gathered units + activations {:.3})",
+            gib(device.total),
+            gib(device.parameters),
+            gib(device.gradients),
+            gib(device.optimizer),
+            gib(device.working)
+        ),
+    );
     row(&mut out, "sub_group_size", plan.zero.sub_group_size.to_string());
     row(
         &mut out,

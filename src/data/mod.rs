@@ -63,6 +63,14 @@ impl Dataset {
         }
     }
 
+    /// The loss a perfect model would reach, when the source knows it.
+    pub fn loss_floor(&self, seq_len: usize) -> Option<f64> {
+        match self {
+            Dataset::Synthetic(c) => Some(c.loss_floor(seq_len)),
+            Dataset::Tokens(_) => None,
+        }
+    }
+
     /// The micro-batch `micro` (global index across ranks and accumulation steps) of
     /// optimizer step `step`. `split` distinguishes train (0) from eval (1) streams.
     pub fn batch(&self, seed: u64, split: u64, step: u64, micro: u64, rows: usize, seq_len: usize) -> Batch {

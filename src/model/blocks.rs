@@ -48,7 +48,7 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     let h = x.size().last().copied().unwrap_or(0);
     x.f_to_kind(Kind::Float)?
         .f_layer_norm(
-            &[h],
+            [h],
             Some(weight.f_to_kind(Kind::Float)?),
             Some(bias.f_to_kind(Kind::Float)?),
             eps,

@@ -4,9 +4,11 @@
 //! - `rank.rs`: one rank's units on their tiers, and the training step for stages 0–3
 //! - `schedule.rs`: DeepSpeed's learning-rate schedules and fp16 loss scaling
 //! - `trainer.rs`: ranks as threads, the swap stores, metrics
+//! - `memory.rs`: the device bytes per rank a plan predicts and a run measures
 //! - `estimate.rs`: DeepSpeed's ZeRO-3 memory estimator
 
 pub mod estimate;
+pub mod memory;
 pub mod partition;
 pub mod rank;
 pub mod schedule;

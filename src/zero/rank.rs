@@ -24,9 +24,12 @@ use super::schedule::{learning_rate, LossScaler};
 use crate::comm::{Collective, CommError, ReduceOp};
 use crate::config::plan::{Plan, Precision, Tier};
 use crate::data::Dataset;
+use crate::device::cpu::{CpuDevice, Reservation};
+use crate::device::OutOfMemory;
 use crate::model::layout::UnitKind;
 use crate::model::Model;
 use crate::torch;
+use std::sync::Arc;
 use tch::{Kind, TchError, Tensor};
 use tierzero_offload::adam::{self, GradSlice, LowPrecisionOut, Sweep};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
@@ -42,6 +45,8 @@ pub enum EngineError {
     Comm(#[from] CommError),
     #[error("rank {rank}: nvme: {source}")]
     Io { rank: usize, source: IoError },
+    #[error(transparent)]
+    OutOfMemory(#[from] OutOfMemory),
     #[error("rank {rank}: {message}")]
     Other { rank: usize, message: String },
 }
@@ -115,7 +120,7 @@ struct UnitState {
     /// Stage 3: this rank's shard; else the padded replica. Empty when on NVMe.
     params: LowParams,
     /// Stage 3 units at or below the persistence threshold keep their gathered form.
-    persistent: Option<Tensor>,
+    persistent: Option<(Tensor, Reservation)>,
     /// Offset and length of the optimizer partition within the padded buffer.
     opt_start: usize,
     opt_len: usize,
@@ -135,6 +140,18 @@ pub struct StepReport {
     pub skipped: bool,
 }
 
+/// What every rank of a run shares: the plan, the model, the data, the swap stores and
+/// the starting weights (None: the seeded init).
+#[derive(Clone, Copy)]
+pub struct RankContext<'a> {
+    pub plan: &'a Plan,
+    pub model: &'a Model,
+    pub dataset: &'a Dataset,
+    pub optimizer_store: Option<&'a SwapStore>,
+    pub param_store: Option<&'a SwapStore>,
+    pub pretrained: Option<&'a [Vec<f32>]>,
+}
+
 pub struct RankEngine<'a, C: Collective> {
     pub comm: C,
     plan: &'a Plan,
@@ -150,6 +167,9 @@ pub struct RankEngine<'a, C: Collective> {
     /// Optimizer steps applied (skipped steps do not count, as in DeepSpeed).
     adam_steps: u64,
     rank: usize,
+    device: Arc<CpuDevice>,
+    /// Device memory of the state that lives for the whole run.
+    _held: Vec<Reservation>,
 }
 
 impl<'a, C: Collective> RankEngine<'a, C> {
@@ -173,16 +193,17 @@ impl<'a, C: Collective> RankEngine<'a, C> {
 
     /// Builds this rank's state: each unit initialised (a pure function of the seed),
     /// sliced to what this rank keeps, and written to its tier.
-    pub fn new(
-        comm: C,
-        plan: &'a Plan,
-        model: &'a Model,
-        dataset: &'a Dataset,
-        store: Option<&'a SwapStore>,
-        param_store: Option<&'a SwapStore>,
-        pretrained: Option<&[Vec<f32>]>,
-    ) -> Result<Self, EngineError> {
+    pub fn new(comm: C, context: RankContext<'a>, device: Arc<CpuDevice>) -> Result<Self, EngineError> {
+        let RankContext {
+            plan,
+            model,
+            dataset,
+            optimizer_store: store,
+            param_store,
+            pretrained,
+        } = context;
         let rank = comm.rank();
+        let mut held = Vec::new();
         let world = comm.world();
         let stage = plan.zero.stage;
         let param_nvme = plan.zero.offload_param.tier == Tier::Nvme;
@@ -270,6 +291,16 @@ impl<'a, C: Collective> RankEngine<'a, C> {
                     .map_err(|source| EngineError::Io { rank, source })?;
                 params = LowParams::zeros(0, &plan.precision);
             }
+            // what of this unit sits on the device for the whole run
+            if !param_nvme && plan.zero.offload_param.tier == Tier::Device {
+                let bytes =
+                    (if stage == 3 { part.shard } else { part.padded } * plan.precision.bytes()) as u64;
+                held.push(device.reserve(bytes, &format!("parameters of unit {u}"))?);
+            }
+            if plan.zero.offload_optimizer.tier == Tier::Device {
+                held.push(device.reserve(4 * grad.len() as u64, &format!("gradients of unit {u}"))?);
+                held.push(device.reserve(12 * opt_len as u64, &format!("optimizer state of unit {u}"))?);
+            }
             units.push(UnitState {
                 part,
                 params,
@@ -296,14 +327,23 @@ impl<'a, C: Collective> RankEngine<'a, C> {
             scaler,
             adam_steps: 0,
             rank,
+            device,
+            _held: held,
         })
     }
 
-    /// The full parameters of unit `u` as a tensor of the compute kind.
-    fn fetch(&mut self, u: usize) -> Result<Tensor, EngineError> {
-        if let Some(t) = &self.units[u].persistent {
-            return Ok(t.shallow_clone());
+    /// The full parameters of unit `u` as a tensor of the compute kind, with the device
+    /// memory its gathered form holds (stage 3) until dropped.
+    fn fetch(&mut self, u: usize) -> Result<(Tensor, Option<Reservation>), EngineError> {
+        if let Some((t, _)) = &self.units[u].persistent {
+            return Ok((t.shallow_clone(), None));
         }
+        let gathered = if self.stage() == 3 {
+            let bytes = (self.units[u].part.padded * self.plan.precision.bytes()) as u64;
+            Some(self.device.reserve(bytes, &format!("gathered unit {u}"))?)
+        } else {
+            None
+        };
         let kind = self.model.kind;
         let numel = self.units[u].part.numel;
         let shard = self.local_params(u)?;
@@ -329,10 +369,14 @@ impl<'a, C: Collective> RankEngine<'a, C> {
             LowParams::U16(v) => torch::tensor_u16(&v[..numel], kind),
         }
         .map_err(self.torch_err())?;
-        if self.stage() == 3 && numel <= self.plan.zero.param_persistence_threshold {
-            self.units[u].persistent = Some(tensor.shallow_clone());
+        match gathered {
+            // small units stay gathered (stage3_param_persistence_threshold)
+            Some(hold) if numel <= self.plan.zero.param_persistence_threshold => {
+                self.units[u].persistent = Some((tensor.shallow_clone(), hold));
+                Ok((tensor, None))
+            }
+            gathered => Ok((tensor, gathered)),
         }
-        Ok(tensor)
     }
 
     /// This rank's stored parameters of unit `u` (from NVMe when offloaded there).
@@ -408,18 +452,24 @@ impl<'a, C: Collective> RankEngine<'a, C> {
             let shape = [rows as i64, seq as i64];
             let tokens = torch::tensor_tokens(&batch.inputs, &shape).map_err(self.torch_err())?;
             let targets = torch::tensor_tokens(&batch.targets, &shape).map_err(self.torch_err())?;
-            // forward, keeping each unit's input
+            // forward, keeping each unit's input (activation checkpoints on the device)
+            let mut kept = vec![self.device.reserve(8 * (rows * seq) as u64, "token ids")?];
             let mut inputs = vec![tokens];
             for u in 0..last {
-                let params = self.fetch(u)?;
+                let (params, _gathered) = self.fetch(u)?;
                 let y = self
                     .model
                     .forward_unit(u, &params, &inputs[u])
                     .map_err(self.torch_err())?;
+                let bytes = (y.numel() * self.plan.precision.bytes()) as u64;
+                kept.push(
+                    self.device
+                        .reserve(bytes, &format!("activation checkpoint of unit {}", u + 1))?,
+                );
                 inputs.push(y);
             }
             // loss and the final unit's backward
-            let params = self.fetch(last)?;
+            let (params, gathered) = self.fetch(last)?;
             let tied = if self.model.config.tie_word_embeddings {
                 Some(self.fetch(0)?)
             } else {
@@ -429,13 +479,13 @@ impl<'a, C: Collective> RankEngine<'a, C> {
                 .model
                 .backward_final(
                     &params,
-                    tied.as_ref(),
+                    tied.as_ref().map(|t| &t.0),
                     &inputs[last],
                     &targets,
                     loss_scale / gas as f64,
                 )
                 .map_err(self.torch_err())?;
-            drop((params, tied));
+            drop((params, gathered, tied));
             loss += fin.loss_sum / fin.count.max(1) as f64 / gas as f64;
             self.accumulate(last, &fin.params)?;
             if let Some(t) = &fin.tied {
@@ -444,7 +494,7 @@ impl<'a, C: Collective> RankEngine<'a, C> {
             // backward in reverse by recompute
             let mut grad_out = fin.input;
             for u in (0..last).rev() {
-                let params = self.fetch(u)?;
+                let (params, _gathered) = self.fetch(u)?;
                 let (g, grad_in) = self
                     .model
                     .backward_unit(u, &params, &inputs[u], &grad_out)
@@ -454,6 +504,7 @@ impl<'a, C: Collective> RankEngine<'a, C> {
                     grad_out = d;
                 }
             }
+            drop(kept);
         }
         // stages 0 and 1 all-reduce whole gradients once per step
         if self.stage() <= 1 {
@@ -666,6 +717,11 @@ impl<'a, C: Collective> RankEngine<'a, C> {
         self.model.units[u].kind == UnitKind::Embedding
     }
 
+    /// Peak device bytes this rank has held.
+    pub fn device_peak(&self) -> u64 {
+        self.device.peak()
+    }
+
     pub fn loss_scale(&self) -> f64 {
         self.scaler.scale
     }
@@ -685,13 +741,13 @@ impl<'a, C: Collective> RankEngine<'a, C> {
             let mut x = torch::tensor_tokens(&batch.inputs, &shape).map_err(self.torch_err())?;
             let targets = torch::tensor_tokens(&batch.targets, &shape).map_err(self.torch_err())?;
             for u in 0..last {
-                let params = self.fetch(u)?;
+                let (params, _gathered) = self.fetch(u)?;
                 x = self
                     .model
                     .forward_unit(u, &params, &x)
                     .map_err(self.torch_err())?;
             }
-            let params = self.fetch(last)?;
+            let (params, _gathered) = self.fetch(last)?;
             let tied = if self.model.config.tie_word_embeddings {
                 Some(self.fetch(0)?)
             } else {
@@ -699,7 +755,7 @@ impl<'a, C: Collective> RankEngine<'a, C> {
             };
             let (s, c) = self
                 .model
-                .loss(&params, tied.as_ref(), &x, &targets)
+                .loss(&params, tied.as_ref().map(|t| &t.0), &x, &targets)
                 .map_err(self.torch_err())?;
             sum += s;
             count += c as f64;

@@ -8,11 +8,12 @@
 //! each step; this thread writes `<output_dir>/metrics.jsonl` and the progress lines.
 
 use super::partition::Partition;
-use super::rank::{kind_for, EngineError, RankEngine, StepReport};
+use super::rank::{kind_for, EngineError, RankContext, RankEngine, StepReport};
 use crate::comm::local::Local;
 use crate::comm::Collective;
 use crate::config::plan::{Plan, Tier};
 use crate::data::{DataError, Dataset};
+use crate::device::cpu::CpuDevice;
 use crate::model::Model;
 use serde::Serialize;
 use std::io::Write;
@@ -62,9 +63,19 @@ pub struct StepMetrics {
 #[derive(Debug, Default)]
 pub struct TrainResult {
     pub steps: Vec<StepMetrics>,
+    /// The data's known loss floor (synthetic corpora).
+    pub loss_floor: Option<f64>,
+    /// Peak device bytes of each rank.
+    pub device_peaks: Vec<u64>,
     /// Per unit, the fp32 master weights (unpadded), when collected.
     pub master: Vec<Vec<f32>>,
     pub seconds: f64,
+}
+
+/// What a rank hands back at the end: its device peak and master partitions.
+struct RankOutcome {
+    device_peak: u64,
+    master: Vec<(usize, Vec<f32>)>,
 }
 
 struct RankMessage {
@@ -173,6 +184,10 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
         None => None,
     };
     let world = plan.world_size;
+    let loss_floor = dataset.loss_floor(plan.data.seq_len);
+    if let (Some(floor), true) = (loss_floor, options.write_outputs) {
+        println!("synthetic data: a perfect model reaches a loss of {floor:.4}");
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     tch::set_num_threads((cores / world).max(1) as i32);
 
@@ -200,32 +215,29 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
 
     let (tx, rx) = crossbeam_channel::unbounded::<RankMessage>();
     let comms = Local::group(world);
-    let mut result = TrainResult::default();
-    let outcomes: Vec<Result<Vec<(usize, Vec<f32>)>, TrainError>> = std::thread::scope(|scope| {
+    let mut result = TrainResult {
+        loss_floor,
+        ..TrainResult::default()
+    };
+    let outcomes: Vec<Result<RankOutcome, TrainError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
             .map(|comm| {
                 let tx = tx.clone();
-                let (model, dataset) = (&model, &dataset);
-                let (opt_store, par_store) = (optimizer_store.as_ref(), param_store.as_ref());
-                let pretrained = pretrained.as_deref();
+                let context = RankContext {
+                    plan,
+                    model: &model,
+                    dataset: &dataset,
+                    optimizer_store: optimizer_store.as_ref(),
+                    param_store: param_store.as_ref(),
+                    pretrained: pretrained.as_deref(),
+                };
                 std::thread::Builder::new()
                     .name(format!("tierzero-rank-{}", comm.rank()))
                     .spawn_scoped(scope, move || {
                         let guard = comm.clone();
                         let rank = comm.rank();
-                        let body = std::panic::AssertUnwindSafe(|| {
-                            run_rank(
-                                comm,
-                                plan,
-                                model,
-                                dataset,
-                                (opt_store, par_store),
-                                pretrained,
-                                &tx,
-                                options,
-                            )
-                        });
+                        let body = std::panic::AssertUnwindSafe(|| run_rank(comm, context, &tx, options));
                         match std::panic::catch_unwind(body) {
                             Ok(Ok(master)) => Ok(master),
                             Ok(Err(e)) => {
@@ -272,7 +284,7 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
                     let _ = writeln!(file, "{line}");
                 }
                 let done = metrics.step;
-                if done % plan.train.log_interval == 0
+                if done.is_multiple_of(plan.train.log_interval)
                     || done == plan.train.steps
                     || last.elapsed().as_secs() >= 10
                 {
@@ -312,7 +324,10 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
     let mut first_error = None;
     for outcome in outcomes {
         match outcome {
-            Ok(p) => partitions.push(p),
+            Ok(p) => {
+                result.device_peaks.push(p.device_peak);
+                partitions.push(p.master);
+            }
             Err(e) => {
                 let is_echo = matches!(&e, TrainError::Engine(EngineError::Comm(_)));
                 if first_error.is_none()
@@ -350,27 +365,16 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
     Ok(result)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run_rank(
     comm: Local,
-    plan: &Plan,
-    model: &Model,
-    dataset: &Dataset,
-    (optimizer_store, param_store): (Option<&SwapStore>, Option<&SwapStore>),
-    pretrained: Option<&[Vec<f32>]>,
+    context: RankContext<'_>,
     tx: &crossbeam_channel::Sender<RankMessage>,
     options: TrainOptions,
-) -> Result<Vec<(usize, Vec<f32>)>, TrainError> {
+) -> Result<RankOutcome, TrainError> {
+    let plan = context.plan;
     let rank = comm.rank();
-    let mut engine = RankEngine::new(
-        comm,
-        plan,
-        model,
-        dataset,
-        optimizer_store,
-        param_store,
-        pretrained,
-    )?;
+    let device = CpuDevice::new(rank, plan.train.device_memory.unwrap_or(u64::MAX));
+    let mut engine = RankEngine::new(comm, context, device)?;
     for step in 0..plan.train.steps {
         let start = Instant::now();
         let report = engine.step(step)?;
@@ -389,12 +393,17 @@ fn run_rank(
             });
         }
     }
-    if !options.collect_master {
-        return Ok(Vec::new());
-    }
-    (0..engine.unit_count())
-        .map(|u| engine.master(u).map_err(TrainError::from))
-        .collect()
+    let master = if options.collect_master {
+        (0..engine.unit_count())
+            .map(|u| engine.master(u).map_err(TrainError::from))
+            .collect::<Result<_, _>>()?
+    } else {
+        Vec::new()
+    };
+    Ok(RankOutcome {
+        device_peak: engine.device_peak(),
+        master,
+    })
 }
 
 /// Mean loss over `train.eval_batches` held-out batches, on every rank, without training.
@@ -411,14 +420,20 @@ pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
         let handles: Vec<_> = Local::group(world)
             .into_iter()
             .map(|comm| {
-                let (model, dataset) = (&model, &dataset);
-                let (opt_store, par_store) = (optimizer_store.as_ref(), param_store.as_ref());
-                let pretrained = pretrained.as_deref();
+                let context = RankContext {
+                    plan,
+                    model: &model,
+                    dataset: &dataset,
+                    optimizer_store: optimizer_store.as_ref(),
+                    param_store: param_store.as_ref(),
+                    pretrained: pretrained.as_deref(),
+                };
                 scope.spawn(move || -> Result<f64, TrainError> {
                     let guard = comm.clone();
                     let run = || -> Result<f64, TrainError> {
-                        let mut engine =
-                            RankEngine::new(comm, plan, model, dataset, opt_store, par_store, pretrained)?;
+                        let device =
+                            CpuDevice::new(comm.rank(), plan.train.device_memory.unwrap_or(u64::MAX));
+                        let mut engine = RankEngine::new(comm, context, device)?;
                         Ok(engine.eval(plan.train.eval_batches)?)
                     };
                     run().inspect_err(|e| guard.abort(&e.to_string()))

@@ -1,0 +1,20 @@
+//! Devices: where a rank's "GPU memory" lives.
+//!
+//! [`cpu::CpuDevice`] is host memory counted against a budget, with current and peak
+//! bytes per rank, so the memory a ZeRO stage saves is measurable on any machine and an
+//! over-budget request is a clear out-of-memory error. The engine reserves through it
+//! every buffer that would sit on a GPU: parameters and gathered units, gradients and
+//! optimizer state on the device tier, and the activations kept between forward and
+//! backward. The CUDA device plugs in behind the same calls.
+
+pub mod cpu;
+
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[error("rank {rank}: out of device memory allocating {requested} bytes for {what}: {in_use} of {budget} bytes in use; raise train.device_memory, offload more (offload_param / offload_optimizer), or raise the ZeRO stage")]
+pub struct OutOfMemory {
+    pub rank: usize,
+    pub what: String,
+    pub requested: u64,
+    pub in_use: u64,
+    pub budget: u64,
+}

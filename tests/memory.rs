@@ -1,0 +1,75 @@
+//! Device memory: the plan's per-rank prediction against the measured peak, stage-3
+//! memory shrinking with the number of ranks, and the out-of-memory error.
+
+use serde_json::json;
+use tierzero::config::{from_json, DeviceFacts, Plan};
+use tierzero::zero::memory::predict;
+use tierzero::zero::trainer::{train, TrainError, TrainOptions};
+
+fn plan(world: usize, stage: u8, optimizer: &str, extra: &[&str]) -> Plan {
+    let config = json!({
+        "train_micro_batch_size_per_gpu": 2,
+        "bf16": { "enabled": true },
+        "zero_optimization": { "stage": stage, "offload_optimizer": { "device": optimizer } },
+        "model": { "preset": "gpt2-tiny" },
+        "data": { "synthetic": "markov", "seq_len": 32 },
+        "train": { "steps": 2, "devices": world }
+    });
+    let sets: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    from_json(config, &sets, DeviceFacts::default()).unwrap().plan
+}
+
+#[test]
+fn prediction_is_within_ten_percent_of_the_measured_peak() {
+    for world in [1, 2, 3] {
+        for stage in 0..=3u8 {
+            for optimizer in ["none", "cpu"] {
+                if stage == 0 && optimizer == "cpu" {
+                    continue;
+                }
+                let p = plan(world, stage, optimizer, &["model.tie_word_embeddings=true"]);
+                let predicted = predict(&p).total as f64;
+                let result = train(&p, TrainOptions::default()).unwrap();
+                for (rank, &peak) in result.device_peaks.iter().enumerate() {
+                    let error = (peak as f64 - predicted).abs() / predicted;
+                    assert!(error <= 0.10, "world {world} stage {stage} {optimizer} rank {rank}: measured {peak}, predicted {predicted}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn stage3_memory_per_rank_shrinks_with_the_world_size() {
+    let peaks: Vec<u64> = (1..=4)
+        .map(|world| {
+            *train(&plan(world, 3, "none", &[]), TrainOptions::default())
+                .unwrap()
+                .device_peaks
+                .iter()
+                .max()
+                .unwrap()
+        })
+        .collect();
+    for pair in peaks.windows(2) {
+        assert!(pair[1] < pair[0], "{peaks:?}");
+    }
+    // model states divide by N; activations do not: 4 ranks need well under half of 1
+    assert!((peaks[3] as f64) < 0.5 * peaks[0] as f64, "{peaks:?}");
+}
+
+#[test]
+fn over_budget_is_an_out_of_memory_error_naming_the_rank_request_and_budget() {
+    let p = plan(2, 3, "none", &["train.device_memory=200000"]);
+    match train(&p, TrainOptions::default()) {
+        Err(TrainError::Engine(e)) => {
+            let text = e.to_string();
+            assert!(
+                text.contains("out of device memory") && text.contains("of 200000 bytes"),
+                "{text}"
+            );
+            assert!(text.starts_with("rank "), "{text}");
+        }
+        other => panic!("expected out of memory, got {:?}", other.map(|r| r.device_peaks)),
+    }
+}
