@@ -190,8 +190,16 @@ enum Bench {
         #[arg(long)]
         json: bool,
     },
-    /// Tokens/s, MFU and the step breakdown for a config.
-    Step,
+    /// Tokens/s and MFU of a config, and its step time against a dense single rank.
+    Step {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Steps per run (the first is a warm-up).
+        #[arg(long, default_value_t = 6)]
+        steps: u64,
+        #[arg(long)]
+        json: bool,
+    },
     /// Peak device memory per rank for several ZeRO stages.
     Memory {
         #[command(flatten)]
@@ -432,7 +440,11 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     tierzero::bench::memory::run(&loaded.plan, &stages).map_err(anyhow::Error::from)?;
                 emit(&report, json, tierzero::bench::memory::MemoryReport::human)
             }
-            Bench::Step => Err(not_built("this benchmark", "ZeRO engine issue")),
+            Bench::Step { config, steps, json } => {
+                let loaded = load_config(&config)?;
+                let report = tierzero::bench::step::run(&loaded.plan, steps).map_err(anyhow::Error::from)?;
+                emit(&report, json, tierzero::bench::step::StepReport::human)
+            }
             Bench::H2d | Bench::Gpu => Err(not_built("this benchmark", "CUDA issue")),
         },
         Command::Train {

@@ -4,4 +4,5 @@
 pub mod adam;
 pub mod memory;
 pub mod nvme;
+pub mod step;
 pub mod swap;

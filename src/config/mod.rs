@@ -8,7 +8,9 @@
 //! - `ds.rs`: the serde mirror
 //! - `keys.rs`: unnamed keys (DeepSpeed-known and accepted, or unknown with a suggestion)
 //! - `overrides.rs`: `--set a.b=c`
-//! - `plan.rs`: defaults, `"auto"`, batch math, contradictions
+//! - `plan.rs`: the validated `Plan` types
+//! - `resolve.rs`: defaults, `"auto"`, batch math, contradictions
+//! - `resolve_zero.rs`: the same for `zero_optimization` and `aio`
 
 pub mod ds;
 mod error;
@@ -16,6 +18,8 @@ pub mod keys;
 pub mod overrides;
 pub mod plan;
 pub mod report;
+mod resolve;
+mod resolve_zero;
 pub mod value;
 
 pub use ds::DsConfig;

@@ -86,7 +86,7 @@ struct RankMessage {
 }
 
 /// fp32 matmul throughput of this machine, the "peak" MFU is measured against on CPU.
-fn cpu_peak_flops() -> f64 {
+pub fn cpu_peak_flops() -> f64 {
     let n = 512i64;
     let a = tch::Tensor::ones([n, n], (tch::Kind::Float, tch::Device::Cpu));
     let _ = a.matmul(&a);

@@ -1,0 +1,101 @@
+//! `tierzero bench step`: tokens/s and MFU of a config, against a dense baseline.
+//!
+//! Runs the config as given (N ranks, its stage and tiers), then the dense single-rank
+//! run of the same model and global batch (stage 0, nothing offloaded, N× the
+//! accumulation steps) on the same machine, and reports the median step time of each
+//! (the first step is a warm-up) and their ratio: what ZeRO's sharding, offload and
+//! collectives cost over plain training.
+
+use crate::config::plan::{Plan, Tier};
+use crate::zero::trainer::{cpu_peak_flops, train, TrainError, TrainOptions};
+use serde::Serialize;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StepRun {
+    pub devices: usize,
+    pub stage: u8,
+    pub offload_param: String,
+    pub offload_optimizer: String,
+    pub step_seconds: f64,
+    pub tokens_per_s: f64,
+    pub mfu: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StepReport {
+    pub parameters: usize,
+    pub tokens_per_step: usize,
+    pub peak_flops: f64,
+    pub zero: StepRun,
+    pub dense: StepRun,
+    pub ratio_to_dense: f64,
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn measure(plan: &Plan, peak: f64) -> Result<StepRun, TrainError> {
+    let result = train(plan, TrainOptions::default())?;
+    let step_seconds = median(result.steps.iter().skip(1).map(|s| s.step_seconds).collect());
+    let tokens_per_s = plan.tokens_per_step() as f64 / step_seconds;
+    Ok(StepRun {
+        devices: plan.world_size,
+        stage: plan.zero.stage,
+        offload_param: plan.zero.offload_param.tier.name().into(),
+        offload_optimizer: plan.zero.offload_optimizer.tier.name().into(),
+        step_seconds,
+        tokens_per_s,
+        mfu: plan.model.config.flops_per_token(plan.data.seq_len) * tokens_per_s / peak,
+    })
+}
+
+pub fn run(plan: &Plan, steps: u64) -> Result<StepReport, TrainError> {
+    let peak = cpu_peak_flops();
+    let mut zero_plan = plan.clone();
+    zero_plan.train.steps = steps.max(2);
+    let mut dense = zero_plan.clone();
+    dense.world_size = 1;
+    dense.train.devices = 1;
+    dense.batch.gradient_accumulation_steps *= plan.world_size;
+    dense.zero.stage = 0;
+    dense.zero.offload_param.tier = Tier::Device;
+    dense.zero.offload_optimizer.tier = Tier::Device;
+    let zero = measure(&zero_plan, peak)?;
+    let dense = measure(&dense, peak)?;
+    Ok(StepReport {
+        parameters: plan.model.config.num_parameters(),
+        tokens_per_step: plan.tokens_per_step(),
+        peak_flops: peak,
+        ratio_to_dense: zero.step_seconds / dense.step_seconds,
+        zero,
+        dense,
+    })
+}
+
+impl StepReport {
+    pub fn human(&self) -> String {
+        let line = |name: &str, r: &StepRun| {
+            format!(
+                "  {name:<6} {} rank(s), stage {}, params on {}, optimizer on {}: {:.4} s/step  {:.0} tokens/s  MFU {:.1}%\n",
+                r.devices,
+                r.stage,
+                r.offload_param,
+                r.offload_optimizer,
+                r.step_seconds,
+                r.tokens_per_s,
+                100.0 * r.mfu
+            )
+        };
+        format!(
+            "step bench: {} parameters, {} tokens/step, peak {:.1} GFLOP/s (fp32 matmul, measured)\n{}{}  ratio_to_dense {:.3}",
+            self.parameters,
+            self.tokens_per_step,
+            self.peak_flops / 1e9,
+            line("zero", &self.zero),
+            line("dense", &self.dense),
+            self.ratio_to_dense
+        )
+    }
+}

@@ -1,0 +1,608 @@
+//! Building a [`Plan`] from the [`DsConfig`] mirror.
+//!
+//! DeepSpeed's defaults filled in, `"auto"` resolved the way the Hugging Face integration
+//! resolves it (bucket sizes from the hidden size, precision from the device, schedule
+//! length from `train.steps`) or refused where only the user knows the value, the batch
+//! triple completed as DeepSpeed's `_set_batch_related_parameters` does, and
+//! contradictions refused with the keys and the fix.
+
+use super::ds::*;
+use super::plan::*;
+use super::value::{Flag, Num};
+use super::ConfigError;
+use crate::model::config::{ModelConfig, PRESETS};
+use std::path::PathBuf;
+
+/// Reads a number field: `"auto"` is refused here (callers that can resolve it check
+/// for `Num::Auto` first).
+pub(super) fn number(key: &str, value: Option<Num>, default: f64) -> Result<f64, ConfigError> {
+    match value {
+        None => Ok(default),
+        Some(Num::Value(v)) => Ok(v),
+        Some(Num::Auto) => Err(ConfigError::invalid(
+            key,
+            "\"auto\" cannot be resolved here",
+            format!("give a value, e.g. --set {key}={default}"),
+        )),
+    }
+}
+
+/// Reads a non-negative integer field (`5e8` is fine, `2.5` is not).
+pub(super) fn count(key: &str, value: Option<Num>, default: usize) -> Result<usize, ConfigError> {
+    let v = number(key, value, default as f64)?;
+    if v < 0.0 || v.fract() != 0.0 || v > 9.0e18 {
+        return Err(ConfigError::invalid(
+            key,
+            format!("{v} is not a non-negative integer"),
+            format!("write a whole number, e.g. {default}"),
+        ));
+    }
+    Ok(v as usize)
+}
+
+/// Like [`count`], and refuses 0.
+pub(super) fn positive(key: &str, value: Option<Num>, default: usize) -> Result<usize, ConfigError> {
+    let v = count(key, value, default)?;
+    if v == 0 {
+        return Err(ConfigError::invalid(
+            key,
+            "must be positive",
+            format!("use at least 1 (default {default})"),
+        ));
+    }
+    Ok(v)
+}
+
+/// Reads an `"auto"`-able number: `auto` gives `resolved`.
+pub(super) fn count_or_auto(
+    key: &str,
+    value: Option<Num>,
+    default: usize,
+    resolved: usize,
+) -> Result<usize, ConfigError> {
+    match value {
+        Some(Num::Auto) => Ok(resolved),
+        other => count(key, other, default),
+    }
+}
+
+impl Plan {
+    /// Validates the mirror into a plan. `warnings` receives what the user should hear at
+    /// start-up (deprecated spellings).
+    pub fn build(ds: &DsConfig, facts: DeviceFacts, warnings: &mut Vec<String>) -> Result<Plan, ConfigError> {
+        let train = build_train(ds.train.clone().unwrap_or_default())?;
+        let model = build_model(ds.model.clone().unwrap_or_default())?;
+        let data = build_data(ds.data.clone().unwrap_or_default(), &model.config)?;
+        let world_size = train.devices;
+        let batch = build_batch(ds, world_size)?;
+        let precision = build_precision(ds, facts)?;
+        let optimizer = build_optimizer(ds.optimizer.clone().unwrap_or_default())?;
+        let scheduler = build_scheduler(ds.scheduler.clone(), &optimizer, train.steps)?;
+        let gradient_clipping = match ds.gradient_clipping {
+            // the HF integration maps "auto" to TrainingArguments.max_grad_norm (1.0)
+            Some(Num::Auto) => 1.0,
+            other => number("gradient_clipping", other, 0.0)?,
+        };
+        if gradient_clipping < 0.0 {
+            return Err(ConfigError::invalid(
+                "gradient_clipping",
+                "must not be negative",
+                "use 0 to disable clipping",
+            ));
+        }
+        let zero = super::resolve_zero::build_zero(
+            ds.zero_optimization.clone().unwrap_or_default(),
+            &model.config,
+            warnings,
+        )?;
+        let aio = super::resolve_zero::build_aio(ds.aio.clone().unwrap_or_default(), warnings)?;
+        Ok(Plan {
+            world_size,
+            batch,
+            precision,
+            optimizer,
+            scheduler,
+            gradient_clipping,
+            steps_per_print: count("steps_per_print", ds.steps_per_print, 10)? as u64,
+            wall_clock_breakdown: ds.wall_clock_breakdown.unwrap_or(false),
+            zero,
+            aio,
+            model,
+            data,
+            train,
+        })
+    }
+
+    /// Bytes of tokens one optimizer step consumes on all ranks.
+    pub fn tokens_per_step(&self) -> usize {
+        self.batch.train_batch_size * self.data.seq_len
+    }
+}
+
+fn build_train(t: TrainSection) -> Result<Train, ConfigError> {
+    Ok(Train {
+        steps: count("train.steps", t.steps, 100)? as u64,
+        seed: count("train.seed", t.seed, 1234)? as u64,
+        devices: positive("train.devices", t.devices, 1)?,
+        output_dir: t.output_dir.unwrap_or_else(|| PathBuf::from("runs/default")),
+        log_interval: positive("train.log_interval", t.log_interval, 10)? as u64,
+        save_interval: count("train.save_interval", t.save_interval, 0)? as u64,
+        eval_interval: count("train.eval_interval", t.eval_interval, 0)? as u64,
+        eval_batches: positive("train.eval_batches", t.eval_batches, 8)?,
+        keep_last: positive("train.keep_last", t.keep_last, 2)?,
+        trace: t.trace.unwrap_or(false),
+        device_memory: match t.device_memory {
+            None | Some(Num::Auto) => None,
+            some => Some(positive("train.device_memory", some, 1)? as u64),
+        },
+    })
+}
+
+fn build_model(m: ModelSection) -> Result<ModelPlan, ConfigError> {
+    let (source, hf_dir, mut config) = match (&m.preset, &m.hf_dir) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::invalid(
+                "model.preset",
+                "both model.preset and model.hf_dir are set",
+                "keep one: a preset for random init, or hf_dir for pretrained weights",
+            ))
+        }
+        (None, Some(dir)) => {
+            let config = ModelConfig::from_hf_dir(dir).map_err(ConfigError::Model)?;
+            (dir.display().to_string(), Some(dir.clone()), config)
+        }
+        (preset, None) => {
+            let name = preset.clone().unwrap_or_else(|| "llama-tiny".into());
+            let config = ModelConfig::preset(&name).ok_or_else(|| {
+                let hint = super::keys::closest(&name, PRESETS)
+                    .map(|c| format!("did you mean \"{c}\"? "))
+                    .unwrap_or_default();
+                ConfigError::invalid(
+                    "model.preset",
+                    format!("unknown preset {name:?}"),
+                    format!("{hint}presets: {}", PRESETS.join(", ")),
+                )
+            })?;
+            (name, None, config)
+        }
+    };
+    let overrides = [
+        ("model.hidden_size", m.hidden_size, &mut config.hidden_size),
+        (
+            "model.num_hidden_layers",
+            m.num_hidden_layers,
+            &mut config.num_hidden_layers,
+        ),
+        (
+            "model.num_attention_heads",
+            m.num_attention_heads,
+            &mut config.num_attention_heads,
+        ),
+        (
+            "model.num_key_value_heads",
+            m.num_key_value_heads,
+            &mut config.num_key_value_heads,
+        ),
+        (
+            "model.intermediate_size",
+            m.intermediate_size,
+            &mut config.intermediate_size,
+        ),
+        ("model.vocab_size", m.vocab_size, &mut config.vocab_size),
+        (
+            "model.max_position_embeddings",
+            m.max_position_embeddings,
+            &mut config.max_position_embeddings,
+        ),
+    ];
+    for (key, value, field) in overrides {
+        if value.is_some() {
+            *field = positive(key, value, *field)?;
+        }
+    }
+    if let Some(tie) = m.tie_word_embeddings {
+        config.tie_word_embeddings = tie;
+    }
+    if m.rope_theta.is_some() {
+        config.rope_theta = number("model.rope_theta", m.rope_theta, config.rope_theta)?;
+    }
+    if m.rms_norm_eps.is_some() {
+        config.norm_eps = number("model.rms_norm_eps", m.rms_norm_eps, config.norm_eps)?;
+    }
+    config
+        .validate()
+        .map_err(|message| ConfigError::invalid("model", message, "adjust the model overrides"))?;
+    Ok(ModelPlan {
+        source,
+        hf_dir,
+        config,
+    })
+}
+
+fn build_data(d: DataSection, model: &ModelConfig) -> Result<Data, ConfigError> {
+    let seq_len = positive("data.seq_len", d.seq_len, 128.min(model.max_position_embeddings))?;
+    if seq_len > model.max_position_embeddings {
+        return Err(ConfigError::invalid(
+            "data.seq_len",
+            format!(
+                "{seq_len} exceeds model.max_position_embeddings ({})",
+                model.max_position_embeddings
+            ),
+            "shorten data.seq_len or raise model.max_position_embeddings",
+        ));
+    }
+    let source = match (d.synthetic, d.path) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::invalid(
+                "data.synthetic",
+                "both data.synthetic and data.path are set",
+                "keep one of them",
+            ))
+        }
+        (Some(name), None) => {
+            if !SYNTHETIC.contains(&name.as_str()) {
+                return Err(ConfigError::invalid(
+                    "data.synthetic",
+                    format!("unknown synthetic corpus {name:?}"),
+                    format!("use one of: {}", SYNTHETIC.join(", ")),
+                ));
+            }
+            DataSource::Synthetic { name }
+        }
+        (None, None) => DataSource::Synthetic {
+            name: "addition".into(),
+        },
+        (None, Some(path)) => {
+            let extension = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+            match extension {
+                "bin" => {
+                    let dtype = match d.dtype.as_deref() {
+                        None | Some("u16") | Some("uint16") => TokenDtype::U16,
+                        Some("u32") | Some("uint32") => TokenDtype::U32,
+                        Some(other) => {
+                            return Err(ConfigError::invalid(
+                                "data.dtype",
+                                format!("unknown token dtype {other:?}"),
+                                "use \"u16\" or \"u32\"",
+                            ))
+                        }
+                    };
+                    DataSource::Tokens { path, dtype }
+                }
+                "txt" | "jsonl" => {
+                    let tokenizer = d.tokenizer.ok_or_else(|| {
+                        ConfigError::invalid(
+                            "data.tokenizer",
+                            format!("{} is text and needs a tokenizer", path.display()),
+                            "set data.tokenizer to a tokenizer.json",
+                        )
+                    })?;
+                    DataSource::Text { path, tokenizer }
+                }
+                _ => {
+                    return Err(ConfigError::invalid(
+                        "data.path",
+                        format!("{} has an unknown extension", path.display()),
+                        "use a .bin token file or a .txt/.jsonl text file",
+                    ))
+                }
+            }
+        }
+    };
+    Ok(Data { source, seq_len })
+}
+
+/// DeepSpeed's `_set_batch_related_parameters`, with `"auto"` meaning "not given".
+fn build_batch(ds: &DsConfig, world: usize) -> Result<Batch, ConfigError> {
+    let given = |key: &str, v: Option<Num>| -> Result<Option<usize>, ConfigError> {
+        match v {
+            None | Some(Num::Auto) => Ok(None),
+            some => positive(key, some, 1).map(Some),
+        }
+    };
+    let tbs = given("train_batch_size", ds.train_batch_size)?;
+    let micro = given(
+        "train_micro_batch_size_per_gpu",
+        ds.train_micro_batch_size_per_gpu,
+    )?;
+    let gas = given("gradient_accumulation_steps", ds.gradient_accumulation_steps)?;
+    let divide = |total: usize, by: usize, what: &str| -> Result<usize, ConfigError> {
+        if !total.is_multiple_of(by) || total < by {
+            return Err(ConfigError::invalid(
+                "train_batch_size",
+                format!("{total} is not divisible by {what} ({by})"),
+                "make train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × devices",
+            ));
+        }
+        Ok(total / by)
+    };
+    let (tbs, micro, gas) = match (tbs, micro, gas) {
+        (Some(t), Some(m), Some(g)) => (t, m, g),
+        (Some(t), Some(m), None) => (t, m, divide(t, m * world, "micro batch × devices")?),
+        (Some(t), None, Some(g)) => (t, divide(t, g * world, "accumulation steps × devices")?, g),
+        (None, Some(m), Some(g)) => (m * g * world, m, g),
+        (Some(t), None, None) => (t, divide(t, world, "devices")?, 1),
+        (None, Some(m), None) => (m * world, m, 1),
+        (None, None, _) => {
+            return Err(ConfigError::invalid(
+                "train_micro_batch_size_per_gpu",
+                "neither train_batch_size nor train_micro_batch_size_per_gpu is given",
+                "--set train_micro_batch_size_per_gpu=4 (or set train_batch_size)",
+            ))
+        }
+    };
+    if tbs != micro * gas * world {
+        return Err(ConfigError::invalid(
+            "train_batch_size",
+            format!(
+                "{tbs} != train_micro_batch_size_per_gpu ({micro}) × gradient_accumulation_steps ({gas}) × devices ({world}) = {}",
+                micro * gas * world
+            ),
+            "fix one of the three, or leave one out and it is derived",
+        ));
+    }
+    Ok(Batch {
+        train_batch_size: tbs,
+        micro_batch_per_gpu: micro,
+        gradient_accumulation_steps: gas,
+    })
+}
+
+fn build_precision(ds: &DsConfig, facts: DeviceFacts) -> Result<Precision, ConfigError> {
+    let bf16 = match ds.bf16.as_ref().and_then(|b| b.enabled) {
+        Some(Flag::Auto) => facts.cuda_bf16,
+        Some(Flag::Value(v)) => v,
+        None => false,
+    };
+    let fp16_section = ds.fp16.clone().unwrap_or_default();
+    let fp16 = match fp16_section.enabled {
+        // the HF integration turns fp16 on only when asked; the device decides bf16
+        Some(Flag::Auto) => false,
+        Some(Flag::Value(v)) => v,
+        None => false,
+    };
+    if fp16 && bf16 {
+        return Err(ConfigError::invalid(
+            "fp16.enabled",
+            "fp16.enabled and bf16.enabled are both true",
+            "turn one of them off",
+        ));
+    }
+    if fp16_section.auto_cast == Some(true) {
+        return Err(ConfigError::invalid(
+            "fp16.auto_cast",
+            "autocast is not supported: tierzero keeps whole units in one precision",
+            "remove fp16.auto_cast or set it to false",
+        ));
+    }
+    if bf16 {
+        return Ok(Precision::Bf16);
+    }
+    if !fp16 {
+        return Ok(Precision::Fp32);
+    }
+    let f = fp16_section;
+    let static_scale = number("fp16.loss_scale", f.loss_scale, 0.0)?;
+    if static_scale < 0.0 {
+        return Err(ConfigError::invalid(
+            "fp16.loss_scale",
+            "must not be negative",
+            "use 0 for dynamic loss scaling",
+        ));
+    }
+    Ok(Precision::Fp16(LossScale {
+        static_scale,
+        initial_scale_power: count("fp16.initial_scale_power", f.initial_scale_power, 16)?.min(64) as u32,
+        window: positive("fp16.loss_scale_window", f.loss_scale_window, 1000)? as u64,
+        hysteresis: positive("fp16.hysteresis", f.hysteresis, 2)? as u32,
+        consecutive_hysteresis: f.consecutive_hysteresis.unwrap_or(false),
+        min_scale: number("fp16.min_loss_scale", f.min_loss_scale, 1.0)?,
+    }))
+}
+
+fn build_optimizer(o: OptimizerSection) -> Result<Optimizer, ConfigError> {
+    let kind = o.kind.clone().unwrap_or_else(|| "AdamW".into());
+    let adamw = match kind.to_ascii_lowercase().as_str() {
+        "adamw" => true,
+        "adam" => o.params.as_ref().and_then(|p| p.adam_w_mode).unwrap_or(true),
+        _ => {
+            return Err(ConfigError::invalid(
+                "optimizer.type",
+                format!("{kind:?} is not supported by tierzero's CPU optimizer"),
+                "use \"Adam\" or \"AdamW\"",
+            ))
+        }
+    };
+    let p = o.params.unwrap_or_default();
+    if p.amsgrad == Some(true) {
+        return Err(ConfigError::invalid(
+            "optimizer.params.amsgrad",
+            "AMSGrad is not supported",
+            "remove it",
+        ));
+    }
+    if p.bias_correction == Some(false) {
+        return Err(ConfigError::invalid(
+            "optimizer.params.bias_correction",
+            "Adam without bias correction is not supported",
+            "remove it (the default is true)",
+        ));
+    }
+    let lr = match p.lr {
+        Some(Num::Auto) => {
+            return Err(ConfigError::invalid(
+                "optimizer.params.lr",
+                "\"auto\" has no source outside the Hugging Face Trainer",
+                "--set optimizer.params.lr=3e-4",
+            ))
+        }
+        other => number("optimizer.params.lr", other, 1e-3)?,
+    };
+    let (beta1, beta2) = match p.betas {
+        None | Some(BetasOrAuto::Auto(Num::Auto)) => (0.9, 0.999),
+        Some(BetasOrAuto::Pair([b1, b2])) => (
+            number("optimizer.params.betas[0]", Some(b1), 0.9)?,
+            number("optimizer.params.betas[1]", Some(b2), 0.999)?,
+        ),
+        Some(BetasOrAuto::Auto(Num::Value(_))) => {
+            return Err(ConfigError::invalid(
+                "optimizer.params.betas",
+                "expected two numbers",
+                "write \"betas\": [0.9, 0.999]",
+            ))
+        }
+    };
+    for (key, beta) in [
+        ("optimizer.params.betas[0]", beta1),
+        ("optimizer.params.betas[1]", beta2),
+    ] {
+        if !(0.0..1.0).contains(&beta) {
+            return Err(ConfigError::invalid(
+                key,
+                format!("{beta} is outside [0, 1)"),
+                "use e.g. 0.9 and 0.999",
+            ));
+        }
+    }
+    let eps = match p.eps {
+        Some(Num::Auto) => 1e-8,
+        other => number("optimizer.params.eps", other, 1e-8)?,
+    };
+    let weight_decay = match p.weight_decay {
+        Some(Num::Auto) => 0.0,
+        other => number("optimizer.params.weight_decay", other, 0.0)?,
+    };
+    if lr <= 0.0 || eps <= 0.0 || weight_decay < 0.0 {
+        let key = if lr <= 0.0 {
+            "lr"
+        } else if eps <= 0.0 {
+            "eps"
+        } else {
+            "weight_decay"
+        };
+        return Err(ConfigError::invalid(
+            format!("optimizer.params.{key}"),
+            "out of range (lr and eps must be positive, weight_decay non-negative)",
+            "use e.g. lr 3e-4, eps 1e-8, weight_decay 0.1",
+        ));
+    }
+    Ok(Optimizer {
+        lr: lr as f32,
+        beta1: beta1 as f32,
+        beta2: beta2 as f32,
+        eps: eps as f32,
+        weight_decay: weight_decay as f32,
+        decoupled: adamw,
+    })
+}
+
+fn build_scheduler(
+    s: Option<SchedulerSection>,
+    opt: &Optimizer,
+    steps: u64,
+) -> Result<Scheduler, ConfigError> {
+    let Some(s) = s else {
+        return Ok(Scheduler::Constant);
+    };
+    let kind = s.kind.clone().unwrap_or_default();
+    let p = s.params.unwrap_or_default();
+    let allowed: &[&str] = match kind.as_str() {
+        "WarmupLR" => &[
+            "warmup_min_lr",
+            "warmup_max_lr",
+            "warmup_num_steps",
+            "warmup_type",
+            "last_batch_iteration",
+        ],
+        "WarmupDecayLR" => &[
+            "warmup_min_lr",
+            "warmup_max_lr",
+            "warmup_num_steps",
+            "warmup_type",
+            "total_num_steps",
+            "last_batch_iteration",
+        ],
+        "WarmupCosineLR" => &[
+            "warmup_min_ratio",
+            "warmup_num_steps",
+            "warmup_type",
+            "total_num_steps",
+            "cos_min_ratio",
+            "last_batch_iteration",
+        ],
+        _ => {
+            return Err(ConfigError::invalid(
+                "scheduler.type",
+                format!("{kind:?} is not supported"),
+                "use \"WarmupLR\", \"WarmupDecayLR\" or \"WarmupCosineLR\", or remove the scheduler",
+            ))
+        }
+    };
+    let set = serde_json::to_value(&p).unwrap_or_default();
+    if let Some(object) = set.as_object() {
+        for (key, value) in object {
+            if !value.is_null() && !allowed.contains(&key.as_str()) {
+                return Err(ConfigError::invalid(
+                    format!("scheduler.params.{key}"),
+                    format!("{kind} takes no parameter {key}"),
+                    format!("{kind} takes: {}", allowed.join(", ")),
+                ));
+            }
+        }
+    }
+    let lr = f64::from(opt.lr);
+    let resolved = |key: &str, v: Option<Num>, auto: f64, default: f64| match v {
+        Some(Num::Auto) => Ok(auto),
+        other => number(&format!("scheduler.params.{key}"), other, default),
+    };
+    let min_lr = resolved("warmup_min_lr", p.warmup_min_lr, 0.0, 0.0)?;
+    let max_lr = resolved("warmup_max_lr", p.warmup_max_lr, lr, 0.001)?;
+    let warmup_steps = match p.warmup_num_steps {
+        Some(Num::Auto) => 0,
+        other => count("scheduler.params.warmup_num_steps", other, 1000)? as u64,
+    };
+    let total_steps = match p.total_num_steps {
+        Some(Num::Auto) | None => steps,
+        other => count("scheduler.params.total_num_steps", other, steps as usize)? as u64,
+    };
+    let warmup_type = match p.warmup_type.as_deref() {
+        None | Some("log") => WarmupType::Log,
+        Some("linear") => WarmupType::Linear,
+        Some(other) => {
+            return Err(ConfigError::invalid(
+                "scheduler.params.warmup_type",
+                format!("unknown warmup type {other:?}"),
+                "use \"log\" or \"linear\"",
+            ))
+        }
+    };
+    if kind != "WarmupLR" && warmup_steps > total_steps {
+        return Err(ConfigError::invalid(
+            "scheduler.params.warmup_num_steps",
+            format!("{warmup_steps} warmup steps exceed total_num_steps ({total_steps})"),
+            "shorten the warmup or lengthen the run",
+        ));
+    }
+    Ok(match kind.as_str() {
+        "WarmupLR" => Scheduler::WarmupLR {
+            min_lr,
+            max_lr,
+            warmup_steps,
+            warmup_type,
+        },
+        "WarmupDecayLR" => Scheduler::WarmupDecayLR {
+            min_lr,
+            max_lr,
+            warmup_steps,
+            total_steps,
+            warmup_type,
+        },
+        _ => Scheduler::WarmupCosineLR {
+            warmup_min_ratio: resolved("warmup_min_ratio", p.warmup_min_ratio, 0.0, 0.0)?,
+            cos_min_ratio: resolved("cos_min_ratio", p.cos_min_ratio, 0.0001, 0.0001)?,
+            warmup_steps,
+            total_steps,
+            warmup_type,
+        },
+    })
+}

@@ -1,0 +1,271 @@
+//! Resolving `zero_optimization` and `aio`: stages, tiers, nvme paths and buffer sizes.
+//!
+//! DeepSpeed's rules: parameter offload needs stage 3, optimizer offload stage 1 or
+//! more, parameters on NVMe need the optimizer state off the device; `"auto"` bucket
+//! sizes follow the Hugging Face integration (hidden², 0.9·hidden², 10·hidden).
+
+use super::ds::*;
+use super::plan::*;
+use super::resolve::{count, count_or_auto, number, positive};
+use super::value::Num;
+use super::ConfigError;
+use crate::model::config::ModelConfig;
+use std::path::Path;
+
+fn tier(key: &str, value: Option<&str>) -> Result<Tier, ConfigError> {
+    match value.map(|s| s.to_ascii_lowercase()).as_deref() {
+        None | Some("none") => Ok(Tier::Device),
+        Some("cpu") => Ok(Tier::Cpu),
+        Some("nvme") => Ok(Tier::Nvme),
+        Some(other) => Err(ConfigError::invalid(
+            key,
+            format!("unknown device {other:?}"),
+            "use \"none\", \"cpu\" or \"nvme\"",
+        )),
+    }
+}
+
+/// An nvme_path must be a directory we can create and write, checked without writing.
+fn check_nvme_path(key: &str, path: &Path) -> Result<(), ConfigError> {
+    let mut probe = path;
+    loop {
+        match std::fs::metadata(probe) {
+            Ok(meta) if meta.is_dir() => {
+                if meta.permissions().readonly() {
+                    return Err(ConfigError::invalid(
+                        key,
+                        format!(
+                            "{} is not writable ({} is read-only)",
+                            path.display(),
+                            probe.display()
+                        ),
+                        "point it at a writable directory on an NVMe drive",
+                    ));
+                }
+                return Ok(());
+            }
+            Ok(_) => {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!(
+                        "{} cannot be a directory: {} is a file",
+                        path.display(),
+                        probe.display()
+                    ),
+                    "point it at a directory",
+                ))
+            }
+            Err(_) => match probe.parent() {
+                Some(parent) if !parent.as_os_str().is_empty() => probe = parent,
+                _ => return Ok(()),
+            },
+        }
+    }
+}
+
+pub(super) fn build_zero(
+    z: ZeroSection,
+    model: &ModelConfig,
+    warnings: &mut Vec<String>,
+) -> Result<Zero, ConfigError> {
+    let stage = count("zero_optimization.stage", z.stage, 0)?;
+    if stage > 3 {
+        return Err(ConfigError::invalid(
+            "zero_optimization.stage",
+            format!("stage {stage} does not exist"),
+            "use 0, 1, 2 or 3",
+        ));
+    }
+    let hidden = model.hidden_size;
+    let mut deprecated =
+        |old: &str, new: &str| warnings.push(format!("zero_optimization.{old} is deprecated; use {new}"));
+    let mut op = z.offload_param.clone().unwrap_or_default();
+    let mut oo = z.offload_optimizer.clone().unwrap_or_default();
+    if z.cpu_offload == Some(true) {
+        deprecated("cpu_offload", "offload_optimizer.device = \"cpu\"");
+        oo.device.get_or_insert_with(|| "cpu".into());
+    }
+    if z.cpu_offload_params == Some(true) {
+        deprecated("cpu_offload_params", "offload_param.device = \"cpu\"");
+        op.device.get_or_insert_with(|| "cpu".into());
+    }
+    if let Some(pin) = z.cpu_offload_use_pin_memory {
+        deprecated("cpu_offload_use_pin_memory", "offload_*.pin_memory");
+        op.pin_memory.get_or_insert(pin);
+        oo.pin_memory.get_or_insert(pin);
+    }
+    let mut gather_16bit = z.stage3_gather_16bit_weights_on_model_save;
+    if let Some(g) = z.stage3_gather_fp16_weights_on_model_save {
+        deprecated(
+            "stage3_gather_fp16_weights_on_model_save",
+            "stage3_gather_16bit_weights_on_model_save",
+        );
+        gather_16bit.get_or_insert(g);
+    }
+    let param_tier = tier("zero_optimization.offload_param.device", op.device.as_deref())?;
+    let optimizer_tier = tier("zero_optimization.offload_optimizer.device", oo.device.as_deref())?;
+    if param_tier != Tier::Device && stage != 3 {
+        return Err(ConfigError::invalid(
+            "zero_optimization.offload_param.device",
+            format!("parameter offload needs ZeRO stage 3, the config has stage {stage}"),
+            "set zero_optimization.stage to 3, or offload_param.device to \"none\"",
+        ));
+    }
+    if optimizer_tier != Tier::Device && stage == 0 {
+        return Err(ConfigError::invalid(
+            "zero_optimization.offload_optimizer.device",
+            "optimizer offload needs ZeRO stage 1, 2 or 3, the config has stage 0",
+            "set zero_optimization.stage to 1 or higher, or offload_optimizer.device to \"none\"",
+        ));
+    }
+    if param_tier == Tier::Nvme && optimizer_tier == Tier::Device {
+        // DeepSpeed: "nvme param offload requires optimizer offload to cpu or nvme"
+        return Err(ConfigError::invalid(
+            "zero_optimization.offload_param.device",
+            "parameters on nvme need the optimizer state off the device",
+            "set zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"",
+        ));
+    }
+    for (section, t, path) in [
+        ("offload_param", param_tier, &op.nvme_path),
+        ("offload_optimizer", optimizer_tier, &oo.nvme_path),
+    ] {
+        let key = format!("zero_optimization.{section}.nvme_path");
+        match (t, path) {
+            (Tier::Nvme, None) => {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("zero_optimization.{section}.device is \"nvme\" but no nvme_path is given"),
+                    format!(
+                        "--set {}=/path/on/nvme",
+                        format_args!("zero_optimization.{section}.nvme_path")
+                    ),
+                ))
+            }
+            (Tier::Nvme, Some(p)) => check_nvme_path(&key, p)?,
+            _ => {}
+        }
+    }
+    let ratio = number("zero_optimization.offload_optimizer.ratio", oo.ratio, 1.0)?;
+    if ratio != 1.0 {
+        return Err(ConfigError::invalid(
+            "zero_optimization.offload_optimizer.ratio",
+            "partial optimizer offload is not supported",
+            "remove it or set it to 1.0",
+        ));
+    }
+    let bucket = |key: &str, v: Option<Num>, default: usize, auto: usize| {
+        let v = count_or_auto(&format!("zero_optimization.{key}"), v, default, auto)?;
+        if v == 0 {
+            return Err(ConfigError::invalid(
+                format!("zero_optimization.{key}"),
+                "must be positive",
+                format!("use e.g. {default}"),
+            ));
+        }
+        Ok(v)
+    };
+    Ok(Zero {
+        stage: stage as u8,
+        // DeepSpeed turns overlap_comm on by default for stage 3
+        overlap_comm: z.overlap_comm.unwrap_or(stage == 3),
+        contiguous_gradients: z.contiguous_gradients.unwrap_or(true),
+        reduce_bucket_size: bucket(
+            "reduce_bucket_size",
+            z.reduce_bucket_size,
+            500_000_000,
+            hidden * hidden,
+        )?,
+        allgather_bucket_size: bucket(
+            "allgather_bucket_size",
+            z.allgather_bucket_size,
+            500_000_000,
+            hidden * hidden,
+        )?,
+        sub_group_size: bucket("sub_group_size", z.sub_group_size, 1_000_000_000, 1_000_000_000)?,
+        prefetch_bucket_size: bucket(
+            "stage3_prefetch_bucket_size",
+            z.stage3_prefetch_bucket_size,
+            50_000_000,
+            (0.9 * (hidden * hidden) as f64) as usize,
+        )?,
+        param_persistence_threshold: count_or_auto(
+            "zero_optimization.stage3_param_persistence_threshold",
+            z.stage3_param_persistence_threshold,
+            100_000,
+            10 * hidden,
+        )?,
+        max_live_parameters: bucket(
+            "stage3_max_live_parameters",
+            z.stage3_max_live_parameters,
+            1_000_000_000,
+            1_000_000_000,
+        )?,
+        max_reuse_distance: count_or_auto(
+            "zero_optimization.stage3_max_reuse_distance",
+            z.stage3_max_reuse_distance,
+            1_000_000_000,
+            1_000_000_000,
+        )?,
+        gather_16bit_weights_on_model_save: gather_16bit.unwrap_or(false),
+        offload_param: ParamOffload {
+            tier: param_tier,
+            nvme_path: op.nvme_path.clone(),
+            pin_memory: op.pin_memory.unwrap_or(false),
+            buffer_count: positive("zero_optimization.offload_param.buffer_count", op.buffer_count, 5)?,
+            buffer_size: positive(
+                "zero_optimization.offload_param.buffer_size",
+                op.buffer_size,
+                100_000_000,
+            )?,
+            max_in_cpu: count(
+                "zero_optimization.offload_param.max_in_cpu",
+                op.max_in_cpu,
+                1_000_000_000,
+            )?,
+        },
+        offload_optimizer: OptimizerOffload {
+            tier: optimizer_tier,
+            nvme_path: oo.nvme_path.clone(),
+            pin_memory: oo.pin_memory.unwrap_or(false),
+            buffer_count: positive(
+                "zero_optimization.offload_optimizer.buffer_count",
+                oo.buffer_count,
+                4,
+            )?,
+            pipeline_read: oo.pipeline_read.unwrap_or(false),
+            pipeline_write: oo.pipeline_write.unwrap_or(false),
+            ratio,
+        },
+    })
+}
+
+pub(super) fn build_aio(a: AioSection, warnings: &mut Vec<String>) -> Result<Aio, ConfigError> {
+    let mut parallelism = a.intra_op_parallelism;
+    if a.thread_count.is_some() {
+        warnings.push("aio.thread_count is DeepSpeed's older name; use aio.intra_op_parallelism".into());
+        parallelism = parallelism.or(a.thread_count);
+    }
+    if a.use_gds == Some(true) {
+        return Err(ConfigError::invalid(
+            "aio.use_gds",
+            "GPUDirect Storage is not supported",
+            "remove it or set it to false",
+        ));
+    }
+    let block_size = positive("aio.block_size", a.block_size, 1_048_576)?;
+    if !block_size.is_multiple_of(4096) {
+        return Err(ConfigError::invalid(
+            "aio.block_size",
+            format!("{block_size} is not a multiple of 4096, which O_DIRECT needs"),
+            "use e.g. 1048576",
+        ));
+    }
+    Ok(Aio {
+        block_size,
+        queue_depth: positive("aio.queue_depth", a.queue_depth, 8)?,
+        intra_op_parallelism: positive("aio.intra_op_parallelism", parallelism, 1)?,
+        single_submit: a.single_submit.unwrap_or(false),
+        overlap_events: a.overlap_events.unwrap_or(true),
+    })
+}
