@@ -10,6 +10,7 @@ pub mod comm;
 pub mod config;
 pub mod data;
 pub mod device;
+pub mod metrics;
 pub mod model;
 pub mod torch;
 pub mod zero;

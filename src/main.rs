@@ -469,11 +469,36 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let last = result.steps.last().map_or(f64::NAN, |m| m.loss);
             let tokens_per_s =
                 result.steps.iter().map(|m| m.tokens_per_s).sum::<f64>() / result.steps.len().max(1) as f64;
+            let predicted = tierzero::zero::memory::predict(&loaded.plan);
+            let summary = serde_json::json!({
+                "steps": result.steps.len(),
+                "seconds": result.seconds,
+                "first_loss": result.steps.first().map(|m| m.loss),
+                "last_loss": result.steps.last().map(|m| m.loss),
+                "loss_floor": result.loss_floor,
+                "tokens_per_s": tokens_per_s,
+                "device_bytes_predicted": predicted,
+                "device_bytes_measured_peak": result.device_peaks,
+            });
+            let output_dir = &loaded.plan.train.output_dir;
+            let summary_path = output_dir.join("summary.json");
+            std::fs::write(
+                &summary_path,
+                serde_json::to_vec_pretty(&summary).context("serialising the summary")?,
+            )
+            .with_context(|| format!("writing {}", summary_path.display()))?;
+            for (rank, peak) in result.device_peaks.iter().enumerate() {
+                println!(
+                    "rank {rank}: device memory peak {peak} bytes, plan predicted {} ({:+.1}%)",
+                    predicted.total,
+                    100.0 * (*peak as f64 / predicted.total.max(1) as f64 - 1.0)
+                );
+            }
             println!(
-                "done: {} steps in {:.1}s, loss {first:.4} -> {last:.4}, {tokens_per_s:.0} tokens/s; metrics in {}",
+                "done: {} steps in {:.1}s, loss {first:.4} -> {last:.4}, {tokens_per_s:.0} tokens/s; {}/{{metrics.jsonl,loss.png,summary.json}}",
                 result.steps.len(),
                 result.seconds,
-                loaded.plan.train.output_dir.join("metrics.jsonl").display()
+                output_dir.display()
             );
             Ok(())
         }

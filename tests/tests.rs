@@ -8,4 +8,6 @@ mod estimate;
 mod hf_reference;
 mod memory;
 mod model;
+mod precision;
+mod text_data;
 mod zero_equivalence;

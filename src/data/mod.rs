@@ -8,11 +8,13 @@
 //!
 //! - `synthetic.rs`: built-in corpora with a known loss floor, for the default run
 //! - `tokens.rs`: nanoGPT-style `.bin` token files (u16/u32), memory-mapped
+//! - `text.rs`: `.txt`/`.jsonl` tokenized with a `tokenizer.json`, cached as a token file
 
 pub mod synthetic;
+pub mod text;
 pub mod tokens;
 
-use crate::config::plan::{DataSource, Plan};
+use crate::config::plan::{DataSource, Plan, TokenDtype};
 use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
@@ -21,8 +23,6 @@ pub enum DataError {
     Read { path: PathBuf, source: std::io::Error },
     #[error("token file {path}: {message}")]
     Invalid { path: PathBuf, message: String },
-    #[error("data.path {0}: text files need the tokenizer integration, which this build does not have yet; pre-tokenize to a .bin file (u16/u32 token ids)")]
-    TextUnsupported(PathBuf),
 }
 
 /// One micro-batch: inputs and targets, each [rows × seq_len], row-major. Targets < 0
@@ -51,7 +51,16 @@ impl Dataset {
                 plan.data.seq_len,
                 plan.model.config.vocab_size,
             )?)),
-            DataSource::Text { path, .. } => Err(DataError::TextUnsupported(path.clone())),
+            DataSource::Text { path, tokenizer } => {
+                let cache = text::tokenize_cached(path, tokenizer)?;
+                let file = tokens::TokenFile::open(
+                    &cache,
+                    TokenDtype::U32,
+                    plan.data.seq_len,
+                    plan.model.config.vocab_size,
+                )?;
+                Ok(Dataset::Tokens(file))
+            }
         }
     }
 

@@ -259,6 +259,9 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
             .collect();
         drop(tx);
         let mut last = Instant::now();
+        let progress = options
+            .write_outputs
+            .then(|| crate::metrics::Progress::new(plan.train.steps));
         for message in rx {
             let seconds = message.seconds;
             let tokens_per_s = tokens_per_step as f64 / seconds.max(1e-9);
@@ -284,30 +287,39 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
                     let _ = writeln!(file, "{line}");
                 }
                 let done = metrics.step;
-                if done.is_multiple_of(plan.train.log_interval)
-                    || done == plan.train.steps
-                    || last.elapsed().as_secs() >= 10
-                {
-                    last = Instant::now();
-                    let eta = seconds * (plan.train.steps - done) as f64;
-                    let eval = metrics
-                        .eval_loss
-                        .map(|l| format!("  eval {l:.4}"))
-                        .unwrap_or_default();
-                    println!(
-                        "step {done:>6}/{}  loss {:.4}{eval}  lr {:.2e}  grad_norm {:.3}  {:.0} tok/s  mfu {:.1}%  eta {:.0}s{}",
-                        plan.train.steps,
-                        metrics.loss,
-                        metrics.lr,
-                        metrics.grad_norm,
-                        metrics.tokens_per_s,
-                        100.0 * metrics.mfu,
-                        eta,
-                        if metrics.skipped { "  (skipped: overflow)" } else { "" }
+                if let Some(progress) = &progress {
+                    progress.update(
+                        done,
+                        format!("loss {:.4}  {:.0} tok/s", metrics.loss, metrics.tokens_per_s),
                     );
+                    if done.is_multiple_of(plan.train.log_interval)
+                        || done == plan.train.steps
+                        || last.elapsed().as_secs() >= 10
+                    {
+                        last = Instant::now();
+                        let eta = seconds * (plan.train.steps - done) as f64;
+                        let eval = metrics
+                            .eval_loss
+                            .map(|l| format!("  eval {l:.4}"))
+                            .unwrap_or_default();
+                        progress.line(&format!(
+                            "step {done:>6}/{}  loss {:.4}{eval}  lr {:.2e}  grad_norm {:.3}  {:.0} tok/s  mfu {:.1}%  eta {:.0}s{}",
+                            plan.train.steps,
+                            metrics.loss,
+                            metrics.lr,
+                            metrics.grad_norm,
+                            metrics.tokens_per_s,
+                            100.0 * metrics.mfu,
+                            eta,
+                            if metrics.skipped { "  (skipped: overflow)" } else { "" }
+                        ));
+                    }
                 }
             }
             result.steps.push(metrics);
+        }
+        if let Some(progress) = &progress {
+            progress.finish();
         }
         handles
             .into_iter()
@@ -359,8 +371,17 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
             .collect();
     }
     result.seconds = start.elapsed().as_secs_f64();
-    if let Some((_, path)) = metrics_file {
-        tracing::debug!("metrics in {}", path.display());
+    if metrics_file.is_some() {
+        let losses: Vec<(u64, f64)> = result.steps.iter().map(|m| (m.step, m.loss)).collect();
+        let evals: Vec<(u64, f64)> = result
+            .steps
+            .iter()
+            .filter_map(|m| m.eval_loss.map(|l| (m.step, l)))
+            .collect();
+        let path = plan.train.output_dir.join("loss.png");
+        if let Err(e) = crate::metrics::plot_loss(&path, &losses, &evals, result.loss_floor) {
+            tracing::warn!("no loss plot: {e}");
+        }
     }
     Ok(result)
 }
