@@ -44,6 +44,34 @@ impl SubGroup<'_> {
     }
 }
 
+/// Cuts one (unit, rank) partition into its sub-groups: chunk i covers elements
+/// [i·chunk_elems, (i+1)·chunk_elems) of the gradient and the low-precision output.
+pub fn sub_groups<'a>(
+    unit: u32,
+    rank: u32,
+    chunk_elems: usize,
+    grad: &'a [f32],
+    low: LowPrecisionOut<'a>,
+) -> Vec<SubGroup<'a>> {
+    let mut groups = Vec::with_capacity(grad.len().div_ceil(chunk_elems.max(1)));
+    let (mut grad, mut low) = (grad, low);
+    while !grad.is_empty() {
+        let n = chunk_elems.max(1).min(grad.len());
+        let (g, g_rest) = grad.split_at(n);
+        let (l, l_rest) = low.split_at(n);
+        groups.push(SubGroup {
+            unit,
+            rank,
+            chunk: groups.len(),
+            grad: GradSlice::F32(g),
+            low: l,
+        });
+        grad = g_rest;
+        low = l_rest;
+    }
+    groups
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PipelineConfig {
     /// Buffer sets in flight (DeepSpeed's `offload_optimizer.buffer_count`).
@@ -284,29 +312,30 @@ pub fn nvme_adam_step(
     Ok(report)
 }
 
-/// Reads every chunk of `keys` (with `depth` sets in flight) and discards the data:
-/// the read leg of the pipeline alone, for `bench swap`.
-pub fn read_only(
-    store: &SwapStore,
-    pool: &BufferPool,
+/// Submits one batch per sub-group on this thread, at most `sets` batches ahead, and
+/// waits for them in order on a second thread, which keeps waiting after an error so that
+/// every buffer returns to its pool before the error is reported.
+fn stream<T: Send>(
+    sets: usize,
     groups: &[(u32, u32, usize)],
+    mut submit: impl FnMut((u32, u32, usize)) -> Result<T, IoError>,
+    wait: impl Fn(T) -> Result<(), IoError> + Send,
 ) -> Result<Duration, IoError> {
     let start = Instant::now();
-    let (tx, rx) = crossbeam_channel::bounded::<Reads>(pool.count() / 3);
+    let (tx, rx) = crossbeam_channel::bounded::<T>(sets.max(1));
     std::thread::scope(|scope| {
-        // keeps waiting after an error so that every buffer returns to the pool
-        let waiter = scope.spawn(move || -> Result<(), IoError> {
+        let waiter = scope.spawn(move || {
             let mut result = Ok(());
-            for reads in rx {
-                result = result.and(wait_all_reads(reads).map(drop));
+            for batch in rx {
+                result = result.and(wait(batch));
             }
             result
         });
         let mut submitted = Ok(());
         for &group in groups {
-            match submit_reads(store, pool, group) {
-                Ok(reads) => {
-                    if tx.send(reads).is_err() {
+            match submit(group) {
+                Ok(batch) => {
+                    if tx.send(batch).is_err() {
                         break;
                     }
                 }
@@ -323,44 +352,37 @@ pub fn read_only(
     Ok(start.elapsed())
 }
 
+/// Reads every chunk of the optimizer states of `groups` and discards the data: the read
+/// leg of the pipeline alone, for `bench swap`.
+pub fn read_only(
+    store: &SwapStore,
+    pool: &BufferPool,
+    groups: &[(u32, u32, usize)],
+) -> Result<Duration, IoError> {
+    stream(
+        pool.count() / 3,
+        groups,
+        |group| submit_reads(store, pool, group),
+        |reads| wait_all_reads(reads).map(drop),
+    )
+}
+
 /// Writes every chunk of the optimizer states of `groups` from pool buffers as they are:
-/// the write leg alone, for `bench swap` and for initialising the store.
+/// the write leg alone, for `bench swap`.
 pub fn write_only(
     store: &SwapStore,
     pool: &BufferPool,
     groups: &[(u32, u32, usize)],
 ) -> Result<Duration, IoError> {
-    let start = Instant::now();
-    let (tx, rx) = crossbeam_channel::bounded::<Writes<'_>>(pool.count() / 3);
-    std::thread::scope(|scope| {
-        // keeps waiting after an error so that every buffer returns to the pool
-        let waiter = scope.spawn(move || -> Result<(), IoError> {
-            let mut result = Ok(());
-            for writes in rx {
-                result = result.and(wait_all_writes(writes));
-            }
-            result
-        });
-        let mut submitted = Ok(());
-        'groups: for &(unit, rank, chunk) in groups {
-            let mut writes = Vec::with_capacity(3);
-            for state in State::OPTIMIZER {
-                let key = TensorKey { unit, rank, state };
-                match store.write_async(key, chunk, pool.lease()) {
-                    Ok(w) => writes.push(w),
-                    Err((e, _)) => {
-                        submitted = Err(e);
-                        break 'groups;
-                    }
-                }
-            }
-            if tx.send(writes).is_err() {
-                break;
-            }
-        }
-        drop(tx);
-        let waited = waiter.join().unwrap_or(Ok(()));
-        submitted.and(waited)
-    })?;
-    Ok(start.elapsed())
+    let submit = |(unit, rank, chunk): (u32, u32, usize)| -> Result<Writes<'_>, IoError> {
+        State::OPTIMIZER
+            .into_iter()
+            .map(|state| {
+                store
+                    .write_async(TensorKey { unit, rank, state }, chunk, pool.lease())
+                    .map_err(|(e, _)| e)
+            })
+            .collect()
+    };
+    stream(pool.count() / 3, groups, submit, wait_all_writes)
 }

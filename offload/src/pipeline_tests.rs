@@ -5,7 +5,7 @@ use crate::adam::{self, AdamHyper, GradSlice, LowPrecisionOut, Sweep};
 use crate::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
 use crate::nvme::tests::{engines, test_dir};
 use crate::nvme::{BlockIo, IoError};
-use crate::pipeline::{buffer_pool_for, nvme_adam_step, PipelineConfig, SubGroup};
+use crate::pipeline::{buffer_pool_for, nvme_adam_step, sub_groups, PipelineConfig, SubGroup};
 use crate::pool::IoBuf;
 use std::io::{Seek, SeekFrom, Write};
 use std::sync::Arc;
@@ -120,29 +120,18 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
                 // on nvme, sub-group by sub-group
                 let mut groups = Vec::new();
                 for (u, (grad, low)) in grads.iter().zip(low_nvme.iter_mut()).enumerate() {
-                    let mut grad: &[f32] = grad;
-                    let mut low: &mut [u16] = low;
-                    for chunk in 0..store
-                        .chunks(TensorKey {
-                            unit: u as u32,
-                            rank: 0,
-                            state: State::Master,
-                        })
-                        .unwrap()
-                    {
-                        let n = grad.len().min(store.chunk_elems());
-                        let (g, g_rest) = grad.split_at(n);
-                        let (l, l_rest) = std::mem::take(&mut low).split_at_mut(n);
-                        groups.push(SubGroup {
-                            unit: u as u32,
-                            rank: 0,
-                            chunk,
-                            grad: GradSlice::F32(g),
-                            low: LowPrecisionOut::Bf16(l),
-                        });
-                        grad = g_rest;
-                        low = l_rest;
-                    }
+                    let unit = sub_groups(u as u32, 0, store.chunk_elems(), grad, LowPrecisionOut::Bf16(low));
+                    let key = TensorKey {
+                        unit: u as u32,
+                        rank: 0,
+                        state: State::Master,
+                    };
+                    assert_eq!(
+                        unit.len(),
+                        store.chunks(key).unwrap(),
+                        "one sub-group per stored chunk"
+                    );
+                    groups.extend(unit);
                 }
                 let config = PipelineConfig {
                     buffer_count,

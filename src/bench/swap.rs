@@ -15,7 +15,7 @@ use tierzero_offload::adam::{self, AdamHyper, GradSlice, LowPrecisionOut, Sweep}
 use tierzero_offload::host::AlignedBuf;
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
 use tierzero_offload::nvme::{open_engine, EngineChoice, EngineConfig};
-use tierzero_offload::pipeline::{self, PipelineConfig, SubGroup};
+use tierzero_offload::pipeline::{self, PipelineConfig};
 
 #[derive(Clone, Debug)]
 pub struct SwapBenchArgs {
@@ -112,23 +112,8 @@ pub fn run(args: &SwapBenchArgs) -> anyhow::Result<SwapReport> {
             Ok(())
         })?;
         duplex.push(start.elapsed().as_secs_f64());
-        let mut sub_groups = Vec::with_capacity(chunks);
-        let mut grad_rest: &[f32] = &grad;
-        let mut low_rest: &mut [u16] = &mut low;
-        for chunk in 0..chunks {
-            let len = grad_rest.len().min(store.chunk_elems());
-            let (g, g_tail) = grad_rest.split_at(len);
-            let (l, l_tail) = std::mem::take(&mut low_rest).split_at_mut(len);
-            sub_groups.push(SubGroup {
-                unit: 0,
-                rank: 0,
-                chunk,
-                grad: GradSlice::F32(g),
-                low: LowPrecisionOut::Bf16(l),
-            });
-            grad_rest = g_tail;
-            low_rest = l_tail;
-        }
+        let sub_groups =
+            pipeline::sub_groups(0, 0, store.chunk_elems(), &grad, LowPrecisionOut::Bf16(&mut low));
         let config = PipelineConfig {
             buffer_count: args.buffer_count,
             pipeline_read: true,

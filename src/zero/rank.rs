@@ -34,7 +34,7 @@ use tch::{Kind, TchError, Tensor};
 use tierzero_offload::adam::{self, GradSlice, LowPrecisionOut, Sweep};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::nvme::IoError;
-use tierzero_offload::pipeline::{self, PipelineConfig, SubGroup};
+use tierzero_offload::pipeline::{self, PipelineConfig};
 use tierzero_offload::pool::{BufferPool, IoBuf};
 
 #[derive(Debug, thiserror::Error)]
@@ -348,19 +348,7 @@ impl<'a, C: Collective> RankEngine<'a, C> {
         let numel = self.units[u].part.numel;
         let shard = self.local_params(u)?;
         let full = if self.stage() == 3 {
-            let padded = self.units[u].part.padded;
-            match &shard {
-                LowParams::F32(s) => {
-                    let mut out = vec![0f32; padded];
-                    self.comm.all_gather(s, &mut out)?;
-                    LowParams::F32(out)
-                }
-                LowParams::U16(s) => {
-                    let mut out = vec![0u16; padded];
-                    self.comm.all_gather(s, &mut out)?;
-                    LowParams::U16(out)
-                }
-            }
+            self.all_gather(&shard, self.units[u].part.padded)?
         } else {
             shard
         };
@@ -377,6 +365,22 @@ impl<'a, C: Collective> RankEngine<'a, C> {
             }
             gathered => Ok((tensor, gathered)),
         }
+    }
+
+    /// Every rank's `shard` of a unit, concatenated into its padded length.
+    fn all_gather(&self, shard: &LowParams, padded: usize) -> Result<LowParams, EngineError> {
+        Ok(match shard {
+            LowParams::F32(s) => {
+                let mut out = vec![0f32; padded];
+                self.comm.all_gather(s, &mut out)?;
+                LowParams::F32(out)
+            }
+            LowParams::U16(s) => {
+                let mut out = vec![0u16; padded];
+                self.comm.all_gather(s, &mut out)?;
+                LowParams::U16(out)
+            }
+        })
     }
 
     /// This rank's stored parameters of unit `u` (from NVMe when offloaded there).
@@ -605,26 +609,13 @@ impl<'a, C: Collective> RankEngine<'a, C> {
                     message: "optimizer state has no tier".into(),
                 });
             };
-            let chunk = store.chunk_elems();
-            let mut groups = Vec::new();
-            let mut grad_rest: &[f32] = &grad;
-            let mut low_rest = fresh.out_as(&precision);
-            let mut index = 0;
-            while !grad_rest.is_empty() {
-                let n = chunk.min(grad_rest.len());
-                let (g, g_tail) = grad_rest.split_at(n);
-                let (l, l_tail) = low_rest.split_at(n);
-                groups.push(SubGroup {
-                    unit: u as u32,
-                    rank: self.rank as u32,
-                    chunk: index,
-                    grad: GradSlice::F32(g),
-                    low: l,
-                });
-                grad_rest = g_tail;
-                low_rest = l_tail;
-                index += 1;
-            }
+            let groups = pipeline::sub_groups(
+                u as u32,
+                self.rank as u32,
+                store.chunk_elems(),
+                &grad,
+                fresh.out_as(&precision),
+            );
             let config = PipelineConfig {
                 buffer_count: self.plan.zero.offload_optimizer.buffer_count,
                 pipeline_read: self.plan.zero.offload_optimizer.pipeline_read,
@@ -638,21 +629,7 @@ impl<'a, C: Collective> RankEngine<'a, C> {
         // new parameters to where they live
         let params = match stage {
             3 | 0 => fresh,
-            _ => {
-                let padded = self.units[u].part.padded;
-                match &fresh {
-                    LowParams::F32(s) => {
-                        let mut out = vec![0f32; padded];
-                        self.comm.all_gather(s, &mut out)?;
-                        LowParams::F32(out)
-                    }
-                    LowParams::U16(s) => {
-                        let mut out = vec![0u16; padded];
-                        self.comm.all_gather(s, &mut out)?;
-                        LowParams::U16(out)
-                    }
-                }
-            }
+            _ => self.all_gather(&fresh, self.units[u].part.padded)?,
         };
         self.units[u].persistent = None;
         if self.plan.zero.offload_param.tier == Tier::Nvme {

@@ -167,24 +167,58 @@ pub fn initial_weights(plan: &Plan) -> Result<Vec<Vec<f32>>, TrainError> {
 }
 
 /// Trains `plan.train.steps` steps on `plan.world_size` CPU ranks.
+/// What every rank of a run shares, built once per run.
+struct Prepared {
+    model: Model,
+    dataset: Dataset,
+    optimizer_store: Option<SwapStore>,
+    param_store: Option<SwapStore>,
+    pretrained: Option<Vec<Vec<f32>>>,
+}
+
+impl Prepared {
+    fn new(plan: &Plan) -> Result<Prepared, TrainError> {
+        let model = Model::new(plan.model.config.clone(), kind_for(&plan.precision));
+        let dataset = Dataset::open(plan)?;
+        if dataset.vocab_needed() > model.config.vocab_size {
+            return Err(TrainError::Invalid(format!(
+                "the synthetic corpus uses {} token ids but model.vocab_size is {}; raise model.vocab_size",
+                dataset.vocab_needed(),
+                model.config.vocab_size
+            )));
+        }
+        let (optimizer_store, param_store) = open_stores(plan, &model)?;
+        let pretrained = match &plan.model.hf_dir {
+            Some(_) => Some(initial_weights(plan)?),
+            None => None,
+        };
+        Ok(Prepared {
+            model,
+            dataset,
+            optimizer_store,
+            param_store,
+            pretrained,
+        })
+    }
+
+    fn context<'a>(&'a self, plan: &'a Plan) -> RankContext<'a> {
+        RankContext {
+            plan,
+            model: &self.model,
+            dataset: &self.dataset,
+            optimizer_store: self.optimizer_store.as_ref(),
+            param_store: self.param_store.as_ref(),
+            pretrained: self.pretrained.as_deref(),
+        }
+    }
+}
+
 pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainError> {
     let start = Instant::now();
-    let model = Model::new(plan.model.config.clone(), kind_for(&plan.precision));
-    let dataset = Dataset::open(plan)?;
-    if dataset.vocab_needed() > model.config.vocab_size {
-        return Err(TrainError::Invalid(format!(
-            "the synthetic corpus uses {} token ids but model.vocab_size is {}; raise model.vocab_size",
-            dataset.vocab_needed(),
-            model.config.vocab_size
-        )));
-    }
-    let (optimizer_store, param_store) = open_stores(plan, &model)?;
-    let pretrained = match &plan.model.hf_dir {
-        Some(_) => Some(initial_weights(plan)?),
-        None => None,
-    };
+    let prepared = Prepared::new(plan)?;
+    let model = &prepared.model;
     let world = plan.world_size;
-    let loss_floor = dataset.loss_floor(plan.data.seq_len);
+    let loss_floor = prepared.dataset.loss_floor(plan.data.seq_len);
     if let (Some(floor), true) = (loss_floor, options.write_outputs) {
         println!("synthetic data: a perfect model reaches a loss of {floor:.4}");
     }
@@ -224,14 +258,7 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
             .into_iter()
             .map(|comm| {
                 let tx = tx.clone();
-                let context = RankContext {
-                    plan,
-                    model: &model,
-                    dataset: &dataset,
-                    optimizer_store: optimizer_store.as_ref(),
-                    param_store: param_store.as_ref(),
-                    pretrained: pretrained.as_deref(),
-                };
+                let context = prepared.context(plan);
                 std::thread::Builder::new()
                     .name(format!("tierzero-rank-{}", comm.rank()))
                     .spawn_scoped(scope, move || {
@@ -429,26 +456,13 @@ fn run_rank(
 
 /// Mean loss over `train.eval_batches` held-out batches, on every rank, without training.
 pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
-    let model = Model::new(plan.model.config.clone(), kind_for(&plan.precision));
-    let dataset = Dataset::open(plan)?;
+    let prepared = Prepared::new(plan)?;
     let world = plan.world_size;
-    let (optimizer_store, param_store) = open_stores(plan, &model)?;
-    let pretrained = match &plan.model.hf_dir {
-        Some(_) => Some(initial_weights(plan)?),
-        None => None,
-    };
     let losses: Vec<Result<f64, TrainError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = Local::group(world)
             .into_iter()
             .map(|comm| {
-                let context = RankContext {
-                    plan,
-                    model: &model,
-                    dataset: &dataset,
-                    optimizer_store: optimizer_store.as_ref(),
-                    param_store: param_store.as_ref(),
-                    pretrained: pretrained.as_deref(),
-                };
+                let context = prepared.context(plan);
                 scope.spawn(move || -> Result<f64, TrainError> {
                     let guard = comm.clone();
                     let run = || -> Result<f64, TrainError> {
