@@ -39,6 +39,32 @@ fn prediction_is_within_ten_percent_of_the_measured_peak() {
     }
 }
 
+/// Stage 3 with prefetching: no unit kept gathered, and buckets from one unit ahead to
+/// everything ahead; the prediction replays the prefetcher's schedule.
+#[test]
+fn stage3_prefetch_memory_is_predicted() {
+    for bucket in ["1", "120000", "50000000"] {
+        for world in [1, 2, 3] {
+            let sets = [
+                "zero_optimization.stage3_param_persistence_threshold=0".to_string(),
+                format!("zero_optimization.stage3_prefetch_bucket_size={bucket}"),
+                "gradient_accumulation_steps=2".to_string(),
+            ];
+            let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+            let p = plan(world, 3, "none", &sets);
+            let predicted = predict(&p).total as f64;
+            let result = train(&p, TrainOptions::default()).unwrap();
+            for (rank, &peak) in result.device_peaks.iter().enumerate() {
+                let error = (peak as f64 - predicted).abs() / predicted;
+                assert!(
+                    error <= 0.10,
+                    "bucket {bucket} world {world} rank {rank}: measured {peak}, predicted {predicted}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn stage3_memory_per_rank_shrinks_with_the_world_size() {
     let peaks: Vec<u64> = (1..=4)

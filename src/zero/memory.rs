@@ -9,6 +9,7 @@
 //! not counted, as DeepSpeed's estimator does not count them.
 
 use super::partition::Partition;
+use super::prefetch::{may_request, schedule, Phase};
 use crate::config::plan::{Plan, Tier};
 use serde::Serialize;
 
@@ -40,41 +41,72 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
             bytes.optimizer += 12 * opt_len(p);
         }
     }
-    // stage-3 gathers: persistent units stay; others one at a time
-    let persistent = |n: usize| stage == 3 && n <= plan.zero.param_persistence_threshold;
-    let gathered: Vec<u64> = parts
-        .iter()
-        .map(|p| if stage == 3 { elem * p.padded as u64 } else { 0 })
-        .collect();
-    let held: u64 = parts
-        .iter()
-        .zip(&gathered)
-        .filter(|(p, _)| persistent(p.numel))
-        .map(|(_, g)| g)
-        .sum();
-    let transient = |u: usize| {
-        if persistent(parts[u].numel) {
-            0
-        } else {
-            gathered[u]
-        }
-    };
-    let last = parts.len() - 1;
     let tokens = 8 * (plan.batch.micro_batch_per_gpu * plan.data.seq_len) as u64;
     let hidden =
         elem * (plan.batch.micro_batch_per_gpu * plan.data.seq_len * plan.model.config.hidden_size) as u64;
-    let tied = if plan.model.config.tie_word_embeddings {
-        transient(0)
+    let last = parts.len() - 1;
+    bytes.working = if stage == 3 {
+        stage3_working(plan, &parts, elem, tokens, hidden)
     } else {
-        0
+        // no gathers: the activations of the whole forward at their peak
+        tokens + last as u64 * hidden
     };
-    let forward = (0..last)
-        .map(|u| (u as u64 + 1) * hidden + transient(u))
-        .max()
-        .unwrap_or(0);
-    let final_unit = last as u64 * hidden + transient(last) + tied;
-    let backward = last as u64 * hidden + (0..last).map(transient).max().unwrap_or(0);
-    bytes.working = held + tokens + forward.max(final_unit).max(backward);
     bytes.total = bytes.parameters + bytes.gradients + bytes.optimizer + bytes.working;
     bytes
+}
+
+/// Stage 3: replays the fetch schedule of up to two micro-batches (the persistence cache
+/// survives between them) with the prefetcher's request rule (`Prefetcher::next`: fill,
+/// receive, fill again), tracking gathered units requested ahead, in use and kept, next
+/// to the activations alive at each point.
+fn stage3_working(plan: &Plan, parts: &[Partition], elem: u64, tokens: u64, hidden: u64) -> u64 {
+    let threshold = plan.zero.param_persistence_threshold;
+    let bucket = plan.zero.prefetch_bucket_size;
+    let gathered = |u: usize| elem * parts[u].padded as u64;
+    let last = parts.len() - 1;
+    let tied = plan.model.config.tie_word_embeddings;
+    let mut kept = vec![false; parts.len()];
+    let mut kept_bytes = 0u64;
+    let mut peak = 0u64;
+    for _ in 0..plan.batch.gradient_accumulation_steps.min(2) {
+        let mut order = schedule(parts.len(), tied, |u| parts[u].numel <= threshold);
+        order.retain(|&(u, _)| !kept[u]);
+        let mut requested = 0usize;
+        let mut outstanding = 0u64;
+        let mut in_use = 0u64;
+        let fill = |received: usize, requested: &mut usize, outstanding: &mut u64| {
+            while let Some(&(next, _)) = order.get(*requested) {
+                let ahead: usize = order[received..*requested]
+                    .iter()
+                    .map(|&(v, _)| parts[v].numel)
+                    .sum();
+                if !may_request(*requested - received, ahead, parts[next].numel, bucket) {
+                    break;
+                }
+                *outstanding += gathered(next);
+                *requested += 1;
+            }
+        };
+        for (received, &(u, phase)) in order.iter().enumerate() {
+            fill(received, &mut requested, &mut outstanding);
+            outstanding -= gathered(u);
+            if parts[u].numel <= threshold {
+                kept[u] = true;
+                kept_bytes += gathered(u);
+            } else {
+                in_use += gathered(u);
+            }
+            fill(received + 1, &mut requested, &mut outstanding);
+            let activations = match phase {
+                Phase::Forward => tokens + (u as u64 + 1) * hidden,
+                _ => tokens + last as u64 * hidden,
+            };
+            peak = peak.max(activations + kept_bytes + in_use + outstanding);
+            // the final unit stays in use until the tied embedding joins it
+            if !(phase == Phase::Final && tied) {
+                in_use = 0;
+            }
+        }
+    }
+    peak
 }

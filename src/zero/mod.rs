@@ -2,6 +2,7 @@
 //!
 //! - `partition.rs`: padded flat buffers and each rank's slice
 //! - `rank.rs`: one rank's units on their tiers, and the training step for stages 0–3
+//! - `prefetch.rs`: the stage-3 fetch schedule and the worker that gathers ahead
 //! - `schedule.rs`: DeepSpeed's learning-rate schedules and fp16 loss scaling
 //! - `trainer.rs`: ranks as threads, the swap stores, metrics
 //! - `memory.rs`: the device bytes per rank a plan predicts and a run measures
@@ -10,6 +11,7 @@
 pub mod estimate;
 pub mod memory;
 pub mod partition;
+pub mod prefetch;
 pub mod rank;
 pub mod schedule;
 pub mod trainer;

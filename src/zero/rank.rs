@@ -20,6 +20,7 @@
 //! order. This build runs the optimizer phase blocking and fetches without prefetch.
 
 use super::partition::Partition;
+use super::prefetch::{self, Prefetcher, Worker};
 use super::schedule::{learning_rate, LossScaler};
 use crate::comm::{Collective, CommError, ReduceOp};
 use crate::config::plan::{Plan, Precision, Tier};
@@ -59,7 +60,7 @@ pub enum LowParams {
 }
 
 impl LowParams {
-    fn zeros(len: usize, precision: &Precision) -> LowParams {
+    pub(crate) fn zeros(len: usize, precision: &Precision) -> LowParams {
         match precision {
             Precision::Fp32 => LowParams::F32(vec![0.0; len]),
             _ => LowParams::U16(vec![0; len]),
@@ -90,7 +91,7 @@ impl LowParams {
         }
     }
 
-    fn bytes_mut(&mut self) -> &mut [u8] {
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: any byte pattern is a valid f32/u16.
         unsafe {
             match self {
@@ -100,7 +101,7 @@ impl LowParams {
         }
     }
 
-    fn elem_bytes(&self) -> usize {
+    pub(crate) fn elem_bytes(&self) -> usize {
         match self {
             LowParams::F32(_) => 4,
             LowParams::U16(_) => 2,
@@ -154,6 +155,8 @@ pub struct RankContext<'a> {
 
 pub struct RankEngine<'a, C: Collective> {
     pub comm: C,
+    /// The prefetch worker's communicator (stage-3 all-gathers ahead of compute).
+    gather_comm: C,
     plan: &'a Plan,
     model: &'a Model,
     dataset: &'a Dataset,
@@ -172,7 +175,7 @@ pub struct RankEngine<'a, C: Collective> {
     _held: Vec<Reservation>,
 }
 
-impl<'a, C: Collective> RankEngine<'a, C> {
+impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     fn torch_err(&self) -> impl Fn(TchError) -> EngineError + '_ {
         move |source| EngineError::Torch {
             rank: self.rank,
@@ -193,7 +196,12 @@ impl<'a, C: Collective> RankEngine<'a, C> {
 
     /// Builds this rank's state: each unit initialised (a pure function of the seed),
     /// sliced to what this rank keeps, and written to its tier.
-    pub fn new(comm: C, context: RankContext<'a>, device: Arc<CpuDevice>) -> Result<Self, EngineError> {
+    pub fn new(
+        comm: C,
+        gather_comm: C,
+        context: RankContext<'a>,
+        device: Arc<CpuDevice>,
+    ) -> Result<Self, EngineError> {
         let RankContext {
             plan,
             model,
@@ -317,6 +325,7 @@ impl<'a, C: Collective> RankEngine<'a, C> {
         });
         Ok(RankEngine {
             comm,
+            gather_comm,
             plan,
             model,
             dataset,
@@ -333,28 +342,33 @@ impl<'a, C: Collective> RankEngine<'a, C> {
     }
 
     /// The full parameters of unit `u` as a tensor of the compute kind, with the device
-    /// memory its gathered form holds (stage 3) until dropped.
-    fn fetch(&mut self, u: usize) -> Result<(Tensor, Option<Reservation>), EngineError> {
+    /// memory its gathered form holds (stage 3) until dropped. At stage 3 the gather
+    /// comes from the prefetch worker when one runs, else it happens here.
+    fn fetch(
+        &mut self,
+        prefetch: Option<&mut Prefetcher>,
+        u: usize,
+    ) -> Result<(Tensor, Option<Reservation>), EngineError> {
         if let Some((t, _)) = &self.units[u].persistent {
             return Ok((t.shallow_clone(), None));
         }
-        let gathered = if self.stage() == 3 {
-            let bytes = (self.units[u].part.padded * self.plan.precision.bytes()) as u64;
-            Some(self.device.reserve(bytes, &format!("gathered unit {u}"))?)
-        } else {
-            None
+        let (full, gathered) = match (self.stage(), prefetch) {
+            (3, Some(prefetch)) => {
+                let (full, hold) = prefetch.next(u, &|v| self.in_memory_shard(v))?;
+                (full, Some(hold))
+            }
+            (3, None) => {
+                let bytes = (self.units[u].part.padded * self.plan.precision.bytes()) as u64;
+                let hold = self.device.reserve(bytes, &format!("gathered unit {u}"))?;
+                let shard = self.local_params(u)?;
+                (self.all_gather(&shard, self.units[u].part.padded)?, Some(hold))
+            }
+            _ => (self.local_params(u)?, None),
         };
-        let kind = self.model.kind;
         let numel = self.units[u].part.numel;
-        let shard = self.local_params(u)?;
-        let full = if self.stage() == 3 {
-            self.all_gather(&shard, self.units[u].part.padded)?
-        } else {
-            shard
-        };
         let tensor = match &full {
             LowParams::F32(v) => torch::tensor_f32(&v[..numel]),
-            LowParams::U16(v) => torch::tensor_u16(&v[..numel], kind),
+            LowParams::U16(v) => torch::tensor_u16(&v[..numel], self.model.kind),
         }
         .map_err(self.torch_err())?;
         match gathered {
@@ -365,6 +379,11 @@ impl<'a, C: Collective> RankEngine<'a, C> {
             }
             gathered => Ok((tensor, gathered)),
         }
+    }
+
+    /// A unit's shard for the prefetch worker: in memory, or None when it is on NVMe.
+    fn in_memory_shard(&self, u: usize) -> Option<LowParams> {
+        (self.plan.zero.offload_param.tier != Tier::Nvme).then(|| self.units[u].params.clone())
     }
 
     /// Every rank's `shard` of a unit, concatenated into its padded length.
@@ -448,67 +467,12 @@ impl<'a, C: Collective> RankEngine<'a, C> {
         }
         let mut loss = 0.0;
         let loss_scale = self.scaler.scale;
+        let _ = (rows, seq, last);
         for micro in 0..gas {
             let global_micro = (micro * world + self.rank) as u64;
-            let batch = self
-                .dataset
-                .batch(plan.train.seed, 0, step, global_micro, rows, seq);
-            let shape = [rows as i64, seq as i64];
-            let tokens = torch::tensor_tokens(&batch.inputs, &shape).map_err(self.torch_err())?;
-            let targets = torch::tensor_tokens(&batch.targets, &shape).map_err(self.torch_err())?;
-            // forward, keeping each unit's input (activation checkpoints on the device)
-            let mut kept = vec![self.device.reserve(8 * (rows * seq) as u64, "token ids")?];
-            let mut inputs = vec![tokens];
-            for u in 0..last {
-                let (params, _gathered) = self.fetch(u)?;
-                let y = self
-                    .model
-                    .forward_unit(u, &params, &inputs[u])
-                    .map_err(self.torch_err())?;
-                let bytes = (y.numel() * self.plan.precision.bytes()) as u64;
-                kept.push(
-                    self.device
-                        .reserve(bytes, &format!("activation checkpoint of unit {}", u + 1))?,
-                );
-                inputs.push(y);
-            }
-            // loss and the final unit's backward
-            let (params, gathered) = self.fetch(last)?;
-            let tied = if self.model.config.tie_word_embeddings {
-                Some(self.fetch(0)?)
-            } else {
-                None
-            };
-            let fin = self
-                .model
-                .backward_final(
-                    &params,
-                    tied.as_ref().map(|t| &t.0),
-                    &inputs[last],
-                    &targets,
-                    loss_scale / gas as f64,
-                )
-                .map_err(self.torch_err())?;
-            drop((params, gathered, tied));
-            loss += fin.loss_sum / fin.count.max(1) as f64 / gas as f64;
-            self.accumulate(last, &fin.params)?;
-            if let Some(t) = &fin.tied {
-                self.accumulate(0, &t.reshape([-1]))?;
-            }
-            // backward in reverse by recompute
-            let mut grad_out = fin.input;
-            for u in (0..last).rev() {
-                let (params, _gathered) = self.fetch(u)?;
-                let (g, grad_in) = self
-                    .model
-                    .backward_unit(u, &params, &inputs[u], &grad_out)
-                    .map_err(self.torch_err())?;
-                self.accumulate(u, &g)?;
-                if let Some(d) = grad_in {
-                    grad_out = d;
-                }
-            }
-            drop(kept);
+            loss += self.with_prefetch(|engine, prefetch| {
+                engine.micro_batch(prefetch, step, global_micro, loss_scale)
+            })?;
         }
         // stages 0 and 1 all-reduce whole gradients once per step
         if self.stage() <= 1 {
@@ -566,6 +530,127 @@ impl<'a, C: Collective> RankEngine<'a, C> {
             self.update_unit(u, &coefficients)?;
         }
         Ok(report)
+    }
+
+    /// Runs `body` with a prefetch worker at stage 3 (none below). On any error both
+    /// communicators are aborted, so no rank's worker waits forever.
+    fn with_prefetch<T>(
+        &mut self,
+        body: impl FnOnce(&mut Self, Option<&mut Prefetcher>) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        if self.stage() != 3 {
+            return body(self, None);
+        }
+        let tied = self.model.config.tie_word_embeddings;
+        let threshold = self.plan.zero.param_persistence_threshold;
+        let parts: Vec<Partition> = self.units.iter().map(|u| u.part).collect();
+        let mut order = prefetch::schedule(parts.len(), tied, |u| parts[u].numel <= threshold);
+        order.retain(|&(u, _)| self.units[u].persistent.is_none());
+        let (request_tx, request_rx) = crossbeam_channel::unbounded();
+        let (response_tx, response_rx) = crossbeam_channel::unbounded();
+        let worker = Worker {
+            comm: self.gather_comm.clone(),
+            rank: self.rank,
+            store: self.param_store,
+            precision: self.plan.precision,
+            parts: parts.clone(),
+        };
+        let mut prefetcher = Prefetcher::new(
+            order,
+            &parts,
+            self.plan.precision.bytes(),
+            self.plan.zero.prefetch_bucket_size,
+            self.device.clone(),
+            request_tx,
+            response_rx,
+        );
+        let gather_comm = self.gather_comm.clone();
+        std::thread::scope(|scope| {
+            let handle = scope.spawn(move || worker.serve(request_rx, response_tx));
+            let result = body(self, Some(&mut prefetcher));
+            if let Err(e) = &result {
+                gather_comm.abort(&e.to_string());
+            }
+            prefetcher.close();
+            drop(prefetcher);
+            let _ = handle.join();
+            result
+        })
+    }
+
+    /// One micro-batch: forward, the final unit's loss and backward, backward by
+    /// recompute. Returns this micro-batch's share of the step loss.
+    fn micro_batch(
+        &mut self,
+        mut prefetch: Option<&mut Prefetcher>,
+        step: u64,
+        global_micro: u64,
+        loss_scale: f64,
+    ) -> Result<f64, EngineError> {
+        let plan = self.plan;
+        let gas = plan.batch.gradient_accumulation_steps;
+        let last = self.units.len() - 1;
+        let (rows, seq) = (plan.batch.micro_batch_per_gpu, plan.data.seq_len);
+        let batch = self
+            .dataset
+            .batch(plan.train.seed, 0, step, global_micro, rows, seq);
+        let shape = [rows as i64, seq as i64];
+        let tokens = torch::tensor_tokens(&batch.inputs, &shape).map_err(self.torch_err())?;
+        let targets = torch::tensor_tokens(&batch.targets, &shape).map_err(self.torch_err())?;
+        // forward, keeping each unit's input (activation checkpoints on the device)
+        let mut kept = vec![self.device.reserve(8 * (rows * seq) as u64, "token ids")?];
+        let mut inputs = vec![tokens];
+        for u in 0..last {
+            let (params, _gathered) = self.fetch(prefetch.as_deref_mut(), u)?;
+            let y = self
+                .model
+                .forward_unit(u, &params, &inputs[u])
+                .map_err(self.torch_err())?;
+            let bytes = (y.numel() * self.plan.precision.bytes()) as u64;
+            kept.push(
+                self.device
+                    .reserve(bytes, &format!("activation checkpoint of unit {}", u + 1))?,
+            );
+            inputs.push(y);
+        }
+        // loss and the final unit's backward
+        let (params, gathered) = self.fetch(prefetch.as_deref_mut(), last)?;
+        let tied = if self.model.config.tie_word_embeddings {
+            Some(self.fetch(prefetch.as_deref_mut(), 0)?)
+        } else {
+            None
+        };
+        let fin = self
+            .model
+            .backward_final(
+                &params,
+                tied.as_ref().map(|t| &t.0),
+                &inputs[last],
+                &targets,
+                loss_scale / gas as f64,
+            )
+            .map_err(self.torch_err())?;
+        drop((params, gathered, tied));
+        let loss = fin.loss_sum / fin.count.max(1) as f64 / gas as f64;
+        self.accumulate(last, &fin.params)?;
+        if let Some(t) = &fin.tied {
+            self.accumulate(0, &t.reshape([-1]))?;
+        }
+        // backward in reverse by recompute
+        let mut grad_out = fin.input;
+        for u in (0..last).rev() {
+            let (params, _gathered) = self.fetch(prefetch.as_deref_mut(), u)?;
+            let (g, grad_in) = self
+                .model
+                .backward_unit(u, &params, &inputs[u], &grad_out)
+                .map_err(self.torch_err())?;
+            self.accumulate(u, &g)?;
+            if let Some(d) = grad_in {
+                grad_out = d;
+            }
+        }
+        drop(kept);
+        Ok(loss)
     }
 
     fn opt_grad<'u>(&self, unit: &'u UnitState) -> &'u [f32] {
@@ -718,15 +803,15 @@ impl<'a, C: Collective> RankEngine<'a, C> {
             let mut x = torch::tensor_tokens(&batch.inputs, &shape).map_err(self.torch_err())?;
             let targets = torch::tensor_tokens(&batch.targets, &shape).map_err(self.torch_err())?;
             for u in 0..last {
-                let (params, _gathered) = self.fetch(u)?;
+                let (params, _gathered) = self.fetch(None, u)?;
                 x = self
                     .model
                     .forward_unit(u, &params, &x)
                     .map_err(self.torch_err())?;
             }
-            let (params, _gathered) = self.fetch(last)?;
+            let (params, _gathered) = self.fetch(None, last)?;
             let tied = if self.model.config.tie_word_embeddings {
-                Some(self.fetch(0)?)
+                Some(self.fetch(None, 0)?)
             } else {
                 None
             };

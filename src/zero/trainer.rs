@@ -248,27 +248,29 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
     let tokens_per_step = plan.tokens_per_step() as u64;
 
     let (tx, rx) = crossbeam_channel::unbounded::<RankMessage>();
-    let comms = Local::group(world);
+    let comms = Local::group(world).into_iter().zip(Local::group(world));
     let mut result = TrainResult {
         loss_floor,
         ..TrainResult::default()
     };
     let outcomes: Vec<Result<RankOutcome, TrainError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
+            .map(|(comm, gather_comm)| {
                 let tx = tx.clone();
                 let context = prepared.context(plan);
                 std::thread::Builder::new()
                     .name(format!("tierzero-rank-{}", comm.rank()))
                     .spawn_scoped(scope, move || {
-                        let guard = comm.clone();
+                        let guards = (comm.clone(), gather_comm.clone());
                         let rank = comm.rank();
-                        let body = std::panic::AssertUnwindSafe(|| run_rank(comm, context, &tx, options));
+                        let body = std::panic::AssertUnwindSafe(|| {
+                            run_rank((comm, gather_comm), context, &tx, options)
+                        });
                         match std::panic::catch_unwind(body) {
                             Ok(Ok(master)) => Ok(master),
                             Ok(Err(e)) => {
-                                guard.abort(&format!("rank {rank} failed: {e}"));
+                                guards.0.abort(&format!("rank {rank} failed: {e}"));
+                                guards.1.abort(&format!("rank {rank} failed: {e}"));
                                 Err(e)
                             }
                             Err(panic) => {
@@ -277,7 +279,8 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
                                     .cloned()
                                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                                     .unwrap_or_default();
-                                guard.abort(&format!("rank {rank} panicked: {message}"));
+                                guards.0.abort(&format!("rank {rank} panicked: {message}"));
+                                guards.1.abort(&format!("rank {rank} panicked: {message}"));
                                 Err(TrainError::Invalid(format!("rank {rank} panicked: {message}")))
                             }
                         }
@@ -414,7 +417,7 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
 }
 
 fn run_rank(
-    comm: Local,
+    (comm, gather_comm): (Local, Local),
     context: RankContext<'_>,
     tx: &crossbeam_channel::Sender<RankMessage>,
     options: TrainOptions,
@@ -422,7 +425,7 @@ fn run_rank(
     let plan = context.plan;
     let rank = comm.rank();
     let device = CpuDevice::new(rank, plan.train.device_memory.unwrap_or(u64::MAX));
-    let mut engine = RankEngine::new(comm, context, device)?;
+    let mut engine = RankEngine::new(comm, gather_comm, context, device)?;
     for step in 0..plan.train.steps {
         let start = Instant::now();
         let report = engine.step(step)?;
@@ -461,14 +464,15 @@ pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
     let losses: Vec<Result<f64, TrainError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = Local::group(world)
             .into_iter()
-            .map(|comm| {
+            .zip(Local::group(world))
+            .map(|(comm, gather_comm)| {
                 let context = prepared.context(plan);
                 scope.spawn(move || -> Result<f64, TrainError> {
                     let guard = comm.clone();
                     let run = || -> Result<f64, TrainError> {
                         let device =
                             CpuDevice::new(comm.rank(), plan.train.device_memory.unwrap_or(u64::MAX));
-                        let mut engine = RankEngine::new(comm, context, device)?;
+                        let mut engine = RankEngine::new(comm, gather_comm, context, device)?;
                         Ok(engine.eval(plan.train.eval_batches)?)
                     };
                     run().inspect_err(|e| guard.abort(&e.to_string()))

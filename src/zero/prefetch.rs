@@ -1,0 +1,246 @@
+//! Stage-3 prefetch: the next units' fetch (NVMe → host, then all-gather) runs on a
+//! worker thread while the current unit computes.
+//!
+//! Per micro-batch, the order in which units are fetched is fixed and the same on every
+//! rank ([`schedule`]). The compute thread asks for units ahead of time, as many as fit
+//! in `stage3_prefetch_bucket_size` elements (at least the one it needs now), and takes
+//! them in order. The worker gathers on its own communicator, so its collectives never
+//! interleave with the compute thread's reduce-scatters; since every rank issues its
+//! requests at the same points of the same program and always before it waits, the two
+//! communicators cannot deadlock each other. DeepSpeed's PartitionedParameterCoordinator
+//! plays this role with a CUDA stream per direction.
+
+use super::partition::Partition;
+use super::rank::{EngineError, LowParams};
+use crate::comm::Collective;
+use crate::config::plan::Precision;
+use crate::device::cpu::{CpuDevice, Reservation};
+use crossbeam_channel::{Receiver, Sender};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
+use tierzero_offload::pool::IoBuf;
+
+/// Why a unit is fetched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Forward,
+    /// The final unit, for the loss and its backward.
+    Final,
+    /// The embedding again, for the tied LM head (alive together with the final unit).
+    Tied,
+    Backward,
+}
+
+/// The fetch order of one micro-batch: forward 0..last, the final unit (and the tied
+/// embedding), then backward last-1..0. Units that stay gathered (`persistent`) appear
+/// only at their first use.
+pub fn schedule(units: usize, tied: bool, persistent: impl Fn(usize) -> bool) -> Vec<(usize, Phase)> {
+    let last = units - 1;
+    let mut order: Vec<(usize, Phase)> = (0..last).map(|u| (u, Phase::Forward)).collect();
+    order.push((last, Phase::Final));
+    if tied {
+        order.push((0, Phase::Tied));
+    }
+    order.extend((0..last).rev().map(|u| (u, Phase::Backward)));
+    let mut seen = vec![false; units];
+    order.retain(|&(u, _)| {
+        let keep = !(persistent(u) && seen[u]);
+        seen[u] = true;
+        keep
+    });
+    order
+}
+
+/// Whether to ask for one more unit now: always when nothing is outstanding (the unit
+/// needed next), otherwise while the outstanding elements stay within the bucket.
+pub fn may_request(outstanding: usize, outstanding_numel: usize, next_numel: usize, bucket: usize) -> bool {
+    outstanding == 0 || outstanding_numel + next_numel <= bucket
+}
+
+/// A unit to gather: its in-memory shard, or None to read it from the parameter store.
+pub struct Request {
+    pub unit: usize,
+    pub shard: Option<LowParams>,
+}
+
+pub type Response = Result<(usize, LowParams), EngineError>;
+
+/// What the worker needs, owned or shared for the run (never the engine itself).
+pub struct Worker<'a, C: Collective> {
+    pub comm: C,
+    pub rank: usize,
+    pub store: Option<&'a SwapStore>,
+    pub precision: Precision,
+    pub parts: Vec<Partition>,
+}
+
+impl<C: Collective> Worker<'_, C> {
+    /// Serves requests until the compute thread hangs up.
+    pub fn serve(self, requests: Receiver<Request>, responses: Sender<Response>) {
+        for request in requests {
+            let result = self.gather(request);
+            let failed = result.is_err();
+            if responses.send(result).is_err() || failed {
+                return;
+            }
+        }
+    }
+
+    fn gather(&self, request: Request) -> Response {
+        let part = self.parts[request.unit];
+        let shard = match request.shard {
+            Some(shard) => shard,
+            None => self.read(request.unit, part.shard)?,
+        };
+        let full = match &shard {
+            LowParams::F32(s) => {
+                let mut out = vec![0f32; part.padded];
+                self.comm.all_gather(s, &mut out)?;
+                LowParams::F32(out)
+            }
+            LowParams::U16(s) => {
+                let mut out = vec![0u16; part.padded];
+                self.comm.all_gather(s, &mut out)?;
+                LowParams::U16(out)
+            }
+        };
+        Ok((request.unit, full))
+    }
+
+    fn read(&self, unit: usize, len: usize) -> Result<LowParams, EngineError> {
+        let other = |message: String| EngineError::Other {
+            rank: self.rank,
+            message,
+        };
+        let store = self
+            .store
+            .ok_or_else(|| other("parameters on nvme without a swap store".into()))?;
+        let mut params = LowParams::zeros(len, &self.precision);
+        let key = TensorKey {
+            unit: unit as u32,
+            rank: self.rank as u32,
+            state: State::Param,
+        };
+        let scratch = IoBuf::new(store.chunk_bytes(params.elem_bytes())).map_err(|e| other(e.to_string()))?;
+        store
+            .read_tensor(key, params.bytes_mut(), scratch)
+            .map_err(|source| EngineError::Io {
+                rank: self.rank,
+                source,
+            })?;
+        Ok(params)
+    }
+}
+
+/// The compute thread's side: requests ahead, receives in order, and holds the device
+/// memory of each gathered unit from request to release.
+pub struct Prefetcher {
+    schedule: Vec<(usize, Phase)>,
+    numels: Vec<usize>,
+    padded_bytes: Vec<u64>,
+    bucket: usize,
+    requests: Option<Sender<Request>>,
+    responses: Receiver<Response>,
+    requested: usize,
+    received: usize,
+    holds: VecDeque<Reservation>,
+    device: Arc<CpuDevice>,
+}
+
+impl Prefetcher {
+    pub fn new(
+        schedule: Vec<(usize, Phase)>,
+        parts: &[Partition],
+        elem_bytes: usize,
+        bucket: usize,
+        device: Arc<CpuDevice>,
+        requests: Sender<Request>,
+        responses: Receiver<Response>,
+    ) -> Prefetcher {
+        Prefetcher {
+            schedule,
+            numels: parts.iter().map(|p| p.numel).collect(),
+            padded_bytes: parts.iter().map(|p| (p.padded * elem_bytes) as u64).collect(),
+            bucket,
+            requests: Some(requests),
+            responses,
+            requested: 0,
+            received: 0,
+            holds: VecDeque::new(),
+            device,
+        }
+    }
+
+    /// Issues every request the bucket allows; `shard` gives the in-memory shard of a
+    /// unit (None when it lives on NVMe).
+    fn fill(&mut self, shard: &dyn Fn(usize) -> Option<LowParams>) -> Result<(), EngineError> {
+        loop {
+            let outstanding = self.requested - self.received;
+            let Some(&(unit, _)) = self.schedule.get(self.requested) else {
+                return Ok(());
+            };
+            let outstanding_numel: usize = self.schedule[self.received..self.requested]
+                .iter()
+                .map(|&(u, _)| self.numels[u])
+                .sum();
+            if !may_request(outstanding, outstanding_numel, self.numels[unit], self.bucket) {
+                return Ok(());
+            }
+            self.holds.push_back(
+                self.device
+                    .reserve(self.padded_bytes[unit], &format!("gathered unit {unit}"))?,
+            );
+            let sender = self.requests.as_ref().ok_or_else(|| EngineError::Other {
+                rank: 0,
+                message: "prefetch closed".into(),
+            })?;
+            if sender
+                .send(Request {
+                    unit,
+                    shard: shard(unit),
+                })
+                .is_err()
+            {
+                return Err(EngineError::Other {
+                    rank: 0,
+                    message: "the prefetch worker stopped".into(),
+                });
+            }
+            self.requested += 1;
+        }
+    }
+
+    /// The next scheduled unit, gathered, with its device memory.
+    pub fn next(
+        &mut self,
+        expected: usize,
+        shard: &dyn Fn(usize) -> Option<LowParams>,
+    ) -> Result<(LowParams, Reservation), EngineError> {
+        self.fill(shard)?;
+        let response = self.responses.recv().map_err(|_| EngineError::Other {
+            rank: 0,
+            message: "the prefetch worker stopped".into(),
+        })?;
+        let (unit, full) = response?;
+        if unit != expected || self.schedule.get(self.received).map(|s| s.0) != Some(expected) {
+            return Err(EngineError::Other {
+                rank: 0,
+                message: format!("prefetch order: got unit {unit}, expected {expected}"),
+            });
+        }
+        self.received += 1;
+        let hold = self.holds.pop_front().ok_or_else(|| EngineError::Other {
+            rank: 0,
+            message: "prefetch accounting".into(),
+        })?;
+        // keep the pipeline full while this unit computes
+        self.fill(shard)?;
+        Ok((full, hold))
+    }
+
+    /// Hangs up on the worker (it finishes the request in hand and exits).
+    pub fn close(&mut self) {
+        self.requests = None;
+    }
+}
