@@ -33,6 +33,14 @@ use std::path::Path;
 /// Keys this build parses and validates but whose behaviour is not implemented yet.
 /// A config that sets one hears about it at start-up.
 pub const NOT_YET_ACTED: &[&str] = &[
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "train.save_interval",
+    "train.keep_last",
+    "zero_optimization.stage3_max_live_parameters",
+    "zero_optimization.offload_param.buffer_count",
+    "zero_optimization.offload_param.buffer_size",
+    "zero_optimization.offload_param.max_in_cpu",
     "zero_optimization.overlap_comm",
     "zero_optimization.contiguous_gradients",
     "zero_optimization.reduce_scatter",
@@ -121,10 +129,12 @@ pub fn from_json(mut json: Value, sets: &[String], facts: DeviceFacts) -> Result
         ));
     }
     let plan = Plan::build(&ds, facts, &mut warnings)?;
+    // the mirror re-serialised spells every key canonically, whatever alias was used
+    let canonical = serde_json::to_value(&ds).unwrap_or_default();
     let not_yet: Vec<&str> = NOT_YET_ACTED
         .iter()
         .copied()
-        .filter(|key| json_has(&json, key))
+        .filter(|key| json_has(&canonical, key))
         .collect();
     if !not_yet.is_empty() {
         warnings.push(format!(
