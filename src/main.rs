@@ -462,7 +462,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             print!("{}", config::plan_table(&loaded.plan));
             let options = TrainOptions {
                 write_outputs: true,
-                collect_master: false,
+                ..TrainOptions::default()
             };
             let result = trainer::train(&loaded.plan, options).map_err(anyhow::Error::from)?;
             let first = result.steps.first().map_or(f64::NAN, |m| m.loss);

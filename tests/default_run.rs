@@ -26,7 +26,7 @@ fn default_config_loss_falls_below_threshold() {
         &plan,
         TrainOptions {
             write_outputs: true,
-            collect_master: false,
+            ..TrainOptions::default()
         },
     )
     .unwrap();

@@ -47,14 +47,16 @@ fn plan(
 }
 
 fn master(plan: &Plan) -> Vec<Vec<f32>> {
-    let result = train(
-        plan,
-        TrainOptions {
-            write_outputs: false,
-            collect_master: true,
-        },
-    )
-    .unwrap();
+    master_with(plan, false)
+}
+
+fn master_with(plan: &Plan, blocking_optimizer: bool) -> Vec<Vec<f32>> {
+    let options = TrainOptions {
+        collect_master: true,
+        blocking_optimizer,
+        ..TrainOptions::default()
+    };
+    let result = train(plan, options).unwrap();
     assert_eq!(result.steps.len(), 5);
     assert!(result.steps.iter().all(|s| !s.skipped));
     // clipping must be active for the test to cover it
@@ -132,4 +134,27 @@ fn bf16_stage3_on_nvme_matches_the_single_rank_bf16_run() {
     let reference = master(&plan(1, 0, "none", "none", 4, dir.path(), "bf16"));
     let got = master(&plan(2, 3, "nvme", "nvme", 2, dir.path(), "bf16"));
     assert_close("bf16 world 2 stage 3 nvme", &got, &reference, 1e-2);
+}
+
+/// The optimizer phase runs behind the next step's forward; it must compute exactly what
+/// the blocking phase computes (each unit waits for its own update, nothing else).
+#[test]
+fn concurrent_optimizer_equals_blocking_bit_for_bit() {
+    let dir = disk_dir();
+    for (stage, param, optimizer) in [
+        (0, "none", "none"),
+        (2, "none", "cpu"),
+        (3, "none", "nvme"),
+        (3, "nvme", "nvme"),
+    ] {
+        let p = plan(2, stage, param, optimizer, 2, dir.path(), "fp32");
+        let concurrent = master_with(&p, false);
+        let blocking = master_with(&p, true);
+        let bits = |m: &[Vec<f32>]| m.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&concurrent),
+            bits(&blocking),
+            "stage {stage} param {param} optimizer {optimizer}"
+        );
+    }
 }

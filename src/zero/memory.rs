@@ -55,26 +55,66 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
     bytes
 }
 
-/// Stage 3: replays the fetch schedule of up to two micro-batches (the persistence cache
-/// survives between them) with the prefetcher's request rule (`Prefetcher::next`: fill,
-/// receive, fill again), tracking gathered units requested ahead, in use and kept, next
-/// to the activations alive at each point.
+/// Stage 3: replays the fetch schedule with the prefetcher's request rule
+/// (`Prefetcher::next`: fill, receive, fill again), tracking gathered units requested
+/// ahead, in use and kept, next to the activations alive at each point. Two cases: the
+/// first step (nothing gathered yet; the cache of small units survives into the second
+/// micro-batch), and a later step, which starts with last step's kept units still
+/// gathered; the optimizer runs behind the forward, and each kept unit's old copy is
+/// dropped when its update is installed, just before its new gather is requested.
 fn stage3_working(plan: &Plan, parts: &[Partition], elem: u64, tokens: u64, hidden: u64) -> u64 {
+    let threshold = plan.zero.param_persistence_threshold;
+    let small = |u: usize| parts[u].numel <= threshold;
+    let first = replay(
+        plan,
+        parts,
+        elem,
+        tokens,
+        hidden,
+        vec![false; parts.len()],
+        plan.batch.gradient_accumulation_steps.min(2),
+    );
+    let later = replay(
+        plan,
+        parts,
+        elem,
+        tokens,
+        hidden,
+        (0..parts.len()).map(small).collect(),
+        1,
+    );
+    first.max(later)
+}
+
+fn replay(
+    plan: &Plan,
+    parts: &[Partition],
+    elem: u64,
+    tokens: u64,
+    hidden: u64,
+    mut kept: Vec<bool>,
+    micro_batches: usize,
+) -> u64 {
     let threshold = plan.zero.param_persistence_threshold;
     let bucket = plan.zero.prefetch_bucket_size;
     let gathered = |u: usize| elem * parts[u].padded as u64;
     let last = parts.len() - 1;
     let tied = plan.model.config.tie_word_embeddings;
-    let mut kept = vec![false; parts.len()];
-    let mut kept_bytes = 0u64;
+    // units kept from a previous step are fetched again once (their update invalidates them)
+    let mut stale = kept.clone();
+    let mut kept_bytes: u64 = (0..parts.len()).filter(|&u| kept[u]).map(gathered).sum();
     let mut peak = 0u64;
-    for _ in 0..plan.batch.gradient_accumulation_steps.min(2) {
+    for _ in 0..micro_batches {
         let mut order = schedule(parts.len(), tied, |u| parts[u].numel <= threshold);
-        order.retain(|&(u, _)| !kept[u]);
+        order.retain(|&(u, _)| stale[u] || !kept[u]);
         let mut requested = 0usize;
         let mut outstanding = 0u64;
         let mut in_use = 0u64;
-        let fill = |received: usize, requested: &mut usize, outstanding: &mut u64| {
+        let fill = |received: usize,
+                    requested: &mut usize,
+                    outstanding: &mut u64,
+                    kept_bytes: &mut u64,
+                    stale: &mut Vec<bool>| {
             while let Some(&(next, _)) = order.get(*requested) {
                 let ahead: usize = order[received..*requested]
                     .iter()
@@ -83,12 +123,23 @@ fn stage3_working(plan: &Plan, parts: &[Partition], elem: u64, tokens: u64, hidd
                 if !may_request(*requested - received, ahead, parts[next].numel, bucket) {
                     break;
                 }
+                if stale[next] {
+                    // installing the update drops the old gathered copy
+                    stale[next] = false;
+                    *kept_bytes -= gathered(next);
+                }
                 *outstanding += gathered(next);
                 *requested += 1;
             }
         };
         for (received, &(u, phase)) in order.iter().enumerate() {
-            fill(received, &mut requested, &mut outstanding);
+            fill(
+                received,
+                &mut requested,
+                &mut outstanding,
+                &mut kept_bytes,
+                &mut stale,
+            );
             outstanding -= gathered(u);
             if parts[u].numel <= threshold {
                 kept[u] = true;
@@ -96,7 +147,13 @@ fn stage3_working(plan: &Plan, parts: &[Partition], elem: u64, tokens: u64, hidd
             } else {
                 in_use += gathered(u);
             }
-            fill(received + 1, &mut requested, &mut outstanding);
+            fill(
+                received + 1,
+                &mut requested,
+                &mut outstanding,
+                &mut kept_bytes,
+                &mut stale,
+            );
             let activations = match phase {
                 Phase::Forward => tokens + (u as u64 + 1) * hidden,
                 _ => tokens + last as u64 * hidden,

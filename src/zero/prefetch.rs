@@ -173,8 +173,11 @@ impl Prefetcher {
     }
 
     /// Issues every request the bucket allows; `shard` gives the in-memory shard of a
-    /// unit (None when it lives on NVMe).
-    fn fill(&mut self, shard: &dyn Fn(usize) -> Option<LowParams>) -> Result<(), EngineError> {
+    /// unit (None when it lives on NVMe), after installing any pending update of it.
+    fn fill(
+        &mut self,
+        shard: &mut dyn FnMut(usize) -> Result<Option<LowParams>, EngineError>,
+    ) -> Result<(), EngineError> {
         loop {
             let outstanding = self.requested - self.received;
             let Some(&(unit, _)) = self.schedule.get(self.requested) else {
@@ -187,6 +190,8 @@ impl Prefetcher {
             if !may_request(outstanding, outstanding_numel, self.numels[unit], self.bucket) {
                 return Ok(());
             }
+            // installing a pending update first drops the unit's old gathered copy
+            let in_memory = shard(unit)?;
             self.holds.push_back(
                 self.device
                     .reserve(self.padded_bytes[unit], &format!("gathered unit {unit}"))?,
@@ -198,7 +203,7 @@ impl Prefetcher {
             if sender
                 .send(Request {
                     unit,
-                    shard: shard(unit),
+                    shard: in_memory,
                 })
                 .is_err()
             {
@@ -215,7 +220,7 @@ impl Prefetcher {
     pub fn next(
         &mut self,
         expected: usize,
-        shard: &dyn Fn(usize) -> Option<LowParams>,
+        shard: &mut dyn FnMut(usize) -> Result<Option<LowParams>, EngineError>,
     ) -> Result<(LowParams, Reservation), EngineError> {
         self.fill(shard)?;
         let response = self.responses.recv().map_err(|_| EngineError::Other {

@@ -173,6 +173,10 @@ pub struct RankEngine<'a, C: Collective> {
     device: Arc<CpuDevice>,
     /// Device memory of the state that lives for the whole run.
     _held: Vec<Reservation>,
+    /// Updates from the optimizer thread, in forward order, while it runs.
+    updates: Option<crossbeam_channel::Receiver<Result<Update, EngineError>>>,
+    /// The next unit whose update is to be installed.
+    next_update: usize,
 }
 
 impl<'a, C: Collective + Clone> RankEngine<'a, C> {
@@ -338,6 +342,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             rank,
             device,
             _held: held,
+            updates: None,
+            next_update: 0,
         })
     }
 
@@ -349,12 +355,17 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         prefetch: Option<&mut Prefetcher>,
         u: usize,
     ) -> Result<(Tensor, Option<Reservation>), EngineError> {
+        self.install_through(u)?;
         if let Some((t, _)) = &self.units[u].persistent {
             return Ok((t.shallow_clone(), None));
         }
         let (full, gathered) = match (self.stage(), prefetch) {
             (3, Some(prefetch)) => {
-                let (full, hold) = prefetch.next(u, &|v| self.in_memory_shard(v))?;
+                // a unit is requested only once its pending update is installed
+                let (full, hold) = prefetch.next(u, &mut |v| {
+                    self.install_through(v)?;
+                    Ok(self.in_memory_shard(v))
+                })?;
                 (full, Some(hold))
             }
             (3, None) => {
@@ -455,8 +466,16 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         Ok(())
     }
 
-    /// One optimizer step: every micro-batch of this rank, then the update.
-    pub fn step(&mut self, step: u64) -> Result<StepReport, EngineError> {
+    /// One optimizer step: every micro-batch of this rank, then the update, which runs on
+    /// a thread of `scope` when one is given (see [`Self::optimize`]).
+    pub fn step<'s, 'e>(
+        &mut self,
+        step: u64,
+        scope: Option<&'s std::thread::Scope<'s, 'e>>,
+    ) -> Result<StepReport, EngineError>
+    where
+        'a: 'e,
+    {
         let plan = self.plan;
         let gas = plan.batch.gradient_accumulation_steps;
         let world = self.comm.world();
@@ -526,9 +545,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             .optimizer
             .hyper(lr as f32)
             .coefficients(self.adam_steps, grad_scale as f32);
-        for u in 0..self.units.len() {
-            self.update_unit(u, &coefficients)?;
-        }
+        self.install_all()?;
+        self.optimize(coefficients, scope)?;
         Ok(report)
     }
 
@@ -545,7 +563,10 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let threshold = self.plan.zero.param_persistence_threshold;
         let parts: Vec<Partition> = self.units.iter().map(|u| u.part).collect();
         let mut order = prefetch::schedule(parts.len(), tied, |u| parts[u].numel <= threshold);
-        order.retain(|&(u, _)| self.units[u].persistent.is_none());
+        // a pending update invalidates every cached unit before its use, so while one is
+        // pending every unit is fetched
+        let pending = self.updates.is_some();
+        order.retain(|&(u, _)| pending || self.units[u].persistent.is_none());
         let (request_tx, request_rx) = crossbeam_channel::unbounded();
         let (response_tx, response_rx) = crossbeam_channel::unbounded();
         let worker = Worker {
@@ -661,58 +682,10 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         }
     }
 
-    /// AdamW on unit `u`'s optimizer partition, then the new parameters to their tier.
-    fn update_unit(&mut self, u: usize, c: &adam::Coefficients) -> Result<(), EngineError> {
-        let precision = self.plan.precision;
-        let opt_len = self.units[u].opt_len;
-        let mut fresh = LowParams::zeros(opt_len, &precision);
-        let stage = self.stage();
-        let grad = {
-            let unit = &self.units[u];
-            if stage == 1 {
-                unit.grad[unit.opt_start..unit.opt_start + opt_len].to_vec()
-            } else {
-                std::mem::take(&mut self.units[u].grad)
-            }
-        };
-        if let Some(state) = self.units[u].optimizer.as_mut() {
-            let sweep = Sweep {
-                master: &mut state.master,
-                exp_avg: &mut state.exp_avg,
-                exp_avg_sq: &mut state.exp_avg_sq,
-                grad: GradSlice::F32(&grad),
-                low: fresh.out_as(&precision),
-            };
-            adam::step(c, sweep).map_err(|e| EngineError::Other {
-                rank: self.rank,
-                message: e.to_string(),
-            })?;
-        } else {
-            let (Some(store), Some(pool)) = (self.store, self.pool.as_ref()) else {
-                return Err(EngineError::Other {
-                    rank: self.rank,
-                    message: "optimizer state has no tier".into(),
-                });
-            };
-            let groups = pipeline::sub_groups(
-                u as u32,
-                self.rank as u32,
-                store.chunk_elems(),
-                &grad,
-                fresh.out_as(&precision),
-            );
-            let config = PipelineConfig {
-                buffer_count: self.plan.zero.offload_optimizer.buffer_count,
-                pipeline_read: self.plan.zero.offload_optimizer.pipeline_read,
-                pipeline_write: self.plan.zero.offload_optimizer.pipeline_write,
-            };
-            pipeline::nvme_adam_step(store, pool, groups, c, config).map_err(self.io_err())?;
-        }
-        if stage != 1 {
-            self.units[u].grad = grad;
-        }
-        // new parameters to where they live
-        let params = match stage {
+    /// The new parameters of unit `u` to where they live: all-gathered into the replica
+    /// (stages 1–2), written to NVMe, or kept; the persistent gathered copy is dropped.
+    fn install(&mut self, u: usize, fresh: LowParams) -> Result<(), EngineError> {
+        let params = match self.stage() {
             3 | 0 => fresh,
             _ => self.all_gather(&fresh, self.units[u].part.padded)?,
         };
@@ -743,8 +716,107 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         Ok(())
     }
 
+    /// Installs the optimizer thread's updates for units up to and including `through`
+    /// (waiting for them), and takes their optimizer state back.
+    fn install_through(&mut self, through: usize) -> Result<(), EngineError> {
+        while self.next_update <= through {
+            let Some(updates) = &self.updates else {
+                return Ok(());
+            };
+            let update = updates.recv().map_err(|_| EngineError::Other {
+                rank: self.rank,
+                message: "the optimizer thread stopped".into(),
+            })??;
+            let (u, fresh, state) = update;
+            self.units[u].optimizer = state;
+            self.install(u, fresh)?;
+            self.next_update = u + 1;
+            if self.next_update == self.units.len() {
+                self.updates = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every pending update.
+    pub fn install_all(&mut self) -> Result<(), EngineError> {
+        if self.updates.is_some() {
+            self.install_through(self.units.len() - 1)?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer phase: AdamW on every unit's partition in forward order. With a
+    /// scope it runs on a thread of its own while the next step's forward proceeds, each
+    /// fetch waiting only for its unit's update (the updates arrive in forward order);
+    /// without one it runs here. Both compute exactly the same values.
+    fn optimize<'s, 'e>(
+        &mut self,
+        c: adam::Coefficients,
+        scope: Option<&'s std::thread::Scope<'s, 'e>>,
+    ) -> Result<(), EngineError>
+    where
+        'a: 'e,
+    {
+        let stage = self.stage();
+        let jobs: Vec<OptimizerJob> = (0..self.units.len())
+            .map(|u| {
+                let unit = &mut self.units[u];
+                let grad = if stage == 1 {
+                    unit.grad[unit.opt_start..unit.opt_start + unit.opt_len].to_vec()
+                } else {
+                    let fresh_accumulator = vec![0.0; unit.grad.len()];
+                    std::mem::replace(&mut unit.grad, fresh_accumulator)
+                };
+                OptimizerJob {
+                    unit: u,
+                    opt_len: unit.opt_len,
+                    state: unit.optimizer.take(),
+                    grad,
+                }
+            })
+            .collect();
+        let context = OptimizerContext {
+            rank: self.rank,
+            precision: self.plan.precision,
+            store: self.store,
+            pool: self.pool.clone(),
+            pipeline: PipelineConfig {
+                buffer_count: self.plan.zero.offload_optimizer.buffer_count,
+                pipeline_read: self.plan.zero.offload_optimizer.pipeline_read,
+                pipeline_write: self.plan.zero.offload_optimizer.pipeline_write,
+            },
+            coefficients: c,
+        };
+        match scope {
+            Some(scope) => {
+                let (tx, rx) = crossbeam_channel::unbounded();
+                scope.spawn(move || {
+                    for job in jobs {
+                        let result = context.run(job);
+                        let failed = result.is_err();
+                        if tx.send(result).is_err() || failed {
+                            return;
+                        }
+                    }
+                });
+                self.updates = Some(rx);
+                self.next_update = 0;
+            }
+            None => {
+                for job in jobs {
+                    let (u, fresh, state) = context.run(job)?;
+                    self.units[u].optimizer = state;
+                    self.install(u, fresh)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// fp32 master weights of this rank's optimizer partition of unit `u`.
-    pub fn master(&self, u: usize) -> Result<(usize, Vec<f32>), EngineError> {
+    pub fn master(&mut self, u: usize) -> Result<(usize, Vec<f32>), EngineError> {
+        self.install_all()?;
         let unit = &self.units[u];
         if let Some(state) = &unit.optimizer {
             return Ok((unit.opt_start, state.master.clone()));
@@ -825,6 +897,71 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let mut totals = [sum, count];
         self.comm.all_reduce(&mut totals, ReduceOp::Sum)?;
         Ok(totals[0] / totals[1].max(1.0))
+    }
+}
+
+/// One unit's optimizer work: its state (None when on NVMe) and final gradient.
+struct OptimizerJob {
+    unit: usize,
+    opt_len: usize,
+    state: Option<OptimizerState>,
+    grad: Vec<f32>,
+}
+
+/// An update ready to install: unit, new low-precision partition, its state back.
+type Update = (usize, LowParams, Option<OptimizerState>);
+
+/// What the optimizer phase needs, without borrowing the engine.
+struct OptimizerContext<'a> {
+    rank: usize,
+    precision: Precision,
+    store: Option<&'a SwapStore>,
+    pool: Option<BufferPool>,
+    pipeline: PipelineConfig,
+    coefficients: adam::Coefficients,
+}
+
+impl OptimizerContext<'_> {
+    fn run(&self, job: OptimizerJob) -> Result<Update, EngineError> {
+        let OptimizerJob {
+            unit,
+            opt_len,
+            mut state,
+            grad,
+        } = job;
+        let other = |message: String| EngineError::Other {
+            rank: self.rank,
+            message,
+        };
+        let mut fresh = LowParams::zeros(opt_len, &self.precision);
+        if let Some(state) = state.as_mut() {
+            let sweep = Sweep {
+                master: &mut state.master,
+                exp_avg: &mut state.exp_avg,
+                exp_avg_sq: &mut state.exp_avg_sq,
+                grad: GradSlice::F32(&grad),
+                low: fresh.out_as(&self.precision),
+            };
+            adam::step(&self.coefficients, sweep).map_err(|e| other(e.to_string()))?;
+        } else {
+            let (Some(store), Some(pool)) = (self.store, self.pool.as_ref()) else {
+                return Err(other("optimizer state has no tier".into()));
+            };
+            let groups = pipeline::sub_groups(
+                unit as u32,
+                self.rank as u32,
+                store.chunk_elems(),
+                &grad,
+                fresh.out_as(&self.precision),
+            );
+            pipeline::nvme_adam_step(store, pool, groups, &self.coefficients, self.pipeline).map_err(
+                |source| EngineError::Io {
+                    rank: self.rank,
+                    source,
+                },
+            )?;
+        }
+        Ok((unit, fresh, state))
     }
 }
 

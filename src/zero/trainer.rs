@@ -42,6 +42,9 @@ pub struct TrainOptions {
     pub write_outputs: bool,
     /// Return the final fp32 master weights (tests, export).
     pub collect_master: bool,
+    /// Run each optimizer phase to completion before the next step (a debug switch;
+    /// the default runs it behind the next step's forward).
+    pub blocking_optimizer: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -426,24 +429,29 @@ fn run_rank(
     let rank = comm.rank();
     let device = CpuDevice::new(rank, plan.train.device_memory.unwrap_or(u64::MAX));
     let mut engine = RankEngine::new(comm, gather_comm, context, device)?;
-    for step in 0..plan.train.steps {
-        let start = Instant::now();
-        let report = engine.step(step)?;
-        let seconds = start.elapsed().as_secs_f64();
-        let eval_loss = if plan.train.eval_interval > 0 && (step + 1) % plan.train.eval_interval == 0 {
-            Some(engine.eval(plan.train.eval_batches)?)
-        } else {
-            None
-        };
-        if rank == 0 {
-            let _ = tx.send(RankMessage {
-                step,
-                report,
-                seconds,
-                eval_loss,
-            });
+    // the optimizer phase of each step runs on a thread of this scope, overlapping the
+    // next step's forward
+    std::thread::scope(|scope| -> Result<(), TrainError> {
+        for step in 0..plan.train.steps {
+            let start = Instant::now();
+            let report = engine.step(step, (!options.blocking_optimizer).then_some(scope))?;
+            let seconds = start.elapsed().as_secs_f64();
+            let eval_loss = if plan.train.eval_interval > 0 && (step + 1) % plan.train.eval_interval == 0 {
+                Some(engine.eval(plan.train.eval_batches)?)
+            } else {
+                None
+            };
+            if rank == 0 {
+                let _ = tx.send(RankMessage {
+                    step,
+                    report,
+                    seconds,
+                    eval_loss,
+                });
+            }
         }
-    }
+        Ok(engine.install_all()?)
+    })?;
     let master = if options.collect_master {
         (0..engine.unit_count())
             .map(|u| engine.master(u).map_err(TrainError::from))
