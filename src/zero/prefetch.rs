@@ -109,27 +109,7 @@ impl<C: Collective> Worker<'_, C> {
     }
 
     fn read(&self, unit: usize, len: usize) -> Result<LowParams, EngineError> {
-        let other = |message: String| EngineError::Other {
-            rank: self.rank,
-            message,
-        };
-        let store = self
-            .store
-            .ok_or_else(|| other("parameters on nvme without a swap store".into()))?;
-        let mut params = LowParams::zeros(len, &self.precision);
-        let key = TensorKey {
-            unit: unit as u32,
-            rank: self.rank as u32,
-            state: State::Param,
-        };
-        let scratch = IoBuf::new(store.chunk_bytes(params.elem_bytes())).map_err(|e| other(e.to_string()))?;
-        store
-            .read_tensor(key, params.bytes_mut(), scratch)
-            .map_err(|source| EngineError::Io {
-                rank: self.rank,
-                source,
-            })?;
-        Ok(params)
+        read_param_shard(self.store, self.rank, unit, len, &self.precision)
     }
 }
 
@@ -248,4 +228,28 @@ impl Prefetcher {
     pub fn close(&mut self) {
         self.requests = None;
     }
+}
+
+/// Reads rank `rank`'s stored parameters of `unit` (`len` elements) from the NVMe
+/// parameter store.
+pub fn read_param_shard(
+    store: Option<&SwapStore>,
+    rank: usize,
+    unit: usize,
+    len: usize,
+    precision: &Precision,
+) -> Result<LowParams, EngineError> {
+    let other = |message: String| EngineError::Other { rank, message };
+    let store = store.ok_or_else(|| other("parameters on nvme without a swap store".into()))?;
+    let mut params = LowParams::zeros(len, precision);
+    let key = TensorKey {
+        unit: unit as u32,
+        rank: rank as u32,
+        state: State::Param,
+    };
+    let scratch = IoBuf::new(store.chunk_bytes(params.elem_bytes())).map_err(|e| other(e.to_string()))?;
+    store
+        .read_tensor(key, params.bytes_mut(), scratch)
+        .map_err(|source| EngineError::Io { rank, source })?;
+    Ok(params)
 }

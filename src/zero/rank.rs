@@ -374,14 +374,15 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 let shard = self.local_params(u)?;
                 (self.all_gather(&shard, self.units[u].part.padded)?, Some(hold))
             }
+            (_, _) if self.plan.zero.offload_param.tier != Tier::Nvme => {
+                // the replica is already whole: copy it into a tensor without a clone
+                let tensor = self.tensor_of(&self.units[u].params, u)?;
+                return Ok((tensor, None));
+            }
             _ => (self.local_params(u)?, None),
         };
         let numel = self.units[u].part.numel;
-        let tensor = match &full {
-            LowParams::F32(v) => torch::tensor_f32(&v[..numel]),
-            LowParams::U16(v) => torch::tensor_u16(&v[..numel], self.model.kind),
-        }
-        .map_err(self.torch_err())?;
+        let tensor = self.tensor_of(&full, u)?;
         match gathered {
             // small units stay gathered (stage3_param_persistence_threshold)
             Some(hold) if numel <= self.plan.zero.param_persistence_threshold => {
@@ -390,6 +391,16 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             }
             gathered => Ok((tensor, gathered)),
         }
+    }
+
+    /// Unit `u`'s parameters (a padded full buffer) as a tensor of the compute kind.
+    fn tensor_of(&self, full: &LowParams, u: usize) -> Result<Tensor, EngineError> {
+        let numel = self.units[u].part.numel;
+        match full {
+            LowParams::F32(v) => torch::tensor_f32(&v[..numel]),
+            LowParams::U16(v) => torch::tensor_u16(&v[..numel], self.model.kind),
+        }
+        .map_err(self.torch_err())
     }
 
     /// A unit's shard for the prefetch worker: in memory, or None when it is on NVMe.
@@ -419,31 +430,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         if self.plan.zero.offload_param.tier != Tier::Nvme {
             return Ok(unit.params.clone());
         }
-        let Some(store) = self.param_store else {
-            return Err(EngineError::Other {
-                rank: self.rank,
-                message: "parameters on nvme without a swap store".into(),
-            });
-        };
         let len = if self.stage() == 3 {
             unit.part.shard
         } else {
             unit.part.padded
         };
-        let mut params = LowParams::zeros(len, &self.plan.precision);
-        let key = TensorKey {
-            unit: u as u32,
-            rank: self.rank as u32,
-            state: State::Param,
-        };
-        let scratch = IoBuf::new(store.chunk_bytes(params.elem_bytes())).map_err(|e| EngineError::Other {
-            rank: self.rank,
-            message: e.to_string(),
-        })?;
-        store
-            .read_tensor(key, params.bytes_mut(), scratch)
-            .map_err(self.io_err())?;
-        Ok(params)
+        prefetch::read_param_shard(self.param_store, self.rank, u, len, &self.plan.precision)
     }
 
     /// Adds a unit's flat gradient (numel elements, fp32) into this rank's accumulator.
@@ -479,14 +471,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let plan = self.plan;
         let gas = plan.batch.gradient_accumulation_steps;
         let world = self.comm.world();
-        let last = self.units.len() - 1;
-        let (rows, seq) = (plan.batch.micro_batch_per_gpu, plan.data.seq_len);
         for unit in &mut self.units {
             unit.grad.fill(0.0);
         }
         let mut loss = 0.0;
         let loss_scale = self.scaler.scale;
-        let _ = (rows, seq, last);
         for micro in 0..gas {
             let global_micro = (micro * world + self.rank) as u64;
             loss += self.with_prefetch(|engine, prefetch| {
