@@ -6,6 +6,7 @@
 //! See `README.md` for the architecture and `../shared/DESIGN.md` for the map.
 
 pub mod bench;
+pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod data;

@@ -100,7 +100,15 @@ enum Command {
         max_shard_size: u64,
     },
     /// Print a checkpoint's manifest in human form.
-    Inspect { checkpoint: PathBuf },
+    Inspect {
+        checkpoint: PathBuf,
+        /// Read every file and check every checksum.
+        #[arg(long)]
+        verify: bool,
+        /// Print the manifest as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Mean loss over `train.eval_batches` batches.
     Eval {
         #[command(flatten)]
@@ -453,15 +461,18 @@ fn run(cli: Cli) -> Result<(), Failure> {
             trace,
         } => {
             let loaded = load_config(&config)?;
-            if let Some(r) = resume {
-                return Err(not_built(&format!("--resume {r}"), "checkpoint issue"));
-            }
+            let resume_dir = resume
+                .map(|r| tierzero::checkpoint::save::resolve(&r, &loaded.plan.train.output_dir))
+                .transpose()
+                .map_err(anyhow::Error::from)?;
             if trace || loaded.plan.train.trace {
                 return Err(not_built("tracing (--trace / train.trace)", "breakdown issue"));
             }
             print!("{}", config::plan_table(&loaded.plan));
             let options = TrainOptions {
                 write_outputs: true,
+                save_checkpoints: true,
+                resume: resume_dir.as_deref(),
                 ..TrainOptions::default()
             };
             let result = trainer::train(&loaded.plan, options).map_err(anyhow::Error::from)?;
@@ -526,18 +537,39 @@ fn run(cli: Cli) -> Result<(), Failure> {
             dtype,
             max_shard_size,
         } => {
-            let (None, Some(config)) = (&checkpoint, config) else {
-                return Err(not_built(
-                    "exporting a checkpoint (give --config to export a configured model)",
-                    "checkpoint issue",
-                ));
-            };
-            let loaded = config::load(&config, &sets, DeviceFacts::default())?;
-            let weights = trainer::initial_weights(&loaded.plan).map_err(anyhow::Error::from)?;
             let dtype = match dtype {
                 ExportDtype::Fp32 => tierzero::model::hf::SaveDtype::F32,
                 ExportDtype::Bf16 => tierzero::model::hf::SaveDtype::Bf16,
             };
+            let config = match (checkpoint, config) {
+                (Some(checkpoint), None) => {
+                    let report = tierzero::checkpoint::export::export(
+                        &checkpoint,
+                        &hf,
+                        dtype,
+                        max_shard_size as usize,
+                    )
+                    .map_err(anyhow::Error::from)?;
+                    println!(
+                        "wrote {} from step {} ({} units, {} parameters); peak memory grew by {} bytes (largest unit {} bytes)",
+                        hf.display(),
+                        report.step,
+                        report.units,
+                        report.parameters,
+                        report.rss_growth_bytes.map_or("?".into(), |b| b.to_string()),
+                        report.largest_unit_bytes
+                    );
+                    return Ok(());
+                }
+                (None, Some(config)) => config,
+                _ => {
+                    return Err(Failure::Other(anyhow::anyhow!(
+                        "give a checkpoint directory or --config (not both)"
+                    )))
+                }
+            };
+            let loaded = config::load(&config, &sets, DeviceFacts::default())?;
+            let weights = trainer::initial_weights(&loaded.plan).map_err(anyhow::Error::from)?;
             tierzero::model::hf::save(
                 &hf,
                 &loaded.plan.model.config,
@@ -549,7 +581,29 @@ fn run(cli: Cli) -> Result<(), Failure> {
             println!("wrote {}", hf.display());
             Ok(())
         }
-        Command::Inspect { .. } => Err(not_built("inspect", "checkpoint issue")),
+        Command::Inspect {
+            checkpoint,
+            verify,
+            json,
+        } => {
+            let checkpoint =
+                tierzero::checkpoint::Checkpoint::open(&checkpoint).map_err(anyhow::Error::from)?;
+            if verify {
+                checkpoint.verify().map_err(anyhow::Error::from)?;
+            }
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&checkpoint.manifest).context("serialising the manifest")?
+                );
+            } else {
+                print!("{}", checkpoint.manifest.human());
+                if verify {
+                    println!("verified: every slice of every file matches its checksum");
+                }
+            }
+            Ok(())
+        }
     }
 }
 

@@ -16,7 +16,8 @@ fn plan_for(sets: &[String]) -> tierzero::config::Plan {
     load(&path, sets, DeviceFacts::default()).unwrap().plan
 }
 
-fn logits(model: &Model, weights: &[Vec<f32>]) -> (Tensor, f64) {
+/// Logits and mean loss of a fixed batch (shared with the checkpoint tests).
+pub(crate) fn logits(model: &Model, weights: &[Vec<f32>]) -> (Tensor, f64) {
     let v = model.config.vocab_size as i64;
     let tokens = Tensor::from_slice(&(0..32).map(|i| (i * 7 + 3) % v).collect::<Vec<i64>>()).view([2, 16]);
     let targets = Tensor::from_slice(&(0..32).map(|i| (i * 5 + 1) % v).collect::<Vec<i64>>()).view([2, 16]);

@@ -35,8 +35,6 @@ use std::path::Path;
 pub const NOT_YET_ACTED: &[&str] = &[
     "steps_per_print",
     "wall_clock_breakdown",
-    "train.save_interval",
-    "train.keep_last",
     "zero_optimization.stage3_max_live_parameters",
     "zero_optimization.offload_param.buffer_count",
     "zero_optimization.offload_param.buffer_size",

@@ -11,6 +11,7 @@
 
 use super::config::{Architecture, ModelConfig};
 use super::layout::{units, UnitLayout};
+use super::safetensors;
 use memmap2::Mmap;
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
@@ -119,6 +120,18 @@ pub fn save(
     dtype: SaveDtype,
     shard_bytes: usize,
 ) -> Result<(), HfError> {
+    save_streaming(dir, config, dtype, shard_bytes, &mut |u| Ok(weights[u].clone()))
+}
+
+/// Writes a Hugging Face directory asking `unit(u)` for each unit's fp32 buffer in
+/// order, one at a time: at most one unit is held (export from a checkpoint streams).
+pub fn save_streaming(
+    dir: &Path,
+    config: &ModelConfig,
+    dtype: SaveDtype,
+    shard_bytes: usize,
+    unit: &mut dyn FnMut(usize) -> Result<Vec<f32>, HfError>,
+) -> Result<(), HfError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let layouts = units(config);
     // group tensors into shards in state-dict order
@@ -140,6 +153,7 @@ pub fn save(
     let count = shards.len();
     let mut weight_map = Map::new();
     let mut total = 0usize;
+    let mut current: Option<(usize, Vec<f32>)> = None;
     for (i, shard) in shards.iter().enumerate() {
         let name = if count == 1 {
             "model.safetensors".to_string()
@@ -147,33 +161,26 @@ pub fn save(
             format!("model-{:05}-of-{count:05}.safetensors", i + 1)
         };
         let path = dir.join(&name);
-        let mut header = Map::new();
-        let mut offset = 0usize;
-        for &(u, p) in shard {
+        let entries = safetensors::layout(shard.iter().map(|&(u, p)| {
             let spec = &layouts[u].params[p];
-            let end = offset + spec.numel * dtype.bytes();
-            header.insert(
-                spec.name.clone(),
-                json!({ "dtype": dtype.name(), "shape": spec.shape, "data_offsets": [offset, end] }),
-            );
-            weight_map.insert(spec.name.clone(), json!(name));
-            offset = end;
+            (spec.name.clone(), dtype.name(), spec.shape.clone())
+        }));
+        for e in &entries {
+            weight_map.insert(e.name.clone(), json!(name));
         }
-        total += offset;
-        let mut header_bytes =
-            serde_json::to_vec(&Value::Object(header)).map_err(|e| format_err(&path, e.to_string()))?;
-        // pad the header with spaces so the data starts 8-byte aligned
-        while (header_bytes.len() + 8) % 8 != 0 {
-            header_bytes.push(b' ');
-        }
+        total += entries.last().map_or(0, |e| e.end);
         let file = std::fs::File::create(&path).map_err(io(&path))?;
         let mut out = std::io::BufWriter::new(file);
-        out.write_all(&(header_bytes.len() as u64).to_le_bytes())
+        out.write_all(&safetensors::header(&entries, &[("format", "pt".into())]))
             .map_err(io(&path))?;
-        out.write_all(&header_bytes).map_err(io(&path))?;
         for &(u, p) in shard {
+            if current.as_ref().is_none_or(|(held, _)| *held != u) {
+                drop(current.take()); // release the previous unit before loading the next
+                current = Some((u, unit(u)?));
+            }
+            let Some((_, weights)) = &current else { continue };
             let spec = &layouts[u].params[p];
-            let values = &weights[u][spec.offset..spec.offset + spec.numel];
+            let values = &weights[spec.offset..spec.offset + spec.numel];
             for &x in values {
                 match dtype {
                     SaveDtype::F32 => out.write_all(&x.to_le_bytes()),
@@ -238,8 +245,15 @@ impl SafeTensors {
         })
     }
 
-    /// Copies tensor `name` into `out` as fp32, checking dtype, shape and bounds.
-    fn read_into(&self, name: &str, shape: &[i64], out: &mut [f32]) -> Result<(), HfError> {
+    /// Copies elements `elems` of tensor `name` into `out` as fp32, checking dtype,
+    /// shape and bounds. Only those elements' pages are touched.
+    fn read_into(
+        &self,
+        name: &str,
+        shape: &[i64],
+        elems: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), HfError> {
         let entry = self
             .header
             .get(name)
@@ -281,16 +295,14 @@ impl SafeTensors {
                 ))
             }
         };
-        if data.len() != out.len() * width {
+        let numel = shape.iter().product::<i64>().max(0) as usize;
+        if data.len() != numel * width {
             return Err(format_err(
                 &self.path,
-                format!(
-                    "{name}: {} bytes for {} elements of {dtype}",
-                    data.len(),
-                    out.len()
-                ),
+                format!("{name}: {} bytes for {numel} elements of {dtype}", data.len()),
             ));
         }
+        let data = &data[elems.start * width..elems.end * width];
         for (i, o) in out.iter_mut().enumerate() {
             let b = &data[i * width..(i + 1) * width];
             *o = match dtype {
@@ -335,31 +347,73 @@ fn tensor_files(dir: &Path) -> Result<(Vec<SafeTensors>, HashMap<String, usize>)
     Ok((files, where_is))
 }
 
-/// Reads a Hugging Face directory into per-unit fp32 buffers laid out for `config`.
-pub fn load(dir: &Path, config: &ModelConfig) -> Result<Vec<Vec<f32>>, HfError> {
-    let (files, where_is) = tensor_files(dir)?;
-    let layouts: Vec<UnitLayout> = units(config);
-    let mut out = Vec::with_capacity(layouts.len());
-    for layout in &layouts {
-        let mut flat = vec![0f32; layout.numel];
-        for spec in &layout.params {
-            let candidates = [
-                spec.name.clone(),
-                spec.name.trim_start_matches("transformer.").to_string(),
-            ];
-            let Some((name, &file)) = candidates.iter().find_map(|n| where_is.get(n).map(|f| (n, f))) else {
-                return Err(format_err(
-                    dir,
-                    format!("no tensor {} in the safetensors files", spec.name),
-                ));
-            };
-            files[file].read_into(
+/// A Hugging Face directory, memory-mapped, read by unit and element range: a rank
+/// touches only the pages of the slices it keeps.
+pub struct HfWeights {
+    dir: PathBuf,
+    files: Vec<SafeTensors>,
+    where_is: HashMap<String, usize>,
+    layouts: Vec<UnitLayout>,
+}
+
+impl HfWeights {
+    pub fn open(dir: &Path, config: &ModelConfig) -> Result<HfWeights, HfError> {
+        let (files, where_is) = tensor_files(dir)?;
+        let weights = HfWeights {
+            dir: dir.to_path_buf(),
+            files,
+            where_is,
+            layouts: units(config),
+        };
+        // every tensor present with the right shape before any rank starts
+        for layout in &weights.layouts {
+            for spec in &layout.params {
+                let (name, file) = weights.locate(&spec.name)?;
+                weights.files[file].read_into(name, &spec.shape, 0..0, &mut [])?;
+            }
+        }
+        Ok(weights)
+    }
+
+    fn locate<'n>(&'n self, wanted: &'n str) -> Result<(&'n str, usize), HfError> {
+        let bare = wanted.trim_start_matches("transformer.");
+        [wanted, bare]
+            .into_iter()
+            .find_map(|n| self.where_is.get(n).map(|&f| (n, f)))
+            .ok_or_else(|| format_err(&self.dir, format!("no tensor {wanted} in the safetensors files")))
+    }
+
+    /// Elements `range` of unit `u`'s flat buffer, as fp32, into `out`.
+    pub fn read(&self, u: usize, range: std::ops::Range<usize>, out: &mut [f32]) -> Result<(), HfError> {
+        for spec in &self.layouts[u].params {
+            let lo = range.start.max(spec.offset);
+            let hi = range.end.min(spec.offset + spec.numel);
+            if lo >= hi {
+                continue;
+            }
+            let (name, file) = self.locate(&spec.name)?;
+            self.files[file].read_into(
                 name,
                 &spec.shape,
-                &mut flat[spec.offset..spec.offset + spec.numel],
+                lo - spec.offset..hi - spec.offset,
+                &mut out[lo - range.start..hi - range.start],
             )?;
         }
-        out.push(flat);
+        Ok(())
     }
-    Ok(out)
+}
+
+/// Reads a Hugging Face directory into per-unit fp32 buffers laid out for `config`.
+pub fn load(dir: &Path, config: &ModelConfig) -> Result<Vec<Vec<f32>>, HfError> {
+    let weights = HfWeights::open(dir, config)?;
+    weights
+        .layouts
+        .iter()
+        .enumerate()
+        .map(|(u, layout)| {
+            let mut flat = vec![0f32; layout.numel];
+            weights.read(u, 0..layout.numel, &mut flat)?;
+            Ok(flat)
+        })
+        .collect()
 }

@@ -4,6 +4,7 @@
 //! - `layout.rs`: tensor names, shapes and offsets inside each unit's flat buffer
 //! - `blocks.rs`: Llama and GPT-2 blocks, embeddings, final norms (tch)
 //! - `head.rs`: chunked LM head + cross-entropy with a hand-written backward
+//! - `hf.rs`, `safetensors.rs`: Hugging Face directories and the container they use
 //!
 //! [`Model`] runs one unit forward without autograd, and one unit backward by
 //! recomputing its forward with the flat buffer as a leaf that requires grad and
@@ -16,6 +17,7 @@ pub mod config;
 pub mod head;
 pub mod hf;
 pub mod layout;
+pub mod safetensors;
 
 use blocks::Params;
 use config::{Architecture, ModelConfig};

@@ -4,7 +4,9 @@
 //! - `rank.rs`: one rank's units on their tiers, and the training step for stages 0–3
 //! - `prefetch.rs`: the stage-3 fetch schedule and the worker that gathers ahead
 //! - `schedule.rs`: DeepSpeed's learning-rate schedules and fp16 loss scaling
-//! - `trainer.rs`: ranks as threads, the swap stores, metrics
+//! - `start.rs`: where state starts: seeded init, Hugging Face weights, a checkpoint
+//! - `snapshot.rs`: a rank's part of saving a checkpoint
+//! - `trainer.rs`: ranks as threads, the swap stores, metrics, checkpoint cadence
 //! - `memory.rs`: the device bytes per rank a plan predicts and a run measures
 //! - `estimate.rs`: DeepSpeed's ZeRO-3 memory estimator
 
@@ -14,4 +16,6 @@ pub mod partition;
 pub mod prefetch;
 pub mod rank;
 pub mod schedule;
+pub mod snapshot;
+pub mod start;
 pub mod trainer;

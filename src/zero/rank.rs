@@ -22,6 +22,7 @@
 use super::partition::Partition;
 use super::prefetch::{self, Prefetcher, Worker};
 use super::schedule::{learning_rate, LossScaler};
+use super::start::Start;
 use crate::comm::{Collective, CommError, ReduceOp};
 use crate::config::plan::{Plan, Precision, Tier};
 use crate::data::Dataset;
@@ -81,7 +82,7 @@ impl LowParams {
         }
     }
 
-    fn bytes(&self) -> &[u8] {
+    pub(crate) fn as_bytes(&self) -> &[u8] {
         // SAFETY: f32/u16 have no padding; any byte view is valid.
         unsafe {
             match self {
@@ -110,25 +111,25 @@ impl LowParams {
 }
 
 /// fp32 optimizer state of one partition, in memory.
-struct OptimizerState {
-    master: Vec<f32>,
-    exp_avg: Vec<f32>,
-    exp_avg_sq: Vec<f32>,
+pub(super) struct OptimizerState {
+    pub(super) master: Vec<f32>,
+    pub(super) exp_avg: Vec<f32>,
+    pub(super) exp_avg_sq: Vec<f32>,
 }
 
-struct UnitState {
-    part: Partition,
+pub(super) struct UnitState {
+    pub(super) part: Partition,
     /// Stage 3: this rank's shard; else the padded replica. Empty when on NVMe.
-    params: LowParams,
+    pub(super) params: LowParams,
     /// Stage 3 units at or below the persistence threshold keep their gathered form.
-    persistent: Option<(Tensor, Reservation)>,
+    pub(super) persistent: Option<(Tensor, Reservation)>,
     /// Offset and length of the optimizer partition within the padded buffer.
-    opt_start: usize,
-    opt_len: usize,
+    pub(super) opt_start: usize,
+    pub(super) opt_len: usize,
     /// fp32 gradient accumulator: the optimizer partition at stage ≥ 2, else the whole
     /// padded unit.
-    grad: Vec<f32>,
-    optimizer: Option<OptimizerState>,
+    pub(super) grad: Vec<f32>,
+    pub(super) optimizer: Option<OptimizerState>,
 }
 
 /// Per-step numbers one rank reports.
@@ -142,7 +143,7 @@ pub struct StepReport {
 }
 
 /// What every rank of a run shares: the plan, the model, the data, the swap stores and
-/// the starting weights (None: the seeded init).
+/// where the state starts.
 #[derive(Clone, Copy)]
 pub struct RankContext<'a> {
     pub plan: &'a Plan,
@@ -150,26 +151,26 @@ pub struct RankContext<'a> {
     pub dataset: &'a Dataset,
     pub optimizer_store: Option<&'a SwapStore>,
     pub param_store: Option<&'a SwapStore>,
-    pub pretrained: Option<&'a [Vec<f32>]>,
+    pub start: &'a Start,
 }
 
 pub struct RankEngine<'a, C: Collective> {
     pub comm: C,
     /// The prefetch worker's communicator (stage-3 all-gathers ahead of compute).
     gather_comm: C,
-    plan: &'a Plan,
-    model: &'a Model,
+    pub(super) plan: &'a Plan,
+    pub(super) model: &'a Model,
     dataset: &'a Dataset,
     /// Optimizer state on NVMe.
-    store: Option<&'a SwapStore>,
+    pub(super) store: Option<&'a SwapStore>,
     /// Parameters on NVMe.
-    param_store: Option<&'a SwapStore>,
+    pub(super) param_store: Option<&'a SwapStore>,
     pool: Option<BufferPool>,
-    units: Vec<UnitState>,
-    scaler: LossScaler,
+    pub(super) units: Vec<UnitState>,
+    pub(super) scaler: LossScaler,
     /// Optimizer steps applied (skipped steps do not count, as in DeepSpeed).
-    adam_steps: u64,
-    rank: usize,
+    pub(super) adam_steps: u64,
+    pub(super) rank: usize,
     device: Arc<CpuDevice>,
     /// Device memory of the state that lives for the whole run.
     _held: Vec<Reservation>,
@@ -194,7 +195,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         }
     }
 
-    fn stage(&self) -> u8 {
+    pub(super) fn stage(&self) -> u8 {
         self.plan.zero.stage
     }
 
@@ -212,7 +213,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             dataset,
             optimizer_store: store,
             param_store,
-            pretrained,
+            start,
         } = context;
         let rank = comm.rank();
         let mut held = Vec::new();
@@ -230,25 +231,42 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let mut units = Vec::with_capacity(model.units.len());
         for (u, layout) in model.units.iter().enumerate() {
             let part = Partition::new(layout.numel, world);
-            let mut full = vec![0f32; part.padded];
-            match pretrained.and_then(|w| w.get(u)) {
-                Some(weights) => full[..layout.numel].copy_from_slice(weights),
-                None => layout.init(plan.train.seed, &mut full[..layout.numel]),
-            }
+            let start_err = |message: String| EngineError::Other { rank, message };
+            // the elements this rank keeps: its shard at stage 3, else the whole unit
+            let kept_range = if stage == 3 {
+                part.range(rank)
+            } else {
+                0..part.padded
+            };
+            let real = kept_range.start.min(part.numel)..kept_range.end.min(part.numel);
+            let mut kept = vec![0f32; kept_range.len()];
+            start
+                .master(u, layout, real.clone(), &mut kept[..real.len()])
+                .map_err(start_err)?;
             let (opt_start, opt_len) = if stage == 0 {
                 (0, part.padded)
             } else {
                 (part.range(rank).start, part.shard)
             };
-            let master = full[opt_start..opt_start + opt_len].to_vec();
-            // the parameters this rank keeps: its shard at stage 3, else the replica
-            let kept = if stage == 3 {
-                &full[part.range(rank)]
-            } else {
-                &full[..]
-            };
+            let master = kept[opt_start - kept_range.start..][..opt_len].to_vec();
+            let (mut exp_avg, mut exp_avg_sq) = (vec![0f32; opt_len], vec![0f32; opt_len]);
+            let opt_real = opt_start.min(part.numel)..(opt_start + opt_len).min(part.numel);
+            start
+                .moments(
+                    u,
+                    opt_real.clone(),
+                    &mut exp_avg[..opt_real.len()],
+                    &mut exp_avg_sq[..opt_real.len()],
+                )
+                .map_err(start_err)?;
             let mut params = LowParams::zeros(kept.len(), &plan.precision);
-            round_into(kept, &mut params, &plan.precision);
+            match start
+                .params(u, real.clone(), &plan.precision)
+                .map_err(start_err)?
+            {
+                Some(bytes) => params.bytes_mut()[..bytes.len()].copy_from_slice(&bytes),
+                None => round_into(&kept, &mut params, &plan.precision),
+            }
             let grad = vec![0f32; if stage >= 2 { opt_len } else { part.padded }];
             let optimizer = if optimizer_nvme {
                 let (Some(store), Some(pool)) = (store, pool.as_ref()) else {
@@ -257,12 +275,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                         message: "optimizer on nvme without a swap store".into(),
                     });
                 };
-                let zeros = vec![0f32; opt_len];
                 let mut scratch = pool.lease();
                 for (state, data) in [
                     (State::Master, &master),
-                    (State::ExpAvg, &zeros),
-                    (State::ExpAvgSq, &zeros),
+                    (State::ExpAvg, &exp_avg),
+                    (State::ExpAvgSq, &exp_avg_sq),
                 ] {
                     let key = TensorKey {
                         unit: u as u32,
@@ -277,8 +294,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             } else {
                 Some(OptimizerState {
                     master,
-                    exp_avg: vec![0.0; opt_len],
-                    exp_avg_sq: vec![0.0; opt_len],
+                    exp_avg,
+                    exp_avg_sq,
                 })
             };
             if param_nvme {
@@ -299,7 +316,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                         message: e.to_string(),
                     })?;
                 store
-                    .write_tensor(key, params.bytes(), scratch)
+                    .write_tensor(key, params.as_bytes(), scratch)
                     .map_err(|source| EngineError::Io { rank, source })?;
                 params = LowParams::zeros(0, &plan.precision);
             }
@@ -323,10 +340,15 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 optimizer,
             });
         }
-        let scaler = LossScaler::new(match &plan.precision {
+        let mut scaler = LossScaler::new(match &plan.precision {
             Precision::Fp16(s) => Some(s),
             _ => None,
         });
+        let mut adam_steps = 0;
+        if let Some(checkpoint) = start.checkpoint() {
+            scaler.restore(&checkpoint.manifest.loss_scaler);
+            adam_steps = checkpoint.manifest.adam_steps;
+        }
         Ok(RankEngine {
             comm,
             gather_comm,
@@ -338,7 +360,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             pool,
             units,
             scaler,
-            adam_steps: 0,
+            adam_steps,
             rank,
             device,
             _held: held,
@@ -425,7 +447,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     }
 
     /// This rank's stored parameters of unit `u` (from NVMe when offloaded there).
-    fn local_params(&self, u: usize) -> Result<LowParams, EngineError> {
+    pub(super) fn local_params(&self, u: usize) -> Result<LowParams, EngineError> {
         let unit = &self.units[u];
         if self.plan.zero.offload_param.tier != Tier::Nvme {
             return Ok(unit.params.clone());
@@ -697,7 +719,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                     message: e.to_string(),
                 })?;
             store
-                .write_tensor(key, params.bytes(), scratch)
+                .write_tensor(key, params.as_bytes(), scratch)
                 .map_err(self.io_err())?;
         } else {
             self.units[u].params = params;

@@ -118,6 +118,15 @@ impl LossScaler {
     }
 
     /// Records one step's outcome and adjusts the scale.
+    /// Continues from a saved scaler's state (scale, hysteresis, window position);
+    /// the policy stays this run's config.
+    pub fn restore(&mut self, saved: &LossScaler) {
+        self.scale = saved.scale;
+        self.current_hysteresis = saved.current_hysteresis;
+        self.iteration = saved.iteration;
+        self.last_overflow = saved.last_overflow;
+    }
+
     pub fn update(&mut self, overflow: bool) {
         if !self.dynamic {
             return;

@@ -9,6 +9,8 @@
 
 use super::partition::Partition;
 use super::rank::{kind_for, EngineError, RankContext, RankEngine, StepReport};
+use super::start::Start;
+use crate::checkpoint::{save, Checkpoint, CheckpointError};
 use crate::comm::local::Local;
 use crate::comm::Collective;
 use crate::config::plan::{Plan, Tier};
@@ -28,6 +30,8 @@ pub enum TrainError {
     Data(#[from] DataError),
     #[error(transparent)]
     Engine(#[from] EngineError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
     #[error("swap store under {path}: {source}")]
     Swap { path: PathBuf, source: IoError },
     #[error("cannot write {path}: {source}")]
@@ -37,7 +41,7 @@ pub enum TrainError {
 }
 
 #[derive(Clone, Copy, Debug, Default)]
-pub struct TrainOptions {
+pub struct TrainOptions<'a> {
     /// Create the output directory and write metrics.jsonl; print progress.
     pub write_outputs: bool,
     /// Return the final fp32 master weights (tests, export).
@@ -45,6 +49,11 @@ pub struct TrainOptions {
     /// Run each optimizer phase to completion before the next step (a debug switch;
     /// the default runs it behind the next step's forward).
     pub blocking_optimizer: bool,
+    /// Save checkpoints under `<output_dir>/checkpoints`: every `train.save_interval`
+    /// steps and after the last.
+    pub save_checkpoints: bool,
+    /// Continue from this checkpoint directory.
+    pub resume: Option<&'a std::path::Path>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -83,6 +92,7 @@ struct RankOutcome {
 
 struct RankMessage {
     step: u64,
+    saved: Option<PathBuf>,
     report: StepReport,
     seconds: f64,
     eval_loss: Option<f64>,
@@ -176,11 +186,11 @@ struct Prepared {
     dataset: Dataset,
     optimizer_store: Option<SwapStore>,
     param_store: Option<SwapStore>,
-    pretrained: Option<Vec<Vec<f32>>>,
+    start: Start,
 }
 
 impl Prepared {
-    fn new(plan: &Plan) -> Result<Prepared, TrainError> {
+    fn new(plan: &Plan, resume: Option<&std::path::Path>) -> Result<Prepared, TrainError> {
         let model = Model::new(plan.model.config.clone(), kind_for(&plan.precision));
         let dataset = Dataset::open(plan)?;
         if dataset.vocab_needed() > model.config.vocab_size {
@@ -191,16 +201,39 @@ impl Prepared {
             )));
         }
         let (optimizer_store, param_store) = open_stores(plan, &model)?;
-        let pretrained = match &plan.model.hf_dir {
-            Some(_) => Some(initial_weights(plan)?),
-            None => None,
+        let start = match (resume, &plan.model.hf_dir) {
+            (Some(dir), _) => {
+                let checkpoint = Checkpoint::open(dir)?;
+                checkpoint.manifest.check_model(dir, &model.config)?;
+                let saved = &checkpoint.manifest.data;
+                if saved.train_batch_size != plan.batch.train_batch_size || saved.seq_len != plan.data.seq_len
+                {
+                    tracing::warn!(
+                        "{} was saved with {} sequences × {} tokens per step; this run uses {} × {}, so the data after step {} differs from the original run's",
+                        dir.display(),
+                        saved.train_batch_size,
+                        saved.seq_len,
+                        plan.batch.train_batch_size,
+                        plan.data.seq_len,
+                        saved.step
+                    );
+                }
+                Start::Checkpoint(Box::new(checkpoint))
+            }
+            (None, Some(hf_dir)) => Start::Hf(
+                crate::model::hf::HfWeights::open(hf_dir, &model.config)
+                    .map_err(|e| TrainError::Invalid(e.to_string()))?,
+            ),
+            (None, None) => Start::Init {
+                seed: plan.train.seed,
+            },
         };
         Ok(Prepared {
             model,
             dataset,
             optimizer_store,
             param_store,
-            pretrained,
+            start,
         })
     }
 
@@ -211,14 +244,22 @@ impl Prepared {
             dataset: &self.dataset,
             optimizer_store: self.optimizer_store.as_ref(),
             param_store: self.param_store.as_ref(),
-            pretrained: self.pretrained.as_deref(),
+            start: &self.start,
         }
     }
 }
 
-pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainError> {
+pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, TrainError> {
     let start = Instant::now();
-    let prepared = Prepared::new(plan)?;
+    let prepared = Prepared::new(plan, options.resume)?;
+    let first_step = prepared.start.checkpoint().map_or(0, |c| c.manifest.step);
+    if let (Some(c), true) = (prepared.start.checkpoint(), options.write_outputs) {
+        println!(
+            "resuming from {} at step {first_step} (saved by {} ranks)",
+            c.dir.display(),
+            c.manifest.world_size
+        );
+    }
     let model = &prepared.model;
     let world = plan.world_size;
     let loss_floor = prepared.dataset.loss_floor(plan.data.seq_len);
@@ -236,13 +277,18 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
             source,
         })?;
         let path = dir.join("metrics.jsonl");
-        metrics_file = Some((
-            std::fs::File::create(&path).map_err(|source| TrainError::Output {
+        // a resumed run continues the metrics of the run it resumes
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(first_step > 0)
+            .truncate(first_step == 0)
+            .open(&path)
+            .map_err(|source| TrainError::Output {
                 path: path.clone(),
                 source,
-            })?,
-            path,
-        ));
+            })?;
+        metrics_file = Some((file, path));
         cpu_peak_flops()
     } else {
         0.0
@@ -295,6 +341,9 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
         let progress = options
             .write_outputs
             .then(|| crate::metrics::Progress::new(plan.train.steps));
+        if let Some(progress) = &progress {
+            progress.update(first_step, String::new());
+        }
         for message in rx {
             let seconds = message.seconds;
             let tokens_per_s = tokens_per_step as f64 / seconds.max(1e-9);
@@ -346,6 +395,9 @@ pub fn train(plan: &Plan, options: TrainOptions) -> Result<TrainResult, TrainErr
                             eta,
                             if metrics.skipped { "  (skipped: overflow)" } else { "" }
                         ));
+                    }
+                    if let Some(saved) = &message.saved {
+                        progress.line(&format!("saved checkpoint {}", saved.display()));
                     }
                 }
             }
@@ -432,7 +484,9 @@ fn run_rank(
     // the optimizer phase of each step runs on a thread of this scope, overlapping the
     // next step's forward
     std::thread::scope(|scope| -> Result<(), TrainError> {
-        for step in 0..plan.train.steps {
+        let first_step = context.start.checkpoint().map_or(0, |c| c.manifest.step);
+        let root = save::root(&plan.train.output_dir);
+        for step in first_step..plan.train.steps {
             let start = Instant::now();
             let report = engine.step(step, (!options.blocking_optimizer).then_some(scope))?;
             let seconds = start.elapsed().as_secs_f64();
@@ -441,9 +495,18 @@ fn run_rank(
             } else {
                 None
             };
+            let done = step + 1;
+            let due = (plan.train.save_interval > 0 && done.is_multiple_of(plan.train.save_interval))
+                || done == plan.train.steps;
+            let saved = if options.save_checkpoints && due {
+                engine.save_checkpoint(&root, done, report.lr, plan.train.keep_last)?
+            } else {
+                None
+            };
             if rank == 0 {
                 let _ = tx.send(RankMessage {
                     step,
+                    saved,
                     report,
                     seconds,
                     eval_loss,
@@ -467,7 +530,7 @@ fn run_rank(
 
 /// Mean loss over `train.eval_batches` held-out batches, on every rank, without training.
 pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
-    let prepared = Prepared::new(plan)?;
+    let prepared = Prepared::new(plan, None)?;
     let world = plan.world_size;
     let losses: Vec<Result<f64, TrainError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = Local::group(world)

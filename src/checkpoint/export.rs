@@ -1,0 +1,69 @@
+//! `tierzero export CKPT --hf OUT`: a Hugging Face directory from a checkpoint's fp32
+//! master weights, one unit at a time (read, verify, convert, write, release), so the
+//! memory it needs is a small multiple of the largest unit, never the model.
+
+use super::{Checkpoint, CheckpointError};
+use crate::model::hf::{self, HfError, SaveDtype};
+use serde::Serialize;
+use std::path::Path;
+use tierzero_offload::nvme::swap::State;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Hf(#[from] HfError),
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ExportReport {
+    pub step: u64,
+    pub units: usize,
+    pub parameters: usize,
+    /// fp32 bytes of the largest unit.
+    pub largest_unit_bytes: u64,
+    /// Resident memory at the start of the export and the most it grew by (Linux
+    /// VmRSS / VmHWM after resetting the peak; None where /proc does not say).
+    pub rss_start_bytes: Option<u64>,
+    pub rss_growth_bytes: Option<u64>,
+}
+
+/// A `/proc/self/status` field in bytes.
+fn proc_status_bytes(field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = text.lines().find(|l| l.starts_with(field))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+pub fn export(
+    checkpoint: &Path,
+    out: &Path,
+    dtype: SaveDtype,
+    shard_bytes: usize,
+) -> Result<ExportReport, ExportError> {
+    // reset the peak so VmHWM measures this export only
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    let rss_start = proc_status_bytes("VmRSS:");
+    let ckpt = Checkpoint::open(checkpoint)?;
+    let units = &ckpt.manifest.units;
+    hf::save_streaming(out, &ckpt.manifest.model, dtype, shard_bytes, &mut |u| {
+        let mut values = vec![0f32; units[u].numel];
+        ckpt.read_f32(State::Master, u, 0..units[u].numel, &mut values)
+            .map_err(|e| HfError::Format {
+                path: ckpt.dir.clone(),
+                message: e.to_string(),
+            })?;
+        Ok(values)
+    })?;
+    let peak = proc_status_bytes("VmHWM:");
+    Ok(ExportReport {
+        step: ckpt.manifest.step,
+        units: units.len(),
+        parameters: units.iter().map(|u| u.numel).sum(),
+        largest_unit_bytes: units.iter().map(|u| 4 * u.numel as u64).max().unwrap_or(0),
+        rss_start_bytes: rss_start,
+        rss_growth_bytes: rss_start.zip(peak).map(|(s, p)| p.saturating_sub(s)),
+    })
+}

@@ -1,0 +1,249 @@
+//! A rank's part of saving a checkpoint (`checkpoint/` has the format).
+//!
+//! Every rank waits for its pending optimizer updates, then writes the real elements of
+//! its own partition slice of every unit (`Partition::real(rank)`, the same slice at
+//! every stage, so together the ranks cover each unit exactly once) into each state
+//! file: fp32 master and moments from memory or streamed chunk by chunk from the NVMe
+//! swap store, and the low-precision parameters. Each slice's crc32c is all-gathered;
+//! rank 0 writes the manifest and commits. Each phase ends in an agreement (an
+//! all-reduce of failures), so a failure on any rank is an error on every rank and the
+//! previous checkpoint is untouched.
+
+use super::rank::{EngineError, LowParams, RankEngine};
+use crate::checkpoint::files::{param_dtype, state_files, unit_name, StateFile};
+use crate::checkpoint::manifest::{self, DataPosition, FileEntry, Manifest, SchedulerState, UnitEntry};
+use crate::checkpoint::save::{self, SliceWriter};
+use crate::checkpoint::CheckpointError;
+use crate::comm::{Collective, ReduceOp};
+use crate::config::plan::Tier;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use tierzero_offload::nvme::swap::{State, TensorKey};
+use tierzero_offload::pool::IoBuf;
+
+/// Receives a slice's bytes with the unit element they start at.
+type Sink<'s> = dyn FnMut(usize, &[u8]) -> Result<(), EngineError> + 's;
+
+impl<C: Collective + Clone> RankEngine<'_, C> {
+    /// Every rank learns whether every rank succeeded; this rank's own error wins.
+    fn agree(&self, outcome: Result<(), EngineError>, what: &str) -> Result<(), EngineError> {
+        let mut failed = [if outcome.is_err() { 1.0f64 } else { 0.0 }];
+        self.comm.all_reduce(&mut failed, ReduceOp::Sum)?;
+        outcome?;
+        if failed[0] > 0.0 {
+            return Err(self.other(format!("another rank failed while {what}")));
+        }
+        Ok(())
+    }
+
+    fn other(&self, message: String) -> EngineError {
+        EngineError::Other {
+            rank: self.rank,
+            message,
+        }
+    }
+
+    /// Saves the state after `step` completed steps under `root` (the checkpoints
+    /// directory). Rank 0 returns the checkpoint's directory.
+    pub fn save_checkpoint(
+        &mut self,
+        root: &Path,
+        step: u64,
+        last_lr: f64,
+        keep_last: usize,
+    ) -> Result<Option<PathBuf>, EngineError> {
+        self.install_all()?;
+        let ck = |e: CheckpointError| self.other(format!("saving checkpoint: {e}"));
+        let files = state_files(&self.model.units, param_dtype(&self.plan.precision));
+        let staged = if self.rank == 0 {
+            save::stage(root, step, &files).map(|_| ()).map_err(ck)
+        } else {
+            Ok(())
+        };
+        self.agree(staged, "staging the checkpoint")?;
+        let written = self.write_slices(root, step, &files);
+        let crcs = match &written {
+            Ok(crcs) => crcs.clone(),
+            Err(_) => vec![0.0; files.len() * self.units.len()],
+        };
+        self.agree(written.map(|_| ()), "writing its checkpoint slices")?;
+        let world = self.comm.world();
+        let mut all = vec![0f64; crcs.len() * world];
+        self.comm.all_gather(&crcs, &mut all)?;
+        let committed = if self.rank == 0 {
+            let manifest = self.manifest(step, last_lr, &files, &all);
+            save::commit(root, &manifest, keep_last).map(Some).map_err(ck)
+        } else {
+            Ok(None)
+        };
+        let path = committed.as_ref().ok().cloned().flatten();
+        self.agree(committed.map(|_| ()), "committing the checkpoint")?;
+        Ok(path)
+    }
+
+    /// Writes this rank's slice of every unit into every file; returns the slices'
+    /// crc32c as `[file][unit]` (f64 so they travel through the collectives exactly).
+    fn write_slices(&self, root: &Path, step: u64, files: &[StateFile]) -> Result<Vec<f64>, EngineError> {
+        let writer = SliceWriter::open(root, step, files).map_err(|e| self.other(e.to_string()))?;
+        let mut crcs = Vec::with_capacity(files.len() * self.units.len());
+        for (fi, file) in files.iter().enumerate() {
+            for u in 0..self.units.len() {
+                let real = self.units[u].part.real(self.rank);
+                let mut crc = 0u32;
+                let mut sink = |elem: usize, bytes: &[u8]| -> Result<(), EngineError> {
+                    crc = crc32c::crc32c_append(crc, bytes);
+                    writer
+                        .write(fi, u, elem, bytes)
+                        .map_err(|e| self.other(e.to_string()))
+                };
+                if !real.is_empty() {
+                    match file.state {
+                        State::Param => self.param_slice(u, real.clone(), &mut sink)?,
+                        state => self.optimizer_slice(state, u, real.clone(), &mut sink)?,
+                    }
+                }
+                crcs.push(f64::from(crc));
+            }
+        }
+        writer.sync().map_err(|e| self.other(e.to_string()))?;
+        Ok(crcs)
+    }
+
+    /// The low-precision parameters of elements `real` of unit `u`.
+    fn param_slice(&self, u: usize, real: Range<usize>, sink: &mut Sink<'_>) -> Result<(), EngineError> {
+        let unit = &self.units[u];
+        // stage 3 keeps its shard, the others the replica
+        let base = if self.stage() == 3 {
+            unit.part.range(self.rank).start
+        } else {
+            0
+        };
+        let read;
+        let params: &LowParams = if self.plan.zero.offload_param.tier == Tier::Nvme {
+            read = self.local_params(u)?;
+            &read
+        } else {
+            &unit.params
+        };
+        let width = params.elem_bytes();
+        let bytes = params.as_bytes();
+        sink(
+            real.start,
+            &bytes[(real.start - base) * width..(real.end - base) * width],
+        )
+    }
+
+    /// fp32 optimizer state `state` of elements `real` of unit `u`, from memory or
+    /// chunk by chunk from the swap store.
+    fn optimizer_slice(
+        &self,
+        state: State,
+        u: usize,
+        real: Range<usize>,
+        sink: &mut Sink<'_>,
+    ) -> Result<(), EngineError> {
+        let unit = &self.units[u];
+        let local = real.start - unit.opt_start..real.end - unit.opt_start;
+        if let Some(opt) = &unit.optimizer {
+            let values = match state {
+                State::Master => &opt.master,
+                State::ExpAvg => &opt.exp_avg,
+                _ => &opt.exp_avg_sq,
+            };
+            return sink(real.start, f32_bytes(&values[local]));
+        }
+        let Some(store) = self.store else {
+            return Err(self.other("optimizer state has no tier".into()));
+        };
+        let key = TensorKey {
+            unit: u as u32,
+            rank: self.rank as u32,
+            state,
+        };
+        let io = |e| EngineError::Io {
+            rank: self.rank,
+            source: e,
+        };
+        let chunk = store.chunk_elems();
+        let mut buf = IoBuf::new(store.chunk_bytes(4)).map_err(|e| self.other(e.to_string()))?;
+        for c in local.start / chunk..local.end.div_ceil(chunk) {
+            buf = store
+                .read_async(key, c, buf)
+                .map_err(|(e, _)| io(e))?
+                .wait()
+                .map_err(io)?;
+            let lo = local.start.max(c * chunk);
+            let hi = local.end.min((c + 1) * chunk);
+            let bytes = &buf.as_bytes()[(lo - c * chunk) * 4..(hi - c * chunk) * 4];
+            sink(lo + unit.opt_start, bytes)?;
+        }
+        Ok(())
+    }
+
+    fn manifest(&self, step: u64, last_lr: f64, files: &[StateFile], crcs: &[f64]) -> Manifest {
+        let plan = self.plan;
+        let world = self.comm.world();
+        let units = self.units.len();
+        let per_rank = files.len() * units;
+        let entries = files
+            .iter()
+            .enumerate()
+            .map(|(fi, f)| FileEntry {
+                name: f.file_name(),
+                state: f.state.name().into(),
+                dtype: f.dtype.into(),
+                bytes: f.len(),
+                header_crc32c: crc32c::crc32c(&f.header),
+                slice_crc32c: (0..units)
+                    .map(|u| {
+                        (0..world)
+                            .map(|r| crcs[r * per_rank + fi * units + u] as u32)
+                            .collect()
+                    })
+                    .collect(),
+            })
+            .collect();
+        let mut manifest = Manifest {
+            format: manifest::FORMAT.into(),
+            version: manifest::VERSION,
+            step,
+            adam_steps: self.adam_steps,
+            world_size: world,
+            created_unix_s: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            precision: plan.precision.name().into(),
+            model: self.model.config.clone(),
+            units: self
+                .model
+                .units
+                .iter()
+                .map(|u| UnitEntry {
+                    name: unit_name(u),
+                    numel: u.numel,
+                })
+                .collect(),
+            data: DataPosition {
+                seed: plan.train.seed,
+                step,
+                train_batch_size: plan.batch.train_batch_size,
+                seq_len: plan.data.seq_len,
+            },
+            loss_scaler: self.scaler,
+            scheduler: SchedulerState {
+                iteration: step,
+                last_lr,
+            },
+            config: serde_json::to_value(plan).unwrap_or_default(),
+            files: entries,
+            checksum: 0,
+        };
+        manifest.seal();
+        manifest
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 4) }
+}

@@ -1,0 +1,279 @@
+//! Checkpoints: resume equals the uninterrupted run (bit for bit on the same world size
+//! in fp32; within fp32 tolerance on other world sizes), every tier combination;
+//! damaged checkpoints are refused naming the file; export loads back identically.
+
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use tierzero::checkpoint::{save, Checkpoint, CheckpointError};
+use tierzero::config::{from_json, DeviceFacts, Plan};
+use tierzero::model::hf;
+use tierzero::zero::trainer::{train, TrainError, TrainOptions, TrainResult};
+
+/// A plan whose global batch (micro 1 × world × gas = 6) is the same on 1, 2 and 3 ranks.
+fn plan(world: usize, stage: u8, param: &str, optimizer: &str, steps: u64, dir: &Path) -> Plan {
+    let mut zero = json!({
+        "stage": stage,
+        "sub_group_size": 1000,
+        "stage3_param_persistence_threshold": 0,
+        "offload_param": { "device": param },
+        "offload_optimizer": { "device": optimizer, "buffer_count": 2 }
+    });
+    if param == "nvme" {
+        zero["offload_param"]["nvme_path"] = json!(dir.join("nvme-params"));
+    }
+    if optimizer == "nvme" {
+        zero["offload_optimizer"]["nvme_path"] = json!(dir.join("nvme-optimizer"));
+    }
+    let config = json!({
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 6 / world,
+        "gradient_clipping": 0.5,
+        "optimizer": { "type": "AdamW", "params": { "lr": 1e-2, "weight_decay": 0.1 } },
+        "scheduler": { "type": "WarmupLR", "params": { "warmup_num_steps": 3, "warmup_max_lr": 1e-2 } },
+        "zero_optimization": zero,
+        "model": { "preset": "llama-tiny", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96 },
+        "data": { "synthetic": "addition", "seq_len": 16 },
+        "train": { "steps": steps, "devices": world, "seed": 11, "save_interval": 2, "keep_last": 5, "output_dir": dir.join("out") }
+    });
+    from_json(config, &[], DeviceFacts::default()).unwrap().plan
+}
+
+fn run(plan: &Plan, resume: Option<&Path>) -> TrainResult {
+    try_run(plan, resume).unwrap()
+}
+
+fn try_run(plan: &Plan, resume: Option<&Path>) -> Result<TrainResult, TrainError> {
+    train(
+        plan,
+        TrainOptions {
+            collect_master: true,
+            save_checkpoints: true,
+            resume,
+            ..TrainOptions::default()
+        },
+    )
+}
+
+fn step_dir(plan: &Plan, step: u64) -> PathBuf {
+    save::root(&plan.train.output_dir).join(format!("step-{step}"))
+}
+
+fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            let scale = y.iter().fold(0f32, |m, v| m.max(v.abs()));
+            x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs())) / scale
+        })
+        .fold(0f32, f32::max)
+}
+
+const TIERS: &[(u8, &str, &str)] = &[
+    (0, "none", "none"),
+    (1, "none", "cpu"),
+    (2, "none", "nvme"),
+    (3, "cpu", "cpu"),
+    (3, "nvme", "nvme"),
+];
+
+#[test]
+fn resume_on_the_same_world_size_is_bit_exact() {
+    for &(stage, param, optimizer) in TIERS {
+        let tmp = tempfile::tempdir().unwrap();
+        let whole = plan(2, stage, param, optimizer, 4, tmp.path());
+        let full = run(&whole, None);
+        let resumed_plan = plan(2, stage, param, optimizer, 4, &tmp.path().join("again"));
+        let resumed = run(&resumed_plan, Some(&step_dir(&whole, 2)));
+        let what = format!("stage {stage} param {param} optimizer {optimizer}");
+        assert_eq!(resumed.steps.len(), 2, "{what}");
+        for (a, b) in full.steps[2..].iter().zip(&resumed.steps) {
+            assert_eq!(a.step, b.step, "{what}");
+            assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what}: step {} loss", a.step);
+            assert_eq!(a.lr, b.lr, "{what}");
+        }
+        assert_eq!(full.master, resumed.master, "{what}: final master weights");
+        // both runs end with the same step-4 checkpoint, byte for byte
+        for name in ["master", "exp_avg", "exp_avg_sq", "param"] {
+            let file = format!("{name}.safetensors");
+            let a = std::fs::read(step_dir(&whole, 4).join(&file)).unwrap();
+            let b = std::fs::read(step_dir(&resumed_plan, 4).join(&file)).unwrap();
+            assert!(a == b, "{what}: {file} differs");
+        }
+    }
+}
+
+#[test]
+fn resume_on_other_world_sizes_matches_the_uninterrupted_run() {
+    for &(stage, param, optimizer) in TIERS {
+        let tmp = tempfile::tempdir().unwrap();
+        let what = format!("stage {stage} param {param} optimizer {optimizer}");
+        let whole = plan(2, stage, param, optimizer, 6, tmp.path());
+        let full = run(&whole, None);
+        // 2 ranks → 3 ranks from step 2 → 1 rank from step 4
+        let three = plan(3, stage, param, optimizer, 4, &tmp.path().join("three"));
+        let middle = run(&three, Some(&step_dir(&whole, 2)));
+        let one = plan(1, stage, param, optimizer, 6, &tmp.path().join("one"));
+        let last = run(&one, Some(&step_dir(&three, 4)));
+        let losses: Vec<f64> = middle.steps.iter().chain(&last.steps).map(|s| s.loss).collect();
+        for (a, b) in full.steps[2..].iter().zip(&losses) {
+            assert!(
+                (a.loss - b).abs() <= 1e-5 * a.loss.abs(),
+                "{what}: step {}: {} vs {b}",
+                a.step,
+                a.loss
+            );
+        }
+        let diff = max_rel_diff(&last.master, &full.master);
+        assert!(diff <= 1e-5, "{what}: master weights differ by {diff:e} relative");
+    }
+}
+
+#[test]
+fn saves_keep_the_last_n_and_point_latest_at_the_newest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut p = plan(2, 3, "none", "cpu", 9, tmp.path());
+    p.train.keep_last = 2;
+    run(&p, None);
+    let root = save::root(&p.train.output_dir);
+    let steps: Vec<u64> = save::list(&root).into_iter().map(|(s, _)| s).collect();
+    assert_eq!(steps, vec![8, 9], "save_interval 2 and the final step, two kept");
+    assert_eq!(save::follow_latest(&root).unwrap(), root.join("step-9"));
+    let names: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| !n.starts_with('.')), "leftovers: {names:?}");
+    let checkpoint = Checkpoint::open(&root).unwrap();
+    assert_eq!(checkpoint.manifest.step, 9);
+    checkpoint.verify().unwrap();
+    let human = checkpoint.manifest.human();
+    assert!(human.contains("world size at save    2"), "{human}");
+}
+
+fn expect_corrupt(result: Result<impl Sized, CheckpointError>, file: &str, words: &str) {
+    match result {
+        Err(e) => {
+            let text = e.to_string();
+            assert!(
+                text.contains(file) && text.contains(words),
+                "error {text:?} should name {file} and say {words:?}"
+            );
+        }
+        Ok(_) => panic!("damaged checkpoint accepted ({file}: {words})"),
+    }
+}
+
+#[test]
+fn damaged_or_foreign_checkpoints_are_refused_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = plan(2, 3, "none", "cpu", 2, tmp.path());
+    run(&p, None);
+    let good = step_dir(&p, 2);
+    let copy = |name: &str| {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        for e in std::fs::read_dir(&good).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+        }
+        dir
+    };
+    // a flipped byte in the data: found by the slice checksum, on verify and on resume
+    let flipped = copy("flipped");
+    let path = flipped.join("exp_avg.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes.len() - 1000;
+    bytes[at] ^= 0x10;
+    std::fs::write(&path, bytes).unwrap();
+    expect_corrupt(
+        Checkpoint::open(&flipped).unwrap().verify(),
+        "exp_avg.safetensors",
+        "checksum",
+    );
+    let err = try_run(
+        &plan(2, 3, "none", "cpu", 4, &tmp.path().join("r1")),
+        Some(&flipped),
+    )
+    .err();
+    let text = err.map(|e| e.to_string()).unwrap_or_default();
+    assert!(
+        text.contains("exp_avg.safetensors") && text.contains("checksum"),
+        "{text}"
+    );
+    // a flipped byte in a header
+    let header = copy("header");
+    let path = header.join("master.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[20] ^= 0x01;
+    std::fs::write(&path, bytes).unwrap();
+    expect_corrupt(Checkpoint::open(&header), "master.safetensors", "header");
+    // truncated
+    let truncated = copy("truncated");
+    let path = truncated.join("param.safetensors");
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len - 4)
+        .unwrap();
+    expect_corrupt(Checkpoint::open(&truncated), "param.safetensors", "truncated");
+    // deleted
+    let deleted = copy("deleted");
+    std::fs::remove_file(deleted.join("exp_avg_sq.safetensors")).unwrap();
+    expect_corrupt(Checkpoint::open(&deleted), "exp_avg_sq.safetensors", "missing");
+    std::fs::remove_file(deleted.join("manifest.json")).unwrap();
+    expect_corrupt(Checkpoint::open(&deleted), "manifest.json", "missing");
+    // an edited manifest
+    let edited = copy("edited");
+    let path = edited.join("manifest.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replacen("\"step\": 2", "\"step\": 3", 1);
+    std::fs::write(&path, text).unwrap();
+    expect_corrupt(Checkpoint::open(&edited), "manifest.json", "checksum");
+    // a newer format version
+    let newer = copy("newer");
+    let path = newer.join("manifest.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replacen("\"version\": 1", "\"version\": 2", 1);
+    std::fs::write(&path, text).unwrap();
+    expect_corrupt(Checkpoint::open(&newer), "newer", "format version 2");
+    // another model
+    let mut other = plan(2, 3, "none", "cpu", 4, &tmp.path().join("r2"));
+    other.model.config.hidden_size = 64;
+    other.model.config.intermediate_size = 128;
+    let err = try_run(&other, Some(&good))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("different model") && err.contains("hidden_size"),
+        "{err}"
+    );
+}
+
+#[test]
+fn export_loads_back_with_identical_weights_and_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = plan(2, 3, "nvme", "nvme", 2, tmp.path());
+    let result = run(&p, None);
+    let out = tmp.path().join("hf");
+    let report =
+        tierzero::checkpoint::export::export(&step_dir(&p, 2), &out, hf::SaveDtype::F32, 20_000).unwrap();
+    assert_eq!(report.step, 2);
+    assert!(
+        out.join("model.safetensors.index.json").exists(),
+        "small shards: an index"
+    );
+    let config = tierzero::model::config::ModelConfig::from_hf_dir(&out).unwrap();
+    assert_eq!(config, p.model.config);
+    let loaded = hf::load(&out, &config).unwrap();
+    assert_eq!(loaded, result.master, "exported weights");
+    let model = tierzero::model::Model::new(config, tch::Kind::Float);
+    let (a, loss_a) = crate::hf_reference::logits(&model, &loaded);
+    let (b, loss_b) = crate::hf_reference::logits(&model, &result.master);
+    assert!(a.equal(&b), "logits differ");
+    assert_eq!(loss_a, loss_b);
+}
