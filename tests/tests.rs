@@ -2,6 +2,7 @@
 
 mod adam_torch;
 mod checkpoint;
+mod checkpoint_process;
 mod cli;
 mod config;
 mod default_run;

@@ -17,8 +17,9 @@ use super::{BlockFile, BlockIo, IoError, Op, Pending, DIRECT_ALIGN};
 use crate::pool::IoBuf;
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -359,7 +360,8 @@ fn claim_directory(dir: &Path) -> Result<File, IoError> {
     if existed {
         let mut content = String::new();
         let _ = marker.read_to_string(&mut content);
-        if !content.starts_with(MARKER_MAGIC) {
+        // empty: a run killed between creating the marker and writing it
+        if !content.is_empty() && !content.starts_with(MARKER_MAGIC) {
             return Err(io_at(
                 &marker_path,
                 "is not a tierzero marker; remove the directory or choose another nvme_path",
@@ -382,9 +384,11 @@ fn claim_directory(dir: &Path) -> Result<File, IoError> {
             }
         }
     }
+    // overwrite in place, then trim: the marker never loses its magic line
+    let line = format!("{MARKER_MAGIC} pid={}\n", std::process::id());
     marker
-        .set_len(0)
-        .and_then(|()| writeln!(marker, "{MARKER_MAGIC} pid={}", std::process::id()))
+        .write_all_at(line.as_bytes(), 0)
+        .and_then(|()| marker.set_len(line.len() as u64))
         .map_err(|e| io_at(&marker_path, format!("cannot write the marker: {e}")))?;
     Ok(marker)
 }
