@@ -276,4 +276,23 @@ fn export_loads_back_with_identical_weights_and_logits() {
     let (b, loss_b) = crate::hf_reference::logits(&model, &result.master);
     assert!(a.equal(&b), "logits differ");
     assert_eq!(loss_a, loss_b);
+    // training from the exported directory starts from exactly these weights, each of
+    // 3 stage-3 ranks reading only its shard
+    let config = json!({
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": { "stage": 3 },
+        "model": { "hf_dir": out },
+        "data": { "synthetic": "addition", "seq_len": 16 },
+        "train": { "steps": 0, "devices": 3 }
+    });
+    let pretrained = from_json(config, &[], DeviceFacts::default()).unwrap().plan;
+    let start = train(
+        &pretrained,
+        TrainOptions {
+            collect_master: true,
+            ..TrainOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(start.master, result.master, "weights a run starts from");
 }
