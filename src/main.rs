@@ -465,14 +465,12 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 .map(|r| tierzero::checkpoint::save::resolve(&r, &loaded.plan.train.output_dir))
                 .transpose()
                 .map_err(anyhow::Error::from)?;
-            if trace || loaded.plan.train.trace {
-                return Err(not_built("tracing (--trace / train.trace)", "breakdown issue"));
-            }
             print!("{}", config::plan_table(&loaded.plan));
             let options = TrainOptions {
                 write_outputs: true,
                 save_checkpoints: true,
                 resume: resume_dir.as_deref(),
+                trace,
                 ..TrainOptions::default()
             };
             let result = trainer::train(&loaded.plan, options).map_err(anyhow::Error::from)?;
@@ -481,7 +479,22 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let tokens_per_s =
                 result.steps.iter().map(|m| m.tokens_per_s).sum::<f64>() / result.steps.len().max(1) as f64;
             let predicted = tierzero::zero::memory::predict(&loaded.plan);
+            // the first step (start-up, first gathers) is left out of the breakdown
+            let steady = result
+                .breakdowns
+                .get(1..)
+                .filter(|b| !b.is_empty())
+                .unwrap_or(&result.breakdowns);
+            let breakdown = tierzero::metrics::timeline::Breakdown::total(steady);
+            let rates: serde_json::Map<String, serde_json::Value> = breakdown
+                .rates()
+                .into_iter()
+                .map(|(p, r)| (p.name().to_string(), serde_json::json!(r)))
+                .collect();
             let summary = serde_json::json!({
+                "breakdown": breakdown.json(),
+                "gb_per_s": rates,
+                "memory": result.steps.last().map(|m| m.memory),
                 "steps": result.steps.len(),
                 "seconds": result.seconds,
                 "first_loss": result.steps.first().map(|m| m.loss),

@@ -1,6 +1,7 @@
 //! tierzero's integration tests, one binary; the module list is the table of contents.
 
 mod adam_torch;
+mod breakdown;
 mod checkpoint;
 mod checkpoint_process;
 mod cli;

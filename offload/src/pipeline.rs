@@ -159,6 +159,34 @@ fn wait_all_writes(writes: Writes<'_>) -> Result<(), IoError> {
     first.map_or(Ok(()), Err)
 }
 
+/// A leg of the pipeline, as reported to an [`Observer`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Leg {
+    /// A sub-group's three reads, from when the disk could start them (submitted and the
+    /// previous read done) to completion.
+    Read,
+    /// AdamW on a sub-group.
+    Update,
+    /// A sub-group's three writes, likewise.
+    Write,
+    /// The updater waiting for a read.
+    ReadWait,
+    /// The updater waiting for writes (without `pipeline_write`).
+    WriteWait,
+}
+
+/// Receives each leg's span (the step breakdown and trace; see tierzero's
+/// `metrics/timeline.rs`).
+pub trait Observer: Sync {
+    fn leg(&self, leg: Leg, unit: u32, start: Instant, end: Instant, bytes: u64);
+}
+
+struct Unobserved;
+
+impl Observer for Unobserved {
+    fn leg(&self, _: Leg, _: u32, _: Instant, _: Instant, _: u64) {}
+}
+
 /// Runs AdamW over every sub-group, streaming the optimizer state through `pool`.
 /// The pool's buffers must hold one chunk of fp32 ([`buffer_pool_for`]).
 pub fn nvme_adam_step(
@@ -168,6 +196,20 @@ pub fn nvme_adam_step(
     coefficients: &Coefficients,
     config: PipelineConfig,
 ) -> Result<PipelineReport, IoError> {
+    nvme_adam_step_observed(store, pool, groups, coefficients, config, &Unobserved)
+}
+
+/// [`nvme_adam_step`], reporting every leg to `observer`. Reads are waited for in
+/// order on a thread of their own, so completion times are the disk's, not the
+/// updater's.
+pub fn nvme_adam_step_observed(
+    store: &SwapStore,
+    pool: &BufferPool,
+    groups: Vec<SubGroup<'_>>,
+    coefficients: &Coefficients,
+    config: PipelineConfig,
+    observer: &dyn Observer,
+) -> Result<PipelineReport, IoError> {
     let start = Instant::now();
     let sets = config.buffer_count.max(1);
     let order: Vec<(u32, u32, usize)> = groups.iter().map(|g| (g.unit, g.rank, g.chunk)).collect();
@@ -176,20 +218,45 @@ pub fn nvme_adam_step(
         sub_groups: groups.len(),
         ..PipelineReport::default()
     });
-    let (to_update, updates) = crossbeam_channel::bounded::<Reads>(sets);
-    let (to_complete, completions) = crossbeam_channel::bounded::<Writes<'_>>(sets);
+    let group_bytes = 3 * store.chunk_bytes(4) as u64;
+    let (to_wait, submitted) = crossbeam_channel::bounded::<(u32, Instant, Reads)>(sets);
+    let (to_update, updates) = crossbeam_channel::bounded::<Result<Vec<IoBuf>, IoError>>(sets);
+    let (to_complete, completions) = crossbeam_channel::bounded::<(u32, Instant, Writes<'_>)>(sets);
     // without pipeline_read the reader waits for this after each sub-group
     let (updated, updated_rx) = crossbeam_channel::bounded::<()>(sets);
 
     std::thread::scope(|scope| {
         // stage 3: wait for writes, then the buffers go back to the pool
         let completer = scope.spawn(|| {
-            for writes in completions {
+            let mut last_end = start;
+            for (unit, submit, writes) in completions {
                 let t = Instant::now();
                 let result = wait_all_writes(writes);
-                report.lock().unwrap_or_else(|p| p.into_inner()).write_wait += t.elapsed();
+                let end = Instant::now();
+                report.lock().unwrap_or_else(|p| p.into_inner()).write_wait += end - t;
+                observer.leg(Leg::Write, unit, submit.max(last_end), end, group_bytes);
+                last_end = end;
                 if let Err(e) = result {
                     error.set(e);
+                }
+            }
+        });
+
+        // stage 1b: wait for reads in order, timing them; keeps waiting after an error
+        // so every buffer comes back
+        let read_waiter = scope.spawn(|| {
+            let to_update = to_update; // closes the updater's channel when done
+            let mut last_end = start;
+            for (unit, submit, reads) in submitted {
+                let result = wait_all_reads(reads);
+                let end = Instant::now();
+                observer.leg(Leg::Read, unit, submit.max(last_end), end, group_bytes);
+                last_end = end;
+                if to_update.send(result).is_err() {
+                    error.set(IoError::Store {
+                        path: store.dir().to_path_buf(),
+                        message: "the updater stopped".into(),
+                    });
                 }
             }
         });
@@ -203,7 +270,7 @@ pub fn nvme_adam_step(
                     break;
                 }
                 let t = Instant::now();
-                let buffers = match wait_all_reads(reads) {
+                let buffers = match reads {
                     Ok(b) => b,
                     Err(e) => {
                         error.set(e);
@@ -211,6 +278,7 @@ pub fn nvme_adam_step(
                     }
                 };
                 let read_wait = t.elapsed();
+                observer.leg(Leg::ReadWait, group.unit, t, Instant::now(), 0);
                 let t = Instant::now();
                 let n = group.grad.len();
                 let (keys, chunk) = (State::OPTIMIZER.map(|state| group.key(state)), group.chunk);
@@ -238,6 +306,8 @@ pub fn nvme_adam_step(
                     }
                 };
                 let update = t.elapsed();
+                observer.leg(Leg::Update, group.unit, t, Instant::now(), 0);
+                let submit = Instant::now();
                 let mut writes = Vec::with_capacity(3);
                 for (key, buf) in keys.into_iter().zip([master, exp_avg, exp_avg_sq]) {
                     match store.write_async(key, chunk, buf) {
@@ -254,13 +324,16 @@ pub fn nvme_adam_step(
                     r.bytes_written += 3 * store.chunk_bytes(4) as u64;
                 }
                 if config.pipeline_write {
-                    if to_complete.send(writes).is_err() {
+                    if to_complete.send((group.unit, submit, writes)).is_err() {
                         break;
                     }
                 } else {
                     let t = Instant::now();
                     let result = wait_all_writes(writes);
-                    report.lock().unwrap_or_else(|p| p.into_inner()).write_wait += t.elapsed();
+                    let end = Instant::now();
+                    report.lock().unwrap_or_else(|p| p.into_inner()).write_wait += end - t;
+                    observer.leg(Leg::Write, group.unit, submit, end, group_bytes);
+                    observer.leg(Leg::WriteWait, group.unit, t, end, 0);
                     if let Err(e) = result {
                         error.set(e);
                         break;
@@ -273,9 +346,9 @@ pub fn nvme_adam_step(
             drop(to_complete);
             drop(updated);
             // after an error the reader may still be queueing: drain, so that the
-            // buffers held by queued reads return to the pool and it can finish
+            // buffers of queued reads return to the pool and it can finish
             for reads in updates.iter() {
-                let _ = wait_all_reads(reads);
+                drop(reads);
             }
         });
 
@@ -287,9 +360,10 @@ pub fn nvme_adam_step(
             if !config.pipeline_read && i > 0 && updated_rx.recv().is_err() {
                 break;
             }
+            let submit = Instant::now();
             match submit_reads(store, pool, group) {
                 Ok(reads) => {
-                    if to_update.send(reads).is_err() {
+                    if to_wait.send((group.0, submit, reads)).is_err() {
                         break;
                     }
                 }
@@ -299,8 +373,9 @@ pub fn nvme_adam_step(
                 }
             }
         }
-        drop(to_update);
+        drop(to_wait);
         drop(updated_rx);
+        let _ = read_waiter.join();
         let _ = updater.join();
         let _ = completer.join();
     });

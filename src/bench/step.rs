@@ -4,9 +4,13 @@
 //! run of the same model and global batch (stage 0, nothing offloaded, N× the
 //! accumulation steps) on the same machine, and reports the median step time of each
 //! (the first step is a warm-up) and their ratio: what ZeRO's sharding, offload and
-//! collectives cost over plain training.
+//! collectives cost over plain training. It prints the ZeRO run's per-step breakdown
+//! (rank 0, steady state) with `overlap` and `bound_ratio`, the same breakdown with
+//! every phase blocking, and what writing a trace costs: the ZeRO run again with
+//! tracing on, as a ratio of median step times.
 
 use crate::config::plan::{Plan, Tier};
+use crate::metrics::timeline::Breakdown;
 use crate::zero::trainer::{cpu_peak_flops, train, TrainError, TrainOptions};
 use serde::Serialize;
 
@@ -29,6 +33,14 @@ pub struct StepReport {
     pub zero: StepRun,
     pub dense: StepRun,
     pub ratio_to_dense: f64,
+    /// Rank 0's steady-state breakdown of the ZeRO run, and with every phase blocking.
+    pub breakdown: serde_json::Value,
+    pub blocking_breakdown: serde_json::Value,
+    #[serde(skip)]
+    tables: (String, String),
+    pub blocking_step_seconds: f64,
+    /// Median step time with tracing on ÷ off, minus 1.
+    pub trace_overhead: f64,
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -36,11 +48,12 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-fn measure(plan: &Plan, peak: f64) -> Result<StepRun, TrainError> {
-    let result = train(plan, TrainOptions::default())?;
+fn measure(plan: &Plan, peak: f64, options: TrainOptions<'_>) -> Result<(StepRun, Breakdown), TrainError> {
+    let result = train(plan, options)?;
+    let breakdown = Breakdown::total(result.breakdowns.get(1..).unwrap_or(&[]));
     let step_seconds = median(result.steps.iter().skip(1).map(|s| s.step_seconds).collect());
     let tokens_per_s = plan.tokens_per_step() as f64 / step_seconds;
-    Ok(StepRun {
+    let run = StepRun {
         devices: plan.world_size,
         stage: plan.zero.stage,
         offload_param: plan.zero.offload_param.tier.name().into(),
@@ -48,7 +61,8 @@ fn measure(plan: &Plan, peak: f64) -> Result<StepRun, TrainError> {
         step_seconds,
         tokens_per_s,
         mfu: plan.model.config.flops_per_token(plan.data.seq_len) * tokens_per_s / peak,
-    })
+    };
+    Ok((run, breakdown))
 }
 
 pub fn run(plan: &Plan, steps: u64) -> Result<StepReport, TrainError> {
@@ -62,9 +76,29 @@ pub fn run(plan: &Plan, steps: u64) -> Result<StepReport, TrainError> {
     dense.zero.stage = 0;
     dense.zero.offload_param.tier = Tier::Device;
     dense.zero.offload_optimizer.tier = Tier::Device;
-    let zero = measure(&zero_plan, peak)?;
-    let dense = measure(&dense, peak)?;
+    let (zero, breakdown) = measure(&zero_plan, peak, TrainOptions::default())?;
+    let (dense, _) = measure(&dense, peak, TrainOptions::default())?;
+    let blocking = TrainOptions {
+        no_overlap: true,
+        ..TrainOptions::default()
+    };
+    let (blocking_run, blocking_breakdown) = measure(&zero_plan, peak, blocking)?;
+    // tracing writes <output_dir>/trace.json: keep it out of the user's directory
+    let scratch = std::env::temp_dir().join(format!("tierzero-bench-trace-{}", std::process::id()));
+    let mut traced_plan = zero_plan.clone();
+    traced_plan.train.output_dir = scratch.clone();
+    let traced = TrainOptions {
+        trace: true,
+        ..TrainOptions::default()
+    };
+    let (traced_run, _) = measure(&traced_plan, peak, traced)?;
+    let _ = std::fs::remove_dir_all(&scratch);
     Ok(StepReport {
+        breakdown: breakdown.json(),
+        blocking_breakdown: blocking_breakdown.json(),
+        tables: (breakdown.table(), blocking_breakdown.table()),
+        blocking_step_seconds: blocking_run.step_seconds,
+        trace_overhead: traced_run.step_seconds / zero.step_seconds - 1.0,
         parameters: plan.model.config.num_parameters(),
         tokens_per_step: plan.tokens_per_step(),
         peak_flops: peak,
@@ -96,6 +130,12 @@ impl StepReport {
             line("zero", &self.zero),
             line("dense", &self.dense),
             self.ratio_to_dense
+        ) + &format!(
+            "\n\nbreakdown of the zero run (rank 0, steps after the first):\n{}\nsame with every phase blocking ({:.4} s/step):\n{}\ntracing on: step time {:+.1}%",
+            self.tables.0,
+            self.blocking_step_seconds,
+            self.tables.1,
+            100.0 * self.trace_overhead
         )
     }
 }

@@ -10,6 +10,7 @@ pub struct CpuDevice {
     budget: u64,
     current: AtomicU64,
     peak: AtomicU64,
+    window_peak: AtomicU64,
 }
 
 /// Bytes held on a device; released when dropped.
@@ -33,6 +34,7 @@ impl CpuDevice {
             budget,
             current: AtomicU64::new(0),
             peak: AtomicU64::new(0),
+            window_peak: AtomicU64::new(0),
         })
     }
 
@@ -56,6 +58,7 @@ impl CpuDevice {
             {
                 Ok(_) => {
                     self.peak.fetch_max(next, Ordering::SeqCst);
+                    self.window_peak.fetch_max(next, Ordering::SeqCst);
                     return Ok(Reservation {
                         device: self.clone(),
                         bytes,
@@ -72,6 +75,11 @@ impl CpuDevice {
 
     pub fn peak(&self) -> u64 {
         self.peak.load(Ordering::SeqCst)
+    }
+
+    /// The peak since the last call (per-step memory in the breakdown).
+    pub fn take_window_peak(&self) -> u64 {
+        self.window_peak.swap(self.current(), Ordering::SeqCst)
     }
 
     pub fn budget(&self) -> u64 {

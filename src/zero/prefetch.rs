@@ -15,9 +15,11 @@ use super::rank::{EngineError, LowParams};
 use crate::comm::Collective;
 use crate::config::plan::Precision;
 use crate::device::cpu::{CpuDevice, Reservation};
+use crate::metrics::timeline::{Phase as TimedPhase, Track};
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Instant;
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pool::IoBuf;
 
@@ -73,6 +75,7 @@ pub struct Worker<'a, C: Collective> {
     pub store: Option<&'a SwapStore>,
     pub precision: Precision,
     pub parts: Vec<Partition>,
+    pub track: Track,
 }
 
 impl<C: Collective> Worker<'_, C> {
@@ -91,8 +94,15 @@ impl<C: Collective> Worker<'_, C> {
         let part = self.parts[request.unit];
         let shard = match request.shard {
             Some(shard) => shard,
-            None => self.read(request.unit, part.shard)?,
+            None => {
+                let bytes = (part.shard * self.precision.bytes()) as u64;
+                self.track
+                    .span(TimedPhase::NvmeRead, Some(request.unit), bytes, || {
+                        self.read(request.unit, part.shard)
+                    })?
+            }
         };
+        let start = Instant::now();
         let full = match &shard {
             LowParams::F32(s) => {
                 let mut out = vec![0f32; part.padded];
@@ -105,6 +115,9 @@ impl<C: Collective> Worker<'_, C> {
                 LowParams::U16(out)
             }
         };
+        let bytes = (part.padded * self.precision.bytes()) as u64;
+        self.track
+            .record(TimedPhase::AllGather, Some(request.unit), start, bytes);
         Ok((request.unit, full))
     }
 
@@ -126,6 +139,8 @@ pub struct Prefetcher {
     received: usize,
     holds: VecDeque<Reservation>,
     device: Arc<CpuDevice>,
+    /// The compute thread's track: time waiting for the worker.
+    track: Track,
 }
 
 impl Prefetcher {
@@ -135,8 +150,8 @@ impl Prefetcher {
         elem_bytes: usize,
         bucket: usize,
         device: Arc<CpuDevice>,
-        requests: Sender<Request>,
-        responses: Receiver<Response>,
+        (requests, responses): (Sender<Request>, Receiver<Response>),
+        track: Track,
     ) -> Prefetcher {
         Prefetcher {
             schedule,
@@ -149,6 +164,7 @@ impl Prefetcher {
             received: 0,
             holds: VecDeque::new(),
             device,
+            track,
         }
     }
 
@@ -203,10 +219,12 @@ impl Prefetcher {
         shard: &mut dyn FnMut(usize) -> Result<Option<LowParams>, EngineError>,
     ) -> Result<(LowParams, Reservation), EngineError> {
         self.fill(shard)?;
+        let start = Instant::now();
         let response = self.responses.recv().map_err(|_| EngineError::Other {
             rank: 0,
             message: "the prefetch worker stopped".into(),
         })?;
+        self.track.waited(TimedPhase::AllGather, Some(expected), start);
         let (unit, full) = response?;
         if unit != expected || self.schedule.get(self.received).map(|s| s.0) != Some(expected) {
             return Err(EngineError::Other {

@@ -28,10 +28,13 @@ use crate::config::plan::{Plan, Precision, Tier};
 use crate::data::Dataset;
 use crate::device::cpu::{CpuDevice, Reservation};
 use crate::device::OutOfMemory;
+use crate::metrics::timeline::{Phase, Timeline, Track};
+use crate::metrics::trace::TierBytes;
 use crate::model::layout::UnitKind;
 use crate::model::Model;
 use crate::torch;
 use std::sync::Arc;
+use std::time::Instant;
 use tch::{Kind, TchError, Tensor};
 use tierzero_offload::adam::{self, GradSlice, LowPrecisionOut, Sweep};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
@@ -152,6 +155,36 @@ pub struct RankContext<'a> {
     pub optimizer_store: Option<&'a SwapStore>,
     pub param_store: Option<&'a SwapStore>,
     pub start: &'a Start,
+    /// Where the rank's threads record their spans (None: not recorded).
+    pub timeline: Option<&'a Timeline>,
+    /// False: every phase blocking (no prefetch worker, no NVMe read/write pipelining);
+    /// a debug switch that makes the breakdown's `overlap` 1.0.
+    pub overlap: bool,
+}
+
+/// The tracks of one rank's threads.
+#[derive(Clone, Default)]
+pub(super) struct Tracks {
+    pub compute: Track,
+    pub prefetch: Track,
+    pub optimizer: Track,
+    pub nvme_read: Track,
+    pub nvme_write: Track,
+}
+
+impl Tracks {
+    fn new(timeline: Option<&Timeline>, rank: usize) -> Tracks {
+        let Some(t) = timeline else {
+            return Tracks::default();
+        };
+        Tracks {
+            compute: t.track(rank, "compute"),
+            prefetch: t.track(rank, "prefetch"),
+            optimizer: t.track(rank, "optimizer"),
+            nvme_read: t.track(rank, "nvme read"),
+            nvme_write: t.track(rank, "nvme write"),
+        }
+    }
 }
 
 pub struct RankEngine<'a, C: Collective> {
@@ -178,6 +211,8 @@ pub struct RankEngine<'a, C: Collective> {
     updates: Option<crossbeam_channel::Receiver<Result<Update, EngineError>>>,
     /// The next unit whose update is to be installed.
     next_update: usize,
+    pub(super) tracks: Tracks,
+    overlap: bool,
 }
 
 impl<'a, C: Collective + Clone> RankEngine<'a, C> {
@@ -214,6 +249,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             optimizer_store: store,
             param_store,
             start,
+            timeline,
+            overlap,
         } = context;
         let rank = comm.rank();
         let mut held = Vec::new();
@@ -366,6 +403,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             _held: held,
             updates: None,
             next_update: 0,
+            tracks: Tracks::new(timeline, rank),
+            overlap,
         })
     }
 
@@ -418,11 +457,14 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// Unit `u`'s parameters (a padded full buffer) as a tensor of the compute kind.
     fn tensor_of(&self, full: &LowParams, u: usize) -> Result<Tensor, EngineError> {
         let numel = self.units[u].part.numel;
-        match full {
-            LowParams::F32(v) => torch::tensor_f32(&v[..numel]),
-            LowParams::U16(v) => torch::tensor_u16(&v[..numel], self.model.kind),
-        }
-        .map_err(self.torch_err())
+        let bytes = (numel * full.elem_bytes()) as u64;
+        self.tracks
+            .compute
+            .span(Phase::H2d, Some(u), bytes, || match full {
+                LowParams::F32(v) => torch::tensor_f32(&v[..numel]),
+                LowParams::U16(v) => torch::tensor_u16(&v[..numel], self.model.kind),
+            })
+            .map_err(self.torch_err())
     }
 
     /// A unit's shard for the prefetch worker: in memory, or None when it is on NVMe.
@@ -432,7 +474,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
 
     /// Every rank's `shard` of a unit, concatenated into its padded length.
     fn all_gather(&self, shard: &LowParams, padded: usize) -> Result<LowParams, EngineError> {
-        Ok(match shard {
+        let start = Instant::now();
+        let bytes = (padded * shard.elem_bytes()) as u64;
+        let full = match shard {
             LowParams::F32(s) => {
                 let mut out = vec![0f32; padded];
                 self.comm.all_gather(s, &mut out)?;
@@ -443,7 +487,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 self.comm.all_gather(s, &mut out)?;
                 LowParams::U16(out)
             }
-        })
+        };
+        self.tracks.compute.record(Phase::AllGather, None, start, bytes);
+        Ok(full)
     }
 
     /// This rank's stored parameters of unit `u` (from NVMe when offloaded there).
@@ -457,7 +503,10 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         } else {
             unit.part.padded
         };
-        prefetch::read_param_shard(self.param_store, self.rank, u, len, &self.plan.precision)
+        let bytes = (len * self.plan.precision.bytes()) as u64;
+        self.tracks.compute.span(Phase::NvmeRead, Some(u), bytes, || {
+            prefetch::read_param_shard(self.param_store, self.rank, u, len, &self.plan.precision)
+        })
     }
 
     /// Adds a unit's flat gradient (numel elements, fp32) into this rank's accumulator.
@@ -465,7 +514,14 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let part = self.units[u].part;
         let mut full = vec![0f32; part.padded];
         let n = grad.numel();
-        torch::copy_to_f32(grad, &mut full[..n]).map_err(self.torch_err())?;
+        self.tracks
+            .compute
+            .span(Phase::D2h, Some(u), 4 * n as u64, || {
+                torch::copy_to_f32(grad, &mut full[..n])
+            })
+            .map_err(self.torch_err())?;
+        let start = Instant::now();
+        let _reduce = Recorded::new(&self.tracks.compute, Phase::Reduce, Some(u), start, 4 * n as u64);
         if self.stage() >= 2 {
             let mut mine = vec![0f32; part.shard];
             self.comm.reduce_scatter(&full, &mut mine, ReduceOp::Avg)?;
@@ -505,6 +561,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             })?;
         }
         // stages 0 and 1 all-reduce whole gradients once per step
+        let reduce_start = Instant::now();
         if self.stage() <= 1 {
             for u in 0..self.units.len() {
                 let mut g = std::mem::take(&mut self.units[u].grad);
@@ -528,6 +585,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         if self.stage() >= 1 {
             self.comm.all_reduce(&mut sum_sq, ReduceOp::Sum)?;
         }
+        self.tracks.compute.record(Phase::Reduce, None, reduce_start, 0);
         let grad_norm = sum_sq[0].sqrt() / loss_scale;
         let lr = learning_rate(&plan.scheduler, f64::from(plan.optimizer.lr), step);
         let mut report = StepReport {
@@ -567,7 +625,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         &mut self,
         body: impl FnOnce(&mut Self, Option<&mut Prefetcher>) -> Result<T, EngineError>,
     ) -> Result<T, EngineError> {
-        if self.stage() != 3 {
+        if self.stage() != 3 || !self.overlap {
             return body(self, None);
         }
         let tied = self.model.config.tie_word_embeddings;
@@ -586,6 +644,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             store: self.param_store,
             precision: self.plan.precision,
             parts: parts.clone(),
+            track: self.tracks.prefetch.clone(),
         };
         let mut prefetcher = Prefetcher::new(
             order,
@@ -593,8 +652,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             self.plan.precision.bytes(),
             self.plan.zero.prefetch_bucket_size,
             self.device.clone(),
-            request_tx,
-            response_rx,
+            (request_tx, response_rx),
+            self.tracks.compute.clone(),
         );
         let gather_comm = self.gather_comm.clone();
         std::thread::scope(|scope| {
@@ -623,20 +682,25 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let gas = plan.batch.gradient_accumulation_steps;
         let last = self.units.len() - 1;
         let (rows, seq) = (plan.batch.micro_batch_per_gpu, plan.data.seq_len);
+        let data_start = Instant::now();
         let batch = self
             .dataset
             .batch(plan.train.seed, 0, step, global_micro, rows, seq);
         let shape = [rows as i64, seq as i64];
         let tokens = torch::tensor_tokens(&batch.inputs, &shape).map_err(self.torch_err())?;
         let targets = torch::tensor_tokens(&batch.targets, &shape).map_err(self.torch_err())?;
+        self.tracks.compute.record(Phase::Forward, None, data_start, 0);
         // forward, keeping each unit's input (activation checkpoints on the device)
         let mut kept = vec![self.device.reserve(8 * (rows * seq) as u64, "token ids")?];
         let mut inputs = vec![tokens];
         for u in 0..last {
             let (params, _gathered) = self.fetch(prefetch.as_deref_mut(), u)?;
             let y = self
-                .model
-                .forward_unit(u, &params, &inputs[u])
+                .tracks
+                .compute
+                .span(Phase::Forward, Some(u), 0, || {
+                    self.model.forward_unit(u, &params, &inputs[u])
+                })
                 .map_err(self.torch_err())?;
             let bytes = (y.numel() * self.plan.precision.bytes()) as u64;
             kept.push(
@@ -652,6 +716,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         } else {
             None
         };
+        let final_start = Instant::now();
         let fin = self
             .model
             .backward_final(
@@ -662,6 +727,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 loss_scale / gas as f64,
             )
             .map_err(self.torch_err())?;
+        self.tracks
+            .compute
+            .record(Phase::Backward, Some(last), final_start, 0);
         drop((params, gathered, tied));
         let loss = fin.loss_sum / fin.count.max(1) as f64 / gas as f64;
         self.accumulate(last, &fin.params)?;
@@ -673,8 +741,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         for u in (0..last).rev() {
             let (params, _gathered) = self.fetch(prefetch.as_deref_mut(), u)?;
             let (g, grad_in) = self
-                .model
-                .backward_unit(u, &params, &inputs[u], &grad_out)
+                .tracks
+                .compute
+                .span(Phase::Backward, Some(u), 0, || {
+                    self.model.backward_unit(u, &params, &inputs[u], &grad_out)
+                })
                 .map_err(self.torch_err())?;
             self.accumulate(u, &g)?;
             if let Some(d) = grad_in {
@@ -718,8 +789,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                     rank: self.rank,
                     message: e.to_string(),
                 })?;
-            store
-                .write_tensor(key, params.as_bytes(), scratch)
+            let bytes = params.as_bytes().len() as u64;
+            self.tracks
+                .compute
+                .span(Phase::NvmeWrite, Some(u), bytes, || {
+                    store.write_tensor(key, params.as_bytes(), scratch)
+                })
                 .map_err(self.io_err())?;
         } else {
             self.units[u].params = params;
@@ -734,10 +809,15 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             let Some(updates) = &self.updates else {
                 return Ok(());
             };
+            let start = Instant::now();
             let update = updates.recv().map_err(|_| EngineError::Other {
                 rank: self.rank,
                 message: "the optimizer thread stopped".into(),
-            })??;
+            })?;
+            self.tracks
+                .compute
+                .waited(Phase::Optimizer, Some(self.next_update), start);
+            let update = update?;
             let (u, fresh, state) = update;
             self.units[u].optimizer = state;
             self.install(u, fresh)?;
@@ -794,10 +874,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             pool: self.pool.clone(),
             pipeline: PipelineConfig {
                 buffer_count: self.plan.zero.offload_optimizer.buffer_count,
-                pipeline_read: self.plan.zero.offload_optimizer.pipeline_read,
-                pipeline_write: self.plan.zero.offload_optimizer.pipeline_write,
+                pipeline_read: self.overlap && self.plan.zero.offload_optimizer.pipeline_read,
+                pipeline_write: self.overlap && self.plan.zero.offload_optimizer.pipeline_write,
             },
             coefficients: c,
+            tracks: self.tracks.clone(),
         };
         match scope {
             Some(scope) => {
@@ -867,6 +948,45 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         self.device.peak()
     }
 
+    /// Bytes on each tier now (device: the peak since the last call; NVMe: the swap
+    /// stores' files, every rank's).
+    pub fn tier_bytes(&self) -> TierBytes {
+        let optimizer_tier = self.plan.zero.offload_optimizer.tier;
+        let host: usize = self
+            .units
+            .iter()
+            .map(|u| {
+                // the optimizer thread may hold the state: count it by size
+                let optimizer = if optimizer_tier == Tier::Cpu {
+                    12 * u.opt_len
+                } else {
+                    0
+                };
+                let grads = if optimizer_tier == Tier::Device {
+                    0
+                } else {
+                    4 * u.grad.len()
+                };
+                let params = if self.plan.zero.offload_param.tier == Tier::Cpu {
+                    u.params.as_bytes().len()
+                } else {
+                    0
+                };
+                params + optimizer + grads
+            })
+            .sum::<usize>()
+            + self.pool.as_ref().map_or(0, |p| p.count() * p.buffer_bytes());
+        TierBytes {
+            device: self.device.take_window_peak(),
+            host: host as u64,
+            nvme: [self.store, self.param_store]
+                .iter()
+                .flatten()
+                .map(|s| s.disk_bytes())
+                .sum(),
+        }
+    }
+
     pub fn loss_scale(&self) -> f64 {
         self.scaler.scale
     }
@@ -930,6 +1050,62 @@ struct OptimizerContext<'a> {
     pool: Option<BufferPool>,
     pipeline: PipelineConfig,
     coefficients: adam::Coefficients,
+    tracks: Tracks,
+}
+
+impl pipeline::Observer for Tracks {
+    fn leg(&self, leg: pipeline::Leg, unit: u32, start: Instant, end: Instant, bytes: u64) {
+        let unit = Some(unit as usize);
+        match leg {
+            pipeline::Leg::Read => {
+                self.nvme_read
+                    .record_between(Phase::NvmeRead, false, unit, start, end, bytes)
+            }
+            pipeline::Leg::Write => {
+                self.nvme_write
+                    .record_between(Phase::NvmeWrite, false, unit, start, end, bytes)
+            }
+            pipeline::Leg::Update => {
+                self.optimizer
+                    .record_between(Phase::Optimizer, false, unit, start, end, bytes)
+            }
+            pipeline::Leg::ReadWait => {
+                self.optimizer
+                    .record_between(Phase::NvmeRead, true, unit, start, end, 0)
+            }
+            pipeline::Leg::WriteWait => {
+                self.optimizer
+                    .record_between(Phase::NvmeWrite, true, unit, start, end, 0)
+            }
+        }
+    }
+}
+
+/// Records a span from `start` to when it is dropped (covers early returns).
+struct Recorded<'t> {
+    track: &'t Track,
+    phase: Phase,
+    unit: Option<usize>,
+    start: Instant,
+    bytes: u64,
+}
+
+impl<'t> Recorded<'t> {
+    fn new(track: &'t Track, phase: Phase, unit: Option<usize>, start: Instant, bytes: u64) -> Self {
+        Recorded {
+            track,
+            phase,
+            unit,
+            start,
+            bytes,
+        }
+    }
+}
+
+impl Drop for Recorded<'_> {
+    fn drop(&mut self) {
+        self.track.record(self.phase, self.unit, self.start, self.bytes);
+    }
 }
 
 impl OptimizerContext<'_> {
@@ -953,7 +1129,13 @@ impl OptimizerContext<'_> {
                 grad: GradSlice::F32(&grad),
                 low: fresh.out_as(&self.precision),
             };
-            adam::step(&self.coefficients, sweep).map_err(|e| other(e.to_string()))?;
+            let bytes = 16 * opt_len as u64;
+            self.tracks
+                .optimizer
+                .span(Phase::Optimizer, Some(unit), bytes, || {
+                    adam::step(&self.coefficients, sweep)
+                })
+                .map_err(|e| other(e.to_string()))?;
         } else {
             let (Some(store), Some(pool)) = (self.store, self.pool.as_ref()) else {
                 return Err(other("optimizer state has no tier".into()));
@@ -965,12 +1147,18 @@ impl OptimizerContext<'_> {
                 &grad,
                 fresh.out_as(&self.precision),
             );
-            pipeline::nvme_adam_step(store, pool, groups, &self.coefficients, self.pipeline).map_err(
-                |source| EngineError::Io {
-                    rank: self.rank,
-                    source,
-                },
-            )?;
+            pipeline::nvme_adam_step_observed(
+                store,
+                pool,
+                groups,
+                &self.coefficients,
+                self.pipeline,
+                &self.tracks,
+            )
+            .map_err(|source| EngineError::Io {
+                rank: self.rank,
+                source,
+            })?;
         }
         Ok((unit, fresh, state))
     }

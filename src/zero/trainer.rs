@@ -16,6 +16,8 @@ use crate::comm::Collective;
 use crate::config::plan::{Plan, Tier};
 use crate::data::{DataError, Dataset};
 use crate::device::cpu::CpuDevice;
+use crate::metrics::timeline::{Breakdown, Timeline};
+use crate::metrics::trace::TierBytes;
 use crate::model::Model;
 use serde::Serialize;
 use std::io::Write;
@@ -54,6 +56,11 @@ pub struct TrainOptions<'a> {
     pub save_checkpoints: bool,
     /// Continue from this checkpoint directory.
     pub resume: Option<&'a std::path::Path>,
+    /// Write `<output_dir>/trace.json` (also `train.trace`).
+    pub trace: bool,
+    /// Make every phase blocking (no prefetch worker, optimizer phase and NVMe legs
+    /// one after another): a debug switch for the breakdown's `overlap`.
+    pub no_overlap: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -70,6 +77,10 @@ pub struct StepMetrics {
     pub step_seconds: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+    /// Rank 0's breakdown of the step (see `metrics/timeline.rs`).
+    pub breakdown: serde_json::Value,
+    /// Bytes per tier after the step (device: the step's peak).
+    pub memory: TierBytes,
 }
 
 #[derive(Debug, Default)]
@@ -82,6 +93,8 @@ pub struct TrainResult {
     /// Per unit, the fp32 master weights (unpadded), when collected.
     pub master: Vec<Vec<f32>>,
     pub seconds: f64,
+    /// Rank 0's breakdown of every step.
+    pub breakdowns: Vec<Breakdown>,
 }
 
 /// What a rank hands back at the end: its device peak and master partitions.
@@ -96,6 +109,8 @@ struct RankMessage {
     report: StepReport,
     seconds: f64,
     eval_loss: Option<f64>,
+    breakdown: Breakdown,
+    memory: TierBytes,
 }
 
 /// fp32 matmul throughput of this machine, the "peak" MFU is measured against on CPU.
@@ -237,7 +252,12 @@ impl Prepared {
         })
     }
 
-    fn context<'a>(&'a self, plan: &'a Plan) -> RankContext<'a> {
+    fn context<'a>(
+        &'a self,
+        plan: &'a Plan,
+        timeline: Option<&'a Timeline>,
+        overlap: bool,
+    ) -> RankContext<'a> {
         RankContext {
             plan,
             model: &self.model,
@@ -245,6 +265,8 @@ impl Prepared {
             optimizer_store: self.optimizer_store.as_ref(),
             param_store: self.param_store.as_ref(),
             start: &self.start,
+            timeline,
+            overlap,
         }
     }
 }
@@ -296,6 +318,8 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     let flops_per_token = model.config.flops_per_token(plan.data.seq_len);
     let tokens_per_step = plan.tokens_per_step() as u64;
 
+    let trace = options.trace || plan.train.trace;
+    let timeline = Timeline::new(trace);
     let (tx, rx) = crossbeam_channel::unbounded::<RankMessage>();
     let comms = Local::group(world).into_iter().zip(Local::group(world));
     let mut result = TrainResult {
@@ -306,7 +330,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
         let handles: Vec<_> = comms
             .map(|(comm, gather_comm)| {
                 let tx = tx.clone();
-                let context = prepared.context(plan);
+                let context = prepared.context(plan, Some(&timeline), !options.no_overlap);
                 std::thread::Builder::new()
                     .name(format!("tierzero-rank-{}", comm.rank()))
                     .spawn_scoped(scope, move || {
@@ -363,7 +387,20 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                 },
                 step_seconds: seconds,
                 eval_loss: message.eval_loss,
+                breakdown: message.breakdown.json(),
+                memory: message.memory,
             };
+            if plan.wall_clock_breakdown
+                && plan.steps_per_print > 0
+                && metrics.step.is_multiple_of(plan.steps_per_print)
+            {
+                let line = format!("step {:>6} {}", metrics.step, message.breakdown.line());
+                match &progress {
+                    Some(progress) => progress.line(&line),
+                    None => tracing::info!("{line}"),
+                }
+            }
+            result.breakdowns.push(message.breakdown);
             if let Some((file, _)) = metrics_file.as_mut() {
                 if let Ok(line) = serde_json::to_string(&metrics) {
                     let _ = writeln!(file, "{line}");
@@ -456,7 +493,23 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
             .collect();
     }
     result.seconds = start.elapsed().as_secs_f64();
+    if trace {
+        let path = plan.train.output_dir.join("trace.json");
+        std::fs::create_dir_all(&plan.train.output_dir)
+            .and_then(|()| crate::metrics::trace::write_trace(&path, &timeline))
+            .map_err(|source| TrainError::Output { path, source })?;
+    }
     if metrics_file.is_some() {
+        let per_step: Vec<(u64, Breakdown, TierBytes)> = result
+            .steps
+            .iter()
+            .zip(&result.breakdowns)
+            .map(|(m, b)| (m.step, b.clone(), m.memory))
+            .collect();
+        let path = plan.train.output_dir.join("breakdown.png");
+        if let Err(e) = crate::metrics::trace::plot_breakdown(&path, &per_step) {
+            tracing::warn!("no breakdown plot: {e}");
+        }
         let losses: Vec<(u64, f64)> = result.steps.iter().map(|m| (m.step, m.loss)).collect();
         let evals: Vec<(u64, f64)> = result
             .steps
@@ -488,8 +541,15 @@ fn run_rank(
         let root = save::root(&plan.train.output_dir);
         for step in first_step..plan.train.steps {
             let start = Instant::now();
-            let report = engine.step(step, (!options.blocking_optimizer).then_some(scope))?;
-            let seconds = start.elapsed().as_secs_f64();
+            let concurrent = !(options.blocking_optimizer || options.no_overlap);
+            let report = engine.step(step, concurrent.then_some(scope))?;
+            let end = Instant::now();
+            let seconds = (end - start).as_secs_f64();
+            let breakdown = context
+                .timeline
+                .map(|t| t.breakdown(rank, start, end))
+                .unwrap_or_default();
+            let memory = engine.tier_bytes();
             let eval_loss = if plan.train.eval_interval > 0 && (step + 1) % plan.train.eval_interval == 0 {
                 Some(engine.eval(plan.train.eval_batches)?)
             } else {
@@ -507,6 +567,8 @@ fn run_rank(
                 let _ = tx.send(RankMessage {
                     step,
                     saved,
+                    breakdown,
+                    memory,
                     report,
                     seconds,
                     eval_loss,
@@ -537,7 +599,7 @@ pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
             .into_iter()
             .zip(Local::group(world))
             .map(|(comm, gather_comm)| {
-                let context = prepared.context(plan);
+                let context = prepared.context(plan, None, true);
                 scope.spawn(move || -> Result<f64, TrainError> {
                     let guard = comm.clone();
                     let run = || -> Result<f64, TrainError> {

@@ -1,0 +1,149 @@
+//! The timeline for people: `trace.json` (Chrome trace-event format; opens in Perfetto
+//! and chrome://tracing) and `breakdown.png`.
+//!
+//! Trace: one process per rank, one thread per track (compute, prefetch, optimizer,
+//! nvme read, nvme write); each span is a complete event named `<phase> u<unit>` (or
+//! `wait <phase> u<unit>` for time a thread waited), with bytes in its args.
+//! Plot: per step, stacked bars of phase seconds (rank 0; colours in the order of
+//! [`Phase::ALL`]: forward, backward, all_gather, reduce, h2d, d2h, nvme_read,
+//! nvme_write, optimizer) over the step time (black line), and below it bytes per tier
+//! over the run (device peak in the step: blue; host: green; NVMe: red). No fonts are
+//! available offline, so the numbers are in metrics.jsonl.
+
+use super::timeline::{Breakdown, Phase, Timeline};
+use plotters::prelude::*;
+use serde_json::json;
+use std::io::Write;
+use std::path::Path;
+
+const TRACKS: [&str; 5] = ["compute", "prefetch", "optimizer", "nvme read", "nvme write"];
+
+/// Writes every span of `timeline` to `path`.
+pub fn write_trace(path: &Path, timeline: &Timeline) -> std::io::Result<()> {
+    let mut spans = timeline.spans();
+    spans.sort_by_key(|(rank, track, s)| (*rank, *track, s.start, std::cmp::Reverse(s.end)));
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    out.write_all(b"{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n")?;
+    let mut first = true;
+    let mut emit = |event: serde_json::Value, out: &mut std::io::BufWriter<std::fs::File>| {
+        let sep = if first { "" } else { ",\n" };
+        first = false;
+        write!(out, "{sep}{event}")
+    };
+    let mut ranks: Vec<usize> = spans.iter().map(|s| s.0).collect();
+    ranks.dedup();
+    for &rank in &ranks {
+        emit(
+            json!({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": format!("rank {rank}")}}),
+            &mut out,
+        )?;
+        for (tid, name) in TRACKS.iter().enumerate() {
+            emit(
+                json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}}),
+                &mut out,
+            )?;
+        }
+    }
+    for (rank, track, s) in spans {
+        let tid = TRACKS.iter().position(|t| *t == track).unwrap_or(0);
+        let unit = s.unit.map(|u| format!(" u{u}")).unwrap_or_default();
+        let name = format!("{}{}{unit}", if s.wait { "wait " } else { "" }, s.phase.name());
+        emit(
+            json!({
+                "ph": "X", "name": name, "cat": if s.wait { "wait" } else { s.phase.name() },
+                "pid": rank, "tid": tid,
+                "ts": s.start as f64 / 1e3, "dur": (s.end - s.start) as f64 / 1e3,
+                "args": {"unit": s.unit, "bytes": s.bytes}
+            }),
+            &mut out,
+        )?;
+    }
+    out.write_all(b"\n]}\n")?;
+    out.flush()
+}
+
+/// Bytes on each tier at one step (device: the step's peak).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct TierBytes {
+    pub device: u64,
+    pub host: u64,
+    pub nvme: u64,
+}
+
+const COLORS: [RGBColor; 9] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+];
+
+/// Draws `breakdown.png` from rank 0's per-step breakdowns and tier bytes.
+pub fn plot_breakdown(path: &Path, steps: &[(u64, Breakdown, TierBytes)]) -> Result<(), String> {
+    if steps.is_empty() {
+        return Ok(());
+    }
+    let e = |x: &dyn std::fmt::Display| format!("drawing {}: {x}", path.display());
+    let root = BitMapBackend::new(path, (900, 700)).into_drawing_area();
+    root.fill(&WHITE).map_err(|x| e(&x))?;
+    let (top, bottom) = root.split_vertically(460);
+    let first = steps[0].0;
+    let last = steps[steps.len() - 1].0 + 1;
+    let highest = steps
+        .iter()
+        .map(|(_, b, _)| b.phases.iter().map(|p| p.1).sum::<f64>().max(b.step_seconds))
+        .fold(1e-9, f64::max);
+    let mut chart = ChartBuilder::on(&top)
+        .margin(20)
+        .build_cartesian_2d(first as f64..last as f64, 0.0..highest * 1.05)
+        .map_err(|x| e(&x))?;
+    for (step, breakdown, _) in steps {
+        let x = *step as f64;
+        let mut y = 0.0;
+        for (i, phase) in Phase::ALL.iter().enumerate() {
+            let h = breakdown.phase(*phase);
+            if h > 0.0 {
+                chart
+                    .draw_series([Rectangle::new([(x, y), (x + 0.8, y + h)], COLORS[i].filled())])
+                    .map_err(|x| e(&x))?;
+                y += h;
+            }
+        }
+    }
+    chart
+        .draw_series(LineSeries::new(
+            steps.iter().map(|(s, b, _)| (*s as f64 + 0.4, b.step_seconds)),
+            BLACK.stroke_width(2),
+        ))
+        .map_err(|x| e(&x))?;
+    let most = steps
+        .iter()
+        .map(|(_, _, t)| t.device.max(t.host).max(t.nvme))
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64;
+    let mut memory = ChartBuilder::on(&bottom)
+        .margin(20)
+        .build_cartesian_2d(first as f64..last as f64, 0.0..most * 1.05)
+        .map_err(|x| e(&x))?;
+    for (pick, color) in [
+        (0usize, RGBColor(31, 119, 180)),
+        (1, RGBColor(44, 160, 44)),
+        (2, RGBColor(214, 39, 40)),
+    ] {
+        let series = steps.iter().map(|(s, _, t)| {
+            let v = [t.device, t.host, t.nvme][pick];
+            (*s as f64 + 0.4, v as f64)
+        });
+        memory
+            .draw_series(LineSeries::new(series, color.stroke_width(2)))
+            .map_err(|x| e(&x))?;
+    }
+    root.draw(&Rectangle::new([(0, 0), (899, 699)], BLACK.stroke_width(1)))
+        .map_err(|x| e(&x))?;
+    root.present().map_err(|x| e(&x))
+}
