@@ -157,7 +157,11 @@ fn prune(root: &Path, keep: usize, current: u64) -> Result<(), CheckpointError> 
     let excess = found.len().saturating_sub(keep);
     for (step, path) in found.into_iter().take(excess) {
         if step != current {
-            std::fs::remove_dir_all(&path).map_err(io_err(&path))?;
+            // rename first: a crash mid-delete leaves a `.old-` leftover (removed at
+            // the next save), never a `step-N` with files missing
+            let doomed = root.join(format!(".old-{}", step_dir_name(step)));
+            std::fs::rename(&path, &doomed).map_err(io_err(&path))?;
+            std::fs::remove_dir_all(&doomed).map_err(io_err(&doomed))?;
         }
     }
     Ok(())
