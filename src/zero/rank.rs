@@ -1179,7 +1179,7 @@ fn round_into(values: &[f32], out: &mut LowParams, precision: &Precision) {
     }
 }
 
-fn f32_bytes(v: &[f32]) -> &[u8] {
+pub(super) fn f32_bytes(v: &[f32]) -> &[u8] {
     // SAFETY: f32 has no padding.
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 4) }
 }

@@ -9,7 +9,7 @@
 //! all-reduce of failures), so a failure on any rank is an error on every rank and the
 //! previous checkpoint is untouched.
 
-use super::rank::{EngineError, LowParams, RankEngine};
+use super::rank::{f32_bytes, EngineError, LowParams, RankEngine};
 use crate::checkpoint::files::{param_dtype, state_files, unit_name, StateFile};
 use crate::checkpoint::manifest::{self, DataPosition, FileEntry, Manifest, SchedulerState, UnitEntry};
 use crate::checkpoint::save::{self, SliceWriter};
@@ -241,9 +241,4 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
         manifest.seal();
         manifest
     }
-}
-
-fn f32_bytes(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 4) }
 }
