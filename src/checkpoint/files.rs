@@ -66,9 +66,9 @@ impl StateFile {
     }
 }
 
-/// The dtype name of a precision's stored parameters.
-pub fn param_dtype(precision: &crate::config::plan::Precision) -> &'static str {
-    match precision.name() {
+/// The dtype name of stored parameters for a precision name (`fp32`, `bf16`, `fp16`).
+pub fn param_dtype(precision: &str) -> &'static str {
+    match precision {
         "fp32" => "F32",
         "fp16" => "F16",
         _ => "BF16",

@@ -44,13 +44,8 @@ impl Checkpoint {
         }
         let manifest = Manifest::read(dir)?;
         let layouts = units(&manifest.model);
-        let dtype = match manifest.precision.as_str() {
-            "fp32" => "F32",
-            "fp16" => "F16",
-            _ => "BF16",
-        };
         let mut files = Vec::new();
-        for layout in state_files(&layouts, dtype) {
+        for layout in state_files(&layouts, param_dtype(&manifest.precision)) {
             let path = dir.join(layout.file_name());
             let Some(entry) = manifest.files.iter().find(|f| f.name == layout.file_name()) else {
                 return Err(corrupt(
@@ -113,7 +108,7 @@ impl Checkpoint {
     /// Whether the stored parameters are in `precision` (else they are rounded from the
     /// master weights).
     pub fn params_match(&self, precision: &crate::config::plan::Precision) -> bool {
-        self.param_dtype() == param_dtype(precision)
+        self.param_dtype() == param_dtype(precision.name())
     }
 
     /// Bytes of elements `range` (real elements only) of unit `u` of `state`, every

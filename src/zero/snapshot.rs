@@ -54,7 +54,7 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
     ) -> Result<Option<PathBuf>, EngineError> {
         self.install_all()?;
         let ck = |e: CheckpointError| self.other(format!("saving checkpoint: {e}"));
-        let files = state_files(&self.model.units, param_dtype(&self.plan.precision));
+        let files = state_files(&self.model.units, param_dtype(self.plan.precision.name()));
         let staged = if self.rank == 0 {
             save::stage(root, step, &files).map(|_| ()).map_err(ck)
         } else {

@@ -75,6 +75,11 @@ impl Start {
         }
     }
 
+    /// The step a run starting here begins at.
+    pub fn first_step(&self) -> u64 {
+        self.checkpoint().map_or(0, |c| c.manifest.step)
+    }
+
     pub fn checkpoint(&self) -> Option<&Checkpoint> {
         match self {
             Start::Checkpoint(c) => Some(c),

@@ -274,7 +274,7 @@ impl Prepared {
 pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, TrainError> {
     let start = Instant::now();
     let prepared = Prepared::new(plan, options.resume)?;
-    let first_step = prepared.start.checkpoint().map_or(0, |c| c.manifest.step);
+    let first_step = prepared.start.first_step();
     if let (Some(c), true) = (prepared.start.checkpoint(), options.write_outputs) {
         println!(
             "resuming from {} at step {first_step} (saved by {} ranks)",
@@ -537,7 +537,7 @@ fn run_rank(
     // the optimizer phase of each step runs on a thread of this scope, overlapping the
     // next step's forward
     std::thread::scope(|scope| -> Result<(), TrainError> {
-        let first_step = context.start.checkpoint().map_or(0, |c| c.manifest.step);
+        let first_step = context.start.first_step();
         let root = save::root(&plan.train.output_dir);
         for step in first_step..plan.train.steps {
             let start = Instant::now();
