@@ -203,10 +203,7 @@ impl Prefetcher {
                 })
                 .is_err()
             {
-                return Err(EngineError::Other {
-                    rank: 0,
-                    message: "the prefetch worker stopped".into(),
-                });
+                return Err(self.stopped());
             }
             self.requested += 1;
         }
@@ -220,10 +217,7 @@ impl Prefetcher {
     ) -> Result<(LowParams, Reservation), EngineError> {
         self.fill(shard)?;
         let start = Instant::now();
-        let response = self.responses.recv().map_err(|_| EngineError::Other {
-            rank: 0,
-            message: "the prefetch worker stopped".into(),
-        })?;
+        let response = self.responses.recv().map_err(|_| self.stopped())?;
         self.track.waited(TimedPhase::AllGather, Some(expected), start);
         let (unit, full) = response?;
         if unit != expected || self.schedule.get(self.received).map(|s| s.0) != Some(expected) {
@@ -240,6 +234,21 @@ impl Prefetcher {
         // keep the pipeline full while this unit computes
         self.fill(shard)?;
         Ok((full, hold))
+    }
+
+    /// Why the worker is gone: it stops right after sending its error, which may still
+    /// be queued behind gathered units (so an aborted collective is reported as such,
+    /// not as a failure of this rank).
+    fn stopped(&self) -> EngineError {
+        while let Ok(response) = self.responses.try_recv() {
+            if let Err(e) = response {
+                return e;
+            }
+        }
+        EngineError::Other {
+            rank: 0,
+            message: "the prefetch worker stopped".into(),
+        }
     }
 
     /// Hangs up on the worker (it finishes the request in hand and exits).
