@@ -1,20 +1,64 @@
-//! Build script: makes the `tierzero` binary start with no environment variables.
+//! Build script: makes the `tierzero` binary start with no environment variables, and
+//! compiles the small C++ bridge to libtorch (`src/torch/shim.cpp`).
 //!
 //! torch-sys links libtorch but adds no rpath, and the linker's `--as-needed` drops
 //! `libtorch_cuda.so` because nothing references it by symbol (then CUDA reports
-//! unavailable even on a GPU). See `../shared/TOOLCHAIN.md`. Both are fixed here.
+//! unavailable even on a GPU). cudarc looks NCCL up as `libnccl.so`, a name the pip
+//! wheel does not ship (only `libnccl.so.2`): a `nccl/libnccl.so` symlink next to the
+//! binary, on its rpath as `$ORIGIN/nccl`, fixes that. See `../shared/TOOLCHAIN.md`.
+
+use std::path::{Path, PathBuf};
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=src/torch/shim.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     // torch-sys is a direct dependency with `links = "tch"`, so cargo hands us its lib dir.
     let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         println!("cargo:warning=torch-sys did not report its lib dir; set LD_LIBRARY_PATH to torch/lib at run time");
         return;
     };
-    println!("cargo:rustc-link-arg=-Wl,-rpath,{lib_dir}");
-    let cuda_lib = std::path::Path::new(&lib_dir).join("libtorch_cuda.so");
-    if cuda_lib.exists() {
+    let lib_dir = PathBuf::from(lib_dir);
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
+    if lib_dir.join("libtorch_cuda.so").exists() {
         println!("cargo:rustc-link-arg=-Wl,--push-state,--no-as-needed,-ltorch_cuda,--pop-state");
+    }
+    compile_shim(&lib_dir);
+    link_nccl(&lib_dir);
+}
+
+fn compile_shim(lib_dir: &Path) {
+    let include = lib_dir.join("../include");
+    cc::Build::new()
+        .cpp(true)
+        .file("src/torch/shim.cpp")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+        .flag_if_supported("-Wno-unused-parameter")
+        .warnings(false)
+        .compile("tierzero_shim");
+}
+
+/// `target/<profile>/nccl/libnccl.so` → the wheel's `libnccl.so.2`, and `$ORIGIN/nccl`
+/// on the rpath. On another machine, `tierzero` repairs a dangling link at run time.
+fn link_nccl(lib_dir: &Path) {
+    println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/nccl");
+    let Some(profile_dir) = std::env::var_os("OUT_DIR").and_then(|out| {
+        // OUT_DIR is target/<profile>/build/<package-hash>/out
+        Path::new(&out).ancestors().nth(3).map(Path::to_path_buf)
+    }) else {
+        return;
+    };
+    let dir = profile_dir.join("nccl");
+    let _ = std::fs::create_dir_all(&dir);
+    let wheel = lib_dir.join("../../nvidia/nccl/lib/libnccl.so.2");
+    let link = dir.join("libnccl.so");
+    if wheel.exists() && std::fs::read_link(&link).ok().as_deref() != Some(wheel.as_path()) {
+        let _ = std::fs::remove_file(&link);
+        if let Err(e) = std::os::unix::fs::symlink(&wheel, &link) {
+            println!("cargo:warning=cannot link {}: {e}", link.display());
+        }
     }
 }

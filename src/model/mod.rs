@@ -19,6 +19,7 @@ pub mod hf;
 pub mod layout;
 pub mod safetensors;
 
+use crate::torch::shim;
 use blocks::Params;
 use config::{Architecture, ModelConfig};
 use layout::{UnitKind, UnitLayout};
@@ -140,14 +141,15 @@ impl Model {
             input.shallow_clone()
         };
         let y = self.forward_graph(u, &leaf, &x)?;
-        let seed = y.f_mul(&grad_out.f_to_kind(y.kind())?)?.f_sum(Kind::Float)?;
+        let dy = grad_out.f_to_kind(y.kind())?;
         let inputs: Vec<&Tensor> = if is_block { vec![&leaf, &x] } else { vec![&leaf] };
-        let mut grads = Tensor::f_run_backward(&[seed], &inputs, false, false)?;
-        let grad_input = if is_block { grads.pop() } else { None };
-        let grad_params = grads
-            .pop()
-            .ok_or_else(|| TchError::Kind("autograd returned no gradient".into()))?;
-        Ok((grad_params.f_to_kind(Kind::Float)?, grad_input))
+        let mut grads = shim::grad(&[&y], &[&dy], &inputs, false)?;
+        let grad_input = if is_block { grads.pop().flatten() } else { None };
+        let grad_params = match grads.pop().flatten() {
+            Some(g) => g.f_to_kind(Kind::Float)?,
+            None => Tensor::f_zeros(leaf.size(), (Kind::Float, leaf.device()))?,
+        };
+        Ok((grad_params, grad_input))
     }
 
     /// Backward of the final unit for loss `scale · Σloss / count`.
@@ -165,9 +167,15 @@ impl Model {
         let h = self.forward_graph(last, &leaf, &x_leaf)?;
         let weight = tch::no_grad(|| self.head_weight(params, tied))?;
         let (dh, dw, loss_sum, count) = head::backward(&h.f_detach()?, &weight, targets, scale)?;
-        let seed = h.f_to_kind(Kind::Float)?.f_mul(&dh)?.f_sum(Kind::Float)?;
-        let grads = Tensor::f_run_backward(&[seed], &[&leaf, &x_leaf], false, false)?;
-        let mut grad_params = grads[0].f_to_kind(Kind::Float)?;
+        let dh = dh.f_to_kind(h.kind())?;
+        let mut grads = shim::grad(&[&h], &[&dh], &[&leaf, &x_leaf], false)?;
+        let missing = || TchError::Kind("autograd returned no gradient for the final unit".into());
+        let grad_input = grads.pop().flatten().ok_or_else(missing)?;
+        let mut grad_params = grads
+            .pop()
+            .flatten()
+            .ok_or_else(missing)?
+            .f_to_kind(Kind::Float)?;
         let tied_grad = if self.config.tie_word_embeddings {
             Some(dw)
         } else {
@@ -183,7 +191,7 @@ impl Model {
         Ok(FinalGrads {
             params: grad_params,
             tied: tied_grad,
-            input: grads[1].shallow_clone(),
+            input: grad_input,
             loss_sum,
             count,
         })

@@ -5,6 +5,8 @@
 //! on CPU devices the copy is a memcpy of one unit, small next to its compute. The CUDA
 //! side adds zero-copy `from_blob` views and the stream shim in this module.
 
+pub mod shim;
+
 use crate::config::plan::Precision;
 use tch::{Kind, TchError, Tensor};
 

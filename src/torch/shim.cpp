@@ -1,0 +1,99 @@
+// tierzero's bridge to libtorch for what tch does not expose: torch's current stream on
+// an accelerator, a non-blocking copy_, autograd::grad with incoming gradients, and the
+// caching allocator's memory statistics. Every function catches C++ exceptions and
+// returns -1 with the message in `err` (never throws across the C boundary).
+// Tensors are passed as `at::Tensor*`, the same handles tch uses (torch_api.h).
+#include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <vector>
+
+namespace {
+int fail(char* err, size_t n, const char* what) {
+  if (err != nullptr && n > 0) {
+    std::strncpy(err, what, n - 1);
+    err[n - 1] = '\0';
+  }
+  return -1;
+}
+}  // namespace
+
+#define TZ_TRY try {
+#define TZ_CATCH                                        \
+  return 0;                                             \
+  }                                                     \
+  catch (const std::exception& e) {                     \
+    return fail(err, n, e.what());                      \
+  }                                                     \
+  catch (...) {                                         \
+    return fail(err, n, "unknown C++ exception");       \
+  }
+
+extern "C" {
+
+// The raw handle (cudaStream_t on CUDA) of the current stream of accelerator
+// `device_index`. A null handle is the legacy default stream, a valid value.
+int tz_current_stream(int device_index, void** out, char* err, size_t n) {
+  TZ_TRY
+  auto acc = at::accelerator::getAccelerator(true);
+  (void)acc;
+  c10::Stream s = at::accelerator::getCurrentStream(static_cast<c10::DeviceIndex>(device_index));
+  *out = reinterpret_cast<void*>(s.native_handle());
+  TZ_CATCH
+}
+
+// Waits for all work on accelerator `device_index`.
+int tz_synchronize(int device_index, char* err, size_t n) {
+  TZ_TRY
+  at::accelerator::synchronizeDevice(static_cast<c10::DeviceIndex>(device_index));
+  TZ_CATCH
+}
+
+// dst.copy_(src, non_blocking).
+int tz_copy(at::Tensor* dst, const at::Tensor* src, int non_blocking, char* err, size_t n) {
+  TZ_TRY
+  dst->copy_(*src, non_blocking != 0);
+  TZ_CATCH
+}
+
+// torch::autograd::grad(outputs, inputs, grad_outputs): writes n_in new tensors to
+// `result` (owned by the caller, released with tz_free). An input the outputs do not
+// depend on gets an undefined tensor (allow_unused).
+int tz_grad(at::Tensor** outputs, at::Tensor** grad_outputs, int n_out, at::Tensor** inputs,
+            int n_in, int keep_graph, at::Tensor** result, char* err, size_t n) {
+  TZ_TRY
+  std::vector<at::Tensor> outs, grads, ins;
+  for (int i = 0; i < n_out; ++i) {
+    outs.push_back(*outputs[i]);
+    grads.push_back(*grad_outputs[i]);
+  }
+  for (int i = 0; i < n_in; ++i) ins.push_back(*inputs[i]);
+  auto g = torch::autograd::grad(outs, ins, grads, keep_graph != 0, false, true);
+  for (int i = 0; i < n_in; ++i) result[i] = new at::Tensor(std::move(g[i]));
+  TZ_CATCH
+}
+
+// Caching allocator statistics of accelerator `device_index`: allocated and reserved
+// bytes, current and peak since the last reset.
+int tz_memory_stats(int device_index, int64_t* out4, char* err, size_t n) {
+  TZ_TRY
+  auto stats = at::accelerator::getDeviceStats(static_cast<c10::DeviceIndex>(device_index));
+  const size_t all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  out4[0] = stats.allocated_bytes[all].current;
+  out4[1] = stats.allocated_bytes[all].peak;
+  out4[2] = stats.reserved_bytes[all].current;
+  out4[3] = stats.reserved_bytes[all].peak;
+  TZ_CATCH
+}
+
+int tz_reset_peak(int device_index, char* err, size_t n) {
+  TZ_TRY
+  at::accelerator::resetPeakStats(static_cast<c10::DeviceIndex>(device_index));
+  TZ_CATCH
+}
+
+}  // extern "C"

@@ -1,0 +1,196 @@
+//! The C++ bridge (`shim.cpp`) and every raw-pointer use of tch tensors.
+//!
+//! tch has no stream API, no non-blocking `copy_` and no `autograd::grad` with incoming
+//! gradients; the bridge adds them, plus the caching allocator's memory statistics.
+//! Each call returns torch's exception text as an error. Device pointers for NCCL and
+//! CUDA copies come from [`device_ptr`], the only `data_ptr` use in the crate.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use tch::{TchError, Tensor};
+use torch_sys::C_tensor;
+
+const ERR_LEN: usize = 1024;
+
+extern "C" {
+    fn tz_current_stream(device: c_int, out: *mut *mut c_void, err: *mut c_char, n: usize) -> c_int;
+    fn tz_synchronize(device: c_int, err: *mut c_char, n: usize) -> c_int;
+    fn tz_copy(
+        dst: *mut C_tensor,
+        src: *const C_tensor,
+        non_blocking: c_int,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
+    fn tz_grad(
+        outputs: *const *mut C_tensor,
+        grad_outputs: *const *mut C_tensor,
+        n_out: c_int,
+        inputs: *const *mut C_tensor,
+        n_in: c_int,
+        keep_graph: c_int,
+        result: *mut *mut C_tensor,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
+    fn tz_memory_stats(device: c_int, out4: *mut i64, err: *mut c_char, n: usize) -> c_int;
+    fn tz_reset_peak(device: c_int, err: *mut c_char, n: usize) -> c_int;
+}
+
+/// Runs one bridge call with an error buffer; a non-zero return becomes its message.
+fn call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), TchError> {
+    let mut err = [0 as c_char; ERR_LEN];
+    if f(err.as_mut_ptr(), ERR_LEN) == 0 {
+        return Ok(());
+    }
+    // SAFETY: the bridge writes a NUL-terminated string of at most ERR_LEN bytes.
+    let message = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy();
+    let first = message.lines().next().unwrap_or("").to_string();
+    Err(TchError::Torch(first))
+}
+
+/// The raw handle of torch's current stream on accelerator `device` (a `cudaStream_t`
+/// on CUDA; null is the legacy default stream). An error where there is no accelerator.
+pub fn current_stream(device: usize) -> Result<*mut c_void, TchError> {
+    let mut out = std::ptr::null_mut();
+    // SAFETY: `out` is a valid place for one pointer.
+    call(|e, n| unsafe { tz_current_stream(device as c_int, &mut out, e, n) })?;
+    Ok(out)
+}
+
+/// Waits for every queued operation on accelerator `device`.
+pub fn synchronize(device: usize) -> Result<(), TchError> {
+    // SAFETY: plain call.
+    call(|e, n| unsafe { tz_synchronize(device as c_int, e, n) })
+}
+
+/// `dst.copy_(src, non_blocking)`: with pinned host memory and `non_blocking`, the copy
+/// is queued on torch's current stream and returns at once.
+pub fn copy_(dst: &mut Tensor, src: &Tensor, non_blocking: bool) -> Result<(), TchError> {
+    let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
+    // SAFETY: both handles are live tensors owned by the caller.
+    call(|e, n| unsafe { tz_copy(d, s, non_blocking as c_int, e, n) })
+}
+
+/// `torch::autograd::grad(outputs, inputs, grad_outputs)`: the vector-Jacobian product
+/// with incoming gradients. `None` for an input the outputs do not depend on.
+pub fn grad(
+    outputs: &[&Tensor],
+    grad_outputs: &[&Tensor],
+    inputs: &[&Tensor],
+    keep_graph: bool,
+) -> Result<Vec<Option<Tensor>>, TchError> {
+    if outputs.len() != grad_outputs.len() {
+        return Err(TchError::Shape(format!(
+            "{} outputs but {} incoming gradients",
+            outputs.len(),
+            grad_outputs.len()
+        )));
+    }
+    let handles = |ts: &[&Tensor]| ts.iter().map(|t| t.as_ptr() as *mut C_tensor).collect::<Vec<_>>();
+    let (outs, grads, ins) = (handles(outputs), handles(grad_outputs), handles(inputs));
+    let mut result = vec![std::ptr::null_mut::<C_tensor>(); inputs.len()];
+    // SAFETY: the handle arrays have the stated lengths and point at live tensors; the
+    // bridge fills `result` with fresh tensors only on success.
+    call(|e, n| unsafe {
+        tz_grad(
+            outs.as_ptr(),
+            grads.as_ptr(),
+            outs.len() as c_int,
+            ins.as_ptr(),
+            ins.len() as c_int,
+            keep_graph as c_int,
+            result.as_mut_ptr(),
+            e,
+            n,
+        )
+    })?;
+    Ok(result
+        .into_iter()
+        .map(|p| {
+            // SAFETY: each pointer is a fresh heap tensor the bridge handed over to us.
+            let t = unsafe { Tensor::from_ptr(p) };
+            t.defined().then_some(t)
+        })
+        .collect())
+}
+
+/// The caching allocator's view of one accelerator, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryStats {
+    pub allocated: u64,
+    pub peak_allocated: u64,
+    pub reserved: u64,
+    pub peak_reserved: u64,
+}
+
+/// Memory statistics of accelerator `device` (peaks since the last [`reset_peak`]).
+pub fn memory_stats(device: usize) -> Result<MemoryStats, TchError> {
+    let mut out = [0i64; 4];
+    // SAFETY: `out` has the four slots the bridge writes.
+    call(|e, n| unsafe { tz_memory_stats(device as c_int, out.as_mut_ptr(), e, n) })?;
+    let b = |v: i64| v.max(0) as u64;
+    Ok(MemoryStats {
+        allocated: b(out[0]),
+        peak_allocated: b(out[1]),
+        reserved: b(out[2]),
+        peak_reserved: b(out[3]),
+    })
+}
+
+pub fn reset_peak(device: usize) -> Result<(), TchError> {
+    // SAFETY: plain call.
+    call(|e, n| unsafe { tz_reset_peak(device as c_int, e, n) })
+}
+
+/// The address of a contiguous tensor's first element, for CUDA copies and NCCL; the
+/// tensor must stay alive (and unmoved by torch) while the address is in use.
+pub fn device_ptr(t: &Tensor) -> Result<u64, TchError> {
+    if !t.is_contiguous() {
+        return Err(TchError::Shape("raw access needs a contiguous tensor".into()));
+    }
+    Ok(t.data_ptr() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    #[test]
+    fn grad_with_incoming_gradients_matches_the_seeded_backward() {
+        let x = Tensor::randn([3, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let w = Tensor::randn([4, 5], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let y = x.matmul(&w).tanh();
+        let dy = Tensor::randn([3, 5], (Kind::Float, Device::Cpu));
+        let got = grad(&[&y], &[&dy], &[&x, &w], true).unwrap();
+        let want = Tensor::run_backward(&[(&y * &dy).sum(Kind::Float)], &[&x, &w], false, false);
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g.as_ref().unwrap(), w);
+        }
+        let unused = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let y = x.sum(Kind::Float);
+        let got = grad(&[&y], &[&Tensor::from(1f32)], &[&unused], false).unwrap();
+        assert!(got[0].is_none());
+        let e = grad(&[&y], &[], &[&x], false).unwrap_err();
+        assert!(e.to_string().contains("1 outputs but 0 incoming"), "{e}");
+    }
+
+    #[test]
+    fn copy_and_accelerator_calls_report_errors_instead_of_throwing() {
+        let src = Tensor::arange(6, (Kind::Float, Device::Cpu));
+        let mut dst = Tensor::zeros([6], (Kind::Float, Device::Cpu));
+        copy_(&mut dst, &src, true).unwrap();
+        assert_eq!(dst, src);
+        let mut wrong = Tensor::zeros([5], (Kind::Float, Device::Cpu));
+        assert!(copy_(&mut wrong, &src, false).is_err());
+        if !tch::Cuda::is_available() {
+            for e in [
+                current_stream(0).map(|_| ()).unwrap_err(),
+                synchronize(0).unwrap_err(),
+                memory_stats(0).map(|_| ()).unwrap_err(),
+            ] {
+                assert!(!e.to_string().is_empty());
+            }
+        }
+    }
+}
