@@ -99,6 +99,26 @@ enum Command {
         #[arg(long, default_value = "5G", value_parser = parse_bytes)]
         max_shard_size: u64,
     },
+    /// Check a multi-node launch: every node reaches node 0 and gets the same NCCL id.
+    /// Takes torchrun's WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT when no --nnodes is given.
+    Rendezvous {
+        #[arg(long)]
+        nnodes: Option<usize>,
+        #[arg(long)]
+        node_rank: Option<usize>,
+        #[arg(long)]
+        master_addr: Option<String>,
+        #[arg(long)]
+        master_port: Option<u16>,
+        /// Ranks (GPUs) on each node.
+        #[arg(long, default_value_t = 1)]
+        devices: usize,
+        /// Seconds to wait for every node.
+        #[arg(long, default_value_t = 300)]
+        timeout: u64,
+        #[arg(long)]
+        json: bool,
+    },
     /// Print a checkpoint's manifest in human form.
     Inspect {
         checkpoint: PathBuf,
@@ -221,10 +241,20 @@ enum Bench {
         #[arg(long)]
         json: bool,
     },
-    /// Host↔device copy bandwidth.
-    H2d,
-    /// What this GPU machine offers.
-    Gpu,
+    /// Host↔device copy bandwidth: pinned and pageable, each direction and both at
+    /// once, against torch's own pinned copy in the same run.
+    H2d {
+        /// Bytes per copy, in MiB.
+        #[arg(long, default_value_t = 256)]
+        size_mb: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// What this GPU machine offers: device, memory, bf16 matmul, copies, NCCL.
+    Gpu {
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Parses `100000000`, `1e8` or `100M`-free plain numbers.
@@ -291,18 +321,11 @@ fn load_config(args: &ConfigArgs) -> Result<Loaded, ConfigError> {
     if let Some(n) = args.devices {
         sets.push(format!("train.devices={n}"));
     }
-    let loaded = config::load(&args.config, &sets, DeviceFacts::default())?;
+    let loaded = config::load(&args.config, &sets, DeviceFacts::detect())?;
     for warning in &loaded.warnings {
         tracing::warn!("{warning}");
     }
     Ok(loaded)
-}
-
-fn not_built(what: &str, issue: &str) -> Failure {
-    Failure::Other(anyhow::anyhow!(
-        "{what} is not built yet in this version of tierzero (it lands with the {issue}); \
-         `tierzero plan`, `tierzero estimate` and `tierzero bench adam` work today"
-    ))
 }
 
 fn run(cli: Cli) -> Result<(), Failure> {
@@ -337,7 +360,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let (params, largest) = match (params, largest_layer, config) {
                 (Some(p), Some(l), None) => (p, l),
                 (None, None, Some(path)) => {
-                    let loaded = config::load(&path, &[], DeviceFacts::default())?;
+                    let loaded = config::load(&path, &[], DeviceFacts::detect())?;
                     let units = loaded.plan.model.config.unit_numels();
                     (
                         units.iter().sum::<usize>() as u64,
@@ -453,7 +476,14 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 let report = tierzero::bench::step::run(&loaded.plan, steps).map_err(anyhow::Error::from)?;
                 emit(&report, json, tierzero::bench::step::StepReport::human)
             }
-            Bench::H2d | Bench::Gpu => Err(not_built("this benchmark", "CUDA issue")),
+            Bench::H2d { size_mb, json } => {
+                let report = tierzero::bench::gpu::h2d(size_mb).map_err(anyhow::Error::from)?;
+                emit(&report, json, tierzero::bench::gpu::H2dReport::human)
+            }
+            Bench::Gpu { json } => {
+                let report = tierzero::bench::gpu::gpu().map_err(anyhow::Error::from)?;
+                emit(&report, json, tierzero::bench::gpu::GpuReport::human)
+            }
         },
         Command::Train {
             config,
@@ -503,6 +533,9 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 "tokens_per_s": tokens_per_s,
                 "device_bytes_predicted": predicted,
                 "device_bytes_measured_peak": result.device_peaks,
+                "accelerator": loaded.plan.train.accelerator,
+                "gpu_memory": result.gpu_memory,
+                "mfu": result.steps.last().map(|m| m.mfu),
             });
             let output_dir = &loaded.plan.train.output_dir;
             let summary_path = output_dir.join("summary.json");
@@ -581,7 +614,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     )))
                 }
             };
-            let loaded = config::load(&config, &sets, DeviceFacts::default())?;
+            let loaded = config::load(&config, &sets, DeviceFacts::detect())?;
             let weights = trainer::initial_weights(&loaded.plan).map_err(anyhow::Error::from)?;
             tierzero::model::hf::save(
                 &hf,
@@ -593,6 +626,28 @@ fn run(cli: Cli) -> Result<(), Failure> {
             .map_err(anyhow::Error::from)?;
             println!("wrote {}", hf.display());
             Ok(())
+        }
+        Command::Rendezvous {
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            devices,
+            timeout,
+            json,
+        } => {
+            use tierzero::comm::launch;
+            let flags = launch::LaunchFlags {
+                nnodes,
+                node_rank,
+                master_addr,
+                master_port,
+                devices,
+            };
+            let topo = launch::topology(&flags, |k| std::env::var(k).ok()).map_err(|e| anyhow::anyhow!(e))?;
+            let report = launch::check(&topo, std::time::Duration::from_secs(timeout))
+                .map_err(|e| anyhow::anyhow!(e))?;
+            emit(&report, json, launch::RendezvousReport::human)
         }
         Command::Inspect {
             checkpoint,

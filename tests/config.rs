@@ -90,7 +90,16 @@ fn auto_resolves_from_the_model_like_the_hf_integration() {
     assert_eq!(plan.gradient_clipping, 1.0);
     // precision from the device: no CUDA bf16 here → fp32; a bf16 GPU → bf16
     assert_eq!(plan.precision, Precision::Fp32);
-    let gpu = from_json(v, &[], DeviceFacts { cuda_bf16: true }).unwrap().plan;
+    let gpu = from_json(
+        v,
+        &[],
+        DeviceFacts {
+            cuda_bf16: true,
+            cuda_devices: 1,
+        },
+    )
+    .unwrap()
+    .plan;
     assert_eq!(gpu.precision, Precision::Bf16);
 }
 
@@ -298,4 +307,35 @@ fn fp16_loss_scaling_keys_follow_deepspeed() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn accelerator_follows_the_machine_and_refuses_what_it_lacks() {
+    let mut v = base();
+    let cpu = DeviceFacts::default();
+    let gpu = DeviceFacts {
+        cuda_bf16: true,
+        cuda_devices: 2,
+    };
+    let plan = from_json(v.clone(), &[], cpu).unwrap().plan;
+    assert_eq!(plan.train.accelerator, tierzero::config::plan::Accelerator::Cpu);
+    let plan = from_json(v.clone(), &[], gpu).unwrap().plan;
+    assert_eq!(plan.train.accelerator, tierzero::config::plan::Accelerator::Cuda);
+    let plan = from_json(v.clone(), &["train.accelerator=cpu".into()], gpu)
+        .unwrap()
+        .plan;
+    assert_eq!(plan.train.accelerator, tierzero::config::plan::Accelerator::Cpu);
+    let e = from_json(v.clone(), &["train.accelerator=cuda".into()], cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train.accelerator") && e.contains("no GPU"), "{e}");
+    let e = from_json(v.clone(), &["train.accelerator=tpu".into()], gpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unknown accelerator \"tpu\""), "{e}");
+    v["train_batch_size"] = json!(null);
+    let e = from_json(v, &["train.devices=3".into()], gpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train.devices") && e.contains("2 GPU(s)"), "{e}");
 }

@@ -21,7 +21,10 @@ pub(crate) fn logits(model: &Model, weights: &[Vec<f32>]) -> (Tensor, f64) {
     let v = model.config.vocab_size as i64;
     let tokens = Tensor::from_slice(&(0..32).map(|i| (i * 7 + 3) % v).collect::<Vec<i64>>()).view([2, 16]);
     let targets = Tensor::from_slice(&(0..32).map(|i| (i * 5 + 1) % v).collect::<Vec<i64>>()).view([2, 16]);
-    let params: Vec<Tensor> = weights.iter().map(|w| tensor_f32(w).unwrap()).collect();
+    let params: Vec<Tensor> = weights
+        .iter()
+        .map(|w| tensor_f32(w, tch::Device::Cpu).unwrap())
+        .collect();
     let mut x = tokens;
     for (u, p) in params.iter().enumerate() {
         x = model.forward_unit(u, p, &x).unwrap();

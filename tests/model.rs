@@ -17,7 +17,7 @@ fn params(model: &Model, seed: u64) -> Vec<Tensor> {
         .map(|u| {
             let mut flat = vec![0f32; u.numel];
             u.init(seed, &mut flat);
-            tensor_f32(&flat).unwrap()
+            tensor_f32(&flat, tch::Device::Cpu).unwrap()
         })
         .collect()
 }

@@ -12,5 +12,6 @@ mod hf_reference;
 mod memory;
 mod model;
 mod precision;
+mod rendezvous;
 mod text_data;
 mod zero_equivalence;

@@ -2,6 +2,7 @@
 //! reports throughput next to it.
 
 pub mod adam;
+pub mod gpu;
 pub mod memory;
 pub mod nvme;
 pub mod step;

@@ -10,8 +10,9 @@
 //! tracing on, as a ratio of median step times.
 
 use crate::config::plan::{Plan, Tier};
+use crate::metrics::peak::peak_flops;
 use crate::metrics::timeline::Breakdown;
-use crate::zero::trainer::{cpu_peak_flops, train, TrainError, TrainOptions};
+use crate::zero::trainer::{train, TrainError, TrainOptions};
 use serde::Serialize;
 
 #[derive(Clone, Debug, Serialize)]
@@ -66,7 +67,7 @@ fn measure(plan: &Plan, peak: f64, options: TrainOptions<'_>) -> Result<(StepRun
 }
 
 pub fn run(plan: &Plan, steps: u64) -> Result<StepReport, TrainError> {
-    let peak = cpu_peak_flops();
+    let peak = peak_flops(plan);
     let mut zero_plan = plan.clone();
     zero_plan.train.steps = steps.max(2);
     let mut dense = zero_plan.clone();

@@ -4,7 +4,10 @@
 //! (every test uses it); NCCL plugs in behind the same trait on GPUs. Reductions sum in
 //! rank order, so results do not depend on thread timing.
 
+pub mod launch;
 pub mod local;
+pub mod nccl;
+pub mod rendezvous;
 
 use tierzero_offload::host::Pod;
 
@@ -28,11 +31,14 @@ pub enum ReduceOp {
 
 /// Element types the collectives move (fp32, f64, and 16-bit floats as raw bits).
 pub trait Element: Pod + Default {
+    /// The tensor kind that carries it (16-bit values travel as bf16 bits).
+    const KIND: tch::Kind;
     fn add(self, other: Self) -> Self;
     fn scale(self, by: f64) -> Self;
 }
 
 impl Element for f32 {
+    const KIND: tch::Kind = tch::Kind::Float;
     fn add(self, other: f32) -> f32 {
         self + other
     }
@@ -42,6 +48,7 @@ impl Element for f32 {
 }
 
 impl Element for f64 {
+    const KIND: tch::Kind = tch::Kind::Double;
     fn add(self, other: f64) -> f64 {
         self + other
     }
@@ -51,6 +58,7 @@ impl Element for f64 {
 }
 
 impl Element for u16 {
+    const KIND: tch::Kind = tch::Kind::BFloat16;
     /// 16-bit values are only gathered and broadcast, never reduced.
     fn add(self, _: u16) -> u16 {
         self

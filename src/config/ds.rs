@@ -200,6 +200,8 @@ pub struct TrainSection {
     pub eval_batches: Option<Num>,
     pub keep_last: Option<Num>,
     pub trace: Option<bool>,
+    /// Where the ranks compute: "auto" (CUDA when a GPU is visible), "cpu" or "cuda".
+    pub accelerator: Option<String>,
     /// Bytes of "device" memory per CPU rank (the budget `CpuDevice` enforces).
     pub device_memory: Option<Num>,
 }

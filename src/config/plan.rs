@@ -219,6 +219,8 @@ pub struct Train {
     pub eval_batches: usize,
     pub keep_last: usize,
     pub trace: bool,
+    /// Where the ranks compute; rank r uses GPU r on CUDA.
+    pub accelerator: Accelerator,
     /// Per-rank device memory budget in bytes (CPU devices); None = unlimited.
     pub device_memory: Option<u64>,
 }
@@ -250,8 +252,42 @@ pub struct Plan {
     pub train: Train,
 }
 
-/// What the device side offers when resolving `"auto"` precision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accelerator {
+    Cpu,
+    Cuda,
+}
+
+impl Accelerator {
+    /// The tch device rank `rank` computes on.
+    pub fn device(self, rank: usize) -> tch::Device {
+        match self {
+            Accelerator::Cpu => tch::Device::Cpu,
+            Accelerator::Cuda => tch::Device::Cuda(rank),
+        }
+    }
+}
+
+/// What the device side offers when resolving `"auto"` precision and accelerator.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DeviceFacts {
     pub cuda_bf16: bool,
+    /// GPUs torch can use (0 on machines without a driver).
+    pub cuda_devices: usize,
+}
+
+impl DeviceFacts {
+    /// What this machine has (asks libtorch; no GPU and no driver is simply 0 GPUs).
+    pub fn detect() -> DeviceFacts {
+        let cuda_devices = if tch::Cuda::is_available() {
+            tch::Cuda::device_count().max(0) as usize
+        } else {
+            0
+        };
+        DeviceFacts {
+            cuda_bf16: cuda_devices > 0,
+            cuda_devices,
+        }
+    }
 }

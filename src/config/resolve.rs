@@ -70,7 +70,7 @@ impl Plan {
     /// Validates the mirror into a plan. `warnings` receives what the user should hear at
     /// start-up (deprecated spellings).
     pub fn build(ds: &DsConfig, facts: DeviceFacts, warnings: &mut Vec<String>) -> Result<Plan, ConfigError> {
-        let train = build_train(ds.train.clone().unwrap_or_default())?;
+        let train = build_train(ds.train.clone().unwrap_or_default(), facts)?;
         let model = build_model(ds.model.clone().unwrap_or_default())?;
         let data = build_data(ds.data.clone().unwrap_or_default(), &model.config)?;
         let world_size = train.devices;
@@ -119,11 +119,42 @@ impl Plan {
     }
 }
 
-fn build_train(t: TrainSection) -> Result<Train, ConfigError> {
+fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError> {
+    let devices = positive("train.devices", t.devices, 1)?;
+    let accelerator = match t.accelerator.as_deref().unwrap_or("auto") {
+        "auto" if facts.cuda_devices > 0 => Accelerator::Cuda,
+        "auto" | "cpu" => Accelerator::Cpu,
+        "cuda" if facts.cuda_devices == 0 => {
+            return Err(ConfigError::invalid(
+                "train.accelerator",
+                "\"cuda\" but torch sees no GPU on this machine",
+                "use \"auto\" or \"cpu\", or run where a GPU and its driver are visible",
+            ))
+        }
+        "cuda" => Accelerator::Cuda,
+        other => {
+            return Err(ConfigError::invalid(
+                "train.accelerator",
+                format!("unknown accelerator {other:?}"),
+                "use \"auto\", \"cpu\" or \"cuda\"",
+            ))
+        }
+    };
+    if accelerator == Accelerator::Cuda && devices > facts.cuda_devices {
+        return Err(ConfigError::invalid(
+            "train.devices",
+            format!(
+                "{devices} ranks but this machine has {} GPU(s)",
+                facts.cuda_devices
+            ),
+            format!("use --devices {} or fewer (one rank per GPU)", facts.cuda_devices),
+        ));
+    }
     Ok(Train {
+        accelerator,
         steps: count("train.steps", t.steps, 100)? as u64,
         seed: count("train.seed", t.seed, 1234)? as u64,
-        devices: positive("train.devices", t.devices, 1)?,
+        devices,
         output_dir: t.output_dir.unwrap_or_else(|| PathBuf::from("runs/default")),
         log_interval: positive("train.log_interval", t.log_interval, 10)? as u64,
         save_interval: count("train.save_interval", t.save_interval, 0)? as u64,

@@ -8,6 +8,7 @@
 //! backward. The CUDA device plugs in behind the same calls.
 
 pub mod cpu;
+pub mod cuda;
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 #[error("rank {rank}: out of device memory allocating {requested} bytes for {what}: {in_use} of {budget} bytes in use; raise train.device_memory, offload more (offload_param / offload_optimizer), or raise the ZeRO stage")]

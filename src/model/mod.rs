@@ -31,7 +31,7 @@ pub struct Model {
     pub units: Vec<UnitLayout>,
     /// Element type of parameters and activations.
     pub kind: Kind,
-    rope: Mutex<Option<(i64, Tensor, Tensor)>>,
+    rope: Mutex<Vec<(i64, tch::Device, Tensor, Tensor)>>,
 }
 
 /// Gradients of the final unit.
@@ -53,19 +53,19 @@ impl Model {
             config,
             units,
             kind,
-            rope: Mutex::new(None),
+            rope: Mutex::new(Vec::new()),
         }
     }
 
-    fn rope(&self, seq_len: i64) -> Result<(Tensor, Tensor), TchError> {
+    /// cos/sin tables for `seq_len` positions on `device` (cached per length and device).
+    fn rope(&self, seq_len: i64, device: tch::Device) -> Result<(Tensor, Tensor), TchError> {
         let mut cache = self.rope.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((t, cos, sin)) = cache.as_ref() {
-            if *t == seq_len {
-                return Ok((cos.shallow_clone(), sin.shallow_clone()));
-            }
+        if let Some((_, _, cos, sin)) = cache.iter().find(|(t, d, _, _)| *t == seq_len && *d == device) {
+            return Ok((cos.shallow_clone(), sin.shallow_clone()));
         }
         let (cos, sin) = blocks::rope_tables(&self.config, seq_len, self.kind)?;
-        *cache = Some((seq_len, cos.shallow_clone(), sin.shallow_clone()));
+        let (cos, sin) = (cos.f_to(device)?, sin.f_to(device)?);
+        cache.push((seq_len, device, cos.shallow_clone(), sin.shallow_clone()));
         Ok((cos, sin))
     }
 
@@ -93,9 +93,12 @@ impl Model {
         match layout.kind {
             UnitKind::Embedding => blocks::embed(&self.config, &p, input),
             UnitKind::Block(_) => match self.config.architecture {
-                Architecture::Llama => {
-                    blocks::llama_block(&self.config, &p, input, &self.rope(input.size()[1])?)
-                }
+                Architecture::Llama => blocks::llama_block(
+                    &self.config,
+                    &p,
+                    input,
+                    &self.rope(input.size()[1], input.device())?,
+                ),
                 Architecture::Gpt2 => blocks::gpt2_block(&self.config, &p, input),
             },
             UnitKind::Final => blocks::final_norm(&self.config, &p, input),

@@ -8,7 +8,7 @@
 pub mod shim;
 
 use crate::config::plan::Precision;
-use tch::{Kind, TchError, Tensor};
+use tch::{Device, Kind, TchError, Tensor};
 
 /// The element type of parameters and activations for a precision.
 pub fn compute_kind(precision: &Precision) -> Kind {
@@ -19,34 +19,52 @@ pub fn compute_kind(precision: &Precision) -> Kind {
     }
 }
 
-fn as_bytes<T: tierzero_offload::host::Pod>(data: &[T]) -> &[u8] {
+pub fn pod_bytes<T: tierzero_offload::host::Pod>(data: &[T]) -> &[u8] {
     // SAFETY: Pod types have no padding and any byte view of them is valid.
     unsafe { std::slice::from_raw_parts(data.as_ptr().cast(), std::mem::size_of_val(data)) }
 }
 
-fn as_bytes_mut<T: tierzero_offload::host::Pod>(data: &mut [T]) -> &mut [u8] {
+pub fn pod_bytes_mut<T: tierzero_offload::host::Pod>(data: &mut [T]) -> &mut [u8] {
     // SAFETY: Pod types accept any byte pattern.
     unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast(), std::mem::size_of_val(data)) }
 }
 
-/// A 1-D tensor holding a copy of fp32 `data`.
-pub fn tensor_f32(data: &[f32]) -> Result<Tensor, TchError> {
-    Tensor::f_from_data_size(as_bytes(data), &[data.len() as i64], Kind::Float)
+/// `t` on `device` (itself when it is already there).
+fn onto(t: Tensor, device: Device) -> Result<Tensor, TchError> {
+    if t.device() == device {
+        Ok(t)
+    } else {
+        t.f_to(device)
+    }
 }
 
-/// A 1-D tensor of `kind` (BFloat16 or Half) holding a copy of the raw 16-bit `bits`.
-pub fn tensor_u16(bits: &[u16], kind: Kind) -> Result<Tensor, TchError> {
-    Tensor::f_from_data_size(as_bytes(bits), &[bits.len() as i64], kind)
+/// A 1-D tensor on `device` holding a copy of fp32 `data`.
+pub fn tensor_f32(data: &[f32], device: Device) -> Result<Tensor, TchError> {
+    onto(
+        Tensor::f_from_data_size(pod_bytes(data), &[data.len() as i64], Kind::Float)?,
+        device,
+    )
 }
 
-/// A 1-D int64 tensor of token ids.
-pub fn tensor_tokens(tokens: &[i64], shape: &[i64]) -> Result<Tensor, TchError> {
-    Tensor::f_from_data_size(as_bytes(tokens), shape, Kind::Int64)
+/// A 1-D tensor of `kind` (BFloat16 or Half) on `device` holding the raw 16-bit `bits`.
+pub fn tensor_u16(bits: &[u16], kind: Kind, device: Device) -> Result<Tensor, TchError> {
+    onto(
+        Tensor::f_from_data_size(pod_bytes(bits), &[bits.len() as i64], kind)?,
+        device,
+    )
+}
+
+/// An int64 tensor of token ids on `device`.
+pub fn tensor_tokens(tokens: &[i64], shape: &[i64], device: Device) -> Result<Tensor, TchError> {
+    onto(
+        Tensor::f_from_data_size(pod_bytes(tokens), shape, Kind::Int64)?,
+        device,
+    )
 }
 
 /// Copies a tensor (any float kind, any shape) into `out` as fp32.
 pub fn copy_to_f32(t: &Tensor, out: &mut [f32]) -> Result<(), TchError> {
-    let t = t.f_to_kind(Kind::Float)?.f_contiguous()?;
+    let t = onto(t.f_to_kind(Kind::Float)?, Device::Cpu)?.f_contiguous()?;
     let numel = t.numel();
     if numel != out.len() {
         return Err(TchError::Shape(format!(
@@ -54,7 +72,7 @@ pub fn copy_to_f32(t: &Tensor, out: &mut [f32]) -> Result<(), TchError> {
             out.len()
         )));
     }
-    t.f_copy_data_u8(as_bytes_mut(out), numel)
+    t.f_copy_data_u8(pod_bytes_mut(out), numel)
 }
 
 /// Adds a tensor (any float kind) into `out` as fp32.

@@ -213,6 +213,8 @@ pub struct RankEngine<'a, C: Collective> {
     next_update: usize,
     pub(super) tracks: Tracks,
     overlap: bool,
+    /// Where this rank computes (CPU, or its GPU).
+    compute: tch::Device,
 }
 
 impl<'a, C: Collective + Clone> RankEngine<'a, C> {
@@ -405,6 +407,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             next_update: 0,
             tracks: Tracks::new(timeline, rank),
             overlap,
+            compute: plan.train.accelerator.device(rank),
         })
     }
 
@@ -461,8 +464,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         self.tracks
             .compute
             .span(Phase::H2d, Some(u), bytes, || match full {
-                LowParams::F32(v) => torch::tensor_f32(&v[..numel]),
-                LowParams::U16(v) => torch::tensor_u16(&v[..numel], self.model.kind),
+                LowParams::F32(v) => torch::tensor_f32(&v[..numel], self.compute),
+                LowParams::U16(v) => torch::tensor_u16(&v[..numel], self.model.kind, self.compute),
             })
             .map_err(self.torch_err())
     }
@@ -687,8 +690,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             .dataset
             .batch(plan.train.seed, 0, step, global_micro, rows, seq);
         let shape = [rows as i64, seq as i64];
-        let tokens = torch::tensor_tokens(&batch.inputs, &shape).map_err(self.torch_err())?;
-        let targets = torch::tensor_tokens(&batch.targets, &shape).map_err(self.torch_err())?;
+        let tokens = torch::tensor_tokens(&batch.inputs, &shape, self.compute).map_err(self.torch_err())?;
+        let targets = torch::tensor_tokens(&batch.targets, &shape, self.compute).map_err(self.torch_err())?;
         self.tracks.compute.record(Phase::Forward, None, data_start, 0);
         // forward, keeping each unit's input (activation checkpoints on the device)
         let mut kept = vec![self.device.reserve(8 * (rows * seq) as u64, "token ids")?];
@@ -1003,8 +1006,10 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 .dataset
                 .batch(plan.train.seed, 1, 0, (b * world + self.rank) as u64, rows, seq);
             let shape = [rows as i64, seq as i64];
-            let mut x = torch::tensor_tokens(&batch.inputs, &shape).map_err(self.torch_err())?;
-            let targets = torch::tensor_tokens(&batch.targets, &shape).map_err(self.torch_err())?;
+            let mut x =
+                torch::tensor_tokens(&batch.inputs, &shape, self.compute).map_err(self.torch_err())?;
+            let targets =
+                torch::tensor_tokens(&batch.targets, &shape, self.compute).map_err(self.torch_err())?;
             for u in 0..last {
                 let (params, _gathered) = self.fetch(None, u)?;
                 x = self

@@ -90,6 +90,8 @@ pub struct TrainResult {
     pub loss_floor: Option<f64>,
     /// Peak device bytes of each rank.
     pub device_peaks: Vec<u64>,
+    /// On CUDA, torch's allocator statistics of each rank's GPU (peaks over the run).
+    pub gpu_memory: Vec<crate::torch::shim::MemoryStats>,
     /// Per unit, the fp32 master weights (unpadded), when collected.
     pub master: Vec<Vec<f32>>,
     pub seconds: f64,
@@ -100,6 +102,7 @@ pub struct TrainResult {
 /// What a rank hands back at the end: its device peak and master partitions.
 struct RankOutcome {
     device_peak: u64,
+    gpu_memory: Option<crate::torch::shim::MemoryStats>,
     master: Vec<(usize, Vec<f32>)>,
 }
 
@@ -111,19 +114,6 @@ struct RankMessage {
     eval_loss: Option<f64>,
     breakdown: Breakdown,
     memory: TierBytes,
-}
-
-/// fp32 matmul throughput of this machine, the "peak" MFU is measured against on CPU.
-pub fn cpu_peak_flops() -> f64 {
-    let n = 512i64;
-    let a = tch::Tensor::ones([n, n], (tch::Kind::Float, tch::Device::Cpu));
-    let _ = a.matmul(&a);
-    let start = Instant::now();
-    let reps = 20;
-    for _ in 0..reps {
-        let _ = a.matmul(&a);
-    }
-    2.0 * (n * n * n) as f64 * reps as f64 / start.elapsed().as_secs_f64()
 }
 
 fn swap_specs(plan: &Plan, model: &Model, states: &[State], elem_bytes: usize) -> Vec<TensorSpec> {
@@ -311,7 +301,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                 source,
             })?;
         metrics_file = Some((file, path));
-        cpu_peak_flops()
+        crate::metrics::peak::peak_flops(plan)
     } else {
         0.0
     };
@@ -460,6 +450,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
         match outcome {
             Ok(p) => {
                 result.device_peaks.push(p.device_peak);
+                result.gpu_memory.extend(p.gpu_memory);
                 partitions.push(p.master);
             }
             Err(e) => {
@@ -533,6 +524,14 @@ fn run_rank(
     let plan = context.plan;
     let rank = comm.rank();
     let device = CpuDevice::new(rank, plan.train.device_memory.unwrap_or(u64::MAX));
+    let gpu = match plan.train.accelerator.device(rank) {
+        tch::Device::Cuda(d) => Some(d),
+        _ => None,
+    };
+    let gpu_err = |e: tch::TchError| TrainError::Engine(EngineError::Torch { rank, source: e });
+    if let Some(d) = gpu {
+        crate::torch::shim::reset_peak(d).map_err(gpu_err)?;
+    }
     let mut engine = RankEngine::new(comm, gather_comm, context, device)?;
     // the optimizer phase of each step runs on a thread of this scope, overlapping the
     // next step's forward
@@ -584,7 +583,12 @@ fn run_rank(
     } else {
         Vec::new()
     };
+    let gpu_memory = match gpu {
+        Some(d) => Some(crate::torch::shim::memory_stats(d).map_err(gpu_err)?),
+        None => None,
+    };
     Ok(RankOutcome {
+        gpu_memory,
         device_peak: engine.device_peak(),
         master,
     })
