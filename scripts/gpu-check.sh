@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 7, in one command on a GPU machine (no Rust needed there).
+#
+# Build here:  cargo build --release && mkdir -p target/gpu && strip -o target/gpu/tierzero target/release/tierzero
+# Run there:   bash scripts/gpu-check.sh target/gpu/tierzero OUT_DIR
+#
+# It links NCCL where the binary looks for it, puts torch's lib/ on LD_LIBRARY_PATH, and
+# runs: bench gpu, bench h2d, the tiny Llama on CPU and on CUDA (stage 3; params and
+# optimizer on cpu, then on nvme) with a loss comparison, the 1B Llama (tokens/s, MFU,
+# peak GPU memory), and bench memory on the GPU. Every result lands in OUT_DIR.
+set -uo pipefail
+BIN=$(realpath "${1:?usage: gpu-check.sh BINARY OUT_DIR}")
+OUT=$(realpath -m "${2:?usage: gpu-check.sh BINARY OUT_DIR}")
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+TORCH=$($PY -c "import torch, os; print(os.path.dirname(torch.__file__))")
+export LD_LIBRARY_PATH="$TORCH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+mkdir -p "$(dirname "$BIN")/nccl"
+ln -sf "$TORCH/../nvidia/nccl/lib/libnccl.so.2" "$(dirname "$BIN")/nccl/libnccl.so"
+export RUST_LOG=${RUST_LOG:-warn}
+WORK=${WORK:-/tmp/tierzero-gpu-check}
+rm -rf "$WORK" && mkdir -p "$WORK"
+log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+run() { # name, command...
+  local name=$1; shift
+  log "$name: $*"
+  local t0=$(date +%s.%N)
+  "$@" >"$OUT/$name.out" 2>"$OUT/$name.err"; local rc=$?
+  echo "   rc=$rc, $(echo "$(date +%s.%N) - $t0" | bc) s" | tee -a "$OUT/summary.txt"
+  tail -n 30 "$OUT/$name.out" | tee -a "$OUT/summary.txt"
+  [ $rc -eq 0 ] || tail -n 15 "$OUT/$name.err" | tee -a "$OUT/summary.txt"
+  return 0
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/nvidia-smi.txt" 2>&1
+$PY -c "import torch; print(torch.__version__, torch.cuda.is_available())" >>"$OUT/nvidia-smi.txt" 2>&1
+run bench-gpu "$BIN" bench gpu
+run bench-h2d "$BIN" bench h2d --size-mb 256
+
+tiny() { # name, accelerator, param tier, optimizer tier
+  "$BIN" train --config configs/default.json --devices 1 \
+    --set train.accelerator="$2" --set train.steps=40 --set train.output_dir="$WORK/$1" \
+    --set bf16.enabled=true --set zero_optimization.stage=3 \
+    --set zero_optimization.offload_param.device="$3" \
+    --set zero_optimization.offload_param.nvme_path="$WORK/$1/nvme-param" \
+    --set zero_optimization.offload_optimizer.device="$4" \
+    --set zero_optimization.offload_optimizer.nvme_path="$WORK/$1/nvme-opt"
+}
+compare() { # cpu run, cuda run
+  $PY - "$WORK/$1/metrics.jsonl" "$WORK/$2/metrics.jsonl" <<'PYEOF' | tee -a "$OUT/summary.txt"
+import json, sys
+a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
+b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
+worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+print(f"   {len(a)} steps: cpu {a[0]:.4f} -> {a[-1]:.4f}, cuda {b[0]:.4f} -> {b[-1]:.4f}, max relative loss difference {worst:.2e} ({'within' if worst < 2e-2 else 'OUTSIDE'} bf16 tolerance 2e-2)")
+PYEOF
+}
+for tiers in "cpu cpu" "nvme nvme"; do
+  set -- $tiers
+  run "tiny-$1-cpu" tiny "tiny-$1-cpu" cpu "$1" "$2"
+  run "tiny-$1-cuda" tiny "tiny-$1-cuda" cuda "$1" "$2"
+  compare "tiny-$1-cpu" "tiny-$1-cuda"
+done
+
+big() { # name, config
+  "$BIN" train --config "$2" --set data.path=null --set data.synthetic=markov \
+    --set train.steps="${STEPS_1B:-6}" --set gradient_accumulation_steps=1 \
+    --set scheduler.params.warmup_num_steps=2 \
+    --set train.output_dir="$WORK/$1" --set train.save_interval=0 \
+    --set zero_optimization.offload_param.nvme_path="$WORK/$1/nvme" \
+    --set zero_optimization.offload_optimizer.nvme_path="$WORK/$1/nvme"
+}
+run llama-1b-cpu big llama-1b-cpu configs/llama-1b-1gpu-cpu.json
+cp "$WORK/llama-1b-cpu/summary.json" "$OUT/llama-1b-cpu-summary.json" 2>/dev/null
+run llama-1b-nvme big llama-1b-nvme configs/llama-1b-1gpu-nvme.json
+cp "$WORK/llama-1b-nvme/summary.json" "$OUT/llama-1b-nvme-summary.json" 2>/dev/null
+run bench-memory "$BIN" bench memory --config configs/default.json --devices 1 --stages 0,3 \
+  --set train.output_dir="$WORK/memory" --set zero_optimization.offload_optimizer.nvme_path="$WORK/memory/nvme"
+log done
