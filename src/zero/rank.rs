@@ -232,6 +232,15 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         }
     }
 
+    /// Waits for the GPU's queued work, so a compute span ends when the kernels did
+    /// (torch launches asynchronously); nothing to wait for on CPU.
+    fn settle(&self) -> Result<(), TchError> {
+        match self.compute {
+            tch::Device::Cuda(d) => torch::shim::synchronize(d),
+            _ => Ok(()),
+        }
+    }
+
     pub(super) fn stage(&self) -> u8 {
         self.plan.zero.stage
     }
@@ -702,7 +711,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 .tracks
                 .compute
                 .span(Phase::Forward, Some(u), 0, || {
-                    self.model.forward_unit(u, &params, &inputs[u])
+                    let y = self.model.forward_unit(u, &params, &inputs[u])?;
+                    self.settle().map(|()| y)
                 })
                 .map_err(self.torch_err())?;
             let bytes = (y.numel() * self.plan.precision.bytes()) as u64;
@@ -730,6 +740,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 loss_scale / gas as f64,
             )
             .map_err(self.torch_err())?;
+        self.settle().map_err(self.torch_err())?;
         self.tracks
             .compute
             .record(Phase::Backward, Some(last), final_start, 0);
@@ -747,7 +758,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 .tracks
                 .compute
                 .span(Phase::Backward, Some(u), 0, || {
-                    self.model.backward_unit(u, &params, &inputs[u], &grad_out)
+                    let grads = self.model.backward_unit(u, &params, &inputs[u], &grad_out)?;
+                    self.settle().map(|()| grads)
                 })
                 .map_err(self.torch_err())?;
             self.accumulate(u, &g)?;
