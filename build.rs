@@ -51,14 +51,16 @@ fn link_nccl(lib_dir: &Path) {
     }) else {
         return;
     };
-    let dir = profile_dir.join("nccl");
-    let _ = std::fs::create_dir_all(&dir);
     let wheel = lib_dir.join("../../nvidia/nccl/lib/libnccl.so.2");
-    let link = dir.join("libnccl.so");
-    if wheel.exists() && std::fs::read_link(&link).ok().as_deref() != Some(wheel.as_path()) {
-        let _ = std::fs::remove_file(&link);
-        if let Err(e) = std::os::unix::fs::symlink(&wheel, &link) {
-            println!("cargo:warning=cannot link {}: {e}", link.display());
+    // the binary's directory, and deps/ where cargo's test binaries live
+    for dir in [profile_dir.join("nccl"), profile_dir.join("deps/nccl")] {
+        let _ = std::fs::create_dir_all(&dir);
+        let link = dir.join("libnccl.so");
+        if wheel.exists() && std::fs::read_link(&link).ok().as_deref() != Some(wheel.as_path()) {
+            let _ = std::fs::remove_file(&link);
+            if let Err(e) = std::os::unix::fs::symlink(&wheel, &link) {
+                println!("cargo:warning=cannot link {}: {e}", link.display());
+            }
         }
     }
 }
