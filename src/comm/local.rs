@@ -7,10 +7,9 @@
 //! errors and panics alike), and every rank waiting or arriving later gets an error
 //! naming the reason instead of hanging.
 
-use super::{Collective, CommError, Element, ReduceOp};
+use super::exchange::{Contribution, Exchange};
+use super::CommError;
 use std::sync::{Arc, Condvar, Mutex};
-
-type Contribution = Arc<Vec<u8>>;
 
 #[derive(Default)]
 struct Round {
@@ -61,7 +60,7 @@ impl Local {
     }
 
     /// Deposits `data` and returns every rank's contribution, in rank order.
-    fn exchange(&self, data: Vec<u8>) -> Result<Arc<Vec<Contribution>>, CommError> {
+    fn deposit(&self, data: Vec<u8>) -> Result<Arc<Vec<Contribution>>, CommError> {
         let hub = &self.hub;
         let mut round = hub.round.lock().unwrap_or_else(|e| e.into_inner());
         // wait for the previous round to be collected by everyone
@@ -100,121 +99,22 @@ impl Local {
             round = hub.changed.wait(round).unwrap_or_else(|e| e.into_inner());
         }
     }
-
-    fn shape_error(&self, op: &'static str, message: String) -> CommError {
-        CommError::Shape {
-            rank: self.rank,
-            op,
-            message,
-        }
-    }
 }
 
-fn to_bytes<T: Element>(data: &[T]) -> Vec<u8> {
-    // SAFETY: Pod elements have no padding.
-    unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }.to_vec()
-}
-
-/// Reads element `i` of a contribution (contributions are not aligned for T).
-fn element<T: Element>(bytes: &[u8], i: usize) -> T {
-    let size = std::mem::size_of::<T>();
-    // SAFETY: the range is in bounds (checked by the caller's length checks) and any
-    // bit pattern is a valid T; read_unaligned needs no alignment.
-    unsafe { std::ptr::read_unaligned(bytes[i * size..(i + 1) * size].as_ptr().cast::<T>()) }
-}
-
-impl Collective for Local {
-    fn rank(&self) -> usize {
+impl Exchange for Local {
+    fn index(&self) -> usize {
         self.rank
     }
 
-    fn world(&self) -> usize {
+    fn size(&self) -> usize {
         self.hub.world
     }
 
-    fn all_gather<T: Element>(&self, shard: &[T], out: &mut [T]) -> Result<(), CommError> {
-        if out.len() != shard.len() * self.hub.world {
-            return Err(self.shape_error(
-                "all_gather",
-                format!("output {} != world × shard {}", out.len(), shard.len()),
-            ));
-        }
-        let all = self.exchange(to_bytes(shard))?;
-        for (r, bytes) in all.iter().enumerate() {
-            if bytes.len() != std::mem::size_of_val(shard) {
-                return Err(self.shape_error(
-                    "all_gather",
-                    format!(
-                        "rank {r} sent {} bytes, expected {}",
-                        bytes.len(),
-                        std::mem::size_of_val(shard)
-                    ),
-                ));
-            }
-            for (i, o) in out[r * shard.len()..(r + 1) * shard.len()].iter_mut().enumerate() {
-                *o = element(bytes, i);
-            }
-        }
-        Ok(())
+    fn exchange(&self, data: Vec<u8>) -> Result<Arc<Vec<Contribution>>, CommError> {
+        self.deposit(data)
     }
 
-    fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError> {
-        let n = out.len();
-        if full.len() != n * self.hub.world {
-            return Err(self.shape_error(
-                "reduce_scatter",
-                format!("input {} != world × output {n}", full.len()),
-            ));
-        }
-        let all = self.exchange(to_bytes(full))?;
-        let base = self.rank * n;
-        for (i, o) in out.iter_mut().enumerate() {
-            let mut acc: T = element(&all[0], base + i);
-            for bytes in all.iter().skip(1) {
-                acc = acc.add(element(bytes, base + i));
-            }
-            *o = if op == ReduceOp::Avg {
-                acc.scale(1.0 / self.hub.world as f64)
-            } else {
-                acc
-            };
-        }
-        Ok(())
-    }
-
-    fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<(), CommError> {
-        let all = self.exchange(to_bytes(data))?;
-        for (i, o) in data.iter_mut().enumerate() {
-            let mut acc: T = element(&all[0], i);
-            for bytes in all.iter().skip(1) {
-                acc = acc.add(element(bytes, i));
-            }
-            *o = if op == ReduceOp::Avg {
-                acc.scale(1.0 / self.hub.world as f64)
-            } else {
-                acc
-            };
-        }
-        Ok(())
-    }
-
-    fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<(), CommError> {
-        let all = self.exchange(if self.rank == root {
-            to_bytes(data)
-        } else {
-            Vec::new()
-        })?;
-        for (i, o) in data.iter_mut().enumerate() {
-            *o = element(&all[root], i);
-        }
-        Ok(())
-    }
-
-    fn barrier(&self) -> Result<(), CommError> {
-        self.exchange(Vec::new()).map(drop)
-    }
-
-    fn abort(&self, reason: &str) {
+    fn cancel(&self, reason: &str) {
         let mut round = self.hub.round.lock().unwrap_or_else(|e| e.into_inner());
         round.aborted.get_or_insert_with(|| reason.to_string());
         self.hub.changed.notify_all();
@@ -224,6 +124,7 @@ impl Collective for Local {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::{Collective, ReduceOp};
 
     fn run<R: Send>(world: usize, body: impl Fn(Local) -> R + Sync) -> Vec<R> {
         let ranks = Local::group(world);

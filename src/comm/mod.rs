@@ -4,10 +4,12 @@
 //! (every test uses it); NCCL plugs in behind the same trait on GPUs. Reductions sum in
 //! rank order, so results do not depend on thread timing.
 
+pub mod exchange;
 pub mod launch;
 pub mod local;
 pub mod nccl;
 pub mod rendezvous;
+pub mod tcp;
 
 use tierzero_offload::host::Pod;
 
