@@ -36,6 +36,19 @@ struct ConfigArgs {
     /// Number of ranks on this machine (same as `--set train.devices=N`).
     #[arg(long)]
     devices: Option<usize>,
+    /// Processes (nodes) of a multi-process run (`train.nnodes`); without it, torchrun's
+    /// WORLD_SIZE/RANK/LOCAL_RANK/MASTER_ADDR/MASTER_PORT are used when set.
+    #[arg(long)]
+    nnodes: Option<usize>,
+    /// This node's rank, 0..nnodes (`train.node_rank`).
+    #[arg(long)]
+    node_rank: Option<usize>,
+    /// Address node 0 listens on (`train.master_addr`).
+    #[arg(long)]
+    master_addr: Option<String>,
+    /// Port node 0 listens on; the next port is used too (`train.master_port`).
+    #[arg(long)]
+    master_port: Option<u16>,
 }
 
 #[derive(Subcommand)]
@@ -321,11 +334,48 @@ fn load_config(args: &ConfigArgs) -> Result<Loaded, ConfigError> {
     if let Some(n) = args.devices {
         sets.push(format!("train.devices={n}"));
     }
+    launch_sets(args, &mut sets)?;
     let loaded = config::load(&args.config, &sets, DeviceFacts::detect())?;
     for warning in &loaded.warnings {
         tracing::warn!("{warning}");
     }
     Ok(loaded)
+}
+
+/// The launch flags as `--set`s, or torchrun's environment when no `--nnodes` is given.
+fn launch_sets(args: &ConfigArgs, sets: &mut Vec<String>) -> Result<(), ConfigError> {
+    let flags = [
+        ("nnodes", args.nnodes.map(|v| v.to_string())),
+        ("node_rank", args.node_rank.map(|v| v.to_string())),
+        ("master_addr", args.master_addr.clone()),
+        ("master_port", args.master_port.map(|v| v.to_string())),
+    ];
+    if args.nnodes.is_none() {
+        let torchrun = tierzero::comm::rendezvous::Topology::from_torchrun(|k| std::env::var(k).ok())
+            .map_err(|e| {
+                ConfigError::invalid(
+                    "WORLD_SIZE",
+                    e,
+                    "launch with torchrun, or use --nnodes/--node-rank",
+                )
+            })?;
+        if let Some(t) = torchrun {
+            sets.extend([
+                format!("train.nnodes={}", t.processes),
+                format!("train.node_rank={}", t.index),
+                "train.devices=1".to_string(),
+                format!("train.first_device={}", t.first_device),
+                format!("train.master_addr={}", t.master_addr),
+                format!("train.master_port={}", t.master_port),
+            ]);
+        }
+    }
+    for (key, value) in flags {
+        if let Some(v) = value {
+            sets.push(format!("train.{key}={v}"));
+        }
+    }
+    Ok(())
 }
 
 fn run(cli: Cli) -> Result<(), Failure> {
@@ -504,6 +554,17 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 ..TrainOptions::default()
             };
             let result = trainer::train(&loaded.plan, options).map_err(anyhow::Error::from)?;
+            let launch = &loaded.plan.train.launch;
+            if launch.node_rank != 0 {
+                println!(
+                    "node {} of {}: done in {:.1}s; node 0 wrote the metrics to {}",
+                    launch.node_rank,
+                    launch.nnodes,
+                    result.seconds,
+                    loaded.plan.train.output_dir.display()
+                );
+                return Ok(());
+            }
             let first = result.steps.first().map_or(f64::NAN, |m| m.loss);
             let last = result.steps.last().map_or(f64::NAN, |m| m.loss);
             let tokens_per_s =

@@ -11,6 +11,7 @@ mod estimate;
 mod hf_reference;
 mod memory;
 mod model;
+mod multiprocess;
 mod precision;
 mod rendezvous;
 mod text_data;

@@ -84,3 +84,41 @@ pub trait Collective: Send + Sync {
     /// Makes every rank's pending and future collectives fail with `reason`.
     fn abort(&self, reason: &str);
 }
+
+/// The communicator of a `train` rank: ranks as threads of this process, or ranks in
+/// several processes through the TCP hub. Both compute the same bits.
+#[derive(Clone)]
+pub enum Group {
+    Local(local::Local),
+    Tcp(std::sync::Arc<tcp::Tcp>),
+}
+
+impl exchange::Exchange for Group {
+    fn index(&self) -> usize {
+        match self {
+            Group::Local(c) => c.index(),
+            Group::Tcp(c) => c.index(),
+        }
+    }
+
+    fn size(&self) -> usize {
+        match self {
+            Group::Local(c) => c.size(),
+            Group::Tcp(c) => c.size(),
+        }
+    }
+
+    fn exchange(&self, data: Vec<u8>) -> Result<std::sync::Arc<Vec<exchange::Contribution>>, CommError> {
+        match self {
+            Group::Local(c) => c.exchange(data),
+            Group::Tcp(c) => c.exchange(data),
+        }
+    }
+
+    fn cancel(&self, reason: &str) {
+        match self {
+            Group::Local(c) => c.cancel(reason),
+            Group::Tcp(c) => c.cancel(reason),
+        }
+    }
+}

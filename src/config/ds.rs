@@ -202,6 +202,17 @@ pub struct TrainSection {
     pub trace: Option<bool>,
     /// Where the ranks compute: "auto" (CUDA when a GPU is visible), "cpu" or "cuda".
     pub accelerator: Option<String>,
+    /// Processes (nodes) of a multi-process run, each with `devices` ranks.
+    pub nnodes: Option<Num>,
+    /// This process's node rank.
+    pub node_rank: Option<Num>,
+    /// Where node 0 listens.
+    pub master_addr: Option<String>,
+    pub master_port: Option<Num>,
+    /// GPU index of this process's first rank (torchrun's LOCAL_RANK).
+    pub first_device: Option<Num>,
+    /// Seconds to wait for every node to connect.
+    pub rendezvous_timeout: Option<Num>,
     /// Bytes of "device" memory per CPU rank (the budget `CpuDevice` enforces).
     pub device_memory: Option<Num>,
 }

@@ -219,8 +219,9 @@ pub struct Train {
     pub eval_batches: usize,
     pub keep_last: usize,
     pub trace: bool,
-    /// Where the ranks compute; rank r uses GPU r on CUDA.
+    /// Where the ranks compute; on CUDA a process's ranks use GPUs first_device, +1, …
     pub accelerator: Accelerator,
+    pub launch: Launch,
     /// Per-rank device memory budget in bytes (CPU devices); None = unlimited.
     pub device_memory: Option<u64>,
 }
@@ -250,6 +251,31 @@ pub struct Plan {
     pub model: ModelPlan,
     pub data: Data,
     pub train: Train,
+}
+
+/// Where this process sits in a multi-process run (one process: nnodes 1).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Launch {
+    pub nnodes: usize,
+    pub node_rank: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub first_device: usize,
+    pub timeout_s: u64,
+}
+
+impl Train {
+    /// Global ranks that run in this process.
+    pub fn local_ranks(&self) -> std::ops::Range<usize> {
+        let first = self.launch.node_rank * self.devices;
+        first..first + self.devices
+    }
+
+    /// The tch device global rank `rank` (one of this process's) computes on.
+    pub fn compute_device(&self, rank: usize) -> tch::Device {
+        let local = rank - self.local_ranks().start;
+        self.accelerator.device(self.launch.first_device + local)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

@@ -73,7 +73,7 @@ impl Plan {
         let train = build_train(ds.train.clone().unwrap_or_default(), facts)?;
         let model = build_model(ds.model.clone().unwrap_or_default())?;
         let data = build_data(ds.data.clone().unwrap_or_default(), &model.config)?;
-        let world_size = train.devices;
+        let world_size = train.devices * train.launch.nnodes;
         let batch = build_batch(ds, world_size)?;
         let precision = build_precision(ds, facts)?;
         let optimizer = build_optimizer(ds.optimizer.clone().unwrap_or_default())?;
@@ -140,7 +140,8 @@ fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError
             ))
         }
     };
-    if accelerator == Accelerator::Cuda && devices > facts.cuda_devices {
+    let launch = build_launch(&t)?;
+    if accelerator == Accelerator::Cuda && launch.first_device + devices > facts.cuda_devices {
         return Err(ConfigError::invalid(
             "train.devices",
             format!(
@@ -152,6 +153,7 @@ fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError
     }
     Ok(Train {
         accelerator,
+        launch,
         steps: count("train.steps", t.steps, 100)? as u64,
         seed: count("train.seed", t.seed, 1234)? as u64,
         devices,
@@ -166,6 +168,37 @@ fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError
             None | Some(Num::Auto) => None,
             some => Some(positive("train.device_memory", some, 1)? as u64),
         },
+    })
+}
+
+fn build_launch(t: &TrainSection) -> Result<Launch, ConfigError> {
+    let nnodes = positive("train.nnodes", t.nnodes, 1)?;
+    let node_rank = count("train.node_rank", t.node_rank, 0)?;
+    if node_rank >= nnodes {
+        return Err(ConfigError::invalid(
+            "train.node_rank",
+            format!("{node_rank} is not below train.nnodes ({nnodes})"),
+            format!("give each node a distinct --node-rank from 0 to {}", nnodes - 1),
+        ));
+    }
+    let port = count("train.master_port", t.master_port, 29500)?;
+    let master_port = u16::try_from(port)
+        .ok()
+        .filter(|p| *p > 0 && *p < u16::MAX)
+        .ok_or_else(|| {
+            ConfigError::invalid(
+                "train.master_port",
+                format!("{port} is not a port"),
+                "use 1..65534 (it and the next port are used)",
+            )
+        })?;
+    Ok(Launch {
+        nnodes,
+        node_rank,
+        master_addr: t.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into()),
+        master_port,
+        first_device: count("train.first_device", t.first_device, 0)?,
+        timeout_s: positive("train.rendezvous_timeout", t.rendezvous_timeout, 300)? as u64,
     })
 }
 

@@ -416,7 +416,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             next_update: 0,
             tracks: Tracks::new(timeline, rank),
             overlap,
-            compute: plan.train.accelerator.device(rank),
+            compute: plan.train.compute_device(rank),
         })
     }
 

@@ -1,18 +1,22 @@
-//! `tierzero train`: N ranks as threads over the `Local` collective, the shared swap
-//! store, and what a run writes.
+//! `tierzero train`: this process's ranks as threads, the shared swap store, and what a
+//! run writes.
 //!
-//! One process, one worker thread per rank (DESIGN.md, "Processes and ranks"); the ranks
-//! share one swap store (one I/O engine per NVMe path) and the CPU cores are split
-//! between their libtorch intra-op threads. A rank that fails or panics aborts the
-//! communicator, so every other rank returns an error instead of hanging. Rank 0 reports
-//! each step; this thread writes `<output_dir>/metrics.jsonl` and the progress lines.
+//! One worker thread per local rank (DESIGN.md, "Processes and ranks"); the ranks share
+//! one swap store (one I/O engine per NVMe path) and the CPU cores are split between
+//! their libtorch intra-op threads. One process: the ranks talk through `Local`. Several
+//! (`train.nnodes`): node 0 runs two TCP hubs (the ranks' communicator and their prefetch
+//! communicator) and every rank connects to them; each node keeps its NVMe files under
+//! `<nvme_path>/node-<rank>`. A rank that fails or panics aborts the communicator, so
+//! every other rank, in any process, returns an error instead of hanging. Global rank 0
+//! reports each step; its process writes `<output_dir>/metrics.jsonl` and the progress.
 
 use super::partition::Partition;
 use super::rank::{kind_for, EngineError, RankContext, RankEngine, StepReport};
 use super::start::Start;
 use crate::checkpoint::{save, Checkpoint, CheckpointError};
 use crate::comm::local::Local;
-use crate::comm::Collective;
+use crate::comm::tcp::{Hub, Tcp};
+use crate::comm::{Collective, Group};
 use crate::config::plan::{Plan, Tier};
 use crate::data::{DataError, Dataset};
 use crate::device::cpu::CpuDevice;
@@ -121,7 +125,7 @@ fn swap_specs(plan: &Plan, model: &Model, states: &[State], elem_bytes: usize) -
     let mut specs = Vec::new();
     for (u, layout) in model.units.iter().enumerate() {
         let part = Partition::new(layout.numel, world);
-        for rank in 0..world {
+        for rank in plan.train.local_ranks() {
             let numel = match states[0] {
                 State::Param => part.shard,
                 _ if plan.zero.stage == 0 => part.padded,
@@ -149,6 +153,18 @@ fn open_store(
     name: &str,
     specs: &[TensorSpec],
 ) -> Result<SwapStore, TrainError> {
+    // nodes of one run may share a file system: each keeps its own directory
+    let node_path;
+    let path = if plan.train.launch.nnodes > 1 {
+        node_path = path.join(format!("node-{}", plan.train.launch.node_rank));
+        std::fs::create_dir_all(&node_path).map_err(|source| TrainError::Output {
+            path: node_path.clone(),
+            source,
+        })?;
+        node_path.as_path()
+    } else {
+        path
+    };
     let engine_config = EngineConfig {
         block_size: plan.aio.block_size,
         queue_depth: plan.aio.queue_depth,
@@ -263,6 +279,11 @@ impl Prepared {
 
 pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, TrainError> {
     let start = Instant::now();
+    // only global rank 0's process reports and writes the run's outputs
+    let options = TrainOptions {
+        write_outputs: options.write_outputs && plan.train.launch.node_rank == 0,
+        ..options
+    };
     let prepared = Prepared::new(plan, options.resume)?;
     let first_step = prepared.start.first_step();
     if let (Some(c), true) = (prepared.start.checkpoint(), options.write_outputs) {
@@ -279,7 +300,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
         println!("synthetic data: a perfect model reaches a loss of {floor:.4}");
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    tch::set_num_threads((cores / world).max(1) as i32);
+    tch::set_num_threads((cores / plan.train.devices).max(1) as i32);
 
     let mut metrics_file = None;
     let peak = if options.write_outputs {
@@ -311,13 +332,14 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     let trace = options.trace || plan.train.trace;
     let timeline = Timeline::new(trace);
     let (tx, rx) = crossbeam_channel::unbounded::<RankMessage>();
-    let comms = Local::group(world).into_iter().zip(Local::group(world));
+    let (_hubs, comms) = communicators(plan)?;
     let mut result = TrainResult {
         loss_floor,
         ..TrainResult::default()
     };
     let outcomes: Vec<Result<RankOutcome, TrainError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
+            .into_iter()
             .map(|(comm, gather_comm)| {
                 let tx = tx.clone();
                 let context = prepared.context(plan, Some(&timeline), !options.no_overlap);
@@ -515,8 +537,45 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     Ok(result)
 }
 
+/// A rank's communicator and its prefetch worker's.
+type RankComms = (Group, Group);
+
+/// This process's ranks' two communicators each (collectives, prefetch gathers), and
+/// the hubs node 0 serves them from in a multi-process run.
+fn communicators(plan: &Plan) -> Result<(Vec<Hub>, Vec<RankComms>), TrainError> {
+    let world = plan.world_size;
+    let launch = &plan.train.launch;
+    if launch.nnodes == 1 {
+        let comms = Local::group(world)
+            .into_iter()
+            .zip(Local::group(world))
+            .map(|(a, b)| (Group::Local(a), Group::Local(b)))
+            .collect();
+        return Ok((Vec::new(), comms));
+    }
+    let timeout = std::time::Duration::from_secs(launch.timeout_s);
+    let addr = |g: u16| format!("{}:{}", launch.master_addr, launch.master_port + g);
+    let hubs = if launch.node_rank == 0 {
+        (0..2)
+            .map(|g| Hub::start(&addr(g), world, timeout))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(TrainError::Invalid)?
+    } else {
+        Vec::new()
+    };
+    let mut comms = Vec::new();
+    for rank in plan.train.local_ranks() {
+        let connect = |g| Tcp::connect(&addr(g), world, rank, timeout).map(Group::Tcp);
+        comms.push((
+            connect(0).map_err(EngineError::from)?,
+            connect(1).map_err(EngineError::from)?,
+        ));
+    }
+    Ok((hubs, comms))
+}
+
 fn run_rank(
-    (comm, gather_comm): (Local, Local),
+    (comm, gather_comm): (Group, Group),
     context: RankContext<'_>,
     tx: &crossbeam_channel::Sender<RankMessage>,
     options: TrainOptions,
@@ -524,7 +583,7 @@ fn run_rank(
     let plan = context.plan;
     let rank = comm.rank();
     let device = CpuDevice::new(rank, plan.train.device_memory.unwrap_or(u64::MAX));
-    let gpu = match plan.train.accelerator.device(rank) {
+    let gpu = match plan.train.compute_device(rank) {
         tch::Device::Cuda(d) => Some(d),
         _ => None,
     };
@@ -596,6 +655,11 @@ fn run_rank(
 
 /// Mean loss over `train.eval_batches` held-out batches, on every rank, without training.
 pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
+    if plan.train.launch.nnodes > 1 {
+        return Err(TrainError::Invalid(
+            "tierzero eval runs in one process; drop --nnodes (or train.nnodes)".into(),
+        ));
+    }
     let prepared = Prepared::new(plan, None)?;
     let world = plan.world_size;
     let losses: Vec<Result<f64, TrainError>> = std::thread::scope(|scope| {
