@@ -339,3 +339,62 @@ fn accelerator_follows_the_machine_and_refuses_what_it_lacks() {
         .to_string();
     assert!(e.contains("train.devices") && e.contains("2 GPU(s)"), "{e}");
 }
+
+#[test]
+fn launch_keys_set_the_world_and_refuse_a_bad_node_rank() {
+    let mut v = base();
+    v["train_batch_size"] = json!(null);
+    let sets = |s: &[&str]| s.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let plan = from_json(
+        v.clone(),
+        &sets(&[
+            "train.devices=2",
+            "train.nnodes=3",
+            "train.node_rank=2",
+            "train.master_port=4000",
+        ]),
+        DeviceFacts::default(),
+    )
+    .unwrap()
+    .plan;
+    assert_eq!(plan.world_size, 6);
+    assert_eq!(plan.train.local_ranks(), 4..6);
+    assert_eq!(plan.train.launch.master_port, 4000);
+    assert_eq!(plan.train.compute_device(5), tch::Device::Cpu);
+    let e = from_json(
+        v.clone(),
+        &sets(&["train.nnodes=2", "train.node_rank=2"]),
+        DeviceFacts::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("train.node_rank") && e.contains("not below train.nnodes (2)"),
+        "{e}"
+    );
+    let e = from_json(
+        v.clone(),
+        &sets(&["train.master_port=70000"]),
+        DeviceFacts::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("train.master_port") && e.contains("not a port"), "{e}");
+    // on CUDA, a process's ranks take GPUs from first_device on
+    let gpu = DeviceFacts {
+        cuda_bf16: true,
+        cuda_devices: 4,
+    };
+    let plan = from_json(
+        v.clone(),
+        &sets(&["train.devices=2", "train.first_device=2"]),
+        gpu,
+    )
+    .unwrap()
+    .plan;
+    assert_eq!(plan.train.compute_device(1), tch::Device::Cuda(3));
+    let e = from_json(v, &sets(&["train.devices=2", "train.first_device=3"]), gpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train.devices") && e.contains("from GPU 3 on"), "{e}");
+}

@@ -147,7 +147,20 @@ pub fn plan_table(plan: &Plan) -> String {
         },
     );
     row(&mut out, "data", format!("{:?}", plan.data.source));
-    let _ = writeln!(out, "zero (stage {}, {} ranks)", plan.zero.stage, plan.world_size);
+    let launch = &plan.train.launch;
+    let nodes = if launch.nnodes > 1 {
+        format!(
+            " over {} nodes; this is node {} at {}:{}",
+            launch.nnodes, launch.node_rank, launch.master_addr, launch.master_port
+        )
+    } else {
+        String::new()
+    };
+    let _ = writeln!(
+        out,
+        "zero (stage {}, {} ranks{nodes})",
+        plan.zero.stage, plan.world_size
+    );
     for s in model_states(plan) {
         row(
             &mut out,

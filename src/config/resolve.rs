@@ -145,10 +145,13 @@ fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError
         return Err(ConfigError::invalid(
             "train.devices",
             format!(
-                "{devices} ranks but this machine has {} GPU(s)",
-                facts.cuda_devices
+                "{devices} ranks from GPU {} on, but this machine has {} GPU(s)",
+                launch.first_device, facts.cuda_devices
             ),
-            format!("use --devices {} or fewer (one rank per GPU)", facts.cuda_devices),
+            format!(
+                "use --devices {} or fewer (one rank per GPU)",
+                facts.cuda_devices.saturating_sub(launch.first_device)
+            ),
         ));
     }
     Ok(Train {
