@@ -46,6 +46,8 @@ pub struct H2dReport {
     pub pageable: Rates,
     /// torch's pinned non-blocking copy_ on the same machine (the copy-engine rate).
     pub torch_pinned: Rates,
+    /// Why the torch baseline could not be measured, if it could not.
+    pub torch_error: Option<String>,
     pub ratio_h2d: f64,
     pub ratio_d2h: f64,
 }
@@ -63,6 +65,9 @@ impl H2dReport {
             "ratio to torch: H2D {:.3}, D2H {:.3} (target ≥ 0.9)\n",
             self.ratio_h2d, self.ratio_d2h
         );
+        if let Some(e) = &self.torch_error {
+            s += &format!("torch baseline failed: {e}\n");
+        }
         s
     }
 }
@@ -206,10 +211,21 @@ pub fn h2d(size_mb: usize) -> Result<H2dReport, GpuBenchError> {
         let mut b = vec![1u8; bytes];
         rates(&cuda, &mut a, &mut b, bytes)?
     };
-    let torch_pinned = torch_rates(cuda.ordinal(), bytes)?;
+    let (torch_pinned, torch_error) = match torch_rates(cuda.ordinal(), bytes) {
+        Ok(r) => (r, None),
+        Err(e) => (
+            Rates {
+                h2d: f64::NAN,
+                d2h: f64::NAN,
+                duplex: f64::NAN,
+            },
+            Some(e.to_string()),
+        ),
+    };
     Ok(H2dReport {
         device,
         size_mb,
+        torch_error,
         ratio_h2d: pinned.h2d / torch_pinned.h2d,
         ratio_d2h: pinned.d2h / torch_pinned.d2h,
         pinned,

@@ -38,28 +38,33 @@ fn onto(t: Tensor, device: Device) -> Result<Tensor, TchError> {
     }
 }
 
+/// A tensor of `kind` and `shape` on `device` holding a copy of host `data`: an owned
+/// host tensor on CPU, a direct host→GPU copy otherwise.
+fn tensor_of<T: tierzero_offload::host::Pod>(
+    data: &[T],
+    shape: &[i64],
+    kind: Kind,
+    device: Device,
+) -> Result<Tensor, TchError> {
+    match device {
+        Device::Cpu => Tensor::f_from_data_size(pod_bytes(data), shape, kind),
+        gpu => shim::to_gpu(data, shape, kind, gpu),
+    }
+}
+
 /// A 1-D tensor on `device` holding a copy of fp32 `data`.
 pub fn tensor_f32(data: &[f32], device: Device) -> Result<Tensor, TchError> {
-    onto(
-        Tensor::f_from_data_size(pod_bytes(data), &[data.len() as i64], Kind::Float)?,
-        device,
-    )
+    tensor_of(data, &[data.len() as i64], Kind::Float, device)
 }
 
 /// A 1-D tensor of `kind` (BFloat16 or Half) on `device` holding the raw 16-bit `bits`.
 pub fn tensor_u16(bits: &[u16], kind: Kind, device: Device) -> Result<Tensor, TchError> {
-    onto(
-        Tensor::f_from_data_size(pod_bytes(bits), &[bits.len() as i64], kind)?,
-        device,
-    )
+    tensor_of(bits, &[bits.len() as i64], kind, device)
 }
 
 /// An int64 tensor of token ids on `device`.
 pub fn tensor_tokens(tokens: &[i64], shape: &[i64], device: Device) -> Result<Tensor, TchError> {
-    onto(
-        Tensor::f_from_data_size(pod_bytes(tokens), shape, Kind::Int64)?,
-        device,
-    )
+    tensor_of(tokens, shape, Kind::Int64, device)
 }
 
 /// Copies a tensor (any float kind, any shape) into `out` as fp32.

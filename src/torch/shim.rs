@@ -151,6 +151,28 @@ pub fn device_ptr(t: &Tensor) -> Result<u64, TchError> {
     Ok(t.data_ptr() as u64)
 }
 
+/// A copy of host elements `data` (raw bits of `kind`) on GPU `device`, copied straight
+/// from `data` through a borrowed view (no intermediate host tensor). The copy is
+/// blocking, so `data` is free again when this returns.
+pub fn to_gpu<T: tierzero_offload::host::Pod>(
+    data: &[T],
+    shape: &[i64],
+    kind: tch::Kind,
+    device: tch::Device,
+) -> Result<Tensor, TchError> {
+    let numel: i64 = shape.iter().product();
+    if numel as usize * kind.elt_size_in_bytes() != std::mem::size_of_val(data) {
+        return Err(TchError::Shape(format!(
+            "{} bytes of host data for {shape:?} of {kind:?}",
+            std::mem::size_of_val(data)
+        )));
+    }
+    // SAFETY: the view covers exactly `data`'s bytes (checked above), lives only inside
+    // this call, and the blocking copy finishes reading it before we return.
+    let view = unsafe { Tensor::f_from_blob(data.as_ptr().cast(), shape, &[], kind, tch::Device::Cpu)? };
+    view.f_to_device_(device, kind, false, true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,6 +195,21 @@ mod tests {
         assert!(got[0].is_none());
         let e = grad(&[&y], &[], &[&x], false).unwrap_err();
         assert!(e.to_string().contains("1 outputs but 0 incoming"), "{e}");
+    }
+
+    #[test]
+    fn a_gpu_copy_checks_its_shape_and_needs_a_gpu() {
+        let data = [1u16, 2, 3];
+        let e = to_gpu(&data, &[4], Kind::BFloat16, Device::Cuda(0)).unwrap_err();
+        assert!(e.to_string().contains("6 bytes of host data for [4]"), "{e}");
+        if !tch::Cuda::is_available() {
+            assert!(to_gpu(&data, &[3], Kind::BFloat16, Device::Cuda(0)).is_err());
+        } else {
+            let t = to_gpu(&data, &[3], Kind::BFloat16, Device::Cuda(0)).unwrap();
+            let back =
+                Tensor::f_from_data_size(crate::torch::pod_bytes(&data), &[3], Kind::BFloat16).unwrap();
+            assert_eq!(t.to(Device::Cpu), back);
+        }
     }
 
     #[test]
