@@ -12,7 +12,7 @@ CARGO         ?= cargo
 export LIBTORCH = $(shell ls -d $(VENV)/lib/python3*/site-packages/torch 2>/dev/null | head -n 1)
 export LIBTORCH_BYPASS_VERSION_CHECK = 1
 
-.PHONY: train test setup build lint unit bench-adam clean-venv
+.PHONY: train test setup build lint unit bench-adam clean-venv gpu-bundle _gpu-bundle
 
 setup: $(TORCH_STAMP)
 
@@ -41,3 +41,16 @@ _test:
 
 bench-adam: build
 	./target/release/tierzero bench adam --params 100000000
+
+# What a GPU machine needs (no Rust there): the stripped release binary and the stripped
+# integration-test binary, in target/gpu/ (README, "On a GPU").
+gpu-bundle: setup
+	$(MAKE) --no-print-directory LIBTORCH=$$(ls -d $(VENV)/lib/python3*/site-packages/torch) _gpu-bundle
+
+_gpu-bundle:
+	$(CARGO) build --release --bin tierzero
+	mkdir -p target/gpu
+	strip -o target/gpu/tierzero target/release/tierzero
+	strip -o target/gpu/tests $$($(CARGO) test --release --test tests --no-run --message-format=json 2>/dev/null \
+		| $(PYTHON) -c "import json,sys; print([m['executable'] for m in map(json.loads, sys.stdin) if m.get('reason')=='compiler-artifact' and m.get('executable') and m['target']['name']=='tests'][-1])")
+	ls -la target/gpu

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 7, in one command on a GPU machine (no Rust needed there).
 #
-# Build here:  cargo build --release && mkdir -p target/gpu && strip -o target/gpu/tierzero target/release/tierzero
+# Build here:  make gpu-bundle   (target/gpu/tierzero and target/gpu/tests, stripped)
 # Run there:   bash scripts/gpu-check.sh target/gpu/tierzero OUT_DIR
 #
 # It links NCCL where the binary looks for it, puts torch's lib/ on LD_LIBRARY_PATH, and
@@ -32,8 +32,17 @@ run() { # name, command...
   return 0
 }
 
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "torch sees no GPU on this machine: nothing to check" | tee "$OUT/summary.txt"
+  exit 1
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/nvidia-smi.txt" 2>&1
 $PY -c "import torch; print(torch.__version__, torch.cuda.is_available())" >>"$OUT/nvidia-smi.txt" 2>&1
+TESTS="$(dirname "$BIN")/tests"
+if [ -x "$TESTS" ]; then
+  mkdir -p "$(dirname "$TESTS")/nccl"
+  run cuda-tests "$TESTS" cuda:: --test-threads 1 --nocapture
+fi
 run bench-gpu "$BIN" bench gpu
 run bench-h2d "$BIN" bench h2d --size-mb 256
 

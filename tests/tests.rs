@@ -6,6 +6,7 @@ mod checkpoint;
 mod checkpoint_process;
 mod cli;
 mod config;
+mod cuda;
 mod default_run;
 mod estimate;
 mod hf_reference;

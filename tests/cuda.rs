@@ -1,0 +1,142 @@
+//! The CUDA side against the CPU side, on a GPU machine. Every test here prints why it
+//! skipped where torch sees no GPU (CI, the development machine); on a GPU machine they
+//! run from the stripped test binary (README, "On a GPU").
+
+use serde_json::json;
+use std::sync::Arc;
+use tch::{Device, Kind, Tensor};
+use tierzero::comm::nccl::{self, Nccl};
+use tierzero::comm::ReduceOp;
+use tierzero::config::{from_json, DeviceFacts, Plan};
+use tierzero::device::cuda::{self, Cuda};
+use tierzero::zero::trainer::{train, TrainOptions};
+use tierzero_offload::host::AlignedBuf;
+use tierzero_offload::pool::HostRegister;
+
+fn gpu() -> bool {
+    let ok = tch::Cuda::is_available() && cuda::driver().is_ok();
+    if !ok {
+        eprintln!("skipped: torch sees no GPU here");
+    }
+    ok
+}
+
+#[test]
+fn pinned_copies_round_trip_on_the_copy_streams_with_timed_events() {
+    if !gpu() {
+        return;
+    }
+    let cuda = Cuda::open(0).unwrap();
+    let n = 32 << 20;
+    let mut src = AlignedBuf::<u8>::zeroed(n).unwrap();
+    for (i, b) in src.iter_mut().enumerate() {
+        *b = (i % 253) as u8;
+    }
+    let mut back = AlignedBuf::<u8>::zeroed(n).unwrap();
+    let pin = cuda.pinner();
+    let (cs, cb) = (src.capacity_bytes(), back.capacity_bytes());
+    pin.register(src.as_mut_ptr(), cs).unwrap();
+    pin.register(back.as_mut_ptr(), cb).unwrap();
+    let dev = Tensor::zeros([n as i64], (Kind::Uint8, Device::Cuda(0)));
+    let addr = tierzero::torch::shim::device_ptr(&dev).unwrap();
+    let (start, end) = (cuda.timed_event().unwrap(), cuda.timed_event().unwrap());
+    start.record(&cuda.h2d).unwrap();
+    // SAFETY: `dev` holds n bytes; both buffers outlive the synchronize below.
+    unsafe {
+        cuda.copy_h2d(addr, &src[..n], &cuda.h2d).unwrap();
+        cuda.order(&cuda.h2d, &cuda.d2h).unwrap();
+        cuda.copy_d2h(&mut back[..n], addr, &cuda.d2h).unwrap();
+    }
+    end.record(&cuda.d2h).unwrap();
+    let seconds = cuda::elapsed(&start, &end).unwrap();
+    assert!(seconds > 0.0);
+    assert!(src[..n] == back[..n]);
+    // torch's compute stream orders after our copy stream too
+    let compute = cuda.compute_stream().unwrap();
+    cuda.order(&cuda.h2d, &compute).unwrap();
+    assert_eq!(
+        dev.sum(Kind::Int64).int64_value(&[]),
+        src[..n].iter().map(|&b| b as i64).sum::<i64>()
+    );
+    pin.unregister(src.as_mut_ptr(), cs);
+    pin.unregister(back.as_mut_ptr(), cb);
+    println!("pinned H2D + D2H of {} MiB: {:.2} ms", n >> 20, seconds * 1e3);
+}
+
+#[test]
+fn one_rank_nccl_collectives_on_device_memory() {
+    if !gpu() {
+        return;
+    }
+    let cuda = Arc::new(Cuda::open(0).unwrap());
+    let comm = Nccl::init(cuda, &nccl::unique_id().unwrap(), 1, 0).unwrap();
+    for kind in [Kind::Float, Kind::BFloat16] {
+        let x = Tensor::arange(1000, (kind, Device::Cuda(0)));
+        let mut out = Tensor::zeros([1000], (kind, Device::Cuda(0)));
+        comm.all_gather_tensor(&x, &mut out).unwrap();
+        assert_eq!(out, x);
+        let mut out = Tensor::zeros([1000], (kind, Device::Cuda(0)));
+        comm.reduce_scatter_tensor(&x, &mut out, ReduceOp::Sum).unwrap();
+        assert_eq!(out, x);
+        let mut y = x.copy();
+        comm.all_reduce_tensor(&mut y, ReduceOp::Avg).unwrap();
+        comm.broadcast_tensor(&mut y, 0).unwrap();
+        assert_eq!(y, x);
+    }
+    // the host-buffer Collective stages through the GPU
+    use tierzero::comm::Collective;
+    let mut host = [1.5f32, 2.5];
+    comm.all_reduce(&mut host, ReduceOp::Sum).unwrap();
+    assert_eq!(host, [1.5, 2.5]);
+}
+
+fn tiny(accelerator: &str, param: &str, optimizer: &str, precision: &str, dir: &std::path::Path) -> Plan {
+    let config = json!({
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "optimizer": { "type": "AdamW", "params": { "lr": 3e-3, "weight_decay": 0.01 } },
+        "bf16": { "enabled": precision == "bf16" },
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": { "device": param, "nvme_path": dir.join("params") },
+            "offload_optimizer": { "device": optimizer, "nvme_path": dir.join("optimizer") }
+        },
+        "model": { "preset": "llama-tiny" },
+        "data": { "synthetic": "markov", "seq_len": 64 },
+        "train": { "steps": 20, "devices": 1, "seed": 5, "accelerator": accelerator }
+    });
+    from_json(config, &[], DeviceFacts::detect()).unwrap().plan
+}
+
+fn losses(plan: &Plan) -> Vec<f64> {
+    train(plan, TrainOptions::default())
+        .unwrap()
+        .steps
+        .iter()
+        .map(|m| m.loss)
+        .collect()
+}
+
+#[test]
+fn tiny_llama_on_cuda_follows_the_cpu_run() {
+    if !gpu() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for (param, optimizer) in [("cpu", "cpu"), ("nvme", "nvme")] {
+        for (precision, tolerance) in [("fp32", 1e-3), ("bf16", 2e-2)] {
+            let cpu = losses(&tiny("cpu", param, optimizer, precision, &tmp.path().join("a")));
+            let gpu = losses(&tiny("cuda", param, optimizer, precision, &tmp.path().join("b")));
+            let worst = cpu
+                .iter()
+                .zip(&gpu)
+                .map(|(a, b)| (a - b).abs() / a.abs())
+                .fold(0.0, f64::max);
+            println!(
+                "{param}/{optimizer} {precision}: cpu {cpu:?}\n  cuda {gpu:?}\n  worst relative {worst:.2e}"
+            );
+            assert!(worst < tolerance, "{param}/{optimizer} {precision}: {worst}");
+        }
+    }
+}
