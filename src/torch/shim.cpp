@@ -4,6 +4,7 @@
 // returns -1 with the message in `err` (never throws across the C boundary).
 // Tensors are passed as `at::Tensor*`, the same handles tch uses (torch_api.h).
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -19,6 +20,13 @@ int fail(char* err, size_t n, const char* what) {
     err[n - 1] = '\0';
   }
   return -1;
+}
+// The accelerator's type, with its runtime (and caching allocator) initialised: the
+// allocator statistics refuse a device until the first tensor there would have done it.
+c10::DeviceType ready_accelerator() {
+  c10::DeviceType type = at::accelerator::getAccelerator(true).value();
+  at::globalContext().lazyInitDevice(type);
+  return type;
 }
 }  // namespace
 
@@ -39,8 +47,7 @@ extern "C" {
 // `device_index`. A null handle is the legacy default stream, a valid value.
 int tz_current_stream(int device_index, void** out, char* err, size_t n) {
   TZ_TRY
-  auto acc = at::accelerator::getAccelerator(true);
-  (void)acc;
+  ready_accelerator();
   c10::Stream s = at::accelerator::getCurrentStream(static_cast<c10::DeviceIndex>(device_index));
   *out = reinterpret_cast<void*>(s.native_handle());
   TZ_CATCH
@@ -49,6 +56,7 @@ int tz_current_stream(int device_index, void** out, char* err, size_t n) {
 // Waits for all work on accelerator `device_index`.
 int tz_synchronize(int device_index, char* err, size_t n) {
   TZ_TRY
+  ready_accelerator();
   at::accelerator::synchronizeDevice(static_cast<c10::DeviceIndex>(device_index));
   TZ_CATCH
 }
@@ -81,6 +89,7 @@ int tz_grad(at::Tensor** outputs, at::Tensor** grad_outputs, int n_out, at::Tens
 // bytes, current and peak since the last reset.
 int tz_memory_stats(int device_index, int64_t* out4, char* err, size_t n) {
   TZ_TRY
+  ready_accelerator();
   auto stats = at::accelerator::getDeviceStats(static_cast<c10::DeviceIndex>(device_index));
   const size_t all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
   out4[0] = stats.allocated_bytes[all].current;
@@ -92,6 +101,7 @@ int tz_memory_stats(int device_index, int64_t* out4, char* err, size_t n) {
 
 int tz_reset_peak(int device_index, char* err, size_t n) {
   TZ_TRY
+  ready_accelerator();
   at::accelerator::resetPeakStats(static_cast<c10::DeviceIndex>(device_index));
   TZ_CATCH
 }
