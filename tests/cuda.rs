@@ -39,6 +39,9 @@ fn pinned_copies_round_trip_on_the_copy_streams_with_timed_events() {
     pin.register(back.as_mut_ptr(), cb).unwrap();
     let dev = Tensor::zeros([n as i64], (Kind::Uint8, Device::Cuda(0)));
     let addr = tierzero::torch::shim::device_ptr(&dev).unwrap();
+    // torch zeroed `dev` on its own stream: our copy stream waits for that first
+    let compute = cuda.compute_stream().unwrap();
+    cuda.order(&compute, &cuda.h2d).unwrap();
     let (start, end) = (cuda.timed_event().unwrap(), cuda.timed_event().unwrap());
     start.record(&cuda.h2d).unwrap();
     // SAFETY: `dev` holds n bytes; both buffers outlive the synchronize below.
@@ -51,8 +54,7 @@ fn pinned_copies_round_trip_on_the_copy_streams_with_timed_events() {
     let seconds = cuda::elapsed(&start, &end).unwrap();
     assert!(seconds > 0.0);
     assert!(src[..n] == back[..n]);
-    // torch's compute stream orders after our copy stream too
-    let compute = cuda.compute_stream().unwrap();
+    // and torch's stream waits for our copy before reading `dev`
     cuda.order(&cuda.h2d, &compute).unwrap();
     assert_eq!(
         dev.sum(Kind::Int64).int64_value(&[]),
