@@ -65,6 +65,35 @@ fn stage3_prefetch_memory_is_predicted() {
     }
 }
 
+/// `stage3_max_live_parameters` caps what is gathered at once (in use plus prefetched):
+/// the peak falls with it, the prediction follows, and the training math does not change.
+#[test]
+fn max_live_parameters_caps_the_gathered_units() {
+    let mut peaks = Vec::new();
+    let mut losses = Vec::new();
+    for max_live in ["1000000000", "150000", "1"] {
+        let sets = [
+            "zero_optimization.stage3_param_persistence_threshold=0".to_string(),
+            "zero_optimization.stage3_prefetch_bucket_size=50000000".to_string(),
+            format!("zero_optimization.stage3_max_live_parameters={max_live}"),
+        ];
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let p = plan(2, 3, "none", &sets);
+        let predicted = predict(&p).total as f64;
+        let result = train(&p, TrainOptions::default()).unwrap();
+        let peak = *result.device_peaks.iter().max().unwrap();
+        let error = (peak as f64 - predicted).abs() / predicted;
+        assert!(
+            error <= 0.10,
+            "max_live {max_live}: measured {peak}, predicted {predicted}"
+        );
+        peaks.push(peak);
+        losses.push(result.steps.iter().map(|m| m.loss.to_bits()).collect::<Vec<_>>());
+    }
+    assert!(peaks[0] > peaks[1] && peaks[1] > peaks[2], "{peaks:?}");
+    assert!(losses.windows(2).all(|w| w[0] == w[1]));
+}
+
 #[test]
 fn stage3_memory_per_rank_shrinks_with_the_world_size() {
     let peaks: Vec<u64> = (1..=4)

@@ -33,7 +33,6 @@ use std::path::Path;
 /// Keys this build parses and validates but whose behaviour is not implemented yet.
 /// A config that sets one hears about it at start-up.
 pub const NOT_YET_ACTED: &[&str] = &[
-    "zero_optimization.stage3_max_live_parameters",
     "zero_optimization.offload_param.buffer_count",
     "zero_optimization.offload_param.buffer_size",
     "zero_optimization.offload_param.max_in_cpu",

@@ -9,7 +9,7 @@
 //! not counted, as DeepSpeed's estimator does not count them.
 
 use super::partition::Partition;
-use super::prefetch::{may_request, schedule, Phase};
+use super::prefetch::{may_request, schedule, Limits, Phase};
 use crate::config::plan::{Plan, Tier};
 use serde::Serialize;
 
@@ -96,7 +96,11 @@ fn replay(
     micro_batches: usize,
 ) -> u64 {
     let threshold = plan.zero.param_persistence_threshold;
-    let bucket = plan.zero.prefetch_bucket_size;
+    let limits = Limits {
+        bucket: plan.zero.prefetch_bucket_size,
+        max_live: plan.zero.max_live_parameters,
+        persistence_threshold: threshold,
+    };
     let gathered = |u: usize| elem * parts[u].padded as u64;
     let last = parts.len() - 1;
     let tied = plan.model.config.tie_word_embeddings;
@@ -110,7 +114,9 @@ fn replay(
         let mut requested = 0usize;
         let mut outstanding = 0u64;
         let mut in_use = 0u64;
+        let mut in_use_numel = 0usize;
         let fill = |received: usize,
+                    in_use_numel: usize,
                     requested: &mut usize,
                     outstanding: &mut u64,
                     kept_bytes: &mut u64,
@@ -120,7 +126,13 @@ fn replay(
                     .iter()
                     .map(|&(v, _)| parts[v].numel)
                     .sum();
-                if !may_request(*requested - received, ahead, parts[next].numel, bucket) {
+                if !may_request(
+                    *requested - received,
+                    ahead,
+                    parts[next].numel,
+                    in_use_numel,
+                    limits,
+                ) {
                     break;
                 }
                 if stale[next] {
@@ -135,6 +147,7 @@ fn replay(
         for (received, &(u, phase)) in order.iter().enumerate() {
             fill(
                 received,
+                in_use_numel,
                 &mut requested,
                 &mut outstanding,
                 &mut kept_bytes,
@@ -146,9 +159,11 @@ fn replay(
                 kept_bytes += gathered(u);
             } else {
                 in_use += gathered(u);
+                in_use_numel += parts[u].numel;
             }
             fill(
                 received + 1,
+                in_use_numel,
                 &mut requested,
                 &mut outstanding,
                 &mut kept_bytes,
@@ -162,6 +177,7 @@ fn replay(
             // the final unit stays in use until the tied embedding joins it
             if !(phase == Phase::Final && tied) {
                 in_use = 0;
+                in_use_numel = 0;
             }
         }
     }

@@ -54,10 +54,28 @@ pub fn schedule(units: usize, tied: bool, persistent: impl Fn(usize) -> bool) ->
     order
 }
 
+/// How far ahead to gather: `stage3_prefetch_bucket_size` elements outstanding, and
+/// `stage3_max_live_parameters` elements gathered at once (in use plus outstanding);
+/// units of at most `persistence_threshold` elements stay gathered and do not count.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub bucket: usize,
+    pub max_live: usize,
+    pub persistence_threshold: usize,
+}
+
 /// Whether to ask for one more unit now: always when nothing is outstanding (the unit
-/// needed next), otherwise while the outstanding elements stay within the bucket.
-pub fn may_request(outstanding: usize, outstanding_numel: usize, next_numel: usize, bucket: usize) -> bool {
-    outstanding == 0 || outstanding_numel + next_numel <= bucket
+/// needed next), otherwise while the outstanding elements stay within the bucket and the
+/// live ones (`in_use` + outstanding) within `max_live`.
+pub fn may_request(
+    outstanding: usize,
+    outstanding_numel: usize,
+    next_numel: usize,
+    in_use: usize,
+    limits: Limits,
+) -> bool {
+    let ahead = outstanding_numel + next_numel;
+    outstanding == 0 || (ahead <= limits.bucket && in_use + ahead <= limits.max_live)
 }
 
 /// A unit to gather: its in-memory shard, or None to read it from the parameter store.
@@ -132,7 +150,12 @@ pub struct Prefetcher {
     schedule: Vec<(usize, Phase)>,
     numels: Vec<usize>,
     padded_bytes: Vec<u64>,
-    bucket: usize,
+    /// Units that stay gathered once fetched (not counted as in use).
+    persistent: Vec<bool>,
+    limits: Limits,
+    /// Elements of the units the compute thread holds (the one it computes with, and
+    /// the final unit while the tied embedding joins it).
+    in_use: usize,
     requests: Option<Sender<Request>>,
     responses: Receiver<Response>,
     requested: usize,
@@ -148,7 +171,7 @@ impl Prefetcher {
         schedule: Vec<(usize, Phase)>,
         parts: &[Partition],
         elem_bytes: usize,
-        bucket: usize,
+        limits: Limits,
         device: Arc<CpuDevice>,
         (requests, responses): (Sender<Request>, Receiver<Response>),
         track: Track,
@@ -157,7 +180,12 @@ impl Prefetcher {
             schedule,
             numels: parts.iter().map(|p| p.numel).collect(),
             padded_bytes: parts.iter().map(|p| (p.padded * elem_bytes) as u64).collect(),
-            bucket,
+            persistent: parts
+                .iter()
+                .map(|p| p.numel <= limits.persistence_threshold)
+                .collect(),
+            limits,
+            in_use: 0,
             requests: Some(requests),
             responses,
             requested: 0,
@@ -183,7 +211,13 @@ impl Prefetcher {
                 .iter()
                 .map(|&(u, _)| self.numels[u])
                 .sum();
-            if !may_request(outstanding, outstanding_numel, self.numels[unit], self.bucket) {
+            if !may_request(
+                outstanding,
+                outstanding_numel,
+                self.numels[unit],
+                self.in_use,
+                self.limits,
+            ) {
                 return Ok(());
             }
             // installing a pending update first drops the unit's old gathered copy
@@ -215,6 +249,11 @@ impl Prefetcher {
         expected: usize,
         shard: &mut dyn FnMut(usize) -> Result<Option<LowParams>, EngineError>,
     ) -> Result<(LowParams, Reservation), EngineError> {
+        // the compute thread released the previous unit, except the final one while the
+        // tied embedding joins it
+        if self.schedule.get(self.received).map(|s| s.1) != Some(Phase::Tied) {
+            self.in_use = 0;
+        }
         self.fill(shard)?;
         let start = Instant::now();
         let response = self.responses.recv().map_err(|_| self.stopped())?;
@@ -231,6 +270,9 @@ impl Prefetcher {
             rank: 0,
             message: "prefetch accounting".into(),
         })?;
+        if !self.persistent[unit] {
+            self.in_use += self.numels[unit];
+        }
         // keep the pipeline full while this unit computes
         self.fill(shard)?;
         Ok((full, hold))

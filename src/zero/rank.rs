@@ -662,7 +662,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             order,
             &parts,
             self.plan.precision.bytes(),
-            self.plan.zero.prefetch_bucket_size,
+            prefetch::Limits {
+                bucket: self.plan.zero.prefetch_bucket_size,
+                max_live: self.plan.zero.max_live_parameters,
+                persistence_threshold: threshold,
+            },
             self.device.clone(),
             (request_tx, response_rx),
             self.tracks.compute.clone(),
