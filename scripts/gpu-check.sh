@@ -8,7 +8,11 @@
 # runs: bench gpu, bench h2d, the tiny Llama on CPU and on CUDA (stage 3; params and
 # optimizer on cpu, then on nvme) with a loss comparison, the 1B Llama (tokens/s, MFU,
 # peak GPU memory), and bench memory on the GPU. Every result lands in OUT_DIR.
+# PARTS="tests bench tiny big memory" (the default: all) picks parts, so a run that would
+# exceed one command's time limit can be split over several calls.
 set -uo pipefail
+PARTS=${PARTS:-tests bench tiny big memory}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 BIN=$(realpath "${1:?usage: gpu-check.sh BINARY OUT_DIR}")
 OUT=$(realpath -m "${2:?usage: gpu-check.sh BINARY OUT_DIR}")
 mkdir -p "$OUT"
@@ -39,12 +43,14 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/nvidia-smi.txt" 2>&1
 $PY -c "import torch; print(torch.__version__, torch.cuda.is_available())" >>"$OUT/nvidia-smi.txt" 2>&1
 TESTS="$(dirname "$BIN")/tests"
-if [ -x "$TESTS" ]; then
+if part tests && [ -x "$TESTS" ]; then
   mkdir -p "$(dirname "$TESTS")/nccl"
   run cuda-tests "$TESTS" cuda:: --test-threads 1 --nocapture
 fi
-run bench-gpu "$BIN" bench gpu
-run bench-h2d "$BIN" bench h2d --size-mb 256
+if part bench; then
+  run bench-gpu "$BIN" bench gpu
+  run bench-h2d "$BIN" bench h2d --size-mb 256
+fi
 
 tiny() { # name, accelerator, param tier, optimizer tier
   "$BIN" train --config configs/default.json --devices 1 \
@@ -64,7 +70,7 @@ worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
 print(f"   {len(a)} steps: cpu {a[0]:.4f} -> {a[-1]:.4f}, cuda {b[0]:.4f} -> {b[-1]:.4f}, max relative loss difference {worst:.2e} ({'within' if worst < 2e-2 else 'OUTSIDE'} bf16 tolerance 2e-2)")
 PYEOF
 }
-for tiers in "cpu cpu" "nvme nvme"; do
+part tiny && for tiers in "cpu cpu" "nvme nvme"; do
   set -- $tiers
   run "tiny-$1-cpu" tiny "tiny-$1-cpu" cpu "$1" "$2"
   run "tiny-$1-cuda" tiny "tiny-$1-cuda" cuda "$1" "$2"
@@ -79,10 +85,12 @@ big() { # name, config
     --set zero_optimization.offload_param.nvme_path="$WORK/$1/nvme" \
     --set zero_optimization.offload_optimizer.nvme_path="$WORK/$1/nvme"
 }
-run llama-1b-cpu big llama-1b-cpu configs/llama-1b-1gpu-cpu.json
-cp "$WORK/llama-1b-cpu/summary.json" "$OUT/llama-1b-cpu-summary.json" 2>/dev/null
-run llama-1b-nvme big llama-1b-nvme configs/llama-1b-1gpu-nvme.json
-cp "$WORK/llama-1b-nvme/summary.json" "$OUT/llama-1b-nvme-summary.json" 2>/dev/null
-run bench-memory "$BIN" bench memory --config configs/default.json --devices 1 --stages 0,3 \
+if part big; then
+  run llama-1b-cpu big llama-1b-cpu configs/llama-1b-1gpu-cpu.json
+  cp "$WORK/llama-1b-cpu/summary.json" "$OUT/llama-1b-cpu-summary.json" 2>/dev/null
+  run llama-1b-nvme big llama-1b-nvme configs/llama-1b-1gpu-nvme.json
+  cp "$WORK/llama-1b-nvme/summary.json" "$OUT/llama-1b-nvme-summary.json" 2>/dev/null
+fi
+part memory && run bench-memory "$BIN" bench memory --config configs/default.json --devices 1 --stages 0,3 \
   --set train.output_dir="$WORK/memory" --set zero_optimization.offload_optimizer.nvme_path="$WORK/memory/nvme"
 log done
