@@ -36,6 +36,13 @@ struct ConfigArgs {
     /// Number of ranks on this machine (same as `--set train.devices=N`).
     #[arg(long)]
     devices: Option<usize>,
+    #[command(flatten)]
+    launch: LaunchArgs,
+}
+
+/// Where this process sits in a multi-process run.
+#[derive(Args, Clone)]
+struct LaunchArgs {
     /// Processes (nodes) of a multi-process run (`train.nnodes`); without it, torchrun's
     /// WORLD_SIZE/RANK/LOCAL_RANK/MASTER_ADDR/MASTER_PORT are used when set.
     #[arg(long)]
@@ -115,14 +122,8 @@ enum Command {
     /// Check a multi-node launch: every node reaches node 0 and gets the same NCCL id.
     /// Takes torchrun's WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT when no --nnodes is given.
     Rendezvous {
-        #[arg(long)]
-        nnodes: Option<usize>,
-        #[arg(long)]
-        node_rank: Option<usize>,
-        #[arg(long)]
-        master_addr: Option<String>,
-        #[arg(long)]
-        master_port: Option<u16>,
+        #[command(flatten)]
+        launch: LaunchArgs,
         /// Ranks (GPUs) on each node.
         #[arg(long, default_value_t = 1)]
         devices: usize,
@@ -334,7 +335,7 @@ fn load_config(args: &ConfigArgs) -> Result<Loaded, ConfigError> {
     if let Some(n) = args.devices {
         sets.push(format!("train.devices={n}"));
     }
-    launch_sets(args, &mut sets)?;
+    launch_sets(&args.launch, &mut sets)?;
     let loaded = config::load(&args.config, &sets, DeviceFacts::detect())?;
     for warning in &loaded.warnings {
         tracing::warn!("{warning}");
@@ -343,7 +344,7 @@ fn load_config(args: &ConfigArgs) -> Result<Loaded, ConfigError> {
 }
 
 /// The launch flags as `--set`s, or torchrun's environment when no `--nnodes` is given.
-fn launch_sets(args: &ConfigArgs, sets: &mut Vec<String>) -> Result<(), ConfigError> {
+fn launch_sets(args: &LaunchArgs, sets: &mut Vec<String>) -> Result<(), ConfigError> {
     let flags = [
         ("nnodes", args.nnodes.map(|v| v.to_string())),
         ("node_rank", args.node_rank.map(|v| v.to_string())),
@@ -689,20 +690,17 @@ fn run(cli: Cli) -> Result<(), Failure> {
             Ok(())
         }
         Command::Rendezvous {
-            nnodes,
-            node_rank,
-            master_addr,
-            master_port,
+            launch: l,
             devices,
             timeout,
             json,
         } => {
             use tierzero::comm::launch;
             let flags = launch::LaunchFlags {
-                nnodes,
-                node_rank,
-                master_addr,
-                master_port,
+                nnodes: l.nnodes,
+                node_rank: l.node_rank,
+                master_addr: l.master_addr,
+                master_port: l.master_port,
                 devices,
             };
             let topo = launch::topology(&flags, |k| std::env::var(k).ok()).map_err(|e| anyhow::anyhow!(e))?;

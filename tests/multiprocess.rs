@@ -3,56 +3,24 @@
 //! byte-identical checkpoints. A node that dies takes the run down with the cause
 //! instead of leaving the others waiting.
 
-use std::net::TcpListener;
+use crate::launch::{free_port, spawn_node};
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
-
-fn free_port() -> u16 {
-    // the run uses this port and the next
-    loop {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
-            return port;
-        }
-    }
-}
+use std::process::{Child, Output};
 
 fn train(dir: &Path, extra: &[String], env: &[(&str, String)]) -> Child {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tierzero"));
-    cmd.args(["train", "--config", "configs/default.json"])
-        .args([
-            "--set",
-            "train.steps=8",
-            "--set",
-            "scheduler.params.warmup_num_steps=2",
-        ])
-        .args([
-            "--set",
-            "train.save_interval=4",
-            "--set",
-            "train.rendezvous_timeout=60",
-        ])
-        .arg("--set")
-        .arg(format!("train.output_dir={}", dir.display()))
-        .arg("--set")
-        .arg(format!(
-            "zero_optimization.offload_optimizer.nvme_path={}",
-            dir.join("nvme").display()
-        ))
-        .args(extra);
-    for k in ["WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
-        cmd.env_remove(k);
-    }
-    cmd.envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+    let mut args = args(
+        "train --config configs/default.json --set train.steps=8 --set scheduler.params.warmup_num_steps=2 \
+         --set train.save_interval=4 --set train.rendezvous_timeout=60",
+    );
+    args.push("--set".into());
+    args.push(format!("train.output_dir={}", dir.display()));
+    args.push("--set".into());
+    args.push(format!(
+        "zero_optimization.offload_optimizer.nvme_path={}",
+        dir.join("nvme").display()
+    ));
+    args.extend_from_slice(extra);
+    spawn_node(&args, env, "warn")
 }
 
 fn ok(out: Output) -> Output {

@@ -2,29 +2,14 @@
 //! id; a duplicate node rank, a different world and a missing node are errors that every
 //! process reports with the cause; torchrun's environment works like the flags.
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Output, Stdio};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use crate::launch::{free_port, spawn_node};
+use std::process::{Child, Output};
 
 fn spawn(args: &[String], env: &[(&str, String)]) -> Child {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tierzero"));
-    cmd.arg("rendezvous").args(args).arg("--json");
-    for k in ["WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
-        cmd.env_remove(k);
-    }
-    cmd.envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+    let mut all = vec!["rendezvous".to_string()];
+    all.extend_from_slice(args);
+    all.push("--json".into());
+    spawn_node(&all, env, "error")
 }
 
 fn node(port: u16, nnodes: usize, rank: usize, timeout: u64) -> Child {
