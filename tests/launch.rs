@@ -18,6 +18,17 @@ pub fn free_port() -> u16 {
     }
 }
 
+/// torchrun's variables for rank `rank` of `world` processes on this machine.
+pub fn torchrun_env(world: usize, rank: usize, port: u16) -> [(&'static str, String); 5] {
+    [
+        ("WORLD_SIZE", world.to_string()),
+        ("RANK", rank.to_string()),
+        ("LOCAL_RANK", "0".to_string()),
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", port.to_string()),
+    ]
+}
+
 /// Starts `tierzero ARGS` with `env` as its only torchrun variables, output captured.
 pub fn spawn_node(args: &[String], env: &[(&str, String)], log: &str) -> Child {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tierzero"));

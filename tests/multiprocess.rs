@@ -3,7 +3,7 @@
 //! byte-identical checkpoints. A node that dies takes the run down with the cause
 //! instead of leaving the others waiting.
 
-use crate::launch::{free_port, spawn_node};
+use crate::launch::{free_port, spawn_node, torchrun_env};
 use std::path::Path;
 use std::process::{Child, Output};
 
@@ -101,13 +101,7 @@ fn torchrun_environment_launches_the_same_run() {
     let port = free_port();
     let nodes: Vec<Child> = (0..2)
         .map(|r| {
-            let env = [
-                ("WORLD_SIZE", "2".to_string()),
-                ("RANK", r.to_string()),
-                ("LOCAL_RANK", "0".to_string()),
-                ("MASTER_ADDR", "127.0.0.1".to_string()),
-                ("MASTER_PORT", port.to_string()),
-            ];
+            let env = torchrun_env(2, r, port);
             train(&two, &args(tiers), &env)
         })
         .collect();

@@ -2,7 +2,7 @@
 //! id; a duplicate node rank, a different world and a missing node are errors that every
 //! process reports with the cause; torchrun's environment works like the flags.
 
-use crate::launch::{free_port, spawn_node};
+use crate::launch::{free_port, spawn_node, torchrun_env};
 use std::process::{Child, Output};
 
 fn spawn(args: &[String], env: &[(&str, String)]) -> Child {
@@ -54,13 +54,7 @@ fn torchrun_environment_is_a_rendezvous_too() {
     let port = free_port();
     let children: Vec<Child> = (0..2)
         .map(|r| {
-            let env = [
-                ("WORLD_SIZE", "2".to_string()),
-                ("RANK", r.to_string()),
-                ("LOCAL_RANK", "0".to_string()),
-                ("MASTER_ADDR", "127.0.0.1".to_string()),
-                ("MASTER_PORT", port.to_string()),
-            ];
+            let env = torchrun_env(2, r, port);
             spawn(&["--timeout".into(), "30".into()], &env)
         })
         .collect();
