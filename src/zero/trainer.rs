@@ -284,6 +284,11 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
         write_outputs: options.write_outputs && plan.train.launch.node_rank == 0,
         ..options
     };
+    if options.collect_master && plan.train.launch.nnodes > 1 {
+        return Err(TrainError::Invalid(
+            "collecting the master weights needs every rank in this process; run on one node".into(),
+        ));
+    }
     let prepared = Prepared::new(plan, options.resume)?;
     let first_step = prepared.start.first_step();
     if let (Some(c), true) = (prepared.start.checkpoint(), options.write_outputs) {
