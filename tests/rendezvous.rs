@@ -94,7 +94,7 @@ fn a_different_world_fails_every_process_with_the_cause() {
 #[test]
 fn a_missing_node_is_named_when_the_timeout_expires() {
     let port = free_port();
-    let children = vec![node(port, 3, 0, 2), node(port, 3, 2, 2)];
+    let children = vec![node(port, 3, 0, 2), node(port, 3, 2, 30)];
     let outs = finish(children);
     let e = failure(&outs[0]);
     assert!(e.contains("timed out") && e.contains("node rank(s) 1"), "{e}");
