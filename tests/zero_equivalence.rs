@@ -158,3 +158,18 @@ fn concurrent_optimizer_equals_blocking_bit_for_bit() {
         );
     }
 }
+
+/// `overlap_comm` moves the per-unit reduce-scatters to the reducer thread; the shards
+/// are added in the order they were sent, so the parameters are the blocking path's bits.
+#[test]
+fn overlapped_gradient_reduction_equals_the_inline_one_bit_for_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    for stage in [2u8, 3] {
+        let mut p = plan(3, stage, "none", "cpu", 2, tmp.path(), "fp32");
+        p.zero.overlap_comm = true;
+        let overlapped = master(&p);
+        p.zero.overlap_comm = false;
+        let inline = master(&p);
+        assert!(overlapped == inline, "stage {stage}");
+    }
+}

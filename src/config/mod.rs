@@ -36,7 +36,6 @@ pub const NOT_YET_ACTED: &[&str] = &[
     "zero_optimization.offload_param.buffer_count",
     "zero_optimization.offload_param.buffer_size",
     "zero_optimization.offload_param.max_in_cpu",
-    "zero_optimization.overlap_comm",
     "zero_optimization.contiguous_gradients",
     "zero_optimization.reduce_scatter",
     "zero_optimization.allgather_partitions",

@@ -187,12 +187,12 @@ fn build_launch(t: &TrainSection) -> Result<Launch, ConfigError> {
     let port = count("train.master_port", t.master_port, 29500)?;
     let master_port = u16::try_from(port)
         .ok()
-        .filter(|p| *p > 0 && *p < u16::MAX)
+        .filter(|p| *p > 0 && *p < u16::MAX - 1)
         .ok_or_else(|| {
             ConfigError::invalid(
                 "train.master_port",
                 format!("{port} is not a port"),
-                "use 1..65534 (it and the next port are used)",
+                "use 1..65533 (it and the next two ports are used)",
             )
         })?;
     Ok(Launch {

@@ -16,7 +16,8 @@ use serde_json::json;
 use std::io::Write;
 use std::path::Path;
 
-const TRACKS: [&str; 5] = ["compute", "prefetch", "optimizer", "nvme read", "nvme write"];
+/// One trace thread per track, in this order (the names `zero::rank::Tracks` gives).
+const TRACKS: [&str; 6] = ["compute", "prefetch", "optimizer", "nvme read", "nvme write", "reduce"];
 
 /// Writes every span of `timeline` to `path`.
 pub fn write_trace(path: &Path, timeline: &Timeline) -> std::io::Result<()> {

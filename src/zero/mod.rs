@@ -15,6 +15,7 @@ pub mod memory;
 pub mod partition;
 pub mod prefetch;
 pub mod rank;
+pub mod reduce;
 pub mod schedule;
 pub mod snapshot;
 pub mod start;

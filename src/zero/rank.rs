@@ -21,6 +21,7 @@
 
 use super::partition::Partition;
 use super::prefetch::{self, Prefetcher, Worker};
+use super::reduce::{self, Reducer};
 use super::schedule::{learning_rate, LossScaler};
 use super::start::Start;
 use crate::comm::{Collective, CommError, ReduceOp};
@@ -162,6 +163,25 @@ pub struct RankContext<'a> {
     pub overlap: bool,
 }
 
+/// A rank's communicators: the compute thread's, the prefetch worker's (stage-3
+/// gathers ahead of compute) and the reducer's (`overlap_comm` reduce-scatters). Each
+/// thread has its own, so their collectives never interleave.
+#[derive(Clone)]
+pub struct Comms<C> {
+    pub main: C,
+    pub gather: C,
+    pub reduce: C,
+}
+
+impl<C: Collective> Comms<C> {
+    /// Fails every rank's pending and future collectives on all three.
+    pub fn abort(&self, reason: &str) {
+        for c in [&self.main, &self.gather, &self.reduce] {
+            c.abort(reason);
+        }
+    }
+}
+
 /// The tracks of one rank's threads.
 #[derive(Clone, Default)]
 pub(super) struct Tracks {
@@ -170,6 +190,7 @@ pub(super) struct Tracks {
     pub optimizer: Track,
     pub nvme_read: Track,
     pub nvme_write: Track,
+    pub reduce: Track,
 }
 
 impl Tracks {
@@ -183,6 +204,7 @@ impl Tracks {
             optimizer: t.track(rank, "optimizer"),
             nvme_read: t.track(rank, "nvme read"),
             nvme_write: t.track(rank, "nvme write"),
+            reduce: t.track(rank, "reduce"),
         }
     }
 }
@@ -191,6 +213,10 @@ pub struct RankEngine<'a, C: Collective> {
     pub comm: C,
     /// The prefetch worker's communicator (stage-3 all-gathers ahead of compute).
     gather_comm: C,
+    /// The reducer's communicator (`overlap_comm`).
+    reduce_comm: C,
+    /// The reducer of the step in progress, when gradients are reduced off-thread.
+    reducer: Option<Reducer>,
     pub(super) plan: &'a Plan,
     pub(super) model: &'a Model,
     dataset: &'a Dataset,
@@ -248,11 +274,15 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// Builds this rank's state: each unit initialised (a pure function of the seed),
     /// sliced to what this rank keeps, and written to its tier.
     pub fn new(
-        comm: C,
-        gather_comm: C,
+        comms: Comms<C>,
         context: RankContext<'a>,
         device: Arc<CpuDevice>,
     ) -> Result<Self, EngineError> {
+        let Comms {
+            main: comm,
+            gather: gather_comm,
+            reduce: reduce_comm,
+        } = comms;
         let RankContext {
             plan,
             model,
@@ -400,6 +430,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         Ok(RankEngine {
             comm,
             gather_comm,
+            reduce_comm,
+            reducer: None,
             plan,
             model,
             dataset,
@@ -532,6 +564,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 torch::copy_to_f32(grad, &mut full[..n])
             })
             .map_err(self.torch_err())?;
+        if self.stage() >= 2 {
+            if let Some(reducer) = self.reducer.as_mut() {
+                reducer.send(reduce::Job { unit: u, full })?;
+                return self.absorb(false);
+            }
+        }
         let start = Instant::now();
         let _reduce = Recorded::new(&self.tracks.compute, Phase::Reduce, Some(u), start, 4 * n as u64);
         if self.stage() >= 2 {
@@ -548,6 +586,58 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         Ok(())
     }
 
+    /// Adds the reducer's finished shards to the accumulators, in the order they were
+    /// sent; with `wait`, every outstanding one.
+    fn absorb(&mut self, wait: bool) -> Result<(), EngineError> {
+        while let Some((u, mine)) = match self.reducer.as_mut() {
+            Some(r) => r.take(wait)?,
+            None => None,
+        } {
+            for (g, x) in self.units[u].grad.iter_mut().zip(mine) {
+                *g += x;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every micro-batch of the step, with the reducer on its own thread when gradients
+    /// are reduce-scattered per unit and `overlap_comm` asks for it. Returns the loss.
+    fn micro_batches(&mut self, step: u64, loss_scale: f64) -> Result<f64, EngineError> {
+        let plan = self.plan;
+        let world = self.comm.world();
+        let run = |engine: &mut Self| -> Result<f64, EngineError> {
+            let mut loss = 0.0;
+            for micro in 0..plan.batch.gradient_accumulation_steps {
+                let global_micro = (micro * world + engine.rank) as u64;
+                loss += engine.with_prefetch(|engine, prefetch| {
+                    engine.micro_batch(prefetch, step, global_micro, loss_scale)
+                })?;
+            }
+            engine.absorb(true)?;
+            Ok(loss)
+        };
+        if self.stage() < 2 || !self.overlap || !plan.zero.overlap_comm {
+            return run(self);
+        }
+        let (reducer, jobs, done) = Reducer::channels();
+        self.reducer = Some(reducer);
+        let comm = self.reduce_comm.clone();
+        let abort = self.reduce_comm.clone();
+        let track = self.tracks.reduce.clone();
+        std::thread::scope(|scope| {
+            let worker = scope.spawn(move || reduce::serve(comm, jobs, done, track));
+            let result = run(self);
+            if let Err(e) = &result {
+                abort.abort(&e.to_string());
+            }
+            if let Some(mut r) = self.reducer.take() {
+                r.close();
+            }
+            let _ = worker.join();
+            result
+        })
+    }
+
     /// One optimizer step: every micro-batch of this rank, then the update, which runs on
     /// a thread of `scope` when one is given (see [`Self::optimize`]).
     pub fn step<'s, 'e>(
@@ -559,19 +649,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         'a: 'e,
     {
         let plan = self.plan;
-        let gas = plan.batch.gradient_accumulation_steps;
-        let world = self.comm.world();
         for unit in &mut self.units {
             unit.grad.fill(0.0);
         }
-        let mut loss = 0.0;
         let loss_scale = self.scaler.scale;
-        for micro in 0..gas {
-            let global_micro = (micro * world + self.rank) as u64;
-            loss += self.with_prefetch(|engine, prefetch| {
-                engine.micro_batch(prefetch, step, global_micro, loss_scale)
-            })?;
-        }
+        let loss = self.micro_batches(step, loss_scale)?;
         // stages 0 and 1 all-reduce whole gradients once per step
         let reduce_start = Instant::now();
         if self.stage() <= 1 {

@@ -3,15 +3,16 @@
 //!
 //! One worker thread per local rank (DESIGN.md, "Processes and ranks"); the ranks share
 //! one swap store (one I/O engine per NVMe path) and the CPU cores are split between
-//! their libtorch intra-op threads. One process: the ranks talk through `Local`. Several
-//! (`train.nnodes`): node 0 runs two TCP hubs (the ranks' communicator and their prefetch
-//! communicator) and every rank connects to them; each node keeps its NVMe files under
-//! `<nvme_path>/node-<rank>`. A rank that fails or panics aborts the communicator, so
-//! every other rank, in any process, returns an error instead of hanging. Global rank 0
+//! their libtorch intra-op threads. Each rank has three communicators (`Comms`: compute,
+//! prefetch, reducer). One process: they are `Local`. Several (`train.nnodes`): node 0
+//! runs a TCP hub for each and every rank connects to them; each node keeps its NVMe
+//! files under `<nvme_path>/node-<rank>`. A rank that fails or panics aborts its
+//! communicators, so every other rank, in any process, returns an error instead of
+//! hanging. Global rank 0
 //! reports each step; its process writes `<output_dir>/metrics.jsonl` and the progress.
 
 use super::partition::Partition;
-use super::rank::{kind_for, EngineError, RankContext, RankEngine, StepReport};
+use super::rank::{kind_for, Comms, EngineError, RankContext, RankEngine, StepReport};
 use super::start::Start;
 use crate::checkpoint::{save, Checkpoint, CheckpointError};
 use crate::comm::local::Local;
@@ -345,22 +346,19 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     let outcomes: Vec<Result<RankOutcome, TrainError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
-            .map(|(comm, gather_comm)| {
+            .map(|comms| {
                 let tx = tx.clone();
                 let context = prepared.context(plan, Some(&timeline), !options.no_overlap);
                 std::thread::Builder::new()
-                    .name(format!("tierzero-rank-{}", comm.rank()))
+                    .name(format!("tierzero-rank-{}", comms.main.rank()))
                     .spawn_scoped(scope, move || {
-                        let guards = (comm.clone(), gather_comm.clone());
-                        let rank = comm.rank();
-                        let body = std::panic::AssertUnwindSafe(|| {
-                            run_rank((comm, gather_comm), context, &tx, options)
-                        });
+                        let guards = comms.clone();
+                        let rank = comms.main.rank();
+                        let body = std::panic::AssertUnwindSafe(|| run_rank(comms, context, &tx, options));
                         match std::panic::catch_unwind(body) {
                             Ok(Ok(master)) => Ok(master),
                             Ok(Err(e)) => {
-                                guards.0.abort(&format!("rank {rank} failed: {e}"));
-                                guards.1.abort(&format!("rank {rank} failed: {e}"));
+                                guards.abort(&format!("rank {rank} failed: {e}"));
                                 Err(e)
                             }
                             Err(panic) => {
@@ -369,8 +367,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                                     .cloned()
                                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                                     .unwrap_or_default();
-                                guards.0.abort(&format!("rank {rank} panicked: {message}"));
-                                guards.1.abort(&format!("rank {rank} panicked: {message}"));
+                                guards.abort(&format!("rank {rank} panicked: {message}"));
                                 Err(TrainError::Invalid(format!("rank {rank} panicked: {message}")))
                             }
                         }
@@ -542,26 +539,40 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     Ok(result)
 }
 
-/// A rank's communicator and its prefetch worker's.
-type RankComms = (Group, Group);
+/// Three `Local` groups for `world` ranks, as each rank's communicators.
+fn local_comms(world: usize) -> Vec<Comms<Local>> {
+    let mut groups = [Local::group(world), Local::group(world), Local::group(world)].map(Vec::into_iter);
+    (0..world)
+        .filter_map(|_| {
+            Some(Comms {
+                main: groups[0].next()?,
+                gather: groups[1].next()?,
+                reduce: groups[2].next()?,
+            })
+        })
+        .collect()
+}
 
-/// This process's ranks' two communicators each (collectives, prefetch gathers), and
-/// the hubs node 0 serves them from in a multi-process run.
-fn communicators(plan: &Plan) -> Result<(Vec<Hub>, Vec<RankComms>), TrainError> {
+/// This process's ranks' communicators, and the hubs node 0 serves them from in a
+/// multi-process run (one per communicator, on the master port and the next two).
+fn communicators(plan: &Plan) -> Result<(Vec<Hub>, Vec<Comms<Group>>), TrainError> {
     let world = plan.world_size;
     let launch = &plan.train.launch;
     if launch.nnodes == 1 {
-        let comms = Local::group(world)
+        let comms = local_comms(world)
             .into_iter()
-            .zip(Local::group(world))
-            .map(|(a, b)| (Group::Local(a), Group::Local(b)))
+            .map(|c| Comms {
+                main: Group::Local(c.main),
+                gather: Group::Local(c.gather),
+                reduce: Group::Local(c.reduce),
+            })
             .collect();
         return Ok((Vec::new(), comms));
     }
     let timeout = std::time::Duration::from_secs(launch.timeout_s);
     let addr = |g: u16| format!("{}:{}", launch.master_addr, launch.master_port + g);
     let hubs = if launch.node_rank == 0 {
-        (0..2)
+        (0..3)
             .map(|g| Hub::start(&addr(g), world, timeout))
             .collect::<Result<Vec<_>, _>>()
             .map_err(TrainError::Invalid)?
@@ -570,23 +581,28 @@ fn communicators(plan: &Plan) -> Result<(Vec<Hub>, Vec<RankComms>), TrainError> 
     };
     let mut comms = Vec::new();
     for rank in plan.train.local_ranks() {
-        let connect = |g| Tcp::connect(&addr(g), world, rank, timeout).map(Group::Tcp);
-        comms.push((
-            connect(0).map_err(EngineError::from)?,
-            connect(1).map_err(EngineError::from)?,
-        ));
+        let connect = |g| {
+            Tcp::connect(&addr(g), world, rank, timeout)
+                .map(Group::Tcp)
+                .map_err(EngineError::from)
+        };
+        comms.push(Comms {
+            main: connect(0)?,
+            gather: connect(1)?,
+            reduce: connect(2)?,
+        });
     }
     Ok((hubs, comms))
 }
 
 fn run_rank(
-    (comm, gather_comm): (Group, Group),
+    comms: Comms<Group>,
     context: RankContext<'_>,
     tx: &crossbeam_channel::Sender<RankMessage>,
     options: TrainOptions,
 ) -> Result<RankOutcome, TrainError> {
     let plan = context.plan;
-    let rank = comm.rank();
+    let rank = comms.main.rank();
     let device = CpuDevice::new(rank, plan.train.device_memory.unwrap_or(u64::MAX));
     let gpu = match plan.train.compute_device(rank) {
         tch::Device::Cuda(d) => Some(d),
@@ -596,7 +612,7 @@ fn run_rank(
     if let Some(d) = gpu {
         crate::torch::shim::reset_peak(d).map_err(gpu_err)?;
     }
-    let mut engine = RankEngine::new(comm, gather_comm, context, device)?;
+    let mut engine = RankEngine::new(comms, context, device)?;
     // the optimizer phase of each step runs on a thread of this scope, overlapping the
     // next step's forward
     std::thread::scope(|scope| -> Result<(), TrainError> {
@@ -668,17 +684,16 @@ pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
     let prepared = Prepared::new(plan, None)?;
     let world = plan.world_size;
     let losses: Vec<Result<f64, TrainError>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = Local::group(world)
+        let handles: Vec<_> = local_comms(world)
             .into_iter()
-            .zip(Local::group(world))
-            .map(|(comm, gather_comm)| {
+            .map(|comms| {
                 let context = prepared.context(plan, None, true);
                 scope.spawn(move || -> Result<f64, TrainError> {
-                    let guard = comm.clone();
+                    let guard = comms.clone();
                     let run = || -> Result<f64, TrainError> {
                         let device =
-                            CpuDevice::new(comm.rank(), plan.train.device_memory.unwrap_or(u64::MAX));
-                        let mut engine = RankEngine::new(comm, gather_comm, context, device)?;
+                            CpuDevice::new(comms.main.rank(), plan.train.device_memory.unwrap_or(u64::MAX));
+                        let mut engine = RankEngine::new(comms, context, device)?;
                         Ok(engine.eval(plan.train.eval_batches)?)
                     };
                     run().inspect_err(|e| guard.abort(&e.to_string()))
