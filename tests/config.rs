@@ -154,11 +154,11 @@ fn deepspeed_only_keys_are_accepted_and_listed_once() {
 
 #[test]
 fn parsed_but_unacted_keys_are_reported() {
-    let loaded = with(base(), &["zero_optimization.overlap_comm=true"]).unwrap();
+    let loaded = with(base(), &["zero_optimization.contiguous_gradients=true"]).unwrap();
     assert!(loaded
         .warnings
         .iter()
-        .any(|w| w.contains("zero_optimization.overlap_comm")));
+        .any(|w| w.contains("zero_optimization.contiguous_gradients")));
 }
 
 #[test]
