@@ -17,7 +17,14 @@ use std::io::Write;
 use std::path::Path;
 
 /// One trace thread per track, in this order (the names `zero::rank::Tracks` gives).
-const TRACKS: [&str; 6] = ["compute", "prefetch", "optimizer", "nvme read", "nvme write", "reduce"];
+const TRACKS: [&str; 6] = [
+    "compute",
+    "prefetch",
+    "optimizer",
+    "nvme read",
+    "nvme write",
+    "reduce",
+];
 
 /// Writes every span of `timeline` to `path`.
 pub fn write_trace(path: &Path, timeline: &Timeline) -> std::io::Result<()> {
