@@ -156,6 +156,7 @@ enum Command {
 enum ExportDtype {
     Fp32,
     Bf16,
+    Fp16,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -648,6 +649,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let dtype = match dtype {
                 ExportDtype::Fp32 => tierzero::model::hf::SaveDtype::F32,
                 ExportDtype::Bf16 => tierzero::model::hf::SaveDtype::Bf16,
+                ExportDtype::Fp16 => tierzero::model::hf::SaveDtype::F16,
             };
             let config = match (checkpoint, config) {
                 (Some(checkpoint), None) => {

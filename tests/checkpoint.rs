@@ -296,3 +296,31 @@ fn export_loads_back_with_identical_weights_and_logits() {
     .unwrap();
     assert_eq!(start.master, result.master, "weights a run starts from");
 }
+
+/// `stage3_gather_16bit_weights_on_model_save`: every checkpoint carries the model in its
+/// training precision as a Hugging Face directory, equal to exporting the checkpoint.
+#[test]
+fn gathered_16bit_model_is_saved_inside_each_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut p = plan(2, 3, "cpu", "cpu", 4, tmp.path());
+    p.precision = tierzero::config::plan::Precision::Bf16;
+    p.zero.gather_16bit_weights_on_model_save = true;
+    run(&p, None);
+    for step in [2, 4] {
+        let dir = step_dir(&p, step);
+        let hf_dir = dir.join("hf");
+        assert!(!dir.join(".hf.tmp").exists());
+        let config = tierzero::model::config::ModelConfig::from_hf_dir(&hf_dir).unwrap();
+        let saved = hf::load(&hf_dir, &config).unwrap();
+        let out = tmp.path().join(format!("export-{step}"));
+        tierzero::checkpoint::export::export(&dir, &out, hf::SaveDtype::Bf16, 5_000_000_000).unwrap();
+        assert_eq!(saved, hf::load(&out, &config).unwrap(), "step {step}");
+        let text = std::fs::read_to_string(hf_dir.join("config.json")).unwrap();
+        assert!(text.contains("bfloat16"), "{text}");
+        // the checkpoint itself still verifies with the extra directory inside
+        tierzero::checkpoint::Checkpoint::open(&dir)
+            .unwrap()
+            .verify()
+            .unwrap();
+    }
+}

@@ -37,6 +37,24 @@ fn proc_status_bytes(field: &str) -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// The 16-bit (training precision) model beside a committed checkpoint, as DeepSpeed's
+/// `stage3_gather_16bit_weights_on_model_save` does: `<checkpoint>/hf`, written to a
+/// temporary directory and renamed, so it is either whole or absent.
+pub fn model_beside(checkpoint: &Path, dtype: SaveDtype) -> Result<std::path::PathBuf, ExportError> {
+    let tmp = checkpoint.join(".hf.tmp");
+    let out = checkpoint.join("hf");
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |e: std::io::Error| ExportError::Hf(HfError::Io { path, source: e })
+    };
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    }
+    export(checkpoint, &tmp, dtype, 5_000_000_000)?;
+    std::fs::rename(&tmp, &out).map_err(io(&out))?;
+    Ok(out)
+}
+
 pub fn export(
     checkpoint: &Path,
     out: &Path,

@@ -42,7 +42,6 @@ pub const NOT_YET_ACTED: &[&str] = &[
     "zero_optimization.reduce_bucket_size",
     "zero_optimization.allgather_bucket_size",
     "zero_optimization.stage3_max_reuse_distance",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
     "zero_optimization.offload_param.pin_memory",
     "zero_optimization.offload_optimizer.pin_memory",
     "zero_optimization.offload_optimizer.fast_init",

@@ -45,6 +45,7 @@ fn format_err(path: &Path, message: impl Into<String>) -> HfError {
 pub enum SaveDtype {
     F32,
     Bf16,
+    F16,
 }
 
 impl SaveDtype {
@@ -52,22 +53,23 @@ impl SaveDtype {
         match self {
             SaveDtype::F32 => "F32",
             SaveDtype::Bf16 => "BF16",
+            SaveDtype::F16 => "F16",
         }
     }
     fn bytes(self) -> usize {
         match self {
             SaveDtype::F32 => 4,
-            SaveDtype::Bf16 => 2,
+            SaveDtype::Bf16 | SaveDtype::F16 => 2,
         }
     }
 }
 
 /// The Hugging Face `config.json` for a model.
 pub fn config_json(config: &ModelConfig, dtype: SaveDtype) -> Value {
-    let torch_dtype = if dtype == SaveDtype::Bf16 {
-        "bfloat16"
-    } else {
-        "float32"
+    let torch_dtype = match dtype {
+        SaveDtype::F32 => "float32",
+        SaveDtype::Bf16 => "bfloat16",
+        SaveDtype::F16 => "float16",
     };
     match config.architecture {
         Architecture::Llama => json!({
@@ -187,6 +189,7 @@ pub fn save_streaming(
                     SaveDtype::Bf16 => {
                         out.write_all(&tierzero_offload::convert::f32_to_bf16(x).to_le_bytes())
                     }
+                    SaveDtype::F16 => out.write_all(&tierzero_offload::convert::f32_to_f16(x).to_le_bytes()),
                 }
                 .map_err(io(&path))?;
             }

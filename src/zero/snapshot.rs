@@ -15,7 +15,8 @@ use crate::checkpoint::manifest::{self, DataPosition, FileEntry, Manifest, Sched
 use crate::checkpoint::save::{self, SliceWriter};
 use crate::checkpoint::CheckpointError;
 use crate::comm::{Collective, ReduceOp};
-use crate::config::plan::Tier;
+use crate::config::plan::{Precision, Tier};
+use crate::model::hf::SaveDtype;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use tierzero_offload::nvme::swap::{State, TensorKey};
@@ -72,13 +73,31 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
         self.comm.all_gather(&crcs, &mut all)?;
         let committed = if self.rank == 0 {
             let manifest = self.manifest(step, last_lr, &files, &all);
-            save::commit(root, &manifest, keep_last).map(Some).map_err(ck)
+            save::commit(root, &manifest, keep_last)
+                .map_err(ck)
+                .and_then(|dir| self.save_16bit_model(&dir).map(|()| Some(dir)))
         } else {
             Ok(None)
         };
         let path = committed.as_ref().ok().cloned().flatten();
         self.agree(committed.map(|_| ()), "committing the checkpoint")?;
         Ok(path)
+    }
+
+    /// With `stage3_gather_16bit_weights_on_model_save`, the model in its training
+    /// precision as a Hugging Face directory inside the checkpoint (`hf/`).
+    fn save_16bit_model(&self, dir: &Path) -> Result<(), EngineError> {
+        if !self.plan.zero.gather_16bit_weights_on_model_save {
+            return Ok(());
+        }
+        let dtype = match self.plan.precision {
+            Precision::Fp32 => SaveDtype::F32,
+            Precision::Bf16 => SaveDtype::Bf16,
+            Precision::Fp16(_) => SaveDtype::F16,
+        };
+        crate::checkpoint::export::model_beside(dir, dtype)
+            .map(drop)
+            .map_err(|e| self.other(format!("saving the 16-bit model: {e}")))
     }
 
     /// Writes this rank's slice of every unit into every file; returns the slices'
