@@ -12,6 +12,7 @@
 
 pub mod estimate;
 pub mod memory;
+pub mod optimize;
 pub mod partition;
 pub mod prefetch;
 pub mod rank;

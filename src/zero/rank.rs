@@ -17,7 +17,9 @@
 //! each unit's input; the final unit's loss and backward; backward in reverse by
 //! recompute, each flat gradient reduced into the shard; then the global gradient norm by
 //! all-reduce, clipping and fp16 overflow skipping, and AdamW unit by unit in forward
-//! order. This build runs the optimizer phase blocking and fetches without prefetch.
+//! order (`optimize.rs`), overlapping the next step's forward. Stage-3 fetches come
+//! from the prefetch worker (`prefetch.rs`), gradient reduce-scatters from the reducer
+//! (`reduce.rs`) with `overlap_comm`.
 
 use super::partition::Partition;
 use super::prefetch::{self, Prefetcher, Worker};
@@ -37,10 +39,10 @@ use crate::torch;
 use std::sync::Arc;
 use std::time::Instant;
 use tch::{Kind, TchError, Tensor};
-use tierzero_offload::adam::{self, GradSlice, LowPrecisionOut, Sweep};
+use tierzero_offload::adam::LowPrecisionOut;
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::nvme::IoError;
-use tierzero_offload::pipeline::{self, PipelineConfig};
+use tierzero_offload::pipeline;
 use tierzero_offload::pool::{BufferPool, IoBuf};
 
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +81,7 @@ impl LowParams {
         }
     }
 
-    fn out_as(&mut self, precision: &Precision) -> LowPrecisionOut<'_> {
+    pub(super) fn out_as(&mut self, precision: &Precision) -> LowPrecisionOut<'_> {
         match (self, precision) {
             (LowParams::U16(v), Precision::Fp16(_)) => LowPrecisionOut::F16(v),
             (other, _) => other.out(),
@@ -212,35 +214,35 @@ impl Tracks {
 pub struct RankEngine<'a, C: Collective> {
     pub comm: C,
     /// The prefetch worker's communicator (stage-3 all-gathers ahead of compute).
-    gather_comm: C,
+    pub(super) gather_comm: C,
     /// The reducer's communicator (`overlap_comm`).
-    reduce_comm: C,
+    pub(super) reduce_comm: C,
     /// The reducer of the step in progress, when gradients are reduced off-thread.
-    reducer: Option<Reducer>,
+    pub(super) reducer: Option<Reducer>,
     pub(super) plan: &'a Plan,
     pub(super) model: &'a Model,
-    dataset: &'a Dataset,
+    pub(super) dataset: &'a Dataset,
     /// Optimizer state on NVMe.
     pub(super) store: Option<&'a SwapStore>,
     /// Parameters on NVMe.
     pub(super) param_store: Option<&'a SwapStore>,
-    pool: Option<BufferPool>,
+    pub(super) pool: Option<BufferPool>,
     pub(super) units: Vec<UnitState>,
     pub(super) scaler: LossScaler,
     /// Optimizer steps applied (skipped steps do not count, as in DeepSpeed).
     pub(super) adam_steps: u64,
     pub(super) rank: usize,
-    device: Arc<CpuDevice>,
+    pub(super) device: Arc<CpuDevice>,
     /// Device memory of the state that lives for the whole run.
-    _held: Vec<Reservation>,
+    pub(super) _held: Vec<Reservation>,
     /// Updates from the optimizer thread, in forward order, while it runs.
-    updates: Option<crossbeam_channel::Receiver<Result<Update, EngineError>>>,
+    pub(super) updates: Option<crossbeam_channel::Receiver<Result<super::optimize::Update, EngineError>>>,
     /// The next unit whose update is to be installed.
-    next_update: usize,
+    pub(super) next_update: usize,
     pub(super) tracks: Tracks,
-    overlap: bool,
+    pub(super) overlap: bool,
     /// Where this rank computes (CPU, or its GPU).
-    compute: tch::Device,
+    pub(super) compute: tch::Device,
 }
 
 impl<'a, C: Collective + Clone> RankEngine<'a, C> {
@@ -251,7 +253,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         }
     }
 
-    fn io_err(&self) -> impl Fn(IoError) -> EngineError + '_ {
+    pub(super) fn io_err(&self) -> impl Fn(IoError) -> EngineError + '_ {
         move |source| EngineError::Io {
             rank: self.rank,
             source,
@@ -517,7 +519,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     }
 
     /// Every rank's `shard` of a unit, concatenated into its padded length.
-    fn all_gather(&self, shard: &LowParams, padded: usize) -> Result<LowParams, EngineError> {
+    pub(super) fn all_gather(&self, shard: &LowParams, padded: usize) -> Result<LowParams, EngineError> {
         let start = Instant::now();
         let bytes = (padded * shard.elem_bytes()) as u64;
         let full = match shard {
@@ -857,156 +859,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         Ok(loss)
     }
 
-    fn opt_grad<'u>(&self, unit: &'u UnitState) -> &'u [f32] {
-        if self.stage() == 1 {
-            &unit.grad[unit.opt_start..unit.opt_start + unit.opt_len]
-        } else {
-            &unit.grad
-        }
-    }
-
-    /// The new parameters of unit `u` to where they live: all-gathered into the replica
-    /// (stages 1–2), written to NVMe, or kept; the persistent gathered copy is dropped.
-    fn install(&mut self, u: usize, fresh: LowParams) -> Result<(), EngineError> {
-        let params = match self.stage() {
-            3 | 0 => fresh,
-            _ => self.all_gather(&fresh, self.units[u].part.padded)?,
-        };
-        self.units[u].persistent = None;
-        if self.plan.zero.offload_param.tier == Tier::Nvme {
-            let Some(store) = self.param_store else {
-                return Err(EngineError::Other {
-                    rank: self.rank,
-                    message: "parameters on nvme without a swap store".into(),
-                });
-            };
-            let key = TensorKey {
-                unit: u as u32,
-                rank: self.rank as u32,
-                state: State::Param,
-            };
-            let scratch =
-                IoBuf::new(store.chunk_bytes(params.elem_bytes())).map_err(|e| EngineError::Other {
-                    rank: self.rank,
-                    message: e.to_string(),
-                })?;
-            let bytes = params.as_bytes().len() as u64;
-            self.tracks
-                .compute
-                .span(Phase::NvmeWrite, Some(u), bytes, || {
-                    store.write_tensor(key, params.as_bytes(), scratch)
-                })
-                .map_err(self.io_err())?;
-        } else {
-            self.units[u].params = params;
-        }
-        Ok(())
-    }
-
-    /// Installs the optimizer thread's updates for units up to and including `through`
-    /// (waiting for them), and takes their optimizer state back.
-    fn install_through(&mut self, through: usize) -> Result<(), EngineError> {
-        while self.next_update <= through {
-            let Some(updates) = &self.updates else {
-                return Ok(());
-            };
-            let start = Instant::now();
-            let update = updates.recv().map_err(|_| EngineError::Other {
-                rank: self.rank,
-                message: "the optimizer thread stopped".into(),
-            })?;
-            self.tracks
-                .compute
-                .waited(Phase::Optimizer, Some(self.next_update), start);
-            let update = update?;
-            let (u, fresh, state) = update;
-            self.units[u].optimizer = state;
-            self.install(u, fresh)?;
-            self.next_update = u + 1;
-            if self.next_update == self.units.len() {
-                self.updates = None;
-            }
-        }
-        Ok(())
-    }
-
-    /// Waits for every pending update.
-    pub fn install_all(&mut self) -> Result<(), EngineError> {
-        if self.updates.is_some() {
-            self.install_through(self.units.len() - 1)?;
-        }
-        Ok(())
-    }
-
-    /// The optimizer phase: AdamW on every unit's partition in forward order. With a
-    /// scope it runs on a thread of its own while the next step's forward proceeds, each
-    /// fetch waiting only for its unit's update (the updates arrive in forward order);
-    /// without one it runs here. Both compute exactly the same values.
-    fn optimize<'s, 'e>(
-        &mut self,
-        c: adam::Coefficients,
-        scope: Option<&'s std::thread::Scope<'s, 'e>>,
-    ) -> Result<(), EngineError>
-    where
-        'a: 'e,
-    {
-        let stage = self.stage();
-        let jobs: Vec<OptimizerJob> = (0..self.units.len())
-            .map(|u| {
-                let unit = &mut self.units[u];
-                let grad = if stage == 1 {
-                    unit.grad[unit.opt_start..unit.opt_start + unit.opt_len].to_vec()
-                } else {
-                    let fresh_accumulator = vec![0.0; unit.grad.len()];
-                    std::mem::replace(&mut unit.grad, fresh_accumulator)
-                };
-                OptimizerJob {
-                    unit: u,
-                    opt_len: unit.opt_len,
-                    state: unit.optimizer.take(),
-                    grad,
-                }
-            })
-            .collect();
-        let context = OptimizerContext {
-            rank: self.rank,
-            precision: self.plan.precision,
-            store: self.store,
-            pool: self.pool.clone(),
-            pipeline: PipelineConfig {
-                buffer_count: self.plan.zero.offload_optimizer.buffer_count,
-                pipeline_read: self.overlap && self.plan.zero.offload_optimizer.pipeline_read,
-                pipeline_write: self.overlap && self.plan.zero.offload_optimizer.pipeline_write,
-            },
-            coefficients: c,
-            tracks: self.tracks.clone(),
-        };
-        match scope {
-            Some(scope) => {
-                let (tx, rx) = crossbeam_channel::unbounded();
-                scope.spawn(move || {
-                    for job in jobs {
-                        let result = context.run(job);
-                        let failed = result.is_err();
-                        if tx.send(result).is_err() || failed {
-                            return;
-                        }
-                    }
-                });
-                self.updates = Some(rx);
-                self.next_update = 0;
-            }
-            None => {
-                for job in jobs {
-                    let (u, fresh, state) = context.run(job)?;
-                    self.units[u].optimizer = state;
-                    self.install(u, fresh)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// fp32 master weights of this rank's optimizer partition of unit `u`.
     pub fn master(&mut self, u: usize) -> Result<(usize, Vec<f32>), EngineError> {
         self.install_all()?;
@@ -1134,56 +986,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     }
 }
 
-/// One unit's optimizer work: its state (None when on NVMe) and final gradient.
-struct OptimizerJob {
-    unit: usize,
-    opt_len: usize,
-    state: Option<OptimizerState>,
-    grad: Vec<f32>,
-}
-
-/// An update ready to install: unit, new low-precision partition, its state back.
-type Update = (usize, LowParams, Option<OptimizerState>);
-
-/// What the optimizer phase needs, without borrowing the engine.
-struct OptimizerContext<'a> {
-    rank: usize,
-    precision: Precision,
-    store: Option<&'a SwapStore>,
-    pool: Option<BufferPool>,
-    pipeline: PipelineConfig,
-    coefficients: adam::Coefficients,
-    tracks: Tracks,
-}
-
-impl pipeline::Observer for Tracks {
-    fn leg(&self, leg: pipeline::Leg, unit: u32, start: Instant, end: Instant, bytes: u64) {
-        let unit = Some(unit as usize);
-        match leg {
-            pipeline::Leg::Read => {
-                self.nvme_read
-                    .record_between(Phase::NvmeRead, false, unit, start, end, bytes)
-            }
-            pipeline::Leg::Write => {
-                self.nvme_write
-                    .record_between(Phase::NvmeWrite, false, unit, start, end, bytes)
-            }
-            pipeline::Leg::Update => {
-                self.optimizer
-                    .record_between(Phase::Optimizer, false, unit, start, end, bytes)
-            }
-            pipeline::Leg::ReadWait => {
-                self.optimizer
-                    .record_between(Phase::NvmeRead, true, unit, start, end, 0)
-            }
-            pipeline::Leg::WriteWait => {
-                self.optimizer
-                    .record_between(Phase::NvmeWrite, true, unit, start, end, 0)
-            }
-        }
-    }
-}
-
 /// Records a span from `start` to when it is dropped (covers early returns).
 struct Recorded<'t> {
     track: &'t Track,
@@ -1208,62 +1010,6 @@ impl<'t> Recorded<'t> {
 impl Drop for Recorded<'_> {
     fn drop(&mut self) {
         self.track.record(self.phase, self.unit, self.start, self.bytes);
-    }
-}
-
-impl OptimizerContext<'_> {
-    fn run(&self, job: OptimizerJob) -> Result<Update, EngineError> {
-        let OptimizerJob {
-            unit,
-            opt_len,
-            mut state,
-            grad,
-        } = job;
-        let other = |message: String| EngineError::Other {
-            rank: self.rank,
-            message,
-        };
-        let mut fresh = LowParams::zeros(opt_len, &self.precision);
-        if let Some(state) = state.as_mut() {
-            let sweep = Sweep {
-                master: &mut state.master,
-                exp_avg: &mut state.exp_avg,
-                exp_avg_sq: &mut state.exp_avg_sq,
-                grad: GradSlice::F32(&grad),
-                low: fresh.out_as(&self.precision),
-            };
-            let bytes = 16 * opt_len as u64;
-            self.tracks
-                .optimizer
-                .span(Phase::Optimizer, Some(unit), bytes, || {
-                    adam::step(&self.coefficients, sweep)
-                })
-                .map_err(|e| other(e.to_string()))?;
-        } else {
-            let (Some(store), Some(pool)) = (self.store, self.pool.as_ref()) else {
-                return Err(other("optimizer state has no tier".into()));
-            };
-            let groups = pipeline::sub_groups(
-                unit as u32,
-                self.rank as u32,
-                store.chunk_elems(),
-                &grad,
-                fresh.out_as(&self.precision),
-            );
-            pipeline::nvme_adam_step_observed(
-                store,
-                pool,
-                groups,
-                &self.coefficients,
-                self.pipeline,
-                &self.tracks,
-            )
-            .map_err(|source| EngineError::Io {
-                rank: self.rank,
-                source,
-            })?;
-        }
-        Ok((unit, fresh, state))
     }
 }
 

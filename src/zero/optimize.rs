@@ -1,0 +1,273 @@
+//! The optimizer phase of a rank: AdamW on every unit's partition in forward order, on
+//! a thread of its own (the next step's forward waits only for its unit's update) or
+//! inline, with optimizer state in memory or streamed through the NVMe pipeline; and
+//! installing each update where the unit's parameters live (replica all-gather at
+//! stages 1–2, NVMe, or in memory).
+
+use super::rank::{EngineError, LowParams, OptimizerState, RankEngine, Tracks, UnitState};
+use crate::comm::Collective;
+use crate::config::plan::{Precision, Tier};
+use crate::metrics::timeline::Phase;
+use std::time::Instant;
+use tierzero_offload::adam::{self, GradSlice, Sweep};
+use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
+use tierzero_offload::pipeline::{self, PipelineConfig};
+use tierzero_offload::pool::{BufferPool, IoBuf};
+
+impl<'a, C: Collective + Clone> RankEngine<'a, C> {
+    pub(super) fn opt_grad<'u>(&self, unit: &'u UnitState) -> &'u [f32] {
+        if self.stage() == 1 {
+            &unit.grad[unit.opt_start..unit.opt_start + unit.opt_len]
+        } else {
+            &unit.grad
+        }
+    }
+
+    /// The new parameters of unit `u` to where they live: all-gathered into the replica
+    /// (stages 1–2), written to NVMe, or kept; the persistent gathered copy is dropped.
+    pub(super) fn install(&mut self, u: usize, fresh: LowParams) -> Result<(), EngineError> {
+        let params = match self.stage() {
+            3 | 0 => fresh,
+            _ => self.all_gather(&fresh, self.units[u].part.padded)?,
+        };
+        self.units[u].persistent = None;
+        if self.plan.zero.offload_param.tier == Tier::Nvme {
+            let Some(store) = self.param_store else {
+                return Err(EngineError::Other {
+                    rank: self.rank,
+                    message: "parameters on nvme without a swap store".into(),
+                });
+            };
+            let key = TensorKey {
+                unit: u as u32,
+                rank: self.rank as u32,
+                state: State::Param,
+            };
+            let scratch =
+                IoBuf::new(store.chunk_bytes(params.elem_bytes())).map_err(|e| EngineError::Other {
+                    rank: self.rank,
+                    message: e.to_string(),
+                })?;
+            let bytes = params.as_bytes().len() as u64;
+            self.tracks
+                .compute
+                .span(Phase::NvmeWrite, Some(u), bytes, || {
+                    store.write_tensor(key, params.as_bytes(), scratch)
+                })
+                .map_err(self.io_err())?;
+        } else {
+            self.units[u].params = params;
+        }
+        Ok(())
+    }
+
+    /// Installs the optimizer thread's updates for units up to and including `through`
+    /// (waiting for them), and takes their optimizer state back.
+    pub(super) fn install_through(&mut self, through: usize) -> Result<(), EngineError> {
+        while self.next_update <= through {
+            let Some(updates) = &self.updates else {
+                return Ok(());
+            };
+            let start = Instant::now();
+            let update = updates.recv().map_err(|_| EngineError::Other {
+                rank: self.rank,
+                message: "the optimizer thread stopped".into(),
+            })?;
+            self.tracks
+                .compute
+                .waited(Phase::Optimizer, Some(self.next_update), start);
+            let update = update?;
+            let (u, fresh, state) = update;
+            self.units[u].optimizer = state;
+            self.install(u, fresh)?;
+            self.next_update = u + 1;
+            if self.next_update == self.units.len() {
+                self.updates = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every pending update.
+    pub fn install_all(&mut self) -> Result<(), EngineError> {
+        if self.updates.is_some() {
+            self.install_through(self.units.len() - 1)?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer phase: AdamW on every unit's partition in forward order. With a
+    /// scope it runs on a thread of its own while the next step's forward proceeds, each
+    /// fetch waiting only for its unit's update (the updates arrive in forward order);
+    /// without one it runs here. Both compute exactly the same values.
+    pub(super) fn optimize<'s, 'e>(
+        &mut self,
+        c: adam::Coefficients,
+        scope: Option<&'s std::thread::Scope<'s, 'e>>,
+    ) -> Result<(), EngineError>
+    where
+        'a: 'e,
+    {
+        let stage = self.stage();
+        let jobs: Vec<OptimizerJob> = (0..self.units.len())
+            .map(|u| {
+                let unit = &mut self.units[u];
+                let grad = if stage == 1 {
+                    unit.grad[unit.opt_start..unit.opt_start + unit.opt_len].to_vec()
+                } else {
+                    let fresh_accumulator = vec![0.0; unit.grad.len()];
+                    std::mem::replace(&mut unit.grad, fresh_accumulator)
+                };
+                OptimizerJob {
+                    unit: u,
+                    opt_len: unit.opt_len,
+                    state: unit.optimizer.take(),
+                    grad,
+                }
+            })
+            .collect();
+        let context = OptimizerContext {
+            rank: self.rank,
+            precision: self.plan.precision,
+            store: self.store,
+            pool: self.pool.clone(),
+            pipeline: PipelineConfig {
+                buffer_count: self.plan.zero.offload_optimizer.buffer_count,
+                pipeline_read: self.overlap && self.plan.zero.offload_optimizer.pipeline_read,
+                pipeline_write: self.overlap && self.plan.zero.offload_optimizer.pipeline_write,
+            },
+            coefficients: c,
+            tracks: self.tracks.clone(),
+        };
+        match scope {
+            Some(scope) => {
+                let (tx, rx) = crossbeam_channel::unbounded();
+                scope.spawn(move || {
+                    for job in jobs {
+                        let result = context.run(job);
+                        let failed = result.is_err();
+                        if tx.send(result).is_err() || failed {
+                            return;
+                        }
+                    }
+                });
+                self.updates = Some(rx);
+                self.next_update = 0;
+            }
+            None => {
+                for job in jobs {
+                    let (u, fresh, state) = context.run(job)?;
+                    self.units[u].optimizer = state;
+                    self.install(u, fresh)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One unit's optimizer work: its state (None when on NVMe) and final gradient.
+struct OptimizerJob {
+    unit: usize,
+    opt_len: usize,
+    state: Option<OptimizerState>,
+    grad: Vec<f32>,
+}
+
+/// An update ready to install: unit, new low-precision partition, its state back.
+pub(super) type Update = (usize, LowParams, Option<OptimizerState>);
+
+/// What the optimizer phase needs, without borrowing the engine.
+struct OptimizerContext<'a> {
+    rank: usize,
+    precision: Precision,
+    store: Option<&'a SwapStore>,
+    pool: Option<BufferPool>,
+    pipeline: PipelineConfig,
+    coefficients: adam::Coefficients,
+    tracks: Tracks,
+}
+
+impl pipeline::Observer for Tracks {
+    fn leg(&self, leg: pipeline::Leg, unit: u32, start: Instant, end: Instant, bytes: u64) {
+        let unit = Some(unit as usize);
+        match leg {
+            pipeline::Leg::Read => {
+                self.nvme_read
+                    .record_between(Phase::NvmeRead, false, unit, start, end, bytes)
+            }
+            pipeline::Leg::Write => {
+                self.nvme_write
+                    .record_between(Phase::NvmeWrite, false, unit, start, end, bytes)
+            }
+            pipeline::Leg::Update => {
+                self.optimizer
+                    .record_between(Phase::Optimizer, false, unit, start, end, bytes)
+            }
+            pipeline::Leg::ReadWait => {
+                self.optimizer
+                    .record_between(Phase::NvmeRead, true, unit, start, end, 0)
+            }
+            pipeline::Leg::WriteWait => {
+                self.optimizer
+                    .record_between(Phase::NvmeWrite, true, unit, start, end, 0)
+            }
+        }
+    }
+}
+
+impl OptimizerContext<'_> {
+    fn run(&self, job: OptimizerJob) -> Result<Update, EngineError> {
+        let OptimizerJob {
+            unit,
+            opt_len,
+            mut state,
+            grad,
+        } = job;
+        let other = |message: String| EngineError::Other {
+            rank: self.rank,
+            message,
+        };
+        let mut fresh = LowParams::zeros(opt_len, &self.precision);
+        if let Some(state) = state.as_mut() {
+            let sweep = Sweep {
+                master: &mut state.master,
+                exp_avg: &mut state.exp_avg,
+                exp_avg_sq: &mut state.exp_avg_sq,
+                grad: GradSlice::F32(&grad),
+                low: fresh.out_as(&self.precision),
+            };
+            let bytes = 16 * opt_len as u64;
+            self.tracks
+                .optimizer
+                .span(Phase::Optimizer, Some(unit), bytes, || {
+                    adam::step(&self.coefficients, sweep)
+                })
+                .map_err(|e| other(e.to_string()))?;
+        } else {
+            let (Some(store), Some(pool)) = (self.store, self.pool.as_ref()) else {
+                return Err(other("optimizer state has no tier".into()));
+            };
+            let groups = pipeline::sub_groups(
+                unit as u32,
+                self.rank as u32,
+                store.chunk_elems(),
+                &grad,
+                fresh.out_as(&self.precision),
+            );
+            pipeline::nvme_adam_step_observed(
+                store,
+                pool,
+                groups,
+                &self.coefficients,
+                self.pipeline,
+                &self.tracks,
+            )
+            .map_err(|source| EngineError::Io {
+                rank: self.rank,
+                source,
+            })?;
+        }
+        Ok((unit, fresh, state))
+    }
+}
