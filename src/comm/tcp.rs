@@ -294,7 +294,9 @@ impl Tcp {
     /// Reads the hub's answer to this round.
     fn receive(&self) -> Result<Arc<Vec<Contribution>>, CommError> {
         let mut r = self.reader.lock().unwrap_or_else(|e| e.into_inner());
-        let lost = |e: std::io::Error| format!("lost the connection to the hub: {e}");
+        let lost = |e: std::io::Error| {
+            format!("lost the connection to the hub on node 0 (did its process exit?): {e}")
+        };
         let mut tag = [0u8; 1];
         r.read_exact(&mut tag).map_err(|e| self.aborted(lost(e)))?;
         if tag[0] == ABORT {
@@ -336,7 +338,9 @@ impl Exchange for Arc<Tcp> {
         match (sent, self.receive()) {
             (_, Err(e)) => Err(e),
             (Ok(()), Ok(all)) => Ok(all),
-            (Err(e), Ok(_)) => Err(self.aborted(format!("lost the connection to the hub: {e}"))),
+            (Err(e), Ok(_)) => Err(self.aborted(format!(
+                "lost the connection to the hub on node 0 (did its process exit?): {e}"
+            ))),
         }
     }
 
