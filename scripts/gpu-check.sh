@@ -8,7 +8,9 @@
 # runs: bench gpu, bench h2d, the tiny Llama on CPU and on CUDA (stage 3; params and
 # optimizer on cpu, then on nvme) with a loss comparison, the 1B Llama (tokens/s, MFU,
 # peak GPU memory), and bench memory on the GPU. Every result lands in OUT_DIR.
-# PARTS="tests bench tiny big memory" (the default: all) picks parts, so a run that would
+# With PARTS=disk it also measures that machine's disk for the NVMe tier (bench nvme,
+# bench swap), which issue 3's targets need.
+# PARTS="tests bench tiny big memory" (the default) picks parts, so a run that would
 # exceed one command's time limit can be split over several calls.
 set -uo pipefail
 PARTS=${PARTS:-tests bench tiny big memory}
@@ -93,4 +95,8 @@ if part big; then
 fi
 part memory && run bench-memory "$BIN" bench memory --config configs/default.json --devices 1 --stages 0,3 \
   --set train.output_dir="$WORK/memory" --set zero_optimization.offload_optimizer.nvme_path="$WORK/memory/nvme"
+if part disk; then
+  run bench-nvme "$BIN" bench nvme --dir "$WORK/nvme-bench"
+  run bench-swap "$BIN" bench swap --dir "$WORK/swap-bench" --params 100000000 --sub-group-size 10000000
+fi
 log done
