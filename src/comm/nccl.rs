@@ -259,6 +259,16 @@ impl Nccl {
             })
     }
 
+    /// A zeroed device tensor for `len` elements of `T` (an output needs no upload).
+    fn device_out<T: Element>(&self, len: usize) -> Result<Tensor, CommError> {
+        Tensor::f_zeros([len as i64], (T::KIND, Device::Cuda(self.cuda.ordinal()))).map_err(|e| {
+            CommError::Aborted {
+                rank: self.rank,
+                reason: format!("allocating on the GPU: {e}"),
+            }
+        })
+    }
+
     fn unstage<T: Element>(&self, t: &Tensor, out: &mut [T]) -> Result<(), CommError> {
         let host = t.f_to(Device::Cpu).map_err(|e| CommError::Aborted {
             rank: self.rank,
@@ -291,14 +301,14 @@ impl Collective for Nccl {
 
     fn all_gather<T: Element>(&self, shard: &[T], out: &mut [T]) -> Result<(), CommError> {
         let s = self.stage(shard)?;
-        let mut o = self.stage(out)?;
+        let mut o = self.device_out::<T>(out.len())?;
         self.all_gather_tensor(&s, &mut o)?;
         self.unstage(&o, out)
     }
 
     fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         let f = self.stage(full)?;
-        let mut o = self.stage(out)?;
+        let mut o = self.device_out::<T>(out.len())?;
         self.reduce_scatter_tensor(&f, &mut o, op)?;
         self.unstage(&o, out)
     }
