@@ -212,6 +212,19 @@ enum Bench {
         #[arg(long)]
         json: bool,
     },
+    /// The Local collectives (ranks as threads) against memcpy in the same run.
+    Comm {
+        #[arg(long, default_value_t = 2)]
+        ranks: usize,
+        /// Bytes each rank receives per collective (e.g. 64M).
+        #[arg(long, default_value = "64M", value_parser = parse_bytes)]
+        size: u64,
+        /// Interleaved rounds (medians are reported).
+        #[arg(long, default_value_t = 9)]
+        rounds: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// The pipelined NVMe optimizer step against its read, update and write alone.
     Swap {
         #[arg(long, default_value = "100000000", value_parser = parse_count)]
@@ -510,6 +523,20 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 };
                 let report = tierzero::bench::swap::run(&args)?;
                 emit(&report, json, tierzero::bench::swap::SwapReport::human)
+            }
+            Bench::Comm {
+                ranks,
+                size,
+                rounds,
+                json,
+            } => {
+                let args = tierzero::bench::comm::CommBenchArgs {
+                    ranks,
+                    bytes: size as usize,
+                    rounds,
+                };
+                let report = tierzero::bench::comm::run(&args).map_err(anyhow::Error::from)?;
+                emit(&report, json, tierzero::bench::comm::CommReport::human)
             }
             Bench::Memory {
                 config,

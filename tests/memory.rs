@@ -71,7 +71,9 @@ fn stage3_prefetch_memory_is_predicted() {
 fn max_live_parameters_caps_the_gathered_units() {
     let mut peaks = Vec::new();
     let mut losses = Vec::new();
-    for max_live in ["1000000000", "150000", "1"] {
+    // gpt2-tiny's units hold ~50k elements: 1e9 lets both fetches in flight through
+    // (at most two are, as DeepSpeed bounds them), 120000 and 1 only the next unit's
+    for max_live in ["1000000000", "120000", "1"] {
         let sets = [
             "zero_optimization.stage3_param_persistence_threshold=0".to_string(),
             "zero_optimization.stage3_prefetch_bucket_size=50000000".to_string(),
@@ -90,7 +92,7 @@ fn max_live_parameters_caps_the_gathered_units() {
         peaks.push(peak);
         losses.push(result.steps.iter().map(|m| m.loss.to_bits()).collect::<Vec<_>>());
     }
-    assert!(peaks[0] > peaks[1] && peaks[1] > peaks[2], "{peaks:?}");
+    assert!(peaks[0] > peaks[1] && peaks[1] >= peaks[2], "{peaks:?}");
     assert!(losses.windows(2).all(|w| w[0] == w[1]));
 }
 

@@ -44,3 +44,74 @@ fn fp16_overflow_skips_backs_off_and_then_trains() {
         last.loss
     );
 }
+
+/// DeepSpeed's `DynamicLossScaler.update_scale` (deepspeed/runtime/fp16/loss_scaler.py),
+/// written out here from its source so the test does not lean on tierzero's scaler:
+/// returns the scale each step runs with, given which steps overflowed.
+fn deepspeed_scales(initial: f64, window: i64, hysteresis: u32, overflowed: &[bool]) -> Vec<f64> {
+    let (mut scale, mut cur_hysteresis, mut last_overflow) = (initial, hysteresis, -1i64);
+    let mut scales = Vec::new();
+    for (iteration, &overflow) in overflowed.iter().enumerate() {
+        scales.push(scale);
+        let iteration = iteration as i64;
+        if overflow {
+            if hysteresis == 1 || cur_hysteresis == 1 {
+                scale = (scale / 2.0).max(1.0);
+            } else {
+                cur_hysteresis -= 1;
+            }
+            last_overflow = iteration;
+        } else if (iteration - last_overflow) % window == 0 {
+            cur_hysteresis = hysteresis;
+            scale *= 2.0;
+        }
+    }
+    scales
+}
+
+#[test]
+fn fp16_skipped_steps_do_not_advance_the_schedule_and_the_scale_grows_on_deepspeeds_iteration() {
+    // a scale of 2^24 overflows in the first steps; a window of 3 makes it grow (and
+    // overflow again) several times within 30 steps
+    let config = json!({
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": { "type": "AdamW", "params": { "lr": 1e-3 } },
+        "scheduler": { "type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 20, "warmup_type": "linear" } },
+        "fp16": { "enabled": true, "initial_scale_power": 24, "hysteresis": 2, "loss_scale_window": 3 },
+        "zero_optimization": { "stage": 3 },
+        "model": { "preset": "llama-tiny" },
+        "data": { "synthetic": "markov", "seq_len": 32 },
+        "train": { "steps": 30, "devices": 2 }
+    });
+    let plan = from_json(config, &[], DeviceFacts::default()).unwrap().plan;
+    let steps = train(&plan, TrainOptions::default()).unwrap().steps;
+    let skipped: Vec<bool> = steps.iter().map(|s| s.skipped).collect();
+    assert!(skipped[0], "2^24 overflows at the first step: {skipped:?}");
+    assert!(skipped.iter().filter(|&&s| !s).count() >= 10, "{skipped:?}");
+    // WarmupLR, linear: the k-th applied step (0-based) runs at 1e-3 * k / 20, whatever
+    // number of skipped steps came before it
+    let mut applied = 0;
+    for s in &steps {
+        if !s.skipped {
+            let want = 1e-3 * applied as f64 / 20.0;
+            assert!(
+                (s.lr - want).abs() < 1e-12,
+                "step {}: lr {} want {want} ({skipped:?})",
+                s.step,
+                s.lr
+            );
+            applied += 1;
+        }
+    }
+    let scales: Vec<f64> = steps.iter().map(|s| s.loss_scale).collect();
+    assert_eq!(
+        scales,
+        deepspeed_scales(2f64.powi(24), 3, 2, &skipped),
+        "{skipped:?}"
+    );
+    assert!(
+        scales.windows(2).any(|w| w[1] > w[0]),
+        "the scale grows at least once: {scales:?}"
+    );
+}

@@ -5,10 +5,26 @@
 //! global micro-batch index, not of the rank). After 5 steps with gradient accumulation
 //! and clipping active, fp32 master weights agree within 1e-5 relative (max |Δ| over
 //! max |w| per unit); the remaining difference is the order of fp32 sums across ranks.
+//!
+//! Every run here uses checked lanes: lane jobs start after random delays and pooled
+//! buffers are NaN-filled when they become reusable, so a missing wait in the engine
+//! turns into NaN instead of passing by luck of timing (the last tests leave one wait
+//! out on purpose and must see it).
 
 use serde_json::json;
 use tierzero::config::{from_json, DeviceFacts, Plan};
+use tierzero::device::lanes::Mode;
+use tierzero::zero::prefetch::DroppedWait;
+use tierzero::zero::rank::LaneOptions;
 use tierzero::zero::trainer::{train, TrainOptions};
+
+const CHECKED: LaneOptions = LaneOptions {
+    mode: Mode::Checked {
+        seed: 5,
+        max_delay_us: 300,
+    },
+    dropped: DroppedWait::None,
+};
 
 fn plan(
     world: usize,
@@ -54,6 +70,7 @@ fn master_with(plan: &Plan, blocking_optimizer: bool) -> Vec<Vec<f32>> {
     let options = TrainOptions {
         collect_master: true,
         blocking_optimizer,
+        lanes: CHECKED,
         ..TrainOptions::default()
     };
     let result = train(plan, options).unwrap();
@@ -171,5 +188,65 @@ fn overlapped_gradient_reduction_equals_the_inline_one_bit_for_bit() {
         p.zero.overlap_comm = false;
         let inline = master(&p);
         assert!(overlapped == inline, "stage {stage}");
+    }
+}
+
+/// Checked lanes change when lane work runs, never what it computes: the parameters are
+/// the plain lanes' bits (stage 3 gathers on the h2d and gather lanes, stage 2 and 3
+/// reductions on the reduce lane).
+#[test]
+fn checked_lanes_compute_the_plain_lanes_bits() {
+    let dir = disk_dir();
+    for (stage, param, optimizer) in [(2, "none", "cpu"), (3, "cpu", "cpu"), (3, "nvme", "nvme")] {
+        let mut p = plan(3, stage, param, optimizer, 2, dir.path(), "fp32");
+        p.zero.overlap_comm = true;
+        let run = |lanes| {
+            let options = TrainOptions {
+                collect_master: true,
+                lanes,
+                ..TrainOptions::default()
+            };
+            train(&p, options).unwrap().master
+        };
+        let checked = run(CHECKED);
+        let plain = run(LaneOptions::default());
+        assert!(
+            checked == plain,
+            "stage {stage} param {param} optimizer {optimizer}"
+        );
+    }
+}
+
+/// Leaving out one wait must fail under checked lanes: the step computes with NaN (a
+/// unit read before its gather finished, or a staging shard poisoned under the gather
+/// that still reads it), so the run stops matching the reference.
+#[test]
+fn a_dropped_wait_is_caught_by_the_checked_lanes() {
+    let dir = disk_dir();
+    let p = plan(2, 3, "cpu", "cpu", 2, dir.path(), "fp32");
+    let reference = master(&plan(1, 0, "none", "none", 4, dir.path(), "fp32"));
+    for dropped in [DroppedWait::ComputeOnGather, DroppedWait::StagingUntilGather] {
+        let options = TrainOptions {
+            collect_master: true,
+            lanes: LaneOptions {
+                mode: Mode::Checked {
+                    seed: 9,
+                    max_delay_us: 2000,
+                },
+                dropped,
+            },
+            ..TrainOptions::default()
+        };
+        let result = train(&p, options).unwrap();
+        let corrupted = result.steps.iter().any(|s| s.skipped || !s.loss.is_finite())
+            || result.master.iter().zip(&reference).any(|(a, b)| {
+                a.iter()
+                    .zip(b)
+                    .any(|(x, y)| !x.is_finite() || (x - y).abs() > 1e-3)
+            });
+        assert!(
+            corrupted,
+            "{dropped:?}: the run matched the reference without the wait"
+        );
     }
 }

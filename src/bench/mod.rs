@@ -2,6 +2,7 @@
 //! reports throughput next to it.
 
 pub mod adam;
+pub mod comm;
 pub mod gpu;
 pub mod memory;
 pub mod nvme;

@@ -63,7 +63,7 @@ fn reduce<T: Element>(all: &[Contribution], i: usize, op: ReduceOp) -> T {
     }
 }
 
-impl<E: Exchange> Collective for E {
+impl<E: Exchange + 'static> Collective for E {
     fn rank(&self) -> usize {
         self.index()
     }

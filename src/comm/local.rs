@@ -1,22 +1,52 @@
-//! `Local`: N ranks as threads of one process.
+//! `Local`: N ranks as threads of one process, at memory speed.
 //!
-//! Every collective is one rendezvous: each rank deposits a copy of its contribution,
-//! the last to arrive publishes the set, and each rank computes its own result from it
-//! in rank order (deterministic). The next rendezvous waits until every rank has
-//! collected the previous one. A rank that fails calls `abort` (the engine does so for
-//! errors and panics alike), and every rank waiting or arriving later gets an error
-//! naming the reason instead of hanging.
+//! Every collective is one rendezvous in two phases, as an intra-node NCCL ring does
+//! with peer pointers instead of bytes on a wire:
+//! 1. *publish*: each rank posts the address of its input and waits until every rank has
+//!    posted (the last to arrive opens the round for reading);
+//! 2. *read*: each rank reads its peers' inputs in place (memcpy for gathers, a
+//!    vectorised sum in rank order for reductions) into its own output, then waits until
+//!    every rank has finished reading before it returns, so no input changes or is freed
+//!    while a peer reads it.
+//!
+//! Nothing is copied into an intermediate buffer and nothing is allocated, except the
+//! result of an in-place `all_reduce`, which must not overwrite its input before the
+//! peers have read it. Sums run in rank order, element by element (`x0 + x1 + …`, then
+//! the mean's scale in f64), so results are deterministic and equal, bit for bit, to the
+//! exchange-based collectives `Tcp` computes.
+//!
+//! A rank that fails calls `abort`; ranks waiting to publish, or arriving later, get an
+//! error naming the reason instead of hanging. A round that is already open for reading
+//! finishes (reading never blocks), so no rank returns while a peer reads its buffer.
 
-use super::exchange::{Contribution, Exchange};
-use super::CommError;
+use super::{Collective, CommError, Element, ReduceOp};
 use std::sync::{Arc, Condvar, Mutex};
+
+/// One rank's posted input: an address and a length in bytes.
+#[derive(Clone, Copy, Default)]
+struct Posted {
+    address: usize,
+    bytes: usize,
+}
+
+impl Posted {
+    fn of<T>(data: &[T]) -> Posted {
+        Posted {
+            address: data.as_ptr() as usize,
+            bytes: std::mem::size_of_val(data),
+        }
+    }
+}
 
 #[derive(Default)]
 struct Round {
-    slots: Vec<Option<Contribution>>,
+    posted: Vec<Posted>,
     arrived: usize,
-    published: Option<Arc<Vec<Contribution>>>,
-    collected: usize,
+    /// All ranks have posted: peers may read (until `finished` reaches the world).
+    open: bool,
+    finished: usize,
+    /// Counts rounds, so a waiter knows its round has closed.
+    generation: u64,
     aborted: Option<String>,
 }
 
@@ -33,13 +63,32 @@ pub struct Local {
     rank: usize,
 }
 
+/// Every rank's posted input during the read phase.
+struct Peers<'r> {
+    posted: &'r [Posted],
+}
+
+impl Peers<'_> {
+    /// Rank `r`'s input as elements of `T`.
+    ///
+    /// # Safety
+    /// Only between publish and finish of the round that posted it, and `T` must be the
+    /// element type every rank posted (checked by length in the callers).
+    unsafe fn input<T>(&self, r: usize) -> &[T] {
+        let p = self.posted[r];
+        // SAFETY: the address came from a live `&[T]`/`&mut [T]` of rank r, which does
+        // not touch it until every rank has finished reading (phase 2 of the round).
+        unsafe { std::slice::from_raw_parts(p.address as *const T, p.bytes / std::mem::size_of::<T>()) }
+    }
+}
+
 impl Local {
     /// Handles for ranks 0..world.
     pub fn group(world: usize) -> Vec<Local> {
         let hub = Arc::new(Hub {
             world,
             round: Mutex::new(Round {
-                slots: vec![None; world],
+                posted: vec![Posted::default(); world],
                 ..Round::default()
             }),
             changed: Condvar::new(),
@@ -59,62 +108,204 @@ impl Local {
         }
     }
 
-    /// Deposits `data` and returns every rank's contribution, in rank order.
-    fn deposit(&self, data: Vec<u8>) -> Result<Arc<Vec<Contribution>>, CommError> {
+    fn shape(&self, op: &'static str, message: String) -> CommError {
+        CommError::Shape {
+            rank: self.rank,
+            op,
+            message,
+        }
+    }
+
+    /// Runs one round: posts `input`, runs `read` over every rank's posted input once
+    /// all have posted, and returns after every rank has read. The caller must not touch
+    /// `input`'s memory until this returns (it takes the address, not a borrow, so an
+    /// in-place collective can write its own buffer afterwards).
+    fn round<R>(&self, input: Posted, read: impl FnOnce(&Peers<'_>) -> R) -> Result<R, CommError> {
         let hub = &self.hub;
         let mut round = hub.round.lock().unwrap_or_else(|e| e.into_inner());
-        // wait for the previous round to be collected by everyone
-        while round.published.is_some() && round.aborted.is_none() {
+        // the previous round must be closed (its readers finish without blocking)
+        while round.open {
             round = hub.changed.wait(round).unwrap_or_else(|e| e.into_inner());
         }
         if let Some(reason) = &round.aborted {
             return Err(self.aborted(reason));
         }
-        round.slots[self.rank] = Some(Arc::new(data));
+        round.posted[self.rank] = input;
         round.arrived += 1;
+        let generation = round.generation;
         if round.arrived == hub.world {
-            let all: Vec<Contribution> = round
-                .slots
-                .iter_mut()
-                .map(|s| s.take().unwrap_or_default())
-                .collect();
-            round.published = Some(Arc::new(all));
-            round.arrived = 0;
+            round.open = true;
             hub.changed.notify_all();
         }
-        loop {
-            if let Some(reason) = &round.aborted {
-                return Err(self.aborted(reason));
-            }
-            if let Some(all) = &round.published {
-                let all = all.clone();
-                round.collected += 1;
-                if round.collected == hub.world {
-                    round.published = None;
-                    round.collected = 0;
-                    hub.changed.notify_all();
-                }
-                return Ok(all);
+        while !round.open {
+            if let Some(reason) = round.aborted.clone() {
+                // nobody can read this round: withdraw and fail
+                round.arrived -= 1;
+                round.posted[self.rank] = Posted::default();
+                return Err(self.aborted(&reason));
             }
             round = hub.changed.wait(round).unwrap_or_else(|e| e.into_inner());
+        }
+        let posted = round.posted.clone();
+        drop(round);
+        let result = read(&Peers { posted: &posted });
+        let mut round = hub.round.lock().unwrap_or_else(|e| e.into_inner());
+        round.finished += 1;
+        if round.finished == hub.world {
+            round.open = false;
+            round.arrived = 0;
+            round.finished = 0;
+            round.generation += 1;
+            hub.changed.notify_all();
+        }
+        // readers never block, so this wait ends even after an abort
+        while round.generation == generation {
+            round = hub.changed.wait(round).unwrap_or_else(|e| e.into_inner());
+        }
+        Ok(result)
+    }
+
+    /// The rank whose posted length differs from `want` bytes, if any.
+    fn mismatch(&self, peers: &Peers<'_>, want: usize) -> Option<(usize, usize)> {
+        (0..self.hub.world)
+            .map(|r| (r, peers.posted[r].bytes))
+            .find(|&(_, bytes)| bytes != want)
+    }
+}
+
+/// `out[i] = Σ_r inputs[r][offset + i]` in rank order, then scaled for a mean, in
+/// cache-sized blocks (each element's additions happen in the same order as a scalar
+/// loop, so the result does not depend on the blocking).
+fn reduce_into<T: Element>(peers: &Peers<'_>, world: usize, offset: usize, out: &mut [T], op: ReduceOp) {
+    const BLOCK: usize = 4096;
+    let scale = 1.0 / world as f64;
+    for (b, block) in out.chunks_mut(BLOCK).enumerate() {
+        let start = offset + b * BLOCK;
+        // SAFETY: called in the read phase with lengths checked against `T`.
+        let first: &[T] = unsafe { peers.input(0) };
+        block.copy_from_slice(&first[start..start + block.len()]);
+        for r in 1..world {
+            // SAFETY: as above.
+            let peer: &[T] = unsafe { peers.input(r) };
+            let len = block.len();
+            for (o, &x) in block.iter_mut().zip(&peer[start..start + len]) {
+                *o = o.add(x);
+            }
+        }
+        if op == ReduceOp::Avg {
+            for o in block.iter_mut() {
+                *o = o.scale(scale);
+            }
         }
     }
 }
 
-impl Exchange for Local {
-    fn index(&self) -> usize {
+impl Collective for Local {
+    fn rank(&self) -> usize {
         self.rank
     }
 
-    fn size(&self) -> usize {
+    fn world(&self) -> usize {
         self.hub.world
     }
 
-    fn exchange(&self, data: Vec<u8>) -> Result<Arc<Vec<Contribution>>, CommError> {
-        self.deposit(data)
+    fn all_gather<T: Element>(&self, shard: &[T], out: &mut [T]) -> Result<(), CommError> {
+        let (world, n) = (self.hub.world, shard.len());
+        if out.len() != n * world {
+            return Err(self.shape("all_gather", format!("output {} != world × shard {n}", out.len())));
+        }
+        self.round(Posted::of(shard), |peers| {
+            if let Some((r, bytes)) = self.mismatch(peers, std::mem::size_of_val(shard)) {
+                return Err(self.shape(
+                    "all_gather",
+                    format!(
+                        "rank {r} sent {bytes} bytes, expected {}",
+                        std::mem::size_of_val(shard)
+                    ),
+                ));
+            }
+            for (r, slot) in out.chunks_mut(n.max(1)).enumerate().take(world) {
+                // SAFETY: read phase; every rank posted n elements of T (checked above).
+                slot.copy_from_slice(unsafe { peers.input::<T>(r) });
+            }
+            Ok(())
+        })?
     }
 
-    fn cancel(&self, reason: &str) {
+    fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        let (world, n) = (self.hub.world, out.len());
+        if full.len() != n * world {
+            return Err(self.shape(
+                "reduce_scatter",
+                format!("input {} != world × output {n}", full.len()),
+            ));
+        }
+        self.round(Posted::of(full), |peers| {
+            if let Some((r, bytes)) = self.mismatch(peers, std::mem::size_of_val(full)) {
+                return Err(self.shape(
+                    "reduce_scatter",
+                    format!(
+                        "rank {r} sent {bytes} bytes, expected {}",
+                        std::mem::size_of_val(full)
+                    ),
+                ));
+            }
+            reduce_into(peers, world, self.rank * n, out, op);
+            Ok(())
+        })?
+    }
+
+    fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        let world = self.hub.world;
+        let mut result = vec![T::default(); data.len()];
+        self.round(Posted::of(data), |peers| {
+            if let Some((r, bytes)) = self.mismatch(peers, std::mem::size_of_val(&result[..])) {
+                return Err(self.shape(
+                    "all_reduce",
+                    format!(
+                        "rank {r} sent {bytes} bytes, expected {}",
+                        std::mem::size_of_val(&result[..])
+                    ),
+                ));
+            }
+            reduce_into(peers, world, 0, &mut result, op);
+            Ok(())
+        })??;
+        // every peer has read `data`: now it may change
+        data.copy_from_slice(&result);
+        Ok(())
+    }
+
+    fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<(), CommError> {
+        let world = self.hub.world;
+        if root >= world {
+            return Err(self.shape("broadcast", format!("root {root} is not a rank of {world}")));
+        }
+        let want = std::mem::size_of_val(data);
+        // only the root's input is read; every other rank writes its own buffer
+        let rank = self.rank;
+        self.round(Posted::of(data), |peers| {
+            let sent = peers.posted[root].bytes;
+            if sent != want {
+                return Err(self.shape(
+                    "broadcast",
+                    format!("root {root} sent {sent} bytes, expected {want}"),
+                ));
+            }
+            if rank != root {
+                // SAFETY: read phase; the root posted `want` bytes of T. This rank's own
+                // buffer is read by no one (only the root's is), so it may be written.
+                data.copy_from_slice(unsafe { peers.input::<T>(root) });
+            }
+            Ok(())
+        })?
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        self.round(Posted::default(), |_| ())
+    }
+
+    fn abort(&self, reason: &str) {
         let mut round = self.hub.round.lock().unwrap_or_else(|e| e.into_inner());
         round.aborted.get_or_insert_with(|| reason.to_string());
         self.hub.changed.notify_all();
@@ -164,6 +355,80 @@ mod tests {
                 assert_eq!(b, (world - 1) as f32 * 10.0);
             }
         }
+    }
+
+    /// Rank r's input: values whose sums round differently in another order.
+    fn values(rank: usize, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let x = ((i * 2654435761 + rank * 40503) % 1_000_003) as f32 / 1_000_003.0;
+                (x - 0.5) * 10f32.powi((i % 7) as i32 - 3)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn reductions_equal_the_scalar_rank_order_reference_bit_for_bit() {
+        // lengths that hit the 4096-element blocks' tails
+        for world in 1..=4 {
+            for shard in [1, 22, 4097, 3 * 4096 + 5] {
+                let results = run(world, |c| {
+                    let full = values(c.rank(), shard * world);
+                    let mut sum = vec![0f32; shard];
+                    c.reduce_scatter(&full, &mut sum, ReduceOp::Sum).unwrap();
+                    let mut mean = vec![0f32; shard];
+                    c.reduce_scatter(&full, &mut mean, ReduceOp::Avg).unwrap();
+                    let mut all = full.clone();
+                    c.all_reduce(&mut all, ReduceOp::Avg).unwrap();
+                    let mut gathered = vec![0f32; shard * world];
+                    c.all_gather(&full[..shard], &mut gathered).unwrap();
+                    (sum, mean, all, gathered)
+                });
+                // the reference: a scalar loop, ranks in order, the mean scaled in f64
+                let inputs: Vec<Vec<f32>> = (0..world).map(|r| values(r, shard * world)).collect();
+                let reference = |i: usize, avg: bool| {
+                    let mut acc = inputs[0][i];
+                    for input in &inputs[1..] {
+                        acc += input[i];
+                    }
+                    if avg {
+                        (f64::from(acc) * (1.0 / world as f64)) as f32
+                    } else {
+                        acc
+                    }
+                };
+                let gathered: Vec<f32> = inputs.iter().flat_map(|v| v[..shard].to_vec()).collect();
+                for (rank, (sum, mean, all, got)) in results.into_iter().enumerate() {
+                    for i in 0..shard {
+                        let j = rank * shard + i;
+                        assert_eq!(
+                            sum[i].to_bits(),
+                            reference(j, false).to_bits(),
+                            "world {world} i {j}"
+                        );
+                        assert_eq!(mean[i].to_bits(), reference(j, true).to_bits());
+                    }
+                    for (j, &a) in all.iter().enumerate() {
+                        assert_eq!(a.to_bits(), reference(j, true).to_bits());
+                    }
+                    assert_eq!(got, gathered);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_rank_with_another_shape_is_named() {
+        let results = run(2, |c| {
+            let shard = vec![1f32; 1 + c.rank()];
+            let mut out = vec![0f32; 2 * shard.len()];
+            c.all_gather(&shard, &mut out).unwrap_err().to_string()
+        });
+        assert!(
+            results[0].contains("rank 1 sent 8 bytes, expected 4"),
+            "{}",
+            results[0]
+        );
     }
 
     #[test]

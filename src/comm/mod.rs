@@ -70,8 +70,8 @@ impl Element for u16 {
     }
 }
 
-/// One rank's handle on a communicator.
-pub trait Collective: Send + Sync {
+/// One rank's handle on a communicator (owned: lanes hold clones of it).
+pub trait Collective: Send + Sync + 'static {
     fn rank(&self) -> usize;
     fn world(&self) -> usize;
     /// `out` (world × shard.len()) receives every rank's `shard`, in rank order.
@@ -93,32 +93,46 @@ pub enum Group {
     Tcp(std::sync::Arc<tcp::Tcp>),
 }
 
-impl exchange::Exchange for Group {
-    fn index(&self) -> usize {
-        match self {
-            Group::Local(c) => c.index(),
-            Group::Tcp(c) => c.index(),
+/// Calls the same method on whichever communicator a [`Group`] holds.
+macro_rules! dispatch {
+    ($self:ident, $c:ident => $call:expr) => {
+        match $self {
+            Group::Local($c) => $call,
+            Group::Tcp($c) => $call,
         }
+    };
+}
+
+impl Collective for Group {
+    fn rank(&self) -> usize {
+        dispatch!(self, c => c.rank())
     }
 
-    fn size(&self) -> usize {
-        match self {
-            Group::Local(c) => c.size(),
-            Group::Tcp(c) => c.size(),
-        }
+    fn world(&self) -> usize {
+        dispatch!(self, c => c.world())
     }
 
-    fn exchange(&self, data: Vec<u8>) -> Result<std::sync::Arc<Vec<exchange::Contribution>>, CommError> {
-        match self {
-            Group::Local(c) => c.exchange(data),
-            Group::Tcp(c) => c.exchange(data),
-        }
+    fn all_gather<T: Element>(&self, shard: &[T], out: &mut [T]) -> Result<(), CommError> {
+        dispatch!(self, c => c.all_gather(shard, out))
     }
 
-    fn cancel(&self, reason: &str) {
-        match self {
-            Group::Local(c) => c.cancel(reason),
-            Group::Tcp(c) => c.cancel(reason),
-        }
+    fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        dispatch!(self, c => c.reduce_scatter(full, out, op))
+    }
+
+    fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        dispatch!(self, c => c.all_reduce(data, op))
+    }
+
+    fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<(), CommError> {
+        dispatch!(self, c => c.broadcast(data, root))
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        dispatch!(self, c => c.barrier())
+    }
+
+    fn abort(&self, reason: &str) {
+        dispatch!(self, c => c.abort(reason))
     }
 }

@@ -6,9 +6,15 @@
 //! every buffer that would sit on a GPU: parameters and gathered units, gradients and
 //! optimizer state on the device tier, and the activations kept between forward and
 //! backward. The CUDA device plugs in behind the same calls.
+//!
+//! [`lanes`] are the ordered work queues (h2d, gather, reduce, …) with events that give
+//! the step its overlap, and [`pool`] the reusable buffers released only after the event
+//! of their last use; both have a checked mode that turns a missing wait into NaN.
 
 pub mod cpu;
 pub mod cuda;
+pub mod lanes;
+pub mod pool;
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 #[error("rank {rank}: out of device memory allocating {requested} bytes for {what}: {in_use} of {budget} bytes in use; raise train.device_memory, offload more (offload_param / offload_optimizer), or raise the ZeRO stage")]

@@ -1,8 +1,8 @@
 //! The timeline for people: `trace.json` (Chrome trace-event format; opens in Perfetto
 //! and chrome://tracing) and `breakdown.png`.
 //!
-//! Trace: one process per rank, one thread per track (compute, prefetch, optimizer,
-//! nvme read, nvme write); each span is a complete event named `<phase> u<unit>` (or
+//! Trace: one process per rank, one thread per track (compute, the gather, reduce and
+//! h2d lanes, optimizer, nvme read, nvme write); each span is a complete event named `<phase> u<unit>` (or
 //! `wait <phase> u<unit>` for time a thread waited), with bytes in its args.
 //! Plot: per step, stacked bars of phase seconds (rank 0; colours in the order of
 //! [`Phase::ALL`]: forward, backward, all_gather, reduce, h2d, d2h, nvme_read,
@@ -17,13 +17,14 @@ use std::io::Write;
 use std::path::Path;
 
 /// One trace thread per track, in this order (the names `zero::rank::Tracks` gives).
-const TRACKS: [&str; 6] = [
+const TRACKS: [&str; 7] = [
     "compute",
-    "prefetch",
+    "gather",
     "optimizer",
     "nvme read",
     "nvme write",
     "reduce",
+    "h2d",
 ];
 
 /// Writes every span of `timeline` to `path`.

@@ -159,33 +159,8 @@ impl ModelConfig {
         match model_type {
             "llama" => {
                 let heads = require("num_attention_heads")?;
-                let scaling = json.get("rope_scaling").filter(|v| !v.is_null());
-                let rope_scaling = match scaling {
-                    None => None,
-                    Some(s) => {
-                        let kind = s
-                            .get("rope_type")
-                            .or_else(|| s.get("type"))
-                            .and_then(|v| v.as_str());
-                        if kind != Some("llama3") {
-                            return Err(format!(
-                                "{}: rope_scaling type {kind:?} is not supported (only \"llama3\")",
-                                path.display()
-                            ));
-                        }
-                        let f = |k: &str| s.get(k).and_then(|v| v.as_f64());
-                        Some(RopeScaling {
-                            factor: f("factor").unwrap_or(8.0),
-                            low_freq_factor: f("low_freq_factor").unwrap_or(1.0),
-                            high_freq_factor: f("high_freq_factor").unwrap_or(4.0),
-                            original_max_position_embeddings: s
-                                .get("original_max_position_embeddings")
-                                .and_then(|v| v.as_u64())
-                                .unwrap_or(8192)
-                                as usize,
-                        })
-                    }
-                };
+                llama_unsupported_keys(&json, &path, heads)?;
+                let (rope_theta, rope_scaling) = llama_rope(&json, &path)?;
                 Ok(ModelConfig {
                     architecture: Architecture::Llama,
                     hidden_size: require("hidden_size")?,
@@ -199,7 +174,7 @@ impl ModelConfig {
                         .get("tie_word_embeddings")
                         .and_then(|v| v.as_bool())
                         .unwrap_or(false),
-                    rope_theta: json.get("rope_theta").and_then(|v| v.as_f64()).unwrap_or(10000.0),
+                    rope_theta,
                     rope_scaling,
                     norm_eps: json.get("rms_norm_eps").and_then(|v| v.as_f64()).unwrap_or(1e-6),
                 })
@@ -314,6 +289,108 @@ impl ModelConfig {
     }
 }
 
+/// RoPE settings of a Llama `config.json`, in either of the forms transformers writes:
+/// `rope_parameters` (transformers 5: `rope_theta`, `rope_type`, the scaling fields) or
+/// top-level `rope_theta` + `rope_scaling` (transformers 4). A form tierzero cannot run,
+/// or two forms that disagree, is an error naming the key: never a silent default.
+fn llama_rope(json: &serde_json::Value, path: &Path) -> Result<(f64, Option<RopeScaling>), String> {
+    let present = |key: &str| json.get(key).filter(|v| !v.is_null());
+    let old_theta = match present("rope_theta") {
+        None => None,
+        Some(v) => Some(
+            v.as_f64()
+                .ok_or_else(|| format!("{}: `rope_theta` is not a number", path.display()))?,
+        ),
+    };
+    let old = match present("rope_scaling") {
+        None => None,
+        Some(s) => rope_scaling(s, "rope_scaling", path)?,
+    };
+    let Some(params) = present("rope_parameters") else {
+        // transformers' LlamaConfig default theta when the key is absent.
+        return Ok((old_theta.unwrap_or(10000.0), old));
+    };
+    let theta = params
+        .get("rope_theta")
+        .and_then(serde_json::Value::as_f64)
+        .ok_or_else(|| format!("{}: `rope_parameters` has no number `rope_theta`", path.display()))?;
+    let scaling = rope_scaling(params, "rope_parameters", path)?;
+    if old_theta.is_some_and(|t| t != theta) || (present("rope_scaling").is_some() && old != scaling) {
+        return Err(format!(
+            "{}: `rope_parameters` and the top-level `rope_theta`/`rope_scaling` disagree; keep one form",
+            path.display()
+        ));
+    }
+    Ok((theta, scaling))
+}
+
+/// The frequency scaling of a `rope_scaling` or `rope_parameters` object (`key` names it):
+/// none for `rope_type` "default", Llama-3's four fields (all required, as transformers
+/// requires them) for "llama3", an error for any other type.
+fn rope_scaling(s: &serde_json::Value, key: &str, path: &Path) -> Result<Option<RopeScaling>, String> {
+    let kind = s
+        .get("rope_type")
+        .or_else(|| s.get("type"))
+        .and_then(|v| v.as_str());
+    match kind {
+        Some("default") => return Ok(None),
+        None if key == "rope_parameters" => return Ok(None),
+        Some("llama3") => {}
+        other => {
+            return Err(format!(
+                "{}: `{key}.rope_type` {other:?} is not supported (supported: \"default\", \"llama3\")",
+                path.display()
+            ))
+        }
+    }
+    let number = |k: &str| {
+        s.get(k).and_then(serde_json::Value::as_f64).ok_or_else(|| {
+            format!(
+                "{}: `{key}` of type \"llama3\" has no number `{k}`",
+                path.display()
+            )
+        })
+    };
+    Ok(Some(RopeScaling {
+        factor: number("factor")?,
+        low_freq_factor: number("low_freq_factor")?,
+        high_freq_factor: number("high_freq_factor")?,
+        original_max_position_embeddings: number("original_max_position_embeddings")? as usize,
+    }))
+}
+
+/// Llama `config.json` keys that would change the model in ways tierzero's blocks do not
+/// implement: an error naming the key rather than a model that silently differs.
+fn llama_unsupported_keys(json: &serde_json::Value, path: &Path, heads: usize) -> Result<(), String> {
+    let unsupported = |key: &str, why: String| Err(format!("{}: `{key}` {why}", path.display()));
+    for key in ["attention_bias", "mlp_bias"] {
+        if json.get(key).and_then(serde_json::Value::as_bool) == Some(true) {
+            return unsupported(key, "is true; tierzero's Llama blocks have no biases".into());
+        }
+    }
+    if let Some(act) = json.get("hidden_act").and_then(|v| v.as_str()) {
+        if act != "silu" {
+            return unsupported(
+                "hidden_act",
+                format!("is {act:?}; tierzero's Llama MLP is SwiGLU (\"silu\")"),
+            );
+        }
+    }
+    let hidden = json
+        .get("hidden_size")
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(0) as usize;
+    if let Some(head_dim) = json.get("head_dim").and_then(serde_json::Value::as_u64) {
+        if heads > 0 && head_dim as usize != hidden / heads {
+            return unsupported(
+                "head_dim",
+                format!("is {head_dim}, not hidden_size / num_attention_heads = {}; tierzero does not support a separate head_dim", hidden / heads),
+            );
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -351,6 +428,90 @@ mod tests {
     fn every_preset_is_valid() {
         for name in PRESETS {
             ModelConfig::preset(name).unwrap().validate().unwrap();
+        }
+    }
+
+    /// Llama-3.2-1B's `config.json` fields (published on the Hugging Face hub), with the
+    /// RoPE settings supplied by `rope`.
+    fn llama_1b_json(rope: serde_json::Value) -> ModelConfig {
+        let mut json = serde_json::json!({
+            "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+            "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": true, "hidden_act": "silu", "head_dim": 64,
+        });
+        for (k, v) in rope.as_object().unwrap() {
+            json[k] = v.clone();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), json.to_string()).unwrap();
+        ModelConfig::from_hf_dir(dir.path()).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn llama_json_error(extra: serde_json::Value) -> String {
+        let mut json = serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 176,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            json[k] = v.clone();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), json.to_string()).unwrap();
+        ModelConfig::from_hf_dir(dir.path()).unwrap_err()
+    }
+
+    #[test]
+    fn rope_settings_read_in_both_transformers_forms() {
+        let scaling = serde_json::json!({"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        // transformers 4: top-level rope_theta + rope_scaling.
+        let v4 = llama_1b_json(serde_json::json!({"rope_theta": 500000.0, "rope_scaling": scaling}));
+        // transformers 5: everything under rope_parameters.
+        let mut params = scaling.clone();
+        params["rope_theta"] = 500000.0.into();
+        let v5 = llama_1b_json(serde_json::json!({ "rope_parameters": params }));
+        assert_eq!(v4, v5);
+        assert_eq!(v5, ModelConfig::preset("llama-1b").unwrap());
+        // default RoPE in the new form: theta read, no scaling.
+        let plain = llama_1b_json(
+            serde_json::json!({"rope_parameters": {"rope_type": "default", "rope_theta": 123.0}}),
+        );
+        assert_eq!((plain.rope_theta, plain.rope_scaling), (123.0, None));
+    }
+
+    #[test]
+    fn rope_and_shape_keys_tierzero_cannot_run_are_errors() {
+        use serde_json::json;
+        let cases = [
+            (
+                json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}),
+                "`rope_parameters.rope_type` Some(\"yarn\")",
+            ),
+            (
+                json!({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+                "`rope_scaling.rope_type`",
+            ),
+            (
+                json!({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}),
+                "has no number `low_freq_factor`",
+            ),
+            (
+                json!({"rope_parameters": {"rope_type": "default"}}),
+                "`rope_parameters` has no number `rope_theta`",
+            ),
+            (
+                json!({"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}),
+                "disagree",
+            ),
+            (json!({"attention_bias": true}), "`attention_bias` is true"),
+            (json!({"mlp_bias": true}), "`mlp_bias` is true"),
+            (json!({"hidden_act": "gelu"}), "`hidden_act` is \"gelu\""),
+            (json!({"head_dim": 32}), "`head_dim` is 32"),
+        ];
+        for (extra, want) in cases {
+            let e = llama_json_error(extra.clone());
+            assert!(e.contains(want), "{extra}: {e}");
         }
     }
 }

@@ -89,3 +89,53 @@ pub fn add_to_f32(t: &Tensor, out: &mut [f32]) -> Result<(), TchError> {
     }
     Ok(())
 }
+
+/// The first `len` elements of a contiguous CPU tensor as a mutable slice of `T`.
+///
+/// # Safety
+/// - `T` must be the tensor's element type (or one of the same size read as raw bits,
+///   as 16-bit floats are read as `u16`);
+/// - for the slice's lifetime nothing else may access those elements (the caller owns
+///   the buffer, or a lane holds it between events), and the tensor's storage must
+///   stay alive (the caller keeps a handle on it).
+// A tensor handle shares its storage (every shallow clone writes the same memory), so a
+// mutable view comes from a shared handle; the exclusivity is the caller's contract.
+#[allow(clippy::mut_from_ref)]
+pub unsafe fn host_slice_mut<T: tierzero_offload::host::Pod>(
+    t: &Tensor,
+    len: usize,
+) -> Result<&mut [T], TchError> {
+    let size = t.f_kind()?.elt_size_in_bytes();
+    if t.device() != Device::Cpu || !t.is_contiguous() || size != std::mem::size_of::<T>() || t.numel() < len
+    {
+        return Err(TchError::Shape(format!(
+            "a {len}-element host view needs a contiguous CPU tensor of {}-byte elements; got {:?} {:?} of {} elements",
+            std::mem::size_of::<T>(),
+            t.device(),
+            t.f_kind()?,
+            t.numel()
+        )));
+    }
+    // SAFETY: the tensor is contiguous on the host with at least `len` elements of
+    // T's size; exclusivity and lifetime are the caller's contract above.
+    Ok(unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<T>(), len) })
+}
+
+/// The first `bytes` bytes of a contiguous CPU tensor, whatever its element type.
+///
+/// # Safety
+/// As [`host_slice_mut`]: nothing else may access those bytes for the slice's lifetime,
+/// and the tensor's storage must stay alive.
+#[allow(clippy::mut_from_ref)]
+pub unsafe fn host_bytes_mut(t: &Tensor, bytes: usize) -> Result<&mut [u8], TchError> {
+    let size = t.f_kind()?.elt_size_in_bytes();
+    if t.device() != Device::Cpu || !t.is_contiguous() || t.numel() * size < bytes {
+        return Err(TchError::Shape(format!(
+            "a {bytes}-byte host view needs a contiguous CPU tensor that large; got {:?} of {} bytes",
+            t.device(),
+            t.numel() * size
+        )));
+    }
+    // SAFETY: contiguous host memory of at least `bytes` bytes; the caller's contract.
+    Ok(unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<u8>(), bytes) })
+}

@@ -8,6 +8,7 @@ use super::rank::{EngineError, LowParams, OptimizerState, RankEngine, Tracks, Un
 use crate::comm::Collective;
 use crate::config::plan::{Precision, Tier};
 use crate::metrics::timeline::Phase;
+use std::sync::Arc;
 use std::time::Instant;
 use tierzero_offload::adam::{self, GradSlice, Sweep};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
@@ -25,10 +26,25 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
 
     /// The new parameters of unit `u` to where they live: all-gathered into the replica
     /// (stages 1–2), written to NVMe, or kept; the persistent gathered copy is dropped.
+    /// Buffers the unit no longer needs become its spares for the next optimizer phase.
     pub(super) fn install(&mut self, u: usize, fresh: LowParams) -> Result<(), EngineError> {
         let params = match self.stage() {
             3 | 0 => fresh,
-            _ => self.all_gather(&fresh, self.units[u].part.padded)?,
+            _ => {
+                let padded = self.units[u].part.padded;
+                // the old replica is the gather's output when no lane still reads it
+                let previous = std::mem::replace(
+                    &mut self.units[u].params,
+                    Arc::new(LowParams::zeros(0, &self.plan.precision)),
+                );
+                let mut full = match Arc::try_unwrap(previous) {
+                    Ok(old) if old.len() == padded => old,
+                    _ => LowParams::zeros(padded, &self.plan.precision),
+                };
+                self.all_gather_into(&fresh, &mut full)?;
+                self.units[u].spare_params = Some(fresh);
+                full
+            }
         };
         self.units[u].persistent = None;
         if self.plan.zero.offload_param.tier == Tier::Nvme {
@@ -43,20 +59,33 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 rank: self.rank as u32,
                 state: State::Param,
             };
-            let scratch =
-                IoBuf::new(store.chunk_bytes(params.elem_bytes())).map_err(|e| EngineError::Other {
-                    rank: self.rank,
-                    message: e.to_string(),
-                })?;
+            let scratch = match self.param_scratch.take() {
+                Some(buf) => buf,
+                None => {
+                    IoBuf::new(store.chunk_bytes(params.elem_bytes())).map_err(|e| EngineError::Other {
+                        rank: self.rank,
+                        message: e.to_string(),
+                    })?
+                }
+            };
             let bytes = params.as_bytes().len() as u64;
-            self.tracks
+            let scratch = self
+                .tracks
                 .compute
                 .span(Phase::NvmeWrite, Some(u), bytes, || {
                     store.write_tensor(key, params.as_bytes(), scratch)
                 })
                 .map_err(self.io_err())?;
+            self.param_scratch = Some(scratch);
+            if self.stage() == 3 || self.stage() == 0 {
+                self.units[u].spare_params = Some(params);
+            }
         } else {
-            self.units[u].params = params;
+            let previous = std::mem::replace(&mut self.units[u].params, Arc::new(params));
+            if self.stage() == 3 || self.stage() == 0 {
+                // a lane may still hold the old shard: then it is dropped, not reused
+                self.units[u].spare_params = Arc::try_unwrap(previous).ok();
+            }
         }
         Ok(())
     }
@@ -77,8 +106,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 .compute
                 .waited(Phase::Optimizer, Some(self.next_update), start);
             let update = update?;
-            let (u, fresh, state) = update;
+            let (u, fresh, state, grad) = update;
             self.units[u].optimizer = state;
+            self.units[u].spare_grad = grad;
             self.install(u, fresh)?;
             self.next_update = u + 1;
             if self.next_update == self.units.len() {
@@ -112,17 +142,26 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let jobs: Vec<OptimizerJob> = (0..self.units.len())
             .map(|u| {
                 let unit = &mut self.units[u];
+                // the accumulator the optimizer reads; the spare from the last phase
+                // becomes the next step's (zeroed at the start of the step)
+                let mut spare = std::mem::take(&mut unit.spare_grad);
                 let grad = if stage == 1 {
-                    unit.grad[unit.opt_start..unit.opt_start + unit.opt_len].to_vec()
+                    spare.clear();
+                    spare.extend_from_slice(&unit.grad[unit.opt_start..unit.opt_start + unit.opt_len]);
+                    spare
                 } else {
-                    let fresh_accumulator = vec![0.0; unit.grad.len()];
-                    std::mem::replace(&mut unit.grad, fresh_accumulator)
+                    spare.resize(unit.grad.len(), 0.0);
+                    std::mem::replace(&mut unit.grad, spare)
+                };
+                let fresh = match unit.spare_params.take() {
+                    Some(p) if p.len() == unit.opt_len => p,
+                    _ => LowParams::zeros(unit.opt_len, &self.plan.precision),
                 };
                 OptimizerJob {
                     unit: u,
-                    opt_len: unit.opt_len,
                     state: unit.optimizer.take(),
                     grad,
+                    fresh,
                 }
             })
             .collect();
@@ -156,8 +195,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             }
             None => {
                 for job in jobs {
-                    let (u, fresh, state) = context.run(job)?;
+                    let (u, fresh, state, grad) = context.run(job)?;
                     self.units[u].optimizer = state;
+                    self.units[u].spare_grad = grad;
                     self.install(u, fresh)?;
                 }
             }
@@ -166,16 +206,18 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     }
 }
 
-/// One unit's optimizer work: its state (None when on NVMe) and final gradient.
+/// One unit's optimizer work: its state (None when on NVMe), final gradient, and the
+/// buffer the new low-precision partition is written into.
 struct OptimizerJob {
     unit: usize,
-    opt_len: usize,
     state: Option<OptimizerState>,
     grad: Vec<f32>,
+    fresh: LowParams,
 }
 
-/// An update ready to install: unit, new low-precision partition, its state back.
-pub(super) type Update = (usize, LowParams, Option<OptimizerState>);
+/// An update ready to install: unit, new low-precision partition, its state and the
+/// gradient buffer back.
+pub(super) type Update = (usize, LowParams, Option<OptimizerState>, Vec<f32>);
 
 /// What the optimizer phase needs, without borrowing the engine.
 struct OptimizerContext<'a> {
@@ -220,15 +262,15 @@ impl OptimizerContext<'_> {
     fn run(&self, job: OptimizerJob) -> Result<Update, EngineError> {
         let OptimizerJob {
             unit,
-            opt_len,
             mut state,
             grad,
+            mut fresh,
         } = job;
+        let opt_len = fresh.len();
         let other = |message: String| EngineError::Other {
             rank: self.rank,
             message,
         };
-        let mut fresh = LowParams::zeros(opt_len, &self.precision);
         if let Some(state) = state.as_mut() {
             let sweep = Sweep {
                 master: &mut state.master,
@@ -268,6 +310,6 @@ impl OptimizerContext<'_> {
                 source,
             })?;
         }
-        Ok((unit, fresh, state))
+        Ok((unit, fresh, state, grad))
     }
 }

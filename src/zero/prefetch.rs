@@ -1,27 +1,40 @@
-//! Stage-3 prefetch: the next units' fetch (NVMe → host, then all-gather) runs on a
-//! worker thread while the current unit computes.
+//! Stage-3 prefetch on lanes: each unit's shard goes to device staging on the h2d lane
+//! (from host memory, or read from NVMe), the gather lane waits for that copy and
+//! all-gathers the staging shard into a pooled unit buffer, and the compute thread waits
+//! for the gather's event before it computes, while later units are fetched.
 //!
 //! Per micro-batch, the order in which units are fetched is fixed and the same on every
 //! rank ([`schedule`]). The compute thread asks for units ahead of time, as many as fit
-//! in `stage3_prefetch_bucket_size` elements (at least the one it needs now), and takes
-//! them in order. The worker gathers on its own communicator, so its collectives never
-//! interleave with the compute thread's reduce-scatters; since every rank issues its
-//! requests at the same points of the same program and always before it waits, the two
-//! communicators cannot deadlock each other. DeepSpeed's PartitionedParameterCoordinator
-//! plays this role with a CUDA stream per direction.
+//! in `stage3_prefetch_bucket_size` elements and `stage3_max_live_parameters` (at least
+//! the one it needs now), at most [`MAX_IN_FLIGHT`] ahead, and takes them in order. The
+//! gather lane has its own communicator, so its collectives never interleave with the
+//! reduce lane's; since every rank issues the same collectives in the same order on each
+//! lane, lanes cannot deadlock each other. DeepSpeed's PartitionedParameterCoordinator
+//! plays this role with a CUDA stream per direction; FSDP2 with its all-gather stream.
+//!
+//! Buffers come from pools that stop allocating after the first step: unit buffers are
+//! released when the compute thread is done with the unit, staging buffers with the
+//! event of the gather that read them (`keep_until`).
 
 use super::partition::Partition;
 use super::rank::{EngineError, LowParams};
 use crate::comm::Collective;
 use crate::config::plan::Precision;
 use crate::device::cpu::{CpuDevice, Reservation};
+use crate::device::lanes::{Event, Lane, Mode};
+use crate::device::pool::{tensor_buffer, Pool};
 use crate::metrics::timeline::{Phase as TimedPhase, Track};
-use crossbeam_channel::{Receiver, Sender};
+use crate::torch;
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
+use tch::Tensor;
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pool::IoBuf;
+
+/// Gathers issued ahead of the one the compute thread waits for, at most (DeepSpeed
+/// bounds its in-flight all-gathers the same way).
+pub const MAX_IN_FLIGHT: usize = 2;
 
 /// Why a unit is fetched.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,8 +78,9 @@ pub struct Limits {
 }
 
 /// Whether to ask for one more unit now: always when nothing is outstanding (the unit
-/// needed next), otherwise while the outstanding elements stay within the bucket and the
-/// live ones (`in_use` + outstanding) within `max_live`.
+/// needed next), otherwise while fewer than [`MAX_IN_FLIGHT`] are outstanding, the
+/// outstanding elements stay within the bucket and the live ones (`in_use` +
+/// outstanding) within `max_live`.
 pub fn may_request(
     outstanding: usize,
     outstanding_numel: usize,
@@ -75,107 +89,118 @@ pub fn may_request(
     limits: Limits,
 ) -> bool {
     let ahead = outstanding_numel + next_numel;
-    outstanding == 0 || (ahead <= limits.bucket && in_use + ahead <= limits.max_live)
+    outstanding == 0
+        || (outstanding < MAX_IN_FLIGHT && ahead <= limits.bucket && in_use + ahead <= limits.max_live)
 }
 
-/// A unit to gather: its in-memory shard, or None to read it from the parameter store.
-pub struct Request {
-    pub unit: usize,
-    pub shard: Option<LowParams>,
+/// Waits a test may leave out on purpose, to show that checked lanes catch it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DroppedWait {
+    #[default]
+    None,
+    /// Compute does not wait for the gather's event before using the unit.
+    ComputeOnGather,
+    /// The staging shard is released without waiting for the gather that reads it.
+    StagingUntilGather,
 }
 
-pub type Response = Result<(usize, LowParams), EngineError>;
-
-/// What the worker needs, owned or shared for the run (never the engine itself).
-pub struct Worker<'a, C: Collective> {
-    pub comm: C,
-    pub rank: usize,
-    pub store: Option<&'a SwapStore>,
-    pub precision: Precision,
-    pub parts: Vec<Partition>,
-    pub track: Track,
+/// The buffers stage-3 fetches reuse across micro-batches and steps (device memory).
+pub struct GatherBuffers {
+    units: Pool<Tensor>,
+    staging: Pool<Tensor>,
+    /// The NVMe read's bounce buffer (the h2d lane runs one job at a time).
+    scratch: Arc<Mutex<Option<IoBuf>>>,
 }
 
-impl<C: Collective> Worker<'_, C> {
-    /// Serves requests until the compute thread hangs up.
-    pub fn serve(self, requests: Receiver<Request>, responses: Sender<Response>) {
-        for request in requests {
-            let result = self.gather(request);
-            let failed = result.is_err();
-            if responses.send(result).is_err() || failed {
-                return;
-            }
+impl GatherBuffers {
+    pub fn new(mode: Mode) -> GatherBuffers {
+        GatherBuffers {
+            units: Pool::new(mode),
+            staging: Pool::new(mode),
+            scratch: Arc::new(Mutex::new(None)),
         }
     }
 
-    fn gather(&self, request: Request) -> Response {
-        let part = self.parts[request.unit];
-        let shard = match request.shard {
-            Some(shard) => shard,
-            None => {
-                let bytes = (part.shard * self.precision.bytes()) as u64;
-                self.track
-                    .span(TimedPhase::NvmeRead, Some(request.unit), bytes, || {
-                        self.read(request.unit, part.shard)
-                    })?
-            }
-        };
-        let start = Instant::now();
-        let full = match &shard {
-            LowParams::F32(s) => {
-                let mut out = vec![0f32; part.padded];
-                self.comm.all_gather(s, &mut out)?;
-                LowParams::F32(out)
-            }
-            LowParams::U16(s) => {
-                let mut out = vec![0u16; part.padded];
-                self.comm.all_gather(s, &mut out)?;
-                LowParams::U16(out)
-            }
-        };
-        let bytes = (part.padded * self.precision.bytes()) as u64;
-        self.track
-            .record(TimedPhase::AllGather, Some(request.unit), start, bytes);
-        Ok((request.unit, full))
-    }
-
-    fn read(&self, unit: usize, len: usize) -> Result<LowParams, EngineError> {
-        read_param_shard(self.store, self.rank, unit, len, &self.precision)
+    /// Buffers made so far and their elements (units, staging).
+    pub fn allocated(&self) -> [(usize, usize); 2] {
+        [self.units.allocated(), self.staging.allocated()]
     }
 }
 
-/// The compute thread's side: requests ahead, receives in order, and holds the device
-/// memory of each gathered unit from request to release.
-pub struct Prefetcher {
+/// Where a unit's shard comes from: host memory (shared with the rank's state, never
+/// copied on the issuing thread) or the NVMe parameter store.
+pub enum Source {
+    Memory(Arc<LowParams>),
+    Nvme,
+}
+
+/// What the lanes need, owned or shared for the run (never the engine itself).
+pub struct Fetcher<'env, C: Collective> {
+    pub comm: C,
+    pub rank: usize,
+    pub store: Option<&'env SwapStore>,
+    pub precision: Precision,
+    pub kind: tch::Kind,
+    pub compute: tch::Device,
+    pub parts: Vec<Partition>,
+    /// The lanes' tracks: all-gathers; copies and NVMe reads.
+    pub gather_track: Track,
+    pub h2d_track: Track,
+    pub dropped: DroppedWait,
+}
+
+/// The two lanes a fetch runs on.
+pub struct FetchLanes<'env> {
+    pub h2d: Lane<'env>,
+    pub gather: Lane<'env>,
+}
+
+/// A fetch issued to the lanes and not yet taken by the compute thread.
+struct InFlight {
+    unit: usize,
+    buffer: Tensor,
+    gathered: Event,
+    hold: Reservation,
+}
+
+/// The compute thread's side: issues fetches ahead, takes them in order, and holds the
+/// device memory of each gathered unit from request to release.
+pub struct Prefetcher<'env, C: Collective> {
     schedule: Vec<(usize, Phase)>,
     numels: Vec<usize>,
     padded_bytes: Vec<u64>,
-    /// Units that stay gathered once fetched (not counted as in use).
+    /// Units that stay gathered once fetched (not counted as in use, never pooled).
     persistent: Vec<bool>,
     limits: Limits,
     /// Elements of the units the compute thread holds (the one it computes with, and
     /// the final unit while the tied embedding joins it).
     in_use: usize,
-    requests: Option<Sender<Request>>,
-    responses: Receiver<Response>,
+    /// Their buffers, returned to the pool when the compute thread moves on.
+    using: Vec<Tensor>,
+    in_flight: VecDeque<InFlight>,
     requested: usize,
     received: usize,
-    holds: VecDeque<Reservation>,
     device: Arc<CpuDevice>,
-    /// The compute thread's track: time waiting for the worker.
+    /// The compute thread's track: time waiting for the lanes.
     track: Track,
+    buffers: GatherBuffers,
+    lanes: FetchLanes<'env>,
+    fetcher: Arc<Fetcher<'env, C>>,
 }
 
-impl Prefetcher {
+impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         schedule: Vec<(usize, Phase)>,
-        parts: &[Partition],
         elem_bytes: usize,
         limits: Limits,
         device: Arc<CpuDevice>,
-        (requests, responses): (Sender<Request>, Receiver<Response>),
         track: Track,
-    ) -> Prefetcher {
+        buffers: GatherBuffers,
+        lanes: FetchLanes<'env>,
+        fetcher: Fetcher<'env, C>,
+    ) -> Self {
+        let parts = &fetcher.parts;
         Prefetcher {
             schedule,
             numels: parts.iter().map(|p| p.numel).collect(),
@@ -186,21 +211,23 @@ impl Prefetcher {
                 .collect(),
             limits,
             in_use: 0,
-            requests: Some(requests),
-            responses,
+            using: Vec::new(),
+            in_flight: VecDeque::new(),
             requested: 0,
             received: 0,
-            holds: VecDeque::new(),
             device,
             track,
+            buffers,
+            lanes,
+            fetcher: Arc::new(fetcher),
         }
     }
 
-    /// Issues every request the bucket allows; `shard` gives the in-memory shard of a
-    /// unit (None when it lives on NVMe), after installing any pending update of it.
+    /// Issues every fetch the limits allow; `source` gives where a unit's shard is, after
+    /// installing any pending update of it.
     fn fill(
         &mut self,
-        shard: &mut dyn FnMut(usize) -> Result<Option<LowParams>, EngineError>,
+        source: &mut dyn FnMut(usize) -> Result<Source, EngineError>,
     ) -> Result<(), EngineError> {
         loop {
             let outstanding = self.requested - self.received;
@@ -221,81 +248,209 @@ impl Prefetcher {
                 return Ok(());
             }
             // installing a pending update first drops the unit's old gathered copy
-            let in_memory = shard(unit)?;
-            self.holds.push_back(
-                self.device
-                    .reserve(self.padded_bytes[unit], &format!("gathered unit {unit}"))?,
-            );
-            let sender = self.requests.as_ref().ok_or_else(|| EngineError::Other {
-                rank: 0,
-                message: "prefetch closed".into(),
-            })?;
-            if sender
-                .send(Request {
-                    unit,
-                    shard: in_memory,
-                })
-                .is_err()
-            {
-                return Err(self.stopped());
-            }
+            let shard = source(unit)?;
+            let hold = self
+                .device
+                .reserve(self.padded_bytes[unit], &format!("gathered unit {unit}"))?;
+            self.issue(unit, shard, hold)?;
             self.requested += 1;
         }
     }
 
-    /// The next scheduled unit, gathered, with its device memory.
+    /// Queues unit `unit`'s fetch: shard → staging on the h2d lane, then the all-gather
+    /// into a unit buffer on the gather lane.
+    fn issue(&mut self, unit: usize, shard: Source, hold: Reservation) -> Result<(), EngineError> {
+        let f = self.fetcher.clone();
+        let part = f.parts[unit];
+        let torch_err = |source| EngineError::Torch { rank: f.rank, source };
+        // host buffers: on CPU devices they are the device memory; a CUDA rank copies the
+        // gathered unit to its GPU when it computes (device-side gathers are NCCL's, later)
+        let make = |n| tensor_buffer(n, f.kind, tch::Device::Cpu);
+        let buffer = self.buffers.units.take(part.padded, make).map_err(torch_err)?;
+        let staging = self.buffers.staging.take(part.shard, make).map_err(torch_err)?;
+        let copied = {
+            let (f, staging, scratch) = (f.clone(), staging.shallow_clone(), self.buffers.scratch.clone());
+            self.lanes.h2d.submit(move || {
+                f.to_staging(unit, shard, &staging, &scratch)
+                    .map_err(|e| e.to_string())
+            })
+        };
+        self.lanes.gather.wait(&copied);
+        let gathered = {
+            let (f, staging, out) = (f.clone(), staging.shallow_clone(), buffer.shallow_clone());
+            self.lanes
+                .gather
+                .submit(move || f.gather(unit, &staging, &out).map_err(|e| e.to_string()))
+        };
+        let staging_until = match f.dropped {
+            DroppedWait::StagingUntilGather => Event::done(),
+            _ => gathered.clone(),
+        };
+        self.buffers.staging.release(staging, staging_until);
+        self.in_flight.push_back(InFlight {
+            unit,
+            buffer,
+            gathered,
+            hold,
+        });
+        Ok(())
+    }
+
+    /// The next scheduled unit, gathered (its first `numel` elements as a tensor), with
+    /// its device memory.
     pub fn next(
         &mut self,
         expected: usize,
-        shard: &mut dyn FnMut(usize) -> Result<Option<LowParams>, EngineError>,
-    ) -> Result<(LowParams, Reservation), EngineError> {
-        // the compute thread released the previous unit, except the final one while the
-        // tied embedding joins it
+        source: &mut dyn FnMut(usize) -> Result<Source, EngineError>,
+    ) -> Result<(Tensor, Reservation), EngineError> {
+        // the compute thread is done with the previous unit, except the final one while
+        // the tied embedding joins it (on CPU compute is synchronous: its work is done)
         if self.schedule.get(self.received).map(|s| s.1) != Some(Phase::Tied) {
             self.in_use = 0;
-        }
-        self.fill(shard)?;
-        let start = Instant::now();
-        let response = self.responses.recv().map_err(|_| self.stopped())?;
-        self.track.waited(TimedPhase::AllGather, Some(expected), start);
-        let (unit, full) = response?;
-        if unit != expected || self.schedule.get(self.received).map(|s| s.0) != Some(expected) {
-            return Err(EngineError::Other {
-                rank: 0,
-                message: format!("prefetch order: got unit {unit}, expected {expected}"),
-            });
-        }
-        self.received += 1;
-        let hold = self.holds.pop_front().ok_or_else(|| EngineError::Other {
-            rank: 0,
-            message: "prefetch accounting".into(),
-        })?;
-        if !self.persistent[unit] {
-            self.in_use += self.numels[unit];
-        }
-        // keep the pipeline full while this unit computes
-        self.fill(shard)?;
-        Ok((full, hold))
-    }
-
-    /// Why the worker is gone: it stops right after sending its error, which may still
-    /// be queued behind gathered units (so an aborted collective is reported as such,
-    /// not as a failure of this rank).
-    fn stopped(&self) -> EngineError {
-        while let Ok(response) = self.responses.try_recv() {
-            if let Err(e) = response {
-                return e;
+            for buffer in self.using.drain(..) {
+                self.buffers.units.release(buffer, Event::done());
             }
         }
+        self.fill(source)?;
+        let Some(fetch) = self.in_flight.pop_front() else {
+            return Err(self.order_error(expected, None));
+        };
+        if fetch.unit != expected || self.schedule.get(self.received).map(|s| s.0) != Some(expected) {
+            return Err(self.order_error(expected, Some(fetch.unit)));
+        }
+        if self.fetcher.dropped != DroppedWait::ComputeOnGather {
+            let start = Instant::now();
+            fetch.gathered.synchronize()?;
+            self.track.waited(TimedPhase::AllGather, Some(expected), start);
+        }
+        self.received += 1;
+        let numel = self.numels[expected];
+        let torch_err = |source| EngineError::Torch {
+            rank: self.fetcher.rank,
+            source,
+        };
+        let mut view = fetch.buffer.f_narrow(0, 0, numel as i64).map_err(torch_err)?;
+        if self.fetcher.compute != tch::Device::Cpu {
+            view = view.f_to(self.fetcher.compute).map_err(torch_err)?;
+        }
+        if !self.persistent[expected] {
+            self.in_use += numel;
+            self.using.push(fetch.buffer);
+        }
+        // keep the lanes busy while this unit computes
+        self.fill(source)?;
+        Ok((view, fetch.hold))
+    }
+
+    fn order_error(&self, expected: usize, got: Option<usize>) -> EngineError {
         EngineError::Other {
-            rank: 0,
-            message: "the prefetch worker stopped".into(),
+            rank: self.fetcher.rank,
+            message: format!("prefetch order: got unit {got:?}, expected {expected}"),
         }
     }
 
-    /// Hangs up on the worker (it finishes the request in hand and exits).
-    pub fn close(&mut self) {
-        self.requests = None;
+    /// Waits for the lanes' outstanding work and returns the pools (after an error the
+    /// caller aborts the gather communicator first, so no lane waits forever).
+    pub fn finish(mut self) -> GatherBuffers {
+        for fetch in self.in_flight.drain(..) {
+            self.buffers.units.release(fetch.buffer, fetch.gathered);
+        }
+        for buffer in self.using.drain(..) {
+            self.buffers.units.release(buffer, Event::done());
+        }
+        let _ = self.lanes.h2d.record().synchronize();
+        let _ = self.lanes.gather.record().synchronize();
+        self.buffers
+    }
+}
+
+impl<C: Collective> Fetcher<'_, C> {
+    /// The h2d lane's job: the shard into device staging (on CPU devices a memcpy, or
+    /// the NVMe read straight into it).
+    fn to_staging(
+        &self,
+        unit: usize,
+        shard: Source,
+        staging: &Tensor,
+        scratch: &Mutex<Option<IoBuf>>,
+    ) -> Result<(), EngineError> {
+        let len = self.parts[unit].shard;
+        let elem = self.precision.bytes();
+        let torch_err = |source| EngineError::Torch {
+            rank: self.rank,
+            source,
+        };
+        // SAFETY: the staging buffer is this fetch's alone until the gather lane's event
+        // (the pool releases it only then); its element size is the precision's.
+        let out: &mut [u8] = unsafe { torch::host_bytes_mut(staging, len * elem) }.map_err(torch_err)?;
+        match shard {
+            Source::Memory(params) => {
+                let bytes = params.as_bytes();
+                self.h2d_track
+                    .span(TimedPhase::H2d, Some(unit), bytes.len() as u64, || {
+                        out.copy_from_slice(&bytes[..len * elem]);
+                    });
+                Ok(())
+            }
+            Source::Nvme => {
+                let other = |message: String| EngineError::Other {
+                    rank: self.rank,
+                    message,
+                };
+                let store = self
+                    .store
+                    .ok_or_else(|| other("parameters on nvme without a swap store".into()))?;
+                let mut slot = scratch.lock().unwrap_or_else(|e| e.into_inner());
+                let buf = match slot.take() {
+                    Some(buf) => buf,
+                    None => IoBuf::new(store.chunk_bytes(elem)).map_err(|e| other(e.to_string()))?,
+                };
+                let key = TensorKey {
+                    unit: unit as u32,
+                    rank: self.rank as u32,
+                    state: State::Param,
+                };
+                let buf = self
+                    .h2d_track
+                    .span(TimedPhase::NvmeRead, Some(unit), (len * elem) as u64, || {
+                        store.read_tensor(key, out, buf)
+                    })
+                    .map_err(|source| EngineError::Io {
+                        rank: self.rank,
+                        source,
+                    })?;
+                *slot = Some(buf);
+                Ok(())
+            }
+        }
+    }
+
+    /// The gather lane's job: every rank's staging shard into the unit buffer.
+    fn gather(&self, unit: usize, staging: &Tensor, out: &Tensor) -> Result<(), EngineError> {
+        let part = self.parts[unit];
+        let torch_err = |source| EngineError::Torch {
+            rank: self.rank,
+            source,
+        };
+        let start = Instant::now();
+        // SAFETY: the staging buffer is read only by this job until its event (the h2d
+        // lane's write finished before it: the gather lane waited for it); the unit buffer
+        // is written only here and read by compute after this job's event.
+        unsafe {
+            if self.precision.bytes() == 4 {
+                let shard = torch::host_slice_mut::<f32>(staging, part.shard).map_err(torch_err)?;
+                let full = torch::host_slice_mut::<f32>(out, part.padded).map_err(torch_err)?;
+                self.comm.all_gather(shard, full)?;
+            } else {
+                let shard = torch::host_slice_mut::<u16>(staging, part.shard).map_err(torch_err)?;
+                let full = torch::host_slice_mut::<u16>(out, part.padded).map_err(torch_err)?;
+                self.comm.all_gather(shard, full)?;
+            }
+        }
+        let bytes = (part.padded * self.precision.bytes()) as u64;
+        self.gather_track
+            .record(TimedPhase::AllGather, Some(unit), start, bytes);
+        Ok(())
     }
 }
 

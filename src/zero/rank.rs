@@ -22,14 +22,15 @@
 //! (`reduce.rs`) with `overlap_comm`.
 
 use super::partition::Partition;
-use super::prefetch::{self, Prefetcher, Worker};
-use super::reduce::{self, Reducer};
+use super::prefetch::{self, DroppedWait, FetchLanes, Fetcher, GatherBuffers, Prefetcher, Source};
+use super::reduce::{ReduceBuffers, Reducer};
 use super::schedule::{learning_rate, LossScaler};
 use super::start::Start;
 use crate::comm::{Collective, CommError, ReduceOp};
 use crate::config::plan::{Plan, Precision, Tier};
 use crate::data::Dataset;
 use crate::device::cpu::{CpuDevice, Reservation};
+use crate::device::lanes::{Lane, LaneError, Mode};
 use crate::device::OutOfMemory;
 use crate::metrics::timeline::{Phase, Timeline, Track};
 use crate::metrics::trace::TierBytes;
@@ -55,6 +56,8 @@ pub enum EngineError {
     Io { rank: usize, source: IoError },
     #[error(transparent)]
     OutOfMemory(#[from] OutOfMemory),
+    #[error(transparent)]
+    Lane(#[from] LaneError),
     #[error("rank {rank}: {message}")]
     Other { rank: usize, message: String },
 }
@@ -108,6 +111,13 @@ impl LowParams {
         }
     }
 
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            LowParams::F32(v) => v.len(),
+            LowParams::U16(v) => v.len(),
+        }
+    }
+
     pub(crate) fn elem_bytes(&self) -> usize {
         match self {
             LowParams::F32(_) => 4,
@@ -125,8 +135,9 @@ pub(super) struct OptimizerState {
 
 pub(super) struct UnitState {
     pub(super) part: Partition,
-    /// Stage 3: this rank's shard; else the padded replica. Empty when on NVMe.
-    pub(super) params: LowParams,
+    /// Stage 3: this rank's shard; else the padded replica. Empty when on NVMe. Shared
+    /// with the lanes that read it (an update replaces it; it is never written in place).
+    pub(super) params: Arc<LowParams>,
     /// Stage 3 units at or below the persistence threshold keep their gathered form.
     pub(super) persistent: Option<(Tensor, Reservation)>,
     /// Offset and length of the optimizer partition within the padded buffer.
@@ -136,6 +147,10 @@ pub(super) struct UnitState {
     /// padded unit.
     pub(super) grad: Vec<f32>,
     pub(super) optimizer: Option<OptimizerState>,
+    /// Buffers back from the last optimizer phase, reused by the next: the gradient
+    /// accumulator the optimizer read, and a low-precision partition to write into.
+    pub(super) spare_grad: Vec<f32>,
+    pub(super) spare_params: Option<LowParams>,
 }
 
 /// Per-step numbers one rank reports.
@@ -163,6 +178,26 @@ pub struct RankContext<'a> {
     /// False: every phase blocking (no prefetch worker, no NVMe read/write pipelining);
     /// a debug switch that makes the breakdown's `overlap` 1.0.
     pub overlap: bool,
+    /// How the rank's lanes run (checked in tests), and a wait left out on purpose.
+    pub lanes: LaneOptions,
+}
+
+/// How a rank's lanes run: [`Mode::Checked`] in tests; `dropped` leaves one wait out on
+/// purpose (a test shows the checked mode then fails the run's equivalence).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LaneOptions {
+    pub mode: Mode,
+    pub dropped: DroppedWait,
+}
+
+impl LaneOptions {
+    /// Plain lanes, or checked ones when the environment asks (`Mode::from_env`).
+    pub fn from_env() -> LaneOptions {
+        LaneOptions {
+            mode: Mode::from_env(),
+            dropped: DroppedWait::None,
+        }
+    }
 }
 
 /// A rank's communicators: the compute thread's, the prefetch worker's (stage-3
@@ -188,7 +223,10 @@ impl<C: Collective> Comms<C> {
 #[derive(Clone, Default)]
 pub(super) struct Tracks {
     pub compute: Track,
+    /// The gather lane (stage-3 all-gathers).
     pub prefetch: Track,
+    /// The h2d lane (shards into device staging, parameter NVMe reads).
+    pub h2d: Track,
     pub optimizer: Track,
     pub nvme_read: Track,
     pub nvme_write: Track,
@@ -202,11 +240,12 @@ impl Tracks {
         };
         Tracks {
             compute: t.track(rank, "compute"),
-            prefetch: t.track(rank, "prefetch"),
+            prefetch: t.track(rank, "gather"),
             optimizer: t.track(rank, "optimizer"),
             nvme_read: t.track(rank, "nvme read"),
             nvme_write: t.track(rank, "nvme write"),
             reduce: t.track(rank, "reduce"),
+            h2d: t.track(rank, "h2d"),
         }
     }
 }
@@ -217,8 +256,10 @@ pub struct RankEngine<'a, C: Collective> {
     pub(super) gather_comm: C,
     /// The reducer's communicator (`overlap_comm`).
     pub(super) reduce_comm: C,
-    /// The reducer of the step in progress, when gradients are reduced off-thread.
-    pub(super) reducer: Option<Reducer>,
+    /// The reduce lane of the step in progress, when gradients are reduced off-thread.
+    pub(super) reducer: Option<Reducer<'a, C>>,
+    /// Full-gradient and shard buffers, reused across units and steps.
+    pub(super) reduce_buffers: ReduceBuffers,
     pub(super) plan: &'a Plan,
     pub(super) model: &'a Model,
     pub(super) dataset: &'a Dataset,
@@ -241,23 +282,24 @@ pub struct RankEngine<'a, C: Collective> {
     pub(super) next_update: usize,
     pub(super) tracks: Tracks,
     pub(super) overlap: bool,
+    pub(super) lanes: LaneOptions,
+    /// Stage-3 gather buffers, reused across micro-batches (lent to the prefetcher).
+    pub(super) gather_buffers: Option<GatherBuffers>,
+    /// The bounce buffer of parameter writes to NVMe.
+    pub(super) param_scratch: Option<IoBuf>,
     /// Where this rank computes (CPU, or its GPU).
     pub(super) compute: tch::Device,
 }
 
 impl<'a, C: Collective + Clone> RankEngine<'a, C> {
-    fn torch_err(&self) -> impl Fn(TchError) -> EngineError + '_ {
-        move |source| EngineError::Torch {
-            rank: self.rank,
-            source,
-        }
+    fn torch_err(&self) -> impl Fn(TchError) -> EngineError {
+        let rank = self.rank;
+        move |source| EngineError::Torch { rank, source }
     }
 
-    pub(super) fn io_err(&self) -> impl Fn(IoError) -> EngineError + '_ {
-        move |source| EngineError::Io {
-            rank: self.rank,
-            source,
-        }
+    pub(super) fn io_err(&self) -> impl Fn(IoError) -> EngineError {
+        let rank = self.rank;
+        move |source| EngineError::Io { rank, source }
     }
 
     /// Waits for the GPU's queued work, so a compute span ends when the kernels did
@@ -294,6 +336,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             start,
             timeline,
             overlap,
+            lanes,
         } = context;
         let rank = comm.rank();
         let mut held = Vec::new();
@@ -412,12 +455,14 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             }
             units.push(UnitState {
                 part,
-                params,
+                params: Arc::new(params),
                 persistent: None,
                 opt_start,
                 opt_len,
                 grad,
                 optimizer,
+                spare_grad: Vec::new(),
+                spare_params: None,
             });
         }
         let mut scaler = LossScaler::new(match &plan.precision {
@@ -434,6 +479,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             gather_comm,
             reduce_comm,
             reducer: None,
+            reduce_buffers: ReduceBuffers::default(),
             plan,
             model,
             dataset,
@@ -450,46 +496,52 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             next_update: 0,
             tracks: Tracks::new(timeline, rank),
             overlap,
+            lanes,
+            gather_buffers: Some(GatherBuffers::new(lanes.mode)),
+            param_scratch: None,
             compute: plan.train.compute_device(rank),
         })
     }
 
     /// The full parameters of unit `u` as a tensor of the compute kind, with the device
     /// memory its gathered form holds (stage 3) until dropped. At stage 3 the gather
-    /// comes from the prefetch worker when one runs, else it happens here.
+    /// comes from the prefetcher's lanes when they run, else it happens here.
     fn fetch(
         &mut self,
-        prefetch: Option<&mut Prefetcher>,
+        prefetch: Option<&mut Prefetcher<'a, C>>,
         u: usize,
     ) -> Result<(Tensor, Option<Reservation>), EngineError> {
         self.install_through(u)?;
         if let Some((t, _)) = &self.units[u].persistent {
             return Ok((t.shallow_clone(), None));
         }
-        let (full, gathered) = match (self.stage(), prefetch) {
+        let (tensor, gathered) = match (self.stage(), prefetch) {
             (3, Some(prefetch)) => {
                 // a unit is requested only once its pending update is installed
-                let (full, hold) = prefetch.next(u, &mut |v| {
+                let (tensor, hold) = prefetch.next(u, &mut |v| {
                     self.install_through(v)?;
-                    Ok(self.in_memory_shard(v))
+                    Ok(self.shard_source(v))
                 })?;
-                (full, Some(hold))
+                (tensor, Some(hold))
             }
             (3, None) => {
                 let bytes = (self.units[u].part.padded * self.plan.precision.bytes()) as u64;
                 let hold = self.device.reserve(bytes, &format!("gathered unit {u}"))?;
                 let shard = self.local_params(u)?;
-                (self.all_gather(&shard, self.units[u].part.padded)?, Some(hold))
+                let full = self.all_gather(&shard, self.units[u].part.padded)?;
+                (self.tensor_of(&full, u)?, Some(hold))
             }
             (_, _) if self.plan.zero.offload_param.tier != Tier::Nvme => {
                 // the replica is already whole: copy it into a tensor without a clone
                 let tensor = self.tensor_of(&self.units[u].params, u)?;
                 return Ok((tensor, None));
             }
-            _ => (self.local_params(u)?, None),
+            _ => {
+                let params = self.local_params(u)?;
+                (self.tensor_of(&params, u)?, None)
+            }
         };
         let numel = self.units[u].part.numel;
-        let tensor = self.tensor_of(&full, u)?;
         match gathered {
             // small units stay gathered (stage3_param_persistence_threshold)
             Some(hold) if numel <= self.plan.zero.param_persistence_threshold => {
@@ -513,36 +565,45 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             .map_err(self.torch_err())
     }
 
-    /// A unit's shard for the prefetch worker: in memory, or None when it is on NVMe.
-    fn in_memory_shard(&self, u: usize) -> Option<LowParams> {
-        (self.plan.zero.offload_param.tier != Tier::Nvme).then(|| self.units[u].params.clone())
+    /// Where the lanes find a unit's shard: shared from memory, or on NVMe.
+    fn shard_source(&self, u: usize) -> Source {
+        if self.plan.zero.offload_param.tier == Tier::Nvme {
+            Source::Nvme
+        } else {
+            Source::Memory(self.units[u].params.clone())
+        }
     }
 
     /// Every rank's `shard` of a unit, concatenated into its padded length.
     pub(super) fn all_gather(&self, shard: &LowParams, padded: usize) -> Result<LowParams, EngineError> {
-        let start = Instant::now();
-        let bytes = (padded * shard.elem_bytes()) as u64;
-        let full = match shard {
-            LowParams::F32(s) => {
-                let mut out = vec![0f32; padded];
-                self.comm.all_gather(s, &mut out)?;
-                LowParams::F32(out)
-            }
-            LowParams::U16(s) => {
-                let mut out = vec![0u16; padded];
-                self.comm.all_gather(s, &mut out)?;
-                LowParams::U16(out)
-            }
-        };
-        self.tracks.compute.record(Phase::AllGather, None, start, bytes);
+        let mut full = LowParams::zeros(padded, &self.plan.precision);
+        self.all_gather_into(shard, &mut full)?;
         Ok(full)
+    }
+
+    /// Every rank's `shard` of a unit into `full` (its padded length, same precision).
+    pub(super) fn all_gather_into(&self, shard: &LowParams, full: &mut LowParams) -> Result<(), EngineError> {
+        let start = Instant::now();
+        let bytes = full.as_bytes().len() as u64;
+        match (shard, &mut *full) {
+            (LowParams::F32(s), LowParams::F32(out)) => self.comm.all_gather(s, out)?,
+            (LowParams::U16(s), LowParams::U16(out)) => self.comm.all_gather(s, out)?,
+            _ => {
+                return Err(EngineError::Other {
+                    rank: self.rank,
+                    message: "all-gather between two precisions".into(),
+                })
+            }
+        }
+        self.tracks.compute.record(Phase::AllGather, None, start, bytes);
+        Ok(())
     }
 
     /// This rank's stored parameters of unit `u` (from NVMe when offloaded there).
     pub(super) fn local_params(&self, u: usize) -> Result<LowParams, EngineError> {
         let unit = &self.units[u];
         if self.plan.zero.offload_param.tier != Tier::Nvme {
-            return Ok(unit.params.clone());
+            return Ok(LowParams::clone(&unit.params));
         }
         let len = if self.stage() == 3 {
             unit.part.shard
@@ -558,8 +619,14 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// Adds a unit's flat gradient (numel elements, fp32) into this rank's accumulator.
     fn accumulate(&mut self, u: usize, grad: &Tensor) -> Result<(), EngineError> {
         let part = self.units[u].part;
-        let mut full = vec![0f32; part.padded];
+        let reducer = self.reducer.as_mut().filter(|_| self.plan.zero.stage >= 2);
+        let mut full = match reducer {
+            Some(r) => r.buffers.take(part.padded),
+            None => self.reduce_buffers.take(part.padded),
+        };
         let n = grad.numel();
+        // the padding reduces as zeros
+        full[n..].fill(0.0);
         self.tracks
             .compute
             .span(Phase::D2h, Some(u), 4 * n as u64, || {
@@ -568,42 +635,57 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             .map_err(self.torch_err())?;
         if self.stage() >= 2 {
             if let Some(reducer) = self.reducer.as_mut() {
-                reducer.send(reduce::Job { unit: u, full })?;
+                if let Some((v, mine)) = reducer.send(u, full)? {
+                    self.add_shard(v, mine);
+                }
                 return self.absorb(false);
             }
         }
         let start = Instant::now();
-        let _reduce = Recorded::new(&self.tracks.compute, Phase::Reduce, Some(u), start, 4 * n as u64);
         if self.stage() >= 2 {
-            let mut mine = vec![0f32; part.shard];
-            self.comm.reduce_scatter(&full, &mut mine, ReduceOp::Avg)?;
-            for (g, x) in self.units[u].grad.iter_mut().zip(mine) {
-                *g += x;
-            }
+            let mut mine = self.reduce_buffers.take(part.shard);
+            let reduced = self.comm.reduce_scatter(&full, &mut mine, ReduceOp::Avg);
+            self.tracks
+                .compute
+                .record(Phase::Reduce, Some(u), start, 4 * n as u64);
+            reduced?;
+            self.reduce_buffers.give(full);
+            self.add_shard(u, mine);
         } else {
-            for (g, x) in self.units[u].grad.iter_mut().zip(full) {
+            let _reduce = Recorded::new(&self.tracks.compute, Phase::Reduce, Some(u), start, 4 * n as u64);
+            for (g, x) in self.units[u].grad.iter_mut().zip(&full) {
                 *g += x;
             }
+            self.reduce_buffers.give(full);
         }
         Ok(())
     }
 
-    /// Adds the reducer's finished shards to the accumulators, in the order they were
-    /// sent; with `wait`, every outstanding one.
+    /// Adds a reduced shard into unit `u`'s accumulator and recycles its buffer.
+    fn add_shard(&mut self, u: usize, mine: Vec<f32>) {
+        for (g, x) in self.units[u].grad.iter_mut().zip(&mine) {
+            *g += x;
+        }
+        match self.reducer.as_mut() {
+            Some(r) => r.buffers.give(mine),
+            None => self.reduce_buffers.give(mine),
+        }
+    }
+
+    /// Adds the reduce lane's finished shards to the accumulators, in the order they
+    /// were sent; with `wait`, every outstanding one.
     fn absorb(&mut self, wait: bool) -> Result<(), EngineError> {
         while let Some((u, mine)) = match self.reducer.as_mut() {
             Some(r) => r.take(wait)?,
             None => None,
         } {
-            for (g, x) in self.units[u].grad.iter_mut().zip(mine) {
-                *g += x;
-            }
+            self.add_shard(u, mine);
         }
         Ok(())
     }
 
-    /// Every micro-batch of the step, with the reducer on its own thread when gradients
-    /// are reduce-scattered per unit and `overlap_comm` asks for it. Returns the loss.
+    /// Every micro-batch of the step, with the reduce lane when gradients are
+    /// reduce-scattered per unit and `overlap_comm` asks for it. Returns the loss.
     fn micro_batches(&mut self, step: u64, loss_scale: f64) -> Result<f64, EngineError> {
         let plan = self.plan;
         let world = self.comm.world();
@@ -621,21 +703,24 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         if self.stage() < 2 || !self.overlap || !plan.zero.overlap_comm {
             return run(self);
         }
-        let (reducer, jobs, done) = Reducer::channels();
-        self.reducer = Some(reducer);
-        let comm = self.reduce_comm.clone();
         let abort = self.reduce_comm.clone();
-        let track = self.tracks.reduce.clone();
+        let (rank, mode) = (self.rank, self.lanes.mode);
         std::thread::scope(|scope| {
-            let worker = scope.spawn(move || reduce::serve(comm, jobs, done, track));
+            let lane = Lane::start(scope, rank, "reduce", mode);
+            let buffers = std::mem::take(&mut self.reduce_buffers);
+            self.reducer = Some(Reducer::new(
+                lane,
+                self.reduce_comm.clone(),
+                self.tracks.reduce.clone(),
+                buffers,
+            ));
             let result = run(self);
             if let Err(e) = &result {
                 abort.abort(&e.to_string());
             }
-            if let Some(mut r) = self.reducer.take() {
-                r.close();
+            if let Some(r) = self.reducer.take() {
+                self.reduce_buffers = r.finish();
             }
-            let _ = worker.join();
             result
         })
     }
@@ -683,7 +768,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         }
         self.tracks.compute.record(Phase::Reduce, None, reduce_start, 0);
         let grad_norm = sum_sq[0].sqrt() / loss_scale;
-        let lr = learning_rate(&plan.scheduler, f64::from(plan.optimizer.lr), step);
+        // DeepSpeed steps its scheduler only when the update is applied: the rate is that
+        // of the number of applied steps, so overflow-skipped steps do not advance it.
+        let lr = learning_rate(&plan.scheduler, f64::from(plan.optimizer.lr), self.adam_steps);
         let mut report = StepReport {
             loss: losses[0],
             grad_norm,
@@ -715,11 +802,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         Ok(report)
     }
 
-    /// Runs `body` with a prefetch worker at stage 3 (none below). On any error both
-    /// communicators are aborted, so no rank's worker waits forever.
+    /// Runs `body` with the prefetcher's lanes at stage 3 (none below). On any error the
+    /// gather communicator is aborted, so no rank's gather lane waits forever.
     fn with_prefetch<T>(
         &mut self,
-        body: impl FnOnce(&mut Self, Option<&mut Prefetcher>) -> Result<T, EngineError>,
+        body: impl FnOnce(&mut Self, Option<&mut Prefetcher<'a, C>>) -> Result<T, EngineError>,
     ) -> Result<T, EngineError> {
         if self.stage() != 3 || !self.overlap {
             return body(self, None);
@@ -732,39 +819,48 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         // pending every unit is fetched
         let pending = self.updates.is_some();
         order.retain(|&(u, _)| pending || self.units[u].persistent.is_none());
-        let (request_tx, request_rx) = crossbeam_channel::unbounded();
-        let (response_tx, response_rx) = crossbeam_channel::unbounded();
-        let worker = Worker {
+        let fetcher = Fetcher {
             comm: self.gather_comm.clone(),
             rank: self.rank,
             store: self.param_store,
             precision: self.plan.precision,
-            parts: parts.clone(),
-            track: self.tracks.prefetch.clone(),
+            kind: self.model.kind,
+            compute: self.compute,
+            parts,
+            gather_track: self.tracks.prefetch.clone(),
+            h2d_track: self.tracks.h2d.clone(),
+            dropped: self.lanes.dropped,
         };
-        let mut prefetcher = Prefetcher::new(
-            order,
-            &parts,
-            self.plan.precision.bytes(),
-            prefetch::Limits {
-                bucket: self.plan.zero.prefetch_bucket_size,
-                max_live: self.plan.zero.max_live_parameters,
-                persistence_threshold: threshold,
-            },
-            self.device.clone(),
-            (request_tx, response_rx),
-            self.tracks.compute.clone(),
-        );
-        let gather_comm = self.gather_comm.clone();
+        let limits = prefetch::Limits {
+            bucket: self.plan.zero.prefetch_bucket_size,
+            max_live: self.plan.zero.max_live_parameters,
+            persistence_threshold: threshold,
+        };
+        let buffers = self
+            .gather_buffers
+            .take()
+            .unwrap_or_else(|| GatherBuffers::new(self.lanes.mode));
+        let (gather_comm, mode, rank) = (self.gather_comm.clone(), self.lanes.mode, self.rank);
         std::thread::scope(|scope| {
-            let handle = scope.spawn(move || worker.serve(request_rx, response_tx));
+            let lanes = FetchLanes {
+                h2d: Lane::start(scope, rank, "h2d", mode),
+                gather: Lane::start(scope, rank, "gather", mode),
+            };
+            let mut prefetcher = Prefetcher::new(
+                order,
+                self.plan.precision.bytes(),
+                limits,
+                self.device.clone(),
+                self.tracks.compute.clone(),
+                buffers,
+                lanes,
+                fetcher,
+            );
             let result = body(self, Some(&mut prefetcher));
             if let Err(e) = &result {
                 gather_comm.abort(&e.to_string());
             }
-            prefetcher.close();
-            drop(prefetcher);
-            let _ = handle.join();
+            self.gather_buffers = Some(prefetcher.finish());
             result
         })
     }
@@ -773,7 +869,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// recompute. Returns this micro-batch's share of the step loss.
     fn micro_batch(
         &mut self,
-        mut prefetch: Option<&mut Prefetcher>,
+        mut prefetch: Option<&mut Prefetcher<'a, C>>,
         step: u64,
         global_micro: u64,
         loss_scale: f64,

@@ -1,111 +1,148 @@
-//! Gradient reduction off the compute thread (`overlap_comm`, stages 2 and 3).
+//! Gradient reduction on the reduce lane (`overlap_comm`, stages 2 and 3).
 //!
-//! After a unit's backward the compute thread copies its flat gradient to the host and
-//! hands it to the reducer, which reduce-scatters it on its own communicator while the
-//! compute thread goes on with the next unit's backward. Reduced shards come back in the
-//! order they were sent and are added to the accumulators in that order, so the result
-//! is the blocking path's bit for bit. At most `DEPTH` full gradients wait at once (the
-//! role of DeepSpeed's reduce bucket). On any error the engine aborts the reducer's
-//! communicator, so no rank's reducer waits forever.
+//! After a unit's backward the compute thread copies its flat gradient into a pooled
+//! host buffer and hands it to the reduce lane, which reduce-scatters it (mean) on its
+//! own communicator while the compute thread goes on with the next unit's backward. The
+//! buffers move into the lane's job and come back with its event (the buffer is never
+//! reachable from two places). Reduced shards are taken back in the order they were
+//! sent and added to the accumulators in that order, so the result is the blocking
+//! path's bit for bit. At most [`DEPTH`] gradients are in flight (the role of
+//! DeepSpeed's reduce bucket). On any error the engine aborts the reduce communicator,
+//! so no rank's lane waits forever.
 
 use super::rank::EngineError;
 use crate::comm::{Collective, ReduceOp};
+use crate::device::lanes::{Event, Lane};
 use crate::metrics::timeline::{Phase, Track};
-use crossbeam_channel::{Receiver, Sender};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-/// Full gradients queued for reduction at most.
+/// Full gradients in flight at most.
 pub const DEPTH: usize = 2;
 
-/// A unit's full flat gradient (padded length), to be reduce-scattered.
-pub struct Job {
-    pub unit: usize,
-    pub full: Vec<f32>,
+/// Host buffers of full gradients and reduced shards, reused across units and steps.
+#[derive(Default)]
+pub struct ReduceBuffers {
+    free: Vec<Vec<f32>>,
 }
 
-/// A unit's reduced shard.
-pub type Reduced = Result<(usize, Vec<f32>), EngineError>;
-
-/// The compute thread's end of the reducer.
-pub struct Reducer {
-    jobs: Option<Sender<Job>>,
-    done: Receiver<Reduced>,
-    pending: usize,
-}
-
-impl Reducer {
-    /// The channels to the worker; run [`serve`] with the other ends on a thread.
-    pub fn channels() -> (Reducer, Receiver<Job>, Sender<Reduced>) {
-        let (job_tx, job_rx) = crossbeam_channel::bounded(DEPTH);
-        let (done_tx, done_rx) = crossbeam_channel::unbounded();
-        let reducer = Reducer {
-            jobs: Some(job_tx),
-            done: done_rx,
-            pending: 0,
+impl ReduceBuffers {
+    /// A buffer of exactly `len` elements (contents unspecified), from a free one with
+    /// room when there is one.
+    pub fn take(&mut self, len: usize) -> Vec<f32> {
+        let best = self
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= len)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i);
+        let mut buffer = match best {
+            Some(i) => self.free.swap_remove(i),
+            None => Vec::with_capacity(len),
         };
-        (reducer, job_rx, done_tx)
+        buffer.resize(len, 0.0);
+        buffer
     }
 
-    /// Queues a gradient (waits while `DEPTH` are queued).
-    pub fn send(&mut self, job: Job) -> Result<(), EngineError> {
-        let jobs = self.jobs.as_ref().ok_or_else(|| self.stopped())?;
-        jobs.send(job).map_err(|_| self.stopped())?;
-        self.pending += 1;
-        Ok(())
+    pub fn give(&mut self, buffer: Vec<f32>) {
+        self.free.push(buffer);
+    }
+}
+
+type Outcome = Result<(Vec<f32>, Vec<f32>), EngineError>;
+
+/// A gradient on the lane: its unit, the event of its reduce-scatter, and where the
+/// job leaves the buffers.
+struct InFlight {
+    unit: usize,
+    done: Event,
+    slot: Arc<Mutex<Option<Outcome>>>,
+}
+
+/// The compute thread's end of the reduce lane.
+pub struct Reducer<'env, C: Collective> {
+    lane: Lane<'env>,
+    comm: C,
+    track: Track,
+    in_flight: VecDeque<InFlight>,
+    pub buffers: ReduceBuffers,
+}
+
+impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
+    pub fn new(lane: Lane<'env>, comm: C, track: Track, buffers: ReduceBuffers) -> Self {
+        Reducer {
+            lane,
+            comm,
+            track,
+            in_flight: VecDeque::new(),
+            buffers,
+        }
     }
 
-    /// The next reduced shard: waiting for it when `wait`, else only if it is ready.
+    /// Queues unit `unit`'s full gradient (padded length) for reduce-scatter. With
+    /// `DEPTH` in flight, first takes back the oldest: returned for the caller to add.
+    pub fn send(&mut self, unit: usize, full: Vec<f32>) -> Result<Option<(usize, Vec<f32>)>, EngineError> {
+        let oldest = if self.in_flight.len() >= DEPTH {
+            self.take(true)?
+        } else {
+            None
+        };
+        let mine = self.buffers.take(full.len() / self.comm.world().max(1));
+        let slot = Arc::new(Mutex::new(None));
+        let (comm, track, out) = (self.comm.clone(), self.track.clone(), slot.clone());
+        let done = self.lane.submit(move || {
+            let start = Instant::now();
+            let mut mine = mine;
+            let result = comm.reduce_scatter(&full, &mut mine, ReduceOp::Avg);
+            track.record(Phase::Reduce, Some(unit), start, 4 * full.len() as u64);
+            let message = result.as_ref().err().map(|e| e.to_string());
+            let outcome = result.map(|()| (full, mine)).map_err(EngineError::from);
+            *out.lock().unwrap_or_else(|e| e.into_inner()) = Some(outcome);
+            message.map_or(Ok(()), Err)
+        });
+        self.in_flight.push_back(InFlight { unit, done, slot });
+        Ok(oldest)
+    }
+
+    /// The oldest reduced shard: waiting for it when `wait`, else only if it is done.
+    /// The full gradient's buffer goes back to the pool; the shard is the caller's to
+    /// add and give back.
     pub fn take(&mut self, wait: bool) -> Result<Option<(usize, Vec<f32>)>, EngineError> {
-        if self.pending == 0 {
+        let Some(oldest) = self.in_flight.front() else {
+            return Ok(None);
+        };
+        if !wait && !oldest.done.query() {
             return Ok(None);
         }
-        let next = if wait {
-            self.done.recv().map_err(|_| self.stopped())?
-        } else {
-            match self.done.try_recv() {
-                Ok(r) => r,
-                Err(crossbeam_channel::TryRecvError::Empty) => return Ok(None),
-                Err(_) => return Err(self.stopped()),
+        let InFlight { unit, done, slot } = self.in_flight.pop_front().ok_or_else(|| self.lane_gone())?;
+        let waited = done.synchronize();
+        let outcome = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match (outcome, waited) {
+            // the job's own error names the collective's cause
+            (Some(Err(e)), _) => Err(e),
+            (_, Err(e)) => Err(e.into()),
+            (Some(Ok((full, mine))), Ok(())) => {
+                self.buffers.give(full);
+                Ok(Some((unit, mine)))
             }
-        };
-        self.pending -= 1;
-        next.map(Some)
-    }
-
-    /// Hangs up; the worker finishes what it holds and exits.
-    pub fn close(&mut self) {
-        self.jobs = None;
-    }
-
-    /// The worker's own error if it queued one, else that it is gone.
-    fn stopped(&self) -> EngineError {
-        while let Ok(r) = self.done.try_recv() {
-            if let Err(e) = r {
-                return e;
-            }
+            (None, Ok(())) => Err(self.lane_gone()),
         }
+    }
+
+    fn lane_gone(&self) -> EngineError {
         EngineError::Other {
-            rank: 0,
-            message: "the gradient reducer stopped".into(),
+            rank: self.comm.rank(),
+            message: "the reduce lane lost a gradient".into(),
         }
     }
-}
 
-/// The worker: reduce-scatters (mean) each job on `comm` and sends back this rank's
-/// shard, until the jobs channel closes or a collective fails.
-pub fn serve<C: Collective>(comm: C, jobs: Receiver<Job>, done: Sender<Reduced>, track: Track) {
-    let world = comm.world();
-    for job in jobs {
-        let start = Instant::now();
-        let mut mine = vec![0f32; job.full.len() / world];
-        let result = comm
-            .reduce_scatter(&job.full, &mut mine, ReduceOp::Avg)
-            .map(|()| (job.unit, mine))
-            .map_err(EngineError::from);
-        track.record(Phase::Reduce, Some(job.unit), start, 4 * job.full.len() as u64);
-        let failed = result.is_err();
-        if done.send(result).is_err() || failed {
-            return;
+    /// Hands the pools back once nothing is in flight.
+    pub fn finish(self) -> ReduceBuffers {
+        for job in &self.in_flight {
+            let _ = job.done.synchronize();
         }
+        self.buffers
     }
 }

@@ -12,7 +12,7 @@
 //! reports each step; its process writes `<output_dir>/metrics.jsonl` and the progress.
 
 use super::partition::Partition;
-use super::rank::{kind_for, Comms, EngineError, RankContext, RankEngine, StepReport};
+use super::rank::{kind_for, Comms, EngineError, LaneOptions, RankContext, RankEngine, StepReport};
 use super::start::Start;
 use crate::checkpoint::{save, Checkpoint, CheckpointError};
 use crate::comm::local::Local;
@@ -21,6 +21,7 @@ use crate::comm::{Collective, Group};
 use crate::config::plan::{Plan, Tier};
 use crate::data::{DataError, Dataset};
 use crate::device::cpu::CpuDevice;
+use crate::device::lanes::Mode;
 use crate::metrics::timeline::{Breakdown, Timeline};
 use crate::metrics::trace::TierBytes;
 use crate::model::Model;
@@ -66,6 +67,9 @@ pub struct TrainOptions<'a> {
     /// Make every phase blocking (no prefetch worker, optimizer phase and NVMe legs
     /// one after another): a debug switch for the breakdown's `overlap`.
     pub no_overlap: bool,
+    /// How the ranks' lanes run. Plain unless a test asks for checked lanes, or the
+    /// environment does (`TIERZERO_CHECKED_LANES=1`, see `Mode::from_env`).
+    pub lanes: LaneOptions,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -264,6 +268,7 @@ impl Prepared {
         plan: &'a Plan,
         timeline: Option<&'a Timeline>,
         overlap: bool,
+        lanes: LaneOptions,
     ) -> RankContext<'a> {
         RankContext {
             plan,
@@ -274,6 +279,7 @@ impl Prepared {
             start: &self.start,
             timeline,
             overlap,
+            lanes,
         }
     }
 }
@@ -283,6 +289,13 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     // only global rank 0's process reports and writes the run's outputs
     let options = TrainOptions {
         write_outputs: options.write_outputs && plan.train.launch.node_rank == 0,
+        lanes: match options.lanes.mode {
+            Mode::Plain => LaneOptions {
+                mode: Mode::from_env(),
+                ..options.lanes
+            },
+            _ => options.lanes,
+        },
         ..options
     };
     if options.collect_master && plan.train.launch.nnodes > 1 {
@@ -348,7 +361,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
             .into_iter()
             .map(|comms| {
                 let tx = tx.clone();
-                let context = prepared.context(plan, Some(&timeline), !options.no_overlap);
+                let context = prepared.context(plan, Some(&timeline), !options.no_overlap, options.lanes);
                 std::thread::Builder::new()
                     .name(format!("tierzero-rank-{}", comms.main.rank()))
                     .spawn_scoped(scope, move || {
@@ -687,7 +700,7 @@ pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
         let handles: Vec<_> = local_comms(world)
             .into_iter()
             .map(|comms| {
-                let context = prepared.context(plan, None, true);
+                let context = prepared.context(plan, None, true, LaneOptions::from_env());
                 scope.spawn(move || -> Result<f64, TrainError> {
                     let guard = comms.clone();
                     let run = || -> Result<f64, TrainError> {

@@ -1,0 +1,135 @@
+//! `tierzero bench comm`: the `Local` collectives (ranks as threads) against memcpy.
+//!
+//! Each collective moves a unit-sized buffer between `ranks` threads, as the stage-3
+//! engine does per unit; the limit, measured in the same run, is every rank copying the
+//! same number of bytes with `copy_from_slice` at once (the memory system shared as the
+//! collectives share it). Throughput is NCCL's *algorithm bandwidth*: the bytes one rank
+//! receives (all-gather: the gathered buffer; reduce-scatter: the full input it reduces)
+//! per second. Rounds alternate (memcpy, all-gather, reduce-scatter) and the report gives
+//! medians, since these shared machines' memory bandwidth swings between runs.
+
+use crate::comm::local::Local;
+use crate::comm::{Collective, CommError, ReduceOp};
+use serde::Serialize;
+use std::sync::Barrier;
+use std::time::Instant;
+
+pub struct CommBenchArgs {
+    pub ranks: usize,
+    /// Bytes of fp32 each rank receives per collective.
+    pub bytes: usize,
+    pub rounds: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CommReport {
+    pub ranks: usize,
+    pub bytes: usize,
+    pub rounds: usize,
+    /// GB/s per rank, medians over rounds.
+    pub memcpy_gbs: f64,
+    pub all_gather_gbs: f64,
+    pub reduce_scatter_gbs: f64,
+    pub all_gather_ratio: f64,
+    pub reduce_scatter_ratio: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Seconds of the slowest rank for `op`, all ranks starting together.
+fn timed<R: Send>(
+    ranks: &[Local],
+    start: &Barrier,
+    op: &(dyn Fn(&Local) -> Result<R, CommError> + Sync),
+) -> Result<f64, CommError> {
+    let times: Vec<Result<f64, CommError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    start.wait();
+                    let t = Instant::now();
+                    op(c)?;
+                    Ok(t.elapsed().as_secs_f64())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or(Ok(f64::NAN)))
+            .collect()
+    });
+    times.into_iter().try_fold(0f64, |m, t| t.map(|t| m.max(t)))
+}
+
+pub fn run(args: &CommBenchArgs) -> Result<CommReport, CommError> {
+    let world = args.ranks.max(1);
+    let full = (args.bytes / 4).div_ceil(world) * world;
+    let shard = full / world;
+    let ranks = Local::group(world);
+    let start = Barrier::new(world);
+    // each rank's buffers, allocated and touched once
+    let inputs: Vec<Vec<f32>> = (0..world)
+        .map(|r| (0..full).map(|i| (i + r) as f32 * 1e-3).collect())
+        .collect();
+    let outputs: Vec<std::sync::Mutex<Vec<f32>>> = (0..world)
+        .map(|_| std::sync::Mutex::new(vec![0f32; full]))
+        .collect();
+    let lock = |r: usize| outputs[r].lock().unwrap_or_else(|e| e.into_inner());
+    let (mut memcpy, mut gather, mut scatter) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..args.rounds + 1 {
+        let copy = timed(&ranks, &start, &|c: &Local| {
+            lock(c.rank()).copy_from_slice(&inputs[c.rank()]);
+            Ok(())
+        })?;
+        let all_gather = timed(&ranks, &start, &|c: &Local| {
+            c.all_gather(&inputs[c.rank()][..shard], &mut lock(c.rank()))
+        })?;
+        let reduce_scatter = timed(&ranks, &start, &|c: &Local| {
+            c.reduce_scatter(&inputs[c.rank()], &mut lock(c.rank())[..shard], ReduceOp::Avg)
+        })?;
+        // the first round warms caches and page tables
+        if round > 0 {
+            let gbs = |s: f64| (4 * full) as f64 / s / 1e9;
+            memcpy.push(gbs(copy));
+            gather.push(gbs(all_gather));
+            scatter.push(gbs(reduce_scatter));
+        }
+    }
+    let (memcpy_gbs, all_gather_gbs, reduce_scatter_gbs) = (median(memcpy), median(gather), median(scatter));
+    Ok(CommReport {
+        ranks: world,
+        bytes: 4 * full,
+        rounds: args.rounds,
+        memcpy_gbs,
+        all_gather_gbs,
+        reduce_scatter_gbs,
+        all_gather_ratio: all_gather_gbs / memcpy_gbs,
+        reduce_scatter_ratio: reduce_scatter_gbs / memcpy_gbs,
+    })
+}
+
+impl CommReport {
+    pub fn human(&self) -> String {
+        format!(
+            "comm bench: Local, {} ranks, {:.1} MiB per rank per collective, median of {} rounds\n\
+             {:<16} {:>9.2} GB/s per rank (the limit: every rank copying at once)\n\
+             {:<16} {:>9.2} GB/s per rank  {:.2}× memcpy\n\
+             {:<16} {:>9.2} GB/s per rank  {:.2}× memcpy\n",
+            self.ranks,
+            self.bytes as f64 / 1048576.0,
+            self.rounds,
+            "memcpy",
+            self.memcpy_gbs,
+            "all_gather",
+            self.all_gather_gbs,
+            self.all_gather_ratio,
+            "reduce_scatter",
+            self.reduce_scatter_gbs,
+            self.reduce_scatter_ratio,
+        )
+    }
+}

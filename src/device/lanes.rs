@@ -1,0 +1,416 @@
+//! Lanes: ordered queues of device work with events, as CUDA streams are, on CPU threads.
+//!
+//! A rank issues work from one thread (the compute lane on CPU is that thread itself,
+//! since tch computes synchronously there). Copies, NVMe reads and collectives go to
+//! [`Lane`]s: each a FIFO worker thread that runs its jobs in submission order. Every
+//! submission gets a sequence number; an [`Event`] is a lane and a sequence number, and
+//! fires when the lane has finished that job (CUDA's `cudaEventRecord` after the job).
+//! [`Lane::wait`] orders a lane after an event of another lane without blocking the
+//! issuing thread (`cudaStreamWaitEvent`); [`Event::synchronize`] blocks the issuing
+//! thread (`cudaEventSynchronize`).
+//!
+//! A buffer a lane reads or writes must not be reused before the lane is done with it:
+//! [`Keep`] holds buffers until their event fires (`keep_until`, what FSDP2 and
+//! ProcessGroupNCCL do instead of `record_stream`).
+//!
+//! **Checked mode** makes a missing wait visible: every lane job starts after a random
+//! delay, so work that is not ordered by an event really runs late, and pools NaN-fill
+//! every buffer the moment it becomes reusable (see `pool.rs`), so code that reads a
+//! buffer before its producer's event, or releases it before its consumer's event,
+//! computes with NaN and fails the equivalence tests.
+
+use crossbeam_channel::{Receiver, Sender};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// Why lane work did not complete.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum LaneError {
+    #[error("rank {rank}: {lane} lane: {message}")]
+    Failed {
+        rank: usize,
+        lane: &'static str,
+        message: String,
+    },
+    #[error("rank {rank}: {lane} lane stopped before its work was done")]
+    Stopped { rank: usize, lane: &'static str },
+}
+
+/// How lanes run: plainly, or checked (random delays before each job; pools poison
+/// reusable buffers).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Mode {
+    #[default]
+    Plain,
+    /// Each job waits 0..`max_delay_us` microseconds first (seeded, reproducible).
+    Checked { seed: u64, max_delay_us: u64 },
+}
+
+impl Mode {
+    pub fn is_checked(self) -> bool {
+        matches!(self, Mode::Checked { .. })
+    }
+
+    /// The mode tests run in: `TIERZERO_CHECKED_LANES=1` (or a seed) turns it on for
+    /// any run; tests ask for it explicitly.
+    pub fn from_env() -> Mode {
+        match std::env::var("TIERZERO_CHECKED_LANES") {
+            Ok(v) if !v.is_empty() && v != "0" => Mode::Checked {
+                seed: v.parse().unwrap_or(1),
+                max_delay_us: 300,
+            },
+            _ => Mode::Plain,
+        }
+    }
+}
+
+/// What a lane has finished, shared by the lane and its events.
+struct Progress {
+    done: Mutex<Finished>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct Finished {
+    seq: u64,
+    /// The first failure and its job's number: later jobs are skipped and every wait
+    /// on that job or a later one reports it.
+    failed: Option<(u64, String)>,
+    stopped: bool,
+}
+
+/// A point in a lane's queue: fires when the lane has finished every job submitted
+/// before it was recorded.
+#[derive(Clone)]
+pub struct Event {
+    rank: usize,
+    lane: &'static str,
+    seq: u64,
+    progress: Arc<Progress>,
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Event({} #{})", self.lane, self.seq)
+    }
+}
+
+impl Event {
+    /// An event that has already fired (work done on the issuing thread).
+    pub fn done() -> Event {
+        Event {
+            rank: 0,
+            lane: "compute",
+            seq: 0,
+            progress: Arc::new(Progress {
+                done: Mutex::new(Finished::default()),
+                changed: Condvar::new(),
+            }),
+        }
+    }
+
+    /// Whether the lane has finished the work before this event (a failed lane's events
+    /// count as fired: nothing more will touch their buffers).
+    pub fn query(&self) -> bool {
+        let done = self.progress.done.lock().unwrap_or_else(|e| e.into_inner());
+        done.seq >= self.seq || done.failed.is_some() || done.stopped
+    }
+
+    /// The event's outcome if it has fired, without blocking.
+    fn synchronize_now(&self) -> Option<Result<(), LaneError>> {
+        self.query().then(|| self.synchronize())
+    }
+
+    /// Blocks the calling thread until the event fires; the lane's failure if it failed.
+    pub fn synchronize(&self) -> Result<(), LaneError> {
+        let mut done = self.progress.done.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match &done.failed {
+                Some((at, message)) if *at <= self.seq => {
+                    return Err(LaneError::Failed {
+                        rank: self.rank,
+                        lane: self.lane,
+                        message: message.clone(),
+                    })
+                }
+                _ if done.seq >= self.seq => return Ok(()),
+                Some(_) => {}
+                None => {}
+            }
+            if done.stopped {
+                return Err(LaneError::Stopped {
+                    rank: self.rank,
+                    lane: self.lane,
+                });
+            }
+            done = self
+                .progress
+                .changed
+                .wait(done)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+type Job<'env> = Box<dyn FnOnce() -> Result<(), String> + Send + 'env>;
+
+/// One FIFO lane of a rank (h2d, d2h, gather, reduce): a worker thread of `scope`.
+pub struct Lane<'env> {
+    rank: usize,
+    name: &'static str,
+    jobs: Option<Sender<Job<'env>>>,
+    submitted: AtomicU64,
+    progress: Arc<Progress>,
+}
+
+impl<'env> Lane<'env> {
+    /// Starts lane `name` of `rank` on a thread of `scope`; it runs until dropped.
+    pub fn start<'scope>(
+        scope: &'scope std::thread::Scope<'scope, 'env>,
+        rank: usize,
+        name: &'static str,
+        mode: Mode,
+    ) -> Lane<'env> {
+        let (jobs, queue) = crossbeam_channel::unbounded::<Job<'env>>();
+        let progress = Arc::new(Progress {
+            done: Mutex::new(Finished::default()),
+            changed: Condvar::new(),
+        });
+        let worker = progress.clone();
+        let salt = name.bytes().fold(rank as u64 + 1, |h, b| {
+            h.wrapping_mul(31).wrapping_add(u64::from(b))
+        });
+        scope.spawn(move || serve(queue, worker, mode, salt));
+        Lane {
+            rank,
+            name,
+            jobs: Some(jobs),
+            submitted: AtomicU64::new(0),
+            progress,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Queues `job` after everything submitted before; returns the event of its end.
+    pub fn submit(&self, job: impl FnOnce() -> Result<(), String> + Send + 'env) -> Event {
+        let seq = self.submitted.fetch_add(1, Ordering::SeqCst) + 1;
+        if let Some(jobs) = &self.jobs {
+            // a closed queue means the worker is gone: the event reports it as stopped
+            let _ = jobs.send(Box::new(job));
+        }
+        self.event(seq)
+    }
+
+    /// The event of everything submitted so far.
+    pub fn record(&self) -> Event {
+        self.event(self.submitted.load(Ordering::SeqCst))
+    }
+
+    /// Orders this lane's later work after `event` (the issuing thread goes on).
+    pub fn wait(&self, event: &Event) -> Event {
+        if event.synchronize_now().is_some_and(|r| r.is_ok()) {
+            return self.record();
+        }
+        let event = event.clone();
+        self.submit(move || event.synchronize().map_err(|e| e.to_string()))
+    }
+
+    fn event(&self, seq: u64) -> Event {
+        Event {
+            rank: self.rank,
+            lane: self.name,
+            seq,
+            progress: self.progress.clone(),
+        }
+    }
+}
+
+impl Drop for Lane<'_> {
+    /// Hangs up; the worker finishes the queued jobs and exits (the scope joins it).
+    fn drop(&mut self) {
+        self.jobs = None;
+    }
+}
+
+/// The worker: runs jobs in order; after a failure it skips the rest (their events
+/// report the failure), as a CUDA stream in an error state does.
+fn serve(queue: Receiver<Job<'_>>, progress: Arc<Progress>, mode: Mode, salt: u64) {
+    let mut rng = match mode {
+        Mode::Checked { seed, .. } => seed ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
+        Mode::Plain => 0,
+    };
+    for job in queue {
+        let failed = progress.done.lock().map_or(true, |d| d.failed.is_some());
+        let outcome = if failed {
+            Ok(())
+        } else {
+            if let Mode::Checked { max_delay_us, .. } = mode {
+                // xorshift64: a reproducible delay per job
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                std::thread::sleep(Duration::from_micros(rng % max_delay_us.max(1)));
+            }
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).unwrap_or_else(|panic| {
+                Err(panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "lane job panicked".into()))
+            })
+        };
+        let mut done = progress.done.lock().unwrap_or_else(|e| e.into_inner());
+        done.seq += 1;
+        if let Err(message) = outcome {
+            let at = done.seq;
+            done.failed.get_or_insert((at, message));
+        }
+        progress.changed.notify_all();
+    }
+    let mut done = progress.done.lock().unwrap_or_else(|e| e.into_inner());
+    done.stopped = true;
+    progress.changed.notify_all();
+}
+
+/// Buffers held until the events of their last uses fire (`keep_until`).
+#[derive(Default)]
+pub struct Keep {
+    held: Vec<(Event, Box<dyn Send>)>,
+}
+
+impl Keep {
+    /// Holds `buffer` until `event` fires.
+    pub fn keep_until<B: Send + 'static>(&mut self, buffer: B, event: Event) {
+        self.collect();
+        self.held.push((event, Box::new(buffer)));
+    }
+
+    /// Drops what is no longer in use; returns how many are still held.
+    pub fn collect(&mut self) -> usize {
+        self.held.retain(|(event, _)| !event.query());
+        self.held.len()
+    }
+
+    /// Waits for every held buffer's event and drops them all.
+    pub fn drain(&mut self) {
+        for (event, _) in &self.held {
+            let _ = event.synchronize();
+        }
+        self.held.clear();
+    }
+}
+
+impl Drop for Keep {
+    fn drop(&mut self) {
+        self.drain();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn jobs_run_in_order_and_events_fire_after_their_job() {
+        let log = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            let lane = Lane::start(
+                s,
+                0,
+                "h2d",
+                Mode::Checked {
+                    seed: 7,
+                    max_delay_us: 500,
+                },
+            );
+            let mut events = Vec::new();
+            for i in 0..20 {
+                let log = &log;
+                events.push(lane.submit(move || {
+                    log.lock().unwrap().push(i);
+                    Ok(())
+                }));
+            }
+            events[9].synchronize().unwrap();
+            assert!(log.lock().unwrap().len() >= 10);
+            lane.record().synchronize().unwrap();
+            assert_eq!(*log.lock().unwrap(), (0..20).collect::<Vec<_>>());
+        });
+    }
+
+    #[test]
+    fn a_lane_waits_for_another_lanes_event_without_blocking_the_issuer() {
+        let value = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            let (h2d, gather) = (
+                Lane::start(
+                    s,
+                    1,
+                    "h2d",
+                    Mode::Checked {
+                        seed: 3,
+                        max_delay_us: 2000,
+                    },
+                ),
+                Lane::start(s, 1, "gather", Mode::Plain),
+            );
+            let value = &value;
+            let written = h2d.submit(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                value.store(42, Ordering::SeqCst);
+                Ok(())
+            });
+            gather.wait(&written);
+            let seen = Arc::new(AtomicUsize::new(0));
+            let reader = seen.clone();
+            let read = gather.submit(move || {
+                reader.store(value.load(Ordering::SeqCst), Ordering::SeqCst);
+                Ok(())
+            });
+            read.synchronize().unwrap();
+            assert_eq!(seen.load(Ordering::SeqCst), 42);
+        });
+    }
+
+    #[test]
+    fn a_failed_job_fails_its_event_and_every_later_one() {
+        std::thread::scope(|s| {
+            let lane = Lane::start(s, 2, "reduce", Mode::Plain);
+            let ok = lane.submit(|| Ok(()));
+            let bad = lane.submit(|| Err("reduce_scatter aborted".into()));
+            let later = lane.submit(|| panic!("must not run"));
+            ok.synchronize().unwrap();
+            for e in [bad, later] {
+                let message = e.synchronize().unwrap_err().to_string();
+                assert_eq!(message, "rank 2: reduce lane: reduce_scatter aborted");
+            }
+        });
+    }
+
+    #[test]
+    fn keep_holds_a_buffer_until_its_event() {
+        let dropped = Arc::new(AtomicUsize::new(0));
+        struct Flag(Arc<AtomicUsize>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        std::thread::scope(|s| {
+            let lane = Lane::start(s, 0, "d2h", Mode::Plain);
+            let (gate_tx, gate_rx) = crossbeam_channel::bounded::<()>(1);
+            let event = lane.submit(move || gate_rx.recv().map_err(|e| e.to_string()));
+            let mut keep = Keep::default();
+            keep.keep_until(Flag(dropped.clone()), event.clone());
+            assert_eq!((keep.collect(), dropped.load(Ordering::SeqCst)), (1, 0));
+            gate_tx.send(()).unwrap();
+            event.synchronize().unwrap();
+            assert_eq!((keep.collect(), dropped.load(Ordering::SeqCst)), (0, 1));
+        });
+    }
+}
