@@ -50,7 +50,7 @@ pub fn sub_groups<'a>(
     unit: u32,
     rank: u32,
     chunk_elems: usize,
-    grad: &'a [f32],
+    grad: GradSlice<'a>,
     low: LowPrecisionOut<'a>,
 ) -> Vec<SubGroup<'a>> {
     let mut groups = Vec::with_capacity(grad.len().div_ceil(chunk_elems.max(1)));
@@ -63,7 +63,7 @@ pub fn sub_groups<'a>(
             unit,
             rank,
             chunk: groups.len(),
-            grad: GradSlice::F32(g),
+            grad: g,
             low: l,
         });
         grad = g_rest;

@@ -113,7 +113,7 @@ pub fn run(args: &SwapBenchArgs) -> anyhow::Result<SwapReport> {
         })?;
         duplex.push(start.elapsed().as_secs_f64());
         let sub_groups =
-            pipeline::sub_groups(0, 0, store.chunk_elems(), &grad, LowPrecisionOut::Bf16(&mut low));
+            pipeline::sub_groups(0, 0, store.chunk_elems(), GradSlice::F32(&grad), LowPrecisionOut::Bf16(&mut low));
         let config = PipelineConfig {
             buffer_count: args.buffer_count,
             pipeline_read: true,

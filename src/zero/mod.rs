@@ -2,7 +2,10 @@
 //!
 //! - `partition.rs`: padded flat buffers and each rank's slice
 //! - `rank.rs`: one rank's units on their tiers, and the training step for stages 0–3
-//! - `prefetch.rs`: the stage-3 fetch schedule and the worker that gathers ahead
+//! - `prefetch.rs`: the stage-3 fetch schedule; fetches on the h2d and gather lanes
+//! - `reduce.rs`: gradient reduce-scatters on the reduce lane (`overlap_comm`)
+//! - `grads.rs`: gradient accumulators (fp32, or bf16 with the optimizer on NVMe)
+//! - `optimize.rs`: the optimizer phase and installing its updates
 //! - `schedule.rs`: DeepSpeed's learning-rate schedules and fp16 loss scaling
 //! - `start.rs`: where state starts: seeded init, Hugging Face weights, a checkpoint
 //! - `snapshot.rs`: a rank's part of saving a checkpoint
@@ -11,6 +14,7 @@
 //! - `estimate.rs`: DeepSpeed's ZeRO-3 memory estimator
 
 pub mod estimate;
+pub mod grads;
 pub mod memory;
 pub mod optimize;
 pub mod partition;

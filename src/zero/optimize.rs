@@ -4,23 +4,25 @@
 //! installing each update where the unit's parameters live (replica all-gather at
 //! stages 1–2, NVMe, or in memory).
 
+use super::grads::Grads;
 use super::rank::{EngineError, LowParams, OptimizerState, RankEngine, Tracks, UnitState};
 use crate::comm::Collective;
 use crate::config::plan::{Precision, Tier};
 use crate::metrics::timeline::Phase;
 use std::sync::Arc;
 use std::time::Instant;
-use tierzero_offload::adam::{self, GradSlice, Sweep};
+use tierzero_offload::adam::{self, Sweep};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pipeline::{self, PipelineConfig};
 use tierzero_offload::pool::{BufferPool, IoBuf};
 
 impl<'a, C: Collective + Clone> RankEngine<'a, C> {
-    pub(super) fn opt_grad<'u>(&self, unit: &'u UnitState) -> &'u [f32] {
+    /// The elements of a unit's gradient accumulator its optimizer partition reads.
+    pub(super) fn opt_range(&self, unit: &UnitState) -> std::ops::Range<usize> {
         if self.stage() == 1 {
-            &unit.grad[unit.opt_start..unit.opt_start + unit.opt_len]
+            unit.opt_start..unit.opt_start + unit.opt_len
         } else {
-            &unit.grad
+            0..unit.grad.len()
         }
     }
 
@@ -90,6 +92,17 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         Ok(())
     }
 
+    /// A gradient accumulator back from the optimizer phase: zeroed for the next step,
+    /// or (stage 1) kept as the buffer of the next partition copy.
+    fn take_back_gradient(&mut self, u: usize, mut grad: Grads) {
+        if self.stage() == 1 {
+            self.units[u].spare_grad = grad;
+        } else {
+            grad.fill_zero();
+            self.units[u].grad = grad;
+        }
+    }
+
     /// Installs the optimizer thread's updates for units up to and including `through`
     /// (waiting for them), and takes their optimizer state back.
     pub(super) fn install_through(&mut self, through: usize) -> Result<(), EngineError> {
@@ -108,7 +121,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             let update = update?;
             let (u, fresh, state, grad) = update;
             self.units[u].optimizer = state;
-            self.units[u].spare_grad = grad;
+            self.take_back_gradient(u, grad);
             self.install(u, fresh)?;
             self.next_update = u + 1;
             if self.next_update == self.units.len() {
@@ -142,16 +155,16 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let jobs: Vec<OptimizerJob> = (0..self.units.len())
             .map(|u| {
                 let unit = &mut self.units[u];
-                // the accumulator the optimizer reads; the spare from the last phase
-                // becomes the next step's (zeroed at the start of the step)
-                let mut spare = std::mem::take(&mut unit.spare_grad);
+                // the accumulator moves into the job and comes back with the update
+                // (stage 1 lends a copy of its partition: the replica stays whole)
                 let grad = if stage == 1 {
-                    spare.clear();
-                    spare.extend_from_slice(&unit.grad[unit.opt_start..unit.opt_start + unit.opt_len]);
-                    spare
+                    let mut copy = std::mem::take(&mut unit.spare_grad).resized(unit.opt_len, false);
+                    if let (Some(copy), Some(grad)) = (copy.as_f32_mut(), unit.grad.as_f32_mut()) {
+                        copy.copy_from_slice(&grad[unit.opt_start..unit.opt_start + unit.opt_len]);
+                    }
+                    copy
                 } else {
-                    spare.resize(unit.grad.len(), 0.0);
-                    std::mem::replace(&mut unit.grad, spare)
+                    std::mem::take(&mut unit.grad)
                 };
                 let fresh = match unit.spare_params.take() {
                     Some(p) if p.len() == unit.opt_len => p,
@@ -197,7 +210,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 for job in jobs {
                     let (u, fresh, state, grad) = context.run(job)?;
                     self.units[u].optimizer = state;
-                    self.units[u].spare_grad = grad;
+                    self.take_back_gradient(u, grad);
                     self.install(u, fresh)?;
                 }
             }
@@ -211,13 +224,13 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
 struct OptimizerJob {
     unit: usize,
     state: Option<OptimizerState>,
-    grad: Vec<f32>,
+    grad: Grads,
     fresh: LowParams,
 }
 
 /// An update ready to install: unit, new low-precision partition, its state and the
 /// gradient buffer back.
-pub(super) type Update = (usize, LowParams, Option<OptimizerState>, Vec<f32>);
+pub(super) type Update = (usize, LowParams, Option<OptimizerState>, Grads);
 
 /// What the optimizer phase needs, without borrowing the engine.
 struct OptimizerContext<'a> {
@@ -276,7 +289,7 @@ impl OptimizerContext<'_> {
                 master: &mut state.master,
                 exp_avg: &mut state.exp_avg,
                 exp_avg_sq: &mut state.exp_avg_sq,
-                grad: GradSlice::F32(&grad),
+                grad: grad.slice(0..grad.len()),
                 low: fresh.out_as(&self.precision),
             };
             let bytes = 16 * opt_len as u64;
@@ -294,7 +307,7 @@ impl OptimizerContext<'_> {
                 unit as u32,
                 self.rank as u32,
                 store.chunk_elems(),
-                &grad,
+                grad.slice(0..grad.len()),
                 fresh.out_as(&self.precision),
             );
             pipeline::nvme_adam_step_observed(

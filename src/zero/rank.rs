@@ -21,6 +21,7 @@
 //! from the prefetch worker (`prefetch.rs`), gradient reduce-scatters from the reducer
 //! (`reduce.rs`) with `overlap_comm`.
 
+use super::grads::Grads;
 use super::partition::Partition;
 use super::prefetch::{self, DroppedWait, FetchLanes, Fetcher, GatherBuffers, Prefetcher, Source};
 use super::reduce::{ReduceBuffers, Reducer};
@@ -145,11 +146,12 @@ pub(super) struct UnitState {
     pub(super) opt_len: usize,
     /// fp32 gradient accumulator: the optimizer partition at stage ≥ 2, else the whole
     /// padded unit.
-    pub(super) grad: Vec<f32>,
+    /// Moves into the optimizer phase's job and comes back, zeroed, with its update.
+    pub(super) grad: Grads,
     pub(super) optimizer: Option<OptimizerState>,
     /// Buffers back from the last optimizer phase, reused by the next: the gradient
     /// accumulator the optimizer read, and a low-precision partition to write into.
-    pub(super) spare_grad: Vec<f32>,
+    pub(super) spare_grad: Grads,
     pub(super) spare_params: Option<LowParams>,
 }
 
@@ -390,7 +392,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 Some(bytes) => params.bytes_mut()[..bytes.len()].copy_from_slice(&bytes),
                 None => round_into(&kept, &mut params, &plan.precision),
             }
-            let grad = vec![0f32; if stage >= 2 { opt_len } else { part.padded }];
+            let bf16_grads = bf16_gradients(plan);
+            let grad = Grads::zeros(if stage >= 2 { opt_len } else { part.padded }, bf16_grads);
             let optimizer = if optimizer_nvme {
                 let (Some(store), Some(pool)) = (store, pool.as_ref()) else {
                     return Err(EngineError::Other {
@@ -450,7 +453,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 held.push(device.reserve(bytes, &format!("parameters of unit {u}"))?);
             }
             if plan.zero.offload_optimizer.tier == Tier::Device {
-                held.push(device.reserve(4 * grad.len() as u64, &format!("gradients of unit {u}"))?);
+                held.push(device.reserve(grad.bytes() as u64, &format!("gradients of unit {u}"))?);
                 held.push(device.reserve(12 * opt_len as u64, &format!("optimizer state of unit {u}"))?);
             }
             units.push(UnitState {
@@ -461,7 +464,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 opt_len,
                 grad,
                 optimizer,
-                spare_grad: Vec::new(),
+                spare_grad: Grads::default(),
                 spare_params: None,
             });
         }
@@ -653,9 +656,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             self.add_shard(u, mine);
         } else {
             let _reduce = Recorded::new(&self.tracks.compute, Phase::Reduce, Some(u), start, 4 * n as u64);
-            for (g, x) in self.units[u].grad.iter_mut().zip(&full) {
-                *g += x;
-            }
+            self.units[u].grad.add(0, &full);
             self.reduce_buffers.give(full);
         }
         Ok(())
@@ -663,9 +664,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
 
     /// Adds a reduced shard into unit `u`'s accumulator and recycles its buffer.
     fn add_shard(&mut self, u: usize, mine: Vec<f32>) {
-        for (g, x) in self.units[u].grad.iter_mut().zip(&mine) {
-            *g += x;
-        }
+        self.units[u].grad.add(0, &mine);
         match self.reducer.as_mut() {
             Some(r) => r.buffers.give(mine),
             None => self.reduce_buffers.give(mine),
@@ -737,7 +736,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     {
         let plan = self.plan;
         for unit in &mut self.units {
-            unit.grad.fill(0.0);
+            // (a gradient lent to the optimizer phase comes back zeroed)
+            unit.grad.fill_zero();
         }
         let loss_scale = self.scaler.scale;
         let loss = self.micro_batches(step, loss_scale)?;
@@ -745,9 +745,13 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let reduce_start = Instant::now();
         if self.stage() <= 1 {
             for u in 0..self.units.len() {
-                let mut g = std::mem::take(&mut self.units[u].grad);
-                self.comm.all_reduce(&mut g, ReduceOp::Avg)?;
-                self.units[u].grad = g;
+                let mut grads = std::mem::take(&mut self.units[u].grad);
+                let g = grads.as_f32_mut().ok_or_else(|| EngineError::Other {
+                    rank: self.rank,
+                    message: "stages 0-1 keep fp32 gradients".into(),
+                })?;
+                self.comm.all_reduce(g, ReduceOp::Avg)?;
+                self.units[u].grad = grads;
             }
         }
         let mut losses = [loss];
@@ -756,12 +760,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let mut sum_sq = [self
             .units
             .iter()
-            .map(|u| {
-                self.opt_grad(u)
-                    .iter()
-                    .map(|&g| f64::from(g) * f64::from(g))
-                    .sum::<f64>()
-            })
+            .map(|u| u.grad.sum_squares(self.opt_range(u)))
             .sum::<f64>()];
         if self.stage() >= 1 {
             self.comm.all_reduce(&mut sum_sq, ReduceOp::Sum)?;
@@ -1011,10 +1010,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 } else {
                     0
                 };
+                // the optimizer phase may hold the gradient: count it by size
                 let grads = if optimizer_tier == Tier::Device {
                     0
                 } else {
-                    4 * u.grad.len()
+                    let len = if self.stage() >= 2 { u.opt_len } else { u.part.padded };
+                    len * if bf16_gradients(self.plan) { 2 } else { 4 }
                 };
                 let params = if self.plan.zero.offload_param.tier == Tier::Cpu {
                     u.params.as_bytes().len()
@@ -1107,6 +1108,17 @@ impl Drop for Recorded<'_> {
     fn drop(&mut self) {
         self.track.record(self.phase, self.unit, self.start, self.bytes);
     }
+}
+
+/// Whether gradient accumulators are kept in bf16: a bf16 run whose optimizer state is on
+/// NVMe, at stages 2–3, without gradient accumulation (see `grads.rs`). With several
+/// micro-batches per step a bf16 sum of nearly cancelling micro-batch gradients can
+/// flip a sign that Adam then follows at full step size, so those runs keep fp32.
+pub(super) fn bf16_gradients(plan: &Plan) -> bool {
+    plan.zero.stage >= 2
+        && plan.zero.offload_optimizer.tier == Tier::Nvme
+        && plan.precision == Precision::Bf16
+        && plan.batch.gradient_accumulation_steps == 1
 }
 
 /// Rounds fp32 values into the stored precision.

@@ -25,7 +25,7 @@ impl<'a> GradSlice<'a> {
         self.len() == 0
     }
 
-    fn split_at(self, mid: usize) -> (Self, Self) {
+    pub fn split_at(self, mid: usize) -> (Self, Self) {
         match self {
             GradSlice::F32(g) => {
                 let (a, b) = g.split_at(mid);

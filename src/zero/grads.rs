@@ -1,0 +1,141 @@
+//! A unit's gradient accumulator on the host: fp32, or bf16 when the run trains in bf16
+//! and its optimizer state lives on NVMe.
+//!
+//! With the optimizer on NVMe the host must not hold 4 bytes per parameter of gradient
+//! (issue "The engine on lanes and arenas", §2): a bf16 run keeps the reduced gradient
+//! partition in its training precision, 2 bytes per parameter, and AdamW reads the bf16
+//! bits directly (`GradSlice::Bf16`). Each reduced shard is added in fp32 and rounded
+//! once (round to nearest even); the engine uses bf16 only with one micro-batch per
+//! step, so the accumulator holds exactly the bf16 rounding of the reduced gradient
+//! (`rank::bf16_gradients` says why accumulation keeps fp32).
+
+use tierzero_offload::adam::GradSlice;
+use tierzero_offload::convert::{bf16_to_f32, f32_to_bf16};
+
+#[derive(Debug)]
+pub enum Grads {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+}
+
+impl Default for Grads {
+    fn default() -> Self {
+        Grads::F32(Vec::new())
+    }
+}
+
+impl Grads {
+    /// `len` zeros, in bf16 when `bf16`.
+    pub fn zeros(len: usize, bf16: bool) -> Grads {
+        if bf16 {
+            Grads::Bf16(vec![0; len])
+        } else {
+            Grads::F32(vec![0.0; len])
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Grads::F32(g) => g.len(),
+            Grads::Bf16(g) => g.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn bytes(&self) -> usize {
+        match self {
+            Grads::F32(g) => 4 * g.len(),
+            Grads::Bf16(g) => 2 * g.len(),
+        }
+    }
+
+    /// A buffer of the same kind and `len` elements, reusing this one's memory.
+    pub fn resized(self, len: usize, bf16: bool) -> Grads {
+        match (self, bf16) {
+            (Grads::F32(mut g), false) => {
+                g.resize(len, 0.0);
+                Grads::F32(g)
+            }
+            (Grads::Bf16(mut g), true) => {
+                g.resize(len, 0);
+                Grads::Bf16(g)
+            }
+            (_, bf16) => Grads::zeros(len, bf16),
+        }
+    }
+
+    pub fn fill_zero(&mut self) {
+        match self {
+            Grads::F32(g) => g.fill(0.0),
+            Grads::Bf16(g) => g.fill(0),
+        }
+    }
+
+    /// `self[offset + i] += x[i]` (bf16: added in fp32, rounded once).
+    pub fn add(&mut self, offset: usize, x: &[f32]) {
+        match self {
+            Grads::F32(g) => {
+                for (g, &x) in g[offset..offset + x.len()].iter_mut().zip(x) {
+                    *g += x;
+                }
+            }
+            Grads::Bf16(g) => {
+                for (g, &x) in g[offset..offset + x.len()].iter_mut().zip(x) {
+                    *g = f32_to_bf16(bf16_to_f32(*g) + x);
+                }
+            }
+        }
+    }
+
+    /// Σ g² over `range`, in f64.
+    pub fn sum_squares(&self, range: std::ops::Range<usize>) -> f64 {
+        match self {
+            Grads::F32(g) => g[range].iter().map(|&x| f64::from(x) * f64::from(x)).sum(),
+            Grads::Bf16(g) => g[range]
+                .iter()
+                .map(|&b| f64::from(bf16_to_f32(b)).powi(2))
+                .sum(),
+        }
+    }
+
+    /// The elements of `range` as the optimizer reads them.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> GradSlice<'_> {
+        match self {
+            Grads::F32(g) => GradSlice::F32(&g[range]),
+            Grads::Bf16(g) => GradSlice::Bf16(&g[range]),
+        }
+    }
+
+    /// The fp32 accumulator (whole replicas at stages 0–1 are always fp32).
+    pub fn as_f32_mut(&mut self) -> Option<&mut Vec<f32>> {
+        match self {
+            Grads::F32(g) => Some(g),
+            Grads::Bf16(_) => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_accumulation_rounds_each_addition_once() {
+        let mut g = Grads::zeros(3, true);
+        g.add(1, &[1.0 + 1.0 / 512.0, -3.0]);
+        // 1 + 2^-9 is halfway between two bf16 values: ties to even (1.0)
+        assert_eq!(g.slice(0..3).get(1), 1.0);
+        assert_eq!(g.slice(0..3).get(2), -3.0);
+        g.add(1, &[1.0]);
+        assert_eq!(g.slice(0..3).get(1), 2.0);
+        assert_eq!(g.sum_squares(0..3), 4.0 + 9.0);
+        let mut f = Grads::zeros(2, false);
+        f.add(0, &[0.5, 0.25]);
+        f.add(0, &[0.5, 0.25]);
+        assert_eq!(f.sum_squares(0..2), 1.0 + 0.25);
+        assert_eq!((f.bytes(), g.bytes()), (8, 6));
+    }
+}
