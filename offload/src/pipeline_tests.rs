@@ -120,7 +120,13 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
                 // on nvme, sub-group by sub-group
                 let mut groups = Vec::new();
                 for (u, (grad, low)) in grads.iter().zip(low_nvme.iter_mut()).enumerate() {
-                    let unit = sub_groups(u as u32, 0, store.chunk_elems(), GradSlice::F32(grad), LowPrecisionOut::Bf16(low));
+                    let unit = sub_groups(
+                        u as u32,
+                        0,
+                        store.chunk_elems(),
+                        GradSlice::F32(grad),
+                        LowPrecisionOut::Bf16(low),
+                    );
                     let key = TensorKey {
                         unit: u as u32,
                         rank: 0,

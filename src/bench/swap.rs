@@ -112,8 +112,13 @@ pub fn run(args: &SwapBenchArgs) -> anyhow::Result<SwapReport> {
             Ok(())
         })?;
         duplex.push(start.elapsed().as_secs_f64());
-        let sub_groups =
-            pipeline::sub_groups(0, 0, store.chunk_elems(), GradSlice::F32(&grad), LowPrecisionOut::Bf16(&mut low));
+        let sub_groups = pipeline::sub_groups(
+            0,
+            0,
+            store.chunk_elems(),
+            GradSlice::F32(&grad),
+            LowPrecisionOut::Bf16(&mut low),
+        );
         let config = PipelineConfig {
             buffer_count: args.buffer_count,
             pipeline_read: true,

@@ -69,14 +69,7 @@ impl<B: Buffer> Pool<B> {
     /// made by `make(len)` (NaN-filled in checked mode).
     pub fn take<E>(&mut self, len: usize, make: impl FnOnce(usize) -> Result<B, E>) -> Result<B, E> {
         self.collect();
-        let best = self
-            .free
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.capacity() >= len)
-            .min_by_key(|(_, b)| b.capacity())
-            .map(|(i, _)| i);
-        if let Some(i) = best {
+        if let Some(i) = best_fit(&self.free, len, B::capacity) {
             let mut reused = self.free.swap_remove(i);
             if self.mode.is_checked() {
                 // as the next user's writes would: a reader still holding it sees NaN
@@ -127,6 +120,15 @@ impl<B: Buffer> Drop for Pool<B> {
             let _ = event.synchronize();
         }
     }
+}
+
+/// The index of the smallest of `free` with room for `len` elements.
+pub fn best_fit<B>(free: &[B], len: usize, capacity: impl Fn(&B) -> usize) -> Option<usize> {
+    free.iter()
+        .enumerate()
+        .filter(|(_, b)| capacity(b) >= len)
+        .min_by_key(|(_, b)| capacity(b))
+        .map(|(i, _)| i)
 }
 
 /// A new tensor buffer of `len` elements of `kind` on `device` (contents unspecified).

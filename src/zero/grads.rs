@@ -94,10 +94,7 @@ impl Grads {
     pub fn sum_squares(&self, range: std::ops::Range<usize>) -> f64 {
         match self {
             Grads::F32(g) => g[range].iter().map(|&x| f64::from(x) * f64::from(x)).sum(),
-            Grads::Bf16(g) => g[range]
-                .iter()
-                .map(|&b| f64::from(bf16_to_f32(b)).powi(2))
-                .sum(),
+            Grads::Bf16(g) => g[range].iter().map(|&b| f64::from(bf16_to_f32(b)).powi(2)).sum(),
         }
     }
 

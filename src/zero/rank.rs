@@ -1014,7 +1014,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 let grads = if optimizer_tier == Tier::Device {
                     0
                 } else {
-                    let len = if self.stage() >= 2 { u.opt_len } else { u.part.padded };
+                    let len = if self.stage() >= 2 {
+                        u.opt_len
+                    } else {
+                        u.part.padded
+                    };
                     len * if bf16_gradients(self.plan) { 2 } else { 4 }
                 };
                 let params = if self.plan.zero.offload_param.tier == Tier::Cpu {

@@ -13,6 +13,7 @@
 use super::rank::EngineError;
 use crate::comm::{Collective, ReduceOp};
 use crate::device::lanes::{Event, Lane};
+use crate::device::pool::best_fit;
 use crate::metrics::timeline::{Phase, Track};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -31,14 +32,7 @@ impl ReduceBuffers {
     /// A buffer of exactly `len` elements (contents unspecified), from a free one with
     /// room when there is one.
     pub fn take(&mut self, len: usize) -> Vec<f32> {
-        let best = self
-            .free
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.capacity() >= len)
-            .min_by_key(|(_, b)| b.capacity())
-            .map(|(i, _)| i);
-        let mut buffer = match best {
+        let mut buffer = match best_fit(&self.free, len, Vec::capacity) {
             Some(i) => self.free.swap_remove(i),
             None => Vec::with_capacity(len),
         };
