@@ -779,8 +779,25 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
         Err(Failure::Other(e)) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", chain(&e));
             ExitCode::from(1)
         }
     }
+}
+
+/// An error and its causes, each said once: most of this crate's errors already name
+/// their cause in their own message, so a cause whose text the message so far contains
+/// is left out (anyhow's `{:#}` would repeat it).
+fn chain(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if !text.contains(&part) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&part);
+        }
+    }
+    text
 }

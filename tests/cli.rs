@@ -192,3 +192,29 @@ fn bench_swap_reports_the_pipeline_against_its_legs() {
         "the swap store removes its files"
     );
 }
+
+/// An error names its cause once (a missing token file used to print "No such file or
+/// directory (os error 2)" twice).
+#[test]
+fn an_error_says_its_cause_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("tokens.bin");
+    let out = tierzero()
+        .args(["eval", "--config", &default_config()])
+        .args([
+            "--set",
+            &format!("data.path={}", missing.display()),
+            "--set",
+            "data.synthetic=null",
+        ])
+        .args([
+            "--set",
+            &format!("train.output_dir={}", dir.path().join("run").display()),
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("tokens.bin"), "{stderr}");
+    assert_eq!(stderr.matches("No such file or directory").count(), 1, "{stderr}");
+}

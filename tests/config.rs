@@ -398,3 +398,51 @@ fn launch_keys_set_the_world_and_refuse_a_bad_node_rank() {
         .to_string();
     assert!(e.contains("train.devices") && e.contains("from GPU 3 on"), "{e}");
 }
+
+/// DeepSpeed accepts a warm-up longer than the run (it warns): so does tierzero, and the
+/// rate follows DeepSpeed's formula, which stays in the warm-up for the whole run.
+#[test]
+fn a_warmup_longer_than_the_run_warns_and_runs() {
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/default.json")).unwrap(),
+    )
+    .unwrap();
+    let loaded = with(config, &["train.steps=8"]).unwrap();
+    let warning: Vec<&String> = loaded
+        .warnings
+        .iter()
+        .filter(|w| w.contains("warmup_num_steps"))
+        .collect();
+    assert_eq!(warning.len(), 1, "{:?}", loaded.warnings);
+    assert!(
+        warning[0].contains("(20) exceeds total_num_steps (8)"),
+        "{}",
+        warning[0]
+    );
+    // WarmupCosineLR, linear warm-up over 20 steps from warmup_min_ratio 0: step k runs
+    // at lr · k/20 (DeepSpeed's formula), never reaching the cosine part
+    let lr = 3e-3;
+    for k in 0..8u64 {
+        let got = tierzero::zero::schedule::learning_rate(&loaded.plan.scheduler, lr, k);
+        assert!((got - lr * k as f64 / 20.0).abs() < 1e-15, "step {k}: {got}");
+    }
+}
+
+/// `stage3_prefetch_bucket_size: 0` and `stage3_param_persistence_threshold: 0` are
+/// DeepSpeed values (no prefetch, nothing persists); `reduce_bucket_size: 0` DeepSpeed
+/// refuses too.
+#[test]
+fn zero_buckets_take_deepspeeds_meaning() {
+    let loaded = with(
+        base(),
+        &[
+            "zero_optimization.stage=3",
+            "zero_optimization.stage3_prefetch_bucket_size=0",
+            "zero_optimization.stage3_param_persistence_threshold=0",
+        ],
+    )
+    .unwrap();
+    assert_eq!(loaded.plan.zero.prefetch_bucket_size, 0);
+    assert_eq!(loaded.plan.zero.param_persistence_threshold, 0);
+    assert!(error_of(base(), &["zero_optimization.reduce_bucket_size=0"]).contains("must be positive"));
+}

@@ -53,4 +53,8 @@ fn default_config_loss_falls_below_threshold() {
     ] {
         assert!(!line[field].is_null(), "metrics.jsonl lacks {field}");
     }
+    // MFU is a fraction of the peak of the model's own matmul shapes, measured in the run
+    for s in &result.steps {
+        assert!(s.mfu > 0.0 && s.mfu <= 1.0, "step {}: mfu {}", s.step, s.mfu);
+    }
 }

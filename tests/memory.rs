@@ -130,3 +130,34 @@ fn over_budget_is_an_out_of_memory_error_naming_the_rank_request_and_budget() {
         other => panic!("expected out of memory, got {:?}", other.map(|r| r.device_peaks)),
     }
 }
+
+/// `stage3_prefetch_bucket_size: 0` (DeepSpeed: no prefetch) gathers each unit only when
+/// compute needs it: the peak is the lowest of all buckets, within the prediction, and
+/// the losses are the prefetching run's bits.
+#[test]
+fn a_zero_prefetch_bucket_gathers_only_what_compute_needs() {
+    let run = |bucket: &str| {
+        let set = format!("zero_optimization.stage3_prefetch_bucket_size={bucket}");
+        let p = plan(
+            2,
+            3,
+            "none",
+            &["zero_optimization.stage3_param_persistence_threshold=0", &set],
+        );
+        let predicted = predict(&p).total as f64;
+        let result = train(&p, TrainOptions::default()).unwrap();
+        let peak = *result.device_peaks.iter().max().unwrap();
+        assert!(
+            (peak as f64 - predicted).abs() / predicted <= 0.10,
+            "bucket {bucket}: measured {peak}, predicted {predicted}"
+        );
+        (
+            peak,
+            result.steps.iter().map(|m| m.loss.to_bits()).collect::<Vec<_>>(),
+        )
+    };
+    let (none, none_losses) = run("0");
+    let (ahead, ahead_losses) = run("50000000");
+    assert!(none < ahead, "no prefetch {none} vs prefetch {ahead}");
+    assert_eq!(none_losses, ahead_losses);
+}

@@ -77,7 +77,7 @@ impl Plan {
         let batch = build_batch(ds, world_size)?;
         let precision = build_precision(ds, facts)?;
         let optimizer = build_optimizer(ds.optimizer.clone().unwrap_or_default())?;
-        let scheduler = build_scheduler(ds.scheduler.clone(), &optimizer, train.steps)?;
+        let scheduler = build_scheduler(ds.scheduler.clone(), &optimizer, train.steps, warnings)?;
         let gradient_clipping = match ds.gradient_clipping {
             // the HF integration maps "auto" to TrainingArguments.max_grad_norm (1.0)
             Some(Num::Auto) => 1.0,
@@ -567,6 +567,7 @@ fn build_scheduler(
     s: Option<SchedulerSection>,
     opt: &Optimizer,
     steps: u64,
+    warnings: &mut Vec<String>,
 ) -> Result<Scheduler, ConfigError> {
     let Some(s) = s else {
         return Ok(Scheduler::Constant);
@@ -644,10 +645,10 @@ fn build_scheduler(
         }
     };
     if kind != "WarmupLR" && warmup_steps > total_steps {
-        return Err(ConfigError::invalid(
-            "scheduler.params.warmup_num_steps",
-            format!("{warmup_steps} warmup steps exceed total_num_steps ({total_steps})"),
-            "shorten the warmup or lengthen the run",
+        // DeepSpeed warns and runs: the whole run stays in the warm-up
+        warnings.push(format!(
+            "scheduler.params.warmup_num_steps ({warmup_steps}) exceeds total_num_steps ({total_steps}): \
+             the learning rate warms up for the whole run and never decays, as DeepSpeed's {kind} does"
         ));
     }
     Ok(match kind.as_str() {

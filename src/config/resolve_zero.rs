@@ -183,8 +183,9 @@ pub(super) fn build_zero(
             hidden * hidden,
         )?,
         sub_group_size: bucket("sub_group_size", z.sub_group_size, 1_000_000_000, 1_000_000_000)?,
-        prefetch_bucket_size: bucket(
-            "stage3_prefetch_bucket_size",
+        // 0 is DeepSpeed's "no prefetch": only the unit needed now is gathered
+        prefetch_bucket_size: count_or_auto(
+            "zero_optimization.stage3_prefetch_bucket_size",
             z.stage3_prefetch_bucket_size,
             50_000_000,
             (0.9 * (hidden * hidden) as f64) as usize,

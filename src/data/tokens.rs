@@ -47,9 +47,10 @@ impl TokenFile {
             )));
         }
         let tokens = map.len() / width;
-        if tokens < seq_len + 2 {
+        // one window of seq_len + 1 tokens is a valid data set
+        if tokens < seq_len + 1 {
             return Err(invalid(format!(
-                "{tokens} tokens is fewer than one sample of data.seq_len + 1 = {}",
+                "{tokens} tokens is fewer than one sample of data.seq_len + 1 = {}; lower data.seq_len or add data",
                 seq_len + 1
             )));
         }
@@ -95,5 +96,38 @@ impl TokenFile {
         let start = (key % (self.tokens - seq_len) as u64) as usize;
         let window: Vec<i64> = (start..start + seq_len + 1).map(|i| self.token(i)).collect();
         (window[..seq_len].to_vec(), window[1..].to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(tokens: &[u16]) -> tempfile::NamedTempFile {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        std::fs::write(f.path(), bytes).unwrap();
+        f
+    }
+
+    #[test]
+    fn exactly_one_window_is_a_data_set_and_one_token_less_is_refused() {
+        let tokens: Vec<u16> = (0..65).collect();
+        let f = file(&tokens);
+        let data = TokenFile::open(f.path(), TokenDtype::U16, 64, 100).unwrap();
+        for key in [0, 1, 12345] {
+            let (inputs, targets) = data.sample(key, 64);
+            assert_eq!(inputs, (0..64).collect::<Vec<i64>>());
+            assert_eq!(targets, (1..65).collect::<Vec<i64>>());
+        }
+        let short = file(&tokens[..64]);
+        let e = TokenFile::open(short.path(), TokenDtype::U16, 64, 100)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("64 tokens is fewer than one sample of data.seq_len + 1 = 65"),
+            "{e}"
+        );
     }
 }

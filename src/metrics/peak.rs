@@ -1,6 +1,9 @@
 //! The compute limit MFU is measured against, taken on this machine in the same run:
-//! a square matmul of the training precision on the rank's device (fp32 on CPU, where
-//! bf16 matmuls are emulated).
+//! the matmuls of the model's own shapes (a micro-batch's tokens against the attention,
+//! MLP and LM-head weights) in the training precision on the rank's device. Each shape is
+//! timed several times and its median kept; the peak is the fastest shape's median, so
+//! no layer of the model can run above it and MFU stays a fraction (a single 512² fp32
+//! matmul, slower than the model's larger ones, once gave an MFU of 1.096).
 
 use crate::config::plan::{Accelerator, Plan};
 use crate::torch::{compute_kind, shim};
@@ -24,12 +27,73 @@ pub fn matmul_flops(device: Device, kind: Kind, n: i64, reps: usize) -> Result<f
     Ok(2.0 * (n * n * n) as f64 * reps as f64 / start.elapsed().as_secs_f64())
 }
 
+/// FLOP/s of an m×k by k×n matmul of `kind` on `device`: the median of `reps` timings
+/// (after one warm-up).
+pub fn shape_flops(
+    device: Device,
+    kind: Kind,
+    (m, k, n): (i64, i64, i64),
+    reps: usize,
+) -> Result<f64, TchError> {
+    let a = Tensor::f_ones([m, k], (kind, device))?;
+    let b = Tensor::f_ones([k, n], (kind, device))?;
+    let sync = || match device {
+        Device::Cuda(d) => shim::synchronize(d),
+        _ => Ok(()),
+    };
+    let _ = a.f_matmul(&b)?;
+    sync()?;
+    let mut rates = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let start = Instant::now();
+        let _ = a.f_matmul(&b)?;
+        sync()?;
+        rates.push(2.0 * (m * k * n) as f64 / start.elapsed().as_secs_f64());
+    }
+    rates.sort_by(f64::total_cmp);
+    Ok(rates[rates.len() / 2])
+}
+
 /// The peak one rank of `plan` is measured against.
 pub fn peak_flops(plan: &Plan) -> f64 {
-    let measured = match plan.train.accelerator {
-        Accelerator::Cpu => matmul_flops(Device::Cpu, Kind::Float, 512, 20),
-        Accelerator::Cuda => matmul_flops(Device::Cuda(0), compute_kind(&plan.precision), 8192, 50),
+    let device = match plan.train.accelerator {
+        Accelerator::Cpu => Device::Cpu,
+        Accelerator::Cuda => Device::Cuda(0),
     };
+    let config = &plan.model.config;
+    let tokens = (plan.batch.micro_batch_per_gpu * plan.data.seq_len).clamp(1, 8192) as i64;
+    let hidden = config.hidden_size as i64;
+    // the LM head runs in chunks of at most 1024 tokens
+    let shapes = [
+        (tokens, hidden, hidden),
+        (tokens, hidden, config.intermediate_size as i64),
+        (tokens.min(1024), hidden, config.vocab_size as i64),
+    ];
+    // a few milliseconds per timing on the fastest kernel: fewer rows (then columns) for
+    // the largest shapes, which run at the same rate
+    let budget = match device {
+        Device::Cpu => 1e9,
+        _ => 1e12,
+    };
+    let bounded = |(m, k, n): (i64, i64, i64)| {
+        let flops = |m: i64, n: i64| 2.0 * (m * k * n) as f64;
+        let m = if flops(m, n) > budget {
+            ((budget / flops(1, n)) as i64).clamp(64.min(m), m)
+        } else {
+            m
+        };
+        let n = if flops(m, n) > budget {
+            ((budget / flops(m, 1)) as i64).clamp(64.min(n), n)
+        } else {
+            n
+        };
+        (m, k, n)
+    };
+    let kind = compute_kind(&plan.precision);
+    let measured = shapes
+        .iter()
+        .map(|&shape| shape_flops(device, kind, bounded(shape), 5))
+        .try_fold(0f64, |best, rate| rate.map(|r| best.max(r)));
     measured.unwrap_or_else(|e| {
         tracing::warn!("cannot measure the matmul peak ({e}); MFU will read 0");
         f64::INFINITY

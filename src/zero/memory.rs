@@ -127,6 +127,7 @@ fn replay(
                     .map(|&(v, _)| parts[v].numel)
                     .sum();
                 if !may_request(
+                    true,
                     *requested - received,
                     ahead,
                     parts[next].numel,

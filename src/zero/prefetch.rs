@@ -77,11 +77,13 @@ pub struct Limits {
     pub persistence_threshold: usize,
 }
 
-/// Whether to ask for one more unit now: always when nothing is outstanding (the unit
-/// needed next), otherwise while fewer than [`MAX_IN_FLIGHT`] are outstanding, the
-/// outstanding elements stay within the bucket and the live ones (`in_use` +
-/// outstanding) within `max_live`.
+/// Whether to ask for one more unit now: always for the unit compute needs now (`needed`
+/// and nothing outstanding), otherwise while fewer than [`MAX_IN_FLIGHT`] are
+/// outstanding, the outstanding elements stay within the bucket and the live ones
+/// (`in_use` + outstanding) within `max_live`. A bucket of 0 is DeepSpeed's "no
+/// prefetch": only needed units are fetched.
 pub fn may_request(
+    needed: bool,
     outstanding: usize,
     outstanding_numel: usize,
     next_numel: usize,
@@ -89,7 +91,7 @@ pub fn may_request(
     limits: Limits,
 ) -> bool {
     let ahead = outstanding_numel + next_numel;
-    outstanding == 0
+    (needed && outstanding == 0)
         || (outstanding < MAX_IN_FLIGHT && ahead <= limits.bucket && in_use + ahead <= limits.max_live)
 }
 
@@ -227,6 +229,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
     /// installing any pending update of it.
     fn fill(
         &mut self,
+        needed: bool,
         source: &mut dyn FnMut(usize) -> Result<Source, EngineError>,
     ) -> Result<(), EngineError> {
         loop {
@@ -239,6 +242,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
                 .map(|&(u, _)| self.numels[u])
                 .sum();
             if !may_request(
+                needed,
                 outstanding,
                 outstanding_numel,
                 self.numels[unit],
@@ -311,7 +315,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
                 self.buffers.units.release(buffer, Event::done());
             }
         }
-        self.fill(source)?;
+        self.fill(true, source)?;
         let Some(fetch) = self.in_flight.pop_front() else {
             return Err(self.order_error(expected, None));
         };
@@ -338,7 +342,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
             self.using.push(fetch.buffer);
         }
         // keep the lanes busy while this unit computes
-        self.fill(source)?;
+        self.fill(false, source)?;
         Ok((view, fetch.hold))
     }
 

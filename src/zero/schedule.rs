@@ -44,7 +44,7 @@ pub fn learning_rate(scheduler: &Scheduler, lr: f64, iteration: u64) -> f64 {
                 warmup_gamma(iteration, warmup_steps, warmup_type)
             } else {
                 (total_steps as f64 - iteration as f64).max(0.0)
-                    / ((total_steps - warmup_steps) as f64).max(1.0)
+                    / (total_steps.saturating_sub(warmup_steps) as f64).max(1.0)
             };
             min_lr + (max_lr - min_lr) * gamma
         }
