@@ -10,21 +10,9 @@ use crate::torch::{compute_kind, shim};
 use std::time::Instant;
 use tch::{Device, Kind, TchError, Tensor};
 
-/// FLOP/s of `reps` n×n×n matmuls of `kind` on `device` (after one warm-up).
+/// FLOP/s of an n×n×n matmul of `kind` on `device`: the median of `reps` timings.
 pub fn matmul_flops(device: Device, kind: Kind, n: i64, reps: usize) -> Result<f64, TchError> {
-    let a = Tensor::f_ones([n, n], (kind, device))?;
-    let sync = || match device {
-        Device::Cuda(d) => shim::synchronize(d),
-        _ => Ok(()),
-    };
-    let _ = a.f_matmul(&a)?;
-    sync()?;
-    let start = Instant::now();
-    for _ in 0..reps {
-        let _ = a.f_matmul(&a)?;
-    }
-    sync()?;
-    Ok(2.0 * (n * n * n) as f64 * reps as f64 / start.elapsed().as_secs_f64())
+    shape_flops(device, kind, (n, n, n), reps)
 }
 
 /// FLOP/s of an m×k by k×n matmul of `kind` on `device`: the median of `reps` timings
