@@ -5,9 +5,9 @@
 //! stages 1–2, NVMe, or in memory).
 
 use super::grads::Grads;
-use super::rank::{EngineError, LowParams, OptimizerState, RankEngine, Tracks, UnitState};
+use super::rank::{EngineError, LowParams, OptimizerState, Params, RankEngine, Tracks, UnitState};
 use crate::comm::Collective;
-use crate::config::plan::{Precision, Tier};
+use crate::config::plan::Precision;
 use crate::metrics::timeline::Phase;
 use std::sync::Arc;
 use std::time::Instant;
@@ -34,13 +34,13 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             3 | 0 => fresh,
             _ => {
                 let padded = self.units[u].part.padded;
-                // the old replica is the gather's output when no lane still reads it
-                let previous = std::mem::replace(
-                    &mut self.units[u].params,
-                    Arc::new(LowParams::zeros(0, &self.plan.precision)),
-                );
-                let mut full = match Arc::try_unwrap(previous) {
-                    Ok(old) if old.len() == padded => old,
+                // the old replica (stages 1-2 keep it in memory) is the gather's output
+                let previous = match &mut self.units[u].params {
+                    Params::Memory(old) => Some(std::mem::take(old)),
+                    Params::Nvme => None,
+                };
+                let mut full = match previous.map(Arc::try_unwrap) {
+                    Some(Ok(old)) if old.len() == padded => old,
                     _ => LowParams::zeros(padded, &self.plan.precision),
                 };
                 self.all_gather_into(&fresh, &mut full)?;
@@ -49,7 +49,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             }
         };
         self.units[u].persistent = None;
-        if self.plan.zero.offload_param.tier == Tier::Nvme {
+        if matches!(self.units[u].params, Params::Nvme) {
             let Some(store) = self.param_store else {
                 return Err(EngineError::Other {
                     rank: self.rank,
@@ -83,10 +83,10 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 self.units[u].spare_params = Some(params);
             }
         } else {
-            let previous = std::mem::replace(&mut self.units[u].params, Arc::new(params));
-            if self.stage() == 3 || self.stage() == 0 {
+            let previous = std::mem::replace(&mut self.units[u].params, Params::Memory(Arc::new(params)));
+            if let (Params::Memory(old), 3 | 0) = (previous, self.stage()) {
                 // a lane may still hold the old shard: then it is dropped, not reused
-                self.units[u].spare_params = Arc::try_unwrap(previous).ok();
+                self.units[u].spare_params = Arc::try_unwrap(old).ok();
             }
         }
         Ok(())

@@ -70,6 +70,12 @@ pub enum LowParams {
     U16(Vec<u16>),
 }
 
+impl Default for LowParams {
+    fn default() -> Self {
+        LowParams::F32(Vec::new())
+    }
+}
+
 impl LowParams {
     pub(crate) fn zeros(len: usize, precision: &Precision) -> LowParams {
         match precision {
@@ -127,6 +133,15 @@ impl LowParams {
     }
 }
 
+/// Where a unit's low-precision parameters live between uses.
+pub(super) enum Params {
+    /// In memory (the host tier, or device memory on CPU devices), shared with the lanes
+    /// that read it: an update replaces it, it is never written in place.
+    Memory(Arc<LowParams>),
+    /// In the NVMe parameter store (`offload_param: nvme`).
+    Nvme,
+}
+
 /// fp32 optimizer state of one partition, in memory.
 pub(super) struct OptimizerState {
     pub(super) master: Vec<f32>,
@@ -136,9 +151,8 @@ pub(super) struct OptimizerState {
 
 pub(super) struct UnitState {
     pub(super) part: Partition,
-    /// Stage 3: this rank's shard; else the padded replica. Empty when on NVMe. Shared
-    /// with the lanes that read it (an update replaces it; it is never written in place).
-    pub(super) params: Arc<LowParams>,
+    /// Stage 3: this rank's shard; else the padded replica; where it lives.
+    pub(super) params: Params,
     /// Stage 3 units at or below the persistence threshold keep their gathered form.
     pub(super) persistent: Option<(Tensor, Reservation)>,
     /// Offset and length of the optimizer partition within the padded buffer.
@@ -444,8 +458,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 store
                     .write_tensor(key, params.as_bytes(), scratch)
                     .map_err(|source| EngineError::Io { rank, source })?;
-                params = LowParams::zeros(0, &plan.precision);
             }
+            let params = if param_nvme {
+                Params::Nvme
+            } else {
+                Params::Memory(Arc::new(params))
+            };
             // what of this unit sits on the device for the whole run
             if !param_nvme && plan.zero.offload_param.tier == Tier::Device {
                 let bytes =
@@ -458,7 +476,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             }
             units.push(UnitState {
                 part,
-                params: Arc::new(params),
+                params,
                 persistent: None,
                 opt_start,
                 opt_len,
@@ -534,9 +552,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 let full = self.all_gather(&shard, self.units[u].part.padded)?;
                 (self.tensor_of(&full, u)?, Some(hold))
             }
-            (_, _) if self.plan.zero.offload_param.tier != Tier::Nvme => {
+            (_, _) if matches!(self.units[u].params, Params::Memory(_)) => {
                 // the replica is already whole: copy it into a tensor without a clone
-                let tensor = self.tensor_of(&self.units[u].params, u)?;
+                let Params::Memory(params) = &self.units[u].params else {
+                    unreachable!("matched above")
+                };
+                let tensor = self.tensor_of(params, u)?;
                 return Ok((tensor, None));
             }
             _ => {
@@ -570,10 +591,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
 
     /// Where the lanes find a unit's shard: shared from memory, or on NVMe.
     fn shard_source(&self, u: usize) -> Source {
-        if self.plan.zero.offload_param.tier == Tier::Nvme {
-            Source::Nvme
-        } else {
-            Source::Memory(self.units[u].params.clone())
+        match &self.units[u].params {
+            Params::Memory(params) => Source::Memory(params.clone()),
+            Params::Nvme => Source::Nvme,
         }
     }
 
@@ -605,8 +625,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// This rank's stored parameters of unit `u` (from NVMe when offloaded there).
     pub(super) fn local_params(&self, u: usize) -> Result<LowParams, EngineError> {
         let unit = &self.units[u];
-        if self.plan.zero.offload_param.tier != Tier::Nvme {
-            return Ok(LowParams::clone(&unit.params));
+        if let Params::Memory(params) = &unit.params {
+            return Ok(LowParams::clone(params));
         }
         let len = if self.stage() == 3 {
             unit.part.shard
@@ -1021,10 +1041,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                     };
                     len * if bf16_gradients(self.plan) { 2 } else { 4 }
                 };
-                let params = if self.plan.zero.offload_param.tier == Tier::Cpu {
-                    u.params.as_bytes().len()
-                } else {
-                    0
+                let params = match (&u.params, self.plan.zero.offload_param.tier) {
+                    (Params::Memory(p), Tier::Cpu) => p.as_bytes().len(),
+                    _ => 0,
                 };
                 params + optimizer + grads
             })

@@ -9,13 +9,13 @@
 //! all-reduce of failures), so a failure on any rank is an error on every rank and the
 //! previous checkpoint is untouched.
 
-use super::rank::{f32_bytes, EngineError, LowParams, RankEngine};
+use super::rank::{f32_bytes, EngineError, LowParams, Params, RankEngine};
 use crate::checkpoint::files::{param_dtype, state_files, unit_name, StateFile};
 use crate::checkpoint::manifest::{self, DataPosition, FileEntry, Manifest, SchedulerState, UnitEntry};
 use crate::checkpoint::save::{self, SliceWriter};
 use crate::checkpoint::CheckpointError;
 use crate::comm::{Collective, ReduceOp};
-use crate::config::plan::{Precision, Tier};
+use crate::config::plan::Precision;
 use crate::model::hf::SaveDtype;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -138,11 +138,12 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
             0
         };
         let read;
-        let params: &LowParams = if self.plan.zero.offload_param.tier == Tier::Nvme {
-            read = self.local_params(u)?;
-            &read
-        } else {
-            &unit.params
+        let params: &LowParams = match &unit.params {
+            Params::Memory(params) => params,
+            Params::Nvme => {
+                read = self.local_params(u)?;
+                &read
+            }
         };
         let width = params.elem_bytes();
         let bytes = params.as_bytes();
