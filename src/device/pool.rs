@@ -122,11 +122,14 @@ impl<B: Buffer> Drop for Pool<B> {
     }
 }
 
-/// The index of the smallest of `free` with room for `len` elements.
+/// The index of the smallest of `free` with room for `len` elements, among those at
+/// most twice that large: a small request does not take a large buffer that a large
+/// request would then have to allocate again, so a pool holds the working set of each
+/// size (units of a model come in a few sizes: embedding, block, head).
 pub fn best_fit<B>(free: &[B], len: usize, capacity: impl Fn(&B) -> usize) -> Option<usize> {
     free.iter()
         .enumerate()
-        .filter(|(_, b)| capacity(b) >= len)
+        .filter(|(_, b)| (len..=len.saturating_mul(2).max(1)).contains(&capacity(b)))
         .min_by_key(|(_, b)| capacity(b))
         .map(|(i, _)| i)
 }
@@ -157,10 +160,12 @@ mod tests {
             assert_eq!(pool.take(50, make).unwrap().len(), 50);
             gate_tx.send(()).unwrap();
             busy.synchronize().unwrap();
-            // best fit: 10 elements come from the small buffer, 60 from the big one
+            // best fit: 10 elements come from the small buffer, 60 from the big one, but
+            // 30 do not take a buffer of more than twice their size
             assert_eq!(pool.take(10, make).unwrap().len(), 10);
+            assert_eq!(pool.take(30, make).unwrap().len(), 30);
             assert_eq!(pool.take(60, make).unwrap().len(), 100);
-            assert_eq!(pool.allocated(), (3, 160));
+            assert_eq!(pool.allocated(), (4, 190));
         });
     }
 
