@@ -357,6 +357,28 @@ fn load_config(args: &ConfigArgs) -> Result<Loaded, ConfigError> {
     Ok(loaded)
 }
 
+/// Opens the data as `train` will (token file: exists, holds a window, ids within the
+/// vocabulary; text: read and tokenized into its cache), so `plan` fails where `train`
+/// would, before anyone waits for a job. A failure names the key to fix.
+fn check_data(plan: &tierzero::config::Plan) -> Result<(), ConfigError> {
+    use tierzero::config::plan::DataSource;
+    let Err(e) = tierzero::data::Dataset::open(plan) else {
+        return Ok(());
+    };
+    let key = match (&plan.data.source, &e) {
+        (
+            DataSource::Text { tokenizer, .. },
+            tierzero::data::DataError::Read { path, .. } | tierzero::data::DataError::Invalid { path, .. },
+        ) if path == tokenizer => "data.tokenizer",
+        _ => "data.path",
+    };
+    Err(ConfigError::invalid(
+        key,
+        e.to_string(),
+        "point it at the data train should read (or set data.synthetic)",
+    ))
+}
+
 /// The launch flags as `--set`s, or torchrun's environment when no `--nnodes` is given.
 fn launch_sets(args: &LaunchArgs, sets: &mut Vec<String>) -> Result<(), ConfigError> {
     let flags = [
@@ -397,6 +419,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command {
         Command::Plan { config, json } => {
             let loaded = load_config(&config)?;
+            check_data(&loaded.plan)?;
             if json {
                 let value = serde_json::json!({
                     "plan": loaded.plan,

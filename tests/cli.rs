@@ -218,3 +218,53 @@ fn an_error_says_its_cause_once() {
     assert!(stderr.contains("tokens.bin"), "{stderr}");
     assert_eq!(stderr.matches("No such file or directory").count(), 1, "{stderr}");
 }
+
+/// `plan` opens the data as `train` would: a missing token file, or ids outside the
+/// vocabulary, exit 2 naming `data.path` before any job starts.
+#[test]
+fn plan_checks_the_data_train_would_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.bin");
+    let plan = |path: &std::path::Path| {
+        tierzero()
+            .args(["plan", "--config", &default_config()])
+            .args([
+                "--set",
+                &format!("data.path={}", path.display()),
+                "--set",
+                "data.synthetic=null",
+            ])
+            .args(["--set", "data.dtype=u16"])
+            .output()
+            .unwrap()
+    };
+    let out = plan(&tokens);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("`data.path`") && stderr.contains("tokens.bin"),
+        "{stderr}"
+    );
+    // llama-tiny's vocabulary is 256: id 300 is outside it
+    let ids: Vec<u8> = (0..200u16)
+        .map(|i| if i == 7 { 300 } else { i % 256 })
+        .flat_map(|t| t.to_le_bytes())
+        .collect();
+    std::fs::write(&tokens, ids).unwrap();
+    let out = plan(&tokens);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("token id 300 is outside the model's vocabulary"),
+        "{stderr}"
+    );
+    // within the vocabulary, with more than one window: plan succeeds
+    let ids: Vec<u8> = (0..200u16).flat_map(|t| (t % 256).to_le_bytes()).collect();
+    std::fs::write(&tokens, ids).unwrap();
+    assert!(plan(&tokens).status.success());
+}
