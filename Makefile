@@ -34,10 +34,12 @@ train: build
 test: setup
 	$(MAKE) --no-print-directory LIBTORCH=$$(ls -d $(VENV)/lib/python3*/site-packages/torch) _test
 
+# every run in the tests uses checked lanes (random delays, NaN-poisoned pools) unless a
+# test picks its lanes itself: a missing wait anywhere fails the suite
 _test:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) test --workspace
+	TIERZERO_CHECKED_LANES=1 $(CARGO) test --workspace
 
 bench-adam: build
 	./target/release/tierzero bench adam --params 100000000

@@ -70,7 +70,7 @@ fn master_with(plan: &Plan, blocking_optimizer: bool) -> Vec<Vec<f32>> {
     let options = TrainOptions {
         collect_master: true,
         blocking_optimizer,
-        lanes: CHECKED,
+        lanes: Some(CHECKED),
         ..TrainOptions::default()
     };
     let result = train(plan, options).unwrap();
@@ -221,8 +221,8 @@ fn checked_lanes_compute_the_plain_lanes_bits() {
             };
             train(&p, options).unwrap().master
         };
-        let checked = run(CHECKED);
-        let plain = run(LaneOptions::default());
+        let checked = run(Some(CHECKED));
+        let plain = run(Some(LaneOptions::default()));
         assert!(
             checked == plain,
             "stage {stage} param {param} optimizer {optimizer}"
@@ -241,13 +241,13 @@ fn a_dropped_wait_is_caught_by_the_checked_lanes() {
     for dropped in [DroppedWait::ComputeOnGather, DroppedWait::StagingUntilGather] {
         let options = TrainOptions {
             collect_master: true,
-            lanes: LaneOptions {
+            lanes: Some(LaneOptions {
                 mode: Mode::Checked {
                     seed: 9,
                     max_delay_us: 2000,
                 },
                 dropped,
-            },
+            }),
             ..TrainOptions::default()
         };
         let result = train(&p, options).unwrap();

@@ -21,7 +21,6 @@ use crate::comm::{Collective, Group};
 use crate::config::plan::{Plan, Tier};
 use crate::data::{DataError, Dataset};
 use crate::device::cpu::CpuDevice;
-use crate::device::lanes::Mode;
 use crate::metrics::timeline::{Breakdown, Timeline};
 use crate::metrics::trace::TierBytes;
 use crate::model::Model;
@@ -67,9 +66,9 @@ pub struct TrainOptions<'a> {
     /// Make every phase blocking (no prefetch worker, optimizer phase and NVMe legs
     /// one after another): a debug switch for the breakdown's `overlap`.
     pub no_overlap: bool,
-    /// How the ranks' lanes run. Plain unless a test asks for checked lanes, or the
-    /// environment does (`TIERZERO_CHECKED_LANES=1`, see `Mode::from_env`).
-    pub lanes: LaneOptions,
+    /// How the ranks' lanes run; None: as the environment says (`TIERZERO_CHECKED_LANES=1`
+    /// checks them, see `Mode::from_env`), plain otherwise.
+    pub lanes: Option<LaneOptions>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -298,13 +297,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     // only global rank 0's process reports and writes the run's outputs
     let options = TrainOptions {
         write_outputs: options.write_outputs && plan.train.launch.node_rank == 0,
-        lanes: match options.lanes.mode {
-            Mode::Plain => LaneOptions {
-                mode: Mode::from_env(),
-                ..options.lanes
-            },
-            _ => options.lanes,
-        },
+        lanes: Some(options.lanes.unwrap_or_else(LaneOptions::from_env)),
         ..options
     };
     if options.collect_master && plan.train.launch.nnodes > 1 {
@@ -370,7 +363,12 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
             .into_iter()
             .map(|comms| {
                 let tx = tx.clone();
-                let context = prepared.context(plan, Some(&timeline), !options.no_overlap, options.lanes);
+                let context = prepared.context(
+                    plan,
+                    Some(&timeline),
+                    !options.no_overlap,
+                    options.lanes.unwrap_or_default(),
+                );
                 std::thread::Builder::new()
                     .name(format!("tierzero-rank-{}", comms.main.rank()))
                     .spawn_scoped(scope, move || {
