@@ -738,6 +738,10 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 max_shard_size as usize,
             )
             .map_err(anyhow::Error::from)?;
+            let plan = serde_json::to_value(&loaded.plan).context("serialising the plan")?;
+            tierzero::model::hf::Companions::from_plan_json(&plan)
+                .write(&hf)
+                .map_err(anyhow::Error::from)?;
             println!("wrote {}", hf.display());
             Ok(())
         }

@@ -80,3 +80,78 @@ fn bad_tokenizer_and_bad_jsonl_name_the_file() {
     let e = dataset(&jsonl, &tokenizer).err().unwrap();
     assert!(e.contains("b.jsonl") && e.contains("line 2"), "{e}");
 }
+
+/// An export is a complete model directory: the tokenizer training read and a
+/// generation_config.json come with the weights (from `data.tokenizer`, and from
+/// `model.hf_dir` when the run started from one).
+#[test]
+fn an_export_carries_the_tokenizer_and_a_generation_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = dir.path().join("tokenizer.json");
+    std::fs::write(&tokenizer, TOKENIZER).unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"eos_token":"</s>"}"#,
+    )
+    .unwrap();
+    let text = dir.path().join("corpus.txt");
+    std::fs::write(&text, "hello world tier zero\n".repeat(40)).unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(
+        &config,
+        json!({
+            "train_micro_batch_size_per_gpu": 2,
+            "model": { "preset": "llama-tiny" },
+            "data": { "path": text, "tokenizer": tokenizer, "seq_len": 8 },
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let export = |out: &std::path::Path, sets: &[String]| {
+        let mut args = vec![
+            "export".to_string(),
+            "--config".into(),
+            config.display().to_string(),
+        ];
+        args.extend(["--hf".into(), out.display().to_string()]);
+        for s in sets {
+            args.extend(["--set".into(), s.clone()]);
+        }
+        let status = std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            status.status.success(),
+            "{}",
+            String::from_utf8_lossy(&status.stderr)
+        );
+    };
+    let first = dir.path().join("first");
+    export(&first, &[]);
+    let read = |p: std::path::PathBuf| std::fs::read_to_string(p).unwrap();
+    assert_eq!(read(first.join("tokenizer.json")), TOKENIZER);
+    assert_eq!(
+        read(first.join("tokenizer_config.json")),
+        r#"{"eos_token":"</s>"}"#
+    );
+    let generation: serde_json::Value =
+        serde_json::from_str(&read(first.join("generation_config.json"))).unwrap();
+    assert_eq!(generation["_from_model_config"], true);
+    // a run from that directory exports its tokenizer files again
+    let second = dir.path().join("second");
+    export(
+        &second,
+        &[
+            "model.preset=null".into(),
+            format!("model.hf_dir={}", first.display()),
+        ],
+    );
+    for name in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        assert_eq!(read(second.join(name)), read(first.join(name)), "{name}");
+    }
+}

@@ -75,6 +75,7 @@ pub fn export(
             })?;
         Ok(values)
     })?;
+    hf::Companions::from_plan_json(&ckpt.manifest.config).write(out)?;
     let peak = proc_status_bytes("VmHWM:");
     Ok(ExportReport {
         step: ckpt.manifest.step,

@@ -114,6 +114,75 @@ pub fn config_json(config: &ModelConfig, dtype: SaveDtype) -> Value {
     }
 }
 
+/// Tokenizer files a Hugging Face model directory may carry.
+const TOKENIZER_FILES: [&str; 5] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+];
+
+/// Where an export finds what `transformers` needs beside the weights to generate.
+#[derive(Clone, Debug, Default)]
+pub struct Companions {
+    /// The `tokenizer.json` training read (`data.tokenizer`).
+    pub tokenizer: Option<PathBuf>,
+    /// The model directory training started from (`model.hf_dir`).
+    pub hf_dir: Option<PathBuf>,
+}
+
+impl Companions {
+    /// From a serialized plan (a checkpoint manifest's `config`).
+    pub fn from_plan_json(plan: &Value) -> Companions {
+        let path = |v: &Value| v.as_str().map(PathBuf::from);
+        Companions {
+            tokenizer: path(&plan["data"]["source"]["tokenizer"]),
+            hf_dir: path(&plan["model"]["hf_dir"]),
+        }
+    }
+
+    /// Copies the tokenizer into `out` (the tokenizer files of `hf_dir`, else the
+    /// `tokenizer.json` training read and its tokenizer_config/special_tokens_map
+    /// siblings) and writes a `generation_config.json` unless one was copied. A source
+    /// that has vanished since training is skipped: the weights are still a model.
+    pub fn write(&self, out: &Path) -> Result<(), HfError> {
+        let copy = |from: &Path, name: &str| -> Result<(), HfError> {
+            if from.is_file() {
+                std::fs::copy(from, out.join(name)).map_err(io(from))?;
+            }
+            Ok(())
+        };
+        if let Some(dir) = &self.hf_dir {
+            for name in TOKENIZER_FILES {
+                copy(&dir.join(name), name)?;
+            }
+        }
+        if let Some(tokenizer) = &self.tokenizer {
+            if !out.join("tokenizer.json").exists() {
+                copy(tokenizer, "tokenizer.json")?;
+                if let Some(dir) = tokenizer.parent() {
+                    for name in ["tokenizer_config.json", "special_tokens_map.json"] {
+                        copy(&dir.join(name), name)?;
+                    }
+                }
+            }
+        }
+        let generation = out.join("generation_config.json");
+        if !generation.exists() {
+            // transformers takes the token ids from the model config
+            let text = serde_json::to_string_pretty(&json!({ "_from_model_config": true })).map_err(|e| {
+                HfError::Format {
+                    path: generation.clone(),
+                    message: e.to_string(),
+                }
+            })?;
+            std::fs::write(&generation, text).map_err(io(&generation))?;
+        }
+        Ok(())
+    }
+}
+
 /// Writes a Hugging Face directory from per-unit fp32 buffers.
 pub fn save(
     dir: &Path,
