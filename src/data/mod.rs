@@ -81,12 +81,15 @@ impl Dataset {
     }
 
     /// The micro-batch `micro` (global index across ranks and accumulation steps) of
-    /// optimizer step `step`. `split` distinguishes train (0) from eval (1) streams.
+    /// optimizer step `step`, `rows` samples. `split` distinguishes train (0) from eval
+    /// (1) streams. Each sample is keyed by (seed, split, step, global sample index
+    /// `micro × rows + row`), as a `DistributedSampler` split is: any micro-batch ×
+    /// accumulation × world decomposition of one global batch draws the same samples.
     pub fn batch(&self, seed: u64, split: u64, step: u64, micro: u64, rows: usize, seq_len: usize) -> Batch {
         let mut inputs = Vec::with_capacity(rows * seq_len);
         let mut targets = Vec::with_capacity(rows * seq_len);
         for row in 0..rows {
-            let key = sample_key(seed, split, step, micro, row as u64);
+            let key = sample_key(seed, split, step, micro * rows as u64 + row as u64);
             let (i, t) = match self {
                 Dataset::Synthetic(c) => c.sample(key, seq_len),
                 Dataset::Tokens(f) => f.sample(key, seq_len),
@@ -111,6 +114,6 @@ pub fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn sample_key(seed: u64, split: u64, step: u64, micro: u64, row: u64) -> u64 {
-    mix(mix(mix(mix(mix(seed) ^ split) ^ step) ^ micro) ^ row)
+fn sample_key(seed: u64, split: u64, step: u64, sample: u64) -> u64 {
+    mix(mix(mix(mix(seed) ^ split) ^ step) ^ sample)
 }
