@@ -17,7 +17,7 @@
 //! event of the gather that read them (`keep_until`).
 
 use super::partition::Partition;
-use super::rank::{EngineError, LowParams};
+use super::rank::{EngineError, LowParams, Params};
 use crate::comm::Collective;
 use crate::config::plan::Precision;
 use crate::device::cpu::{CpuDevice, Reservation};
@@ -129,12 +129,9 @@ impl GatherBuffers {
     }
 }
 
-/// Where a unit's shard comes from: host memory (shared with the rank's state, never
-/// copied on the issuing thread) or the NVMe parameter store.
-pub enum Source {
-    Memory(Arc<LowParams>),
-    Nvme,
-}
+/// Where a unit's shard comes from: the rank's own residency, shared (a memory shard is
+/// never copied on the issuing thread).
+pub type Source = Params;
 
 /// What the lanes need, owned or shared for the run (never the engine itself).
 pub struct Fetcher<'env, C: Collective> {
@@ -397,32 +394,12 @@ impl<C: Collective> Fetcher<'_, C> {
                 Ok(())
             }
             Source::Nvme => {
-                let other = |message: String| EngineError::Other {
-                    rank: self.rank,
-                    message,
-                };
-                let store = self
-                    .store
-                    .ok_or_else(|| other("parameters on nvme without a swap store".into()))?;
                 let mut slot = scratch.lock().unwrap_or_else(|e| e.into_inner());
-                let buf = match slot.take() {
-                    Some(buf) => buf,
-                    None => IoBuf::new(store.chunk_bytes(elem)).map_err(|e| other(e.to_string()))?,
-                };
-                let key = TensorKey {
-                    unit: unit as u32,
-                    rank: self.rank as u32,
-                    state: State::Param,
-                };
-                let buf = self
-                    .h2d_track
-                    .span(TimedPhase::NvmeRead, Some(unit), (len * elem) as u64, || {
-                        store.read_tensor(key, out, buf)
-                    })
-                    .map_err(|source| EngineError::Io {
-                        rank: self.rank,
-                        source,
-                    })?;
+                let buf =
+                    self.h2d_track
+                        .span(TimedPhase::NvmeRead, Some(unit), (len * elem) as u64, || {
+                            read_param_bytes(self.store, (self.rank, unit, elem), out, slot.take())
+                        })?;
                 *slot = Some(buf);
                 Ok(())
             }
@@ -458,6 +435,30 @@ impl<C: Collective> Fetcher<'_, C> {
     }
 }
 
+/// Reads rank `rank`'s stored parameters of `unit` (`elem`-byte elements) into `out`
+/// through `scratch` (the bounce buffer, made when None), which comes back for the next.
+fn read_param_bytes(
+    store: Option<&SwapStore>,
+    (rank, unit, elem): (usize, usize, usize),
+    out: &mut [u8],
+    scratch: Option<IoBuf>,
+) -> Result<IoBuf, EngineError> {
+    let other = |message: String| EngineError::Other { rank, message };
+    let store = store.ok_or_else(|| other("parameters on nvme without a swap store".into()))?;
+    let key = TensorKey {
+        unit: unit as u32,
+        rank: rank as u32,
+        state: State::Param,
+    };
+    let scratch = match scratch {
+        Some(buf) => buf,
+        None => IoBuf::new(store.chunk_bytes(elem)).map_err(|e| other(e.to_string()))?,
+    };
+    store
+        .read_tensor(key, out, scratch)
+        .map_err(|source| EngineError::Io { rank, source })
+}
+
 /// Reads rank `rank`'s stored parameters of `unit` (`len` elements) from the NVMe
 /// parameter store.
 pub fn read_param_shard(
@@ -467,17 +468,8 @@ pub fn read_param_shard(
     len: usize,
     precision: &Precision,
 ) -> Result<LowParams, EngineError> {
-    let other = |message: String| EngineError::Other { rank, message };
-    let store = store.ok_or_else(|| other("parameters on nvme without a swap store".into()))?;
     let mut params = LowParams::zeros(len, precision);
-    let key = TensorKey {
-        unit: unit as u32,
-        rank: rank as u32,
-        state: State::Param,
-    };
-    let scratch = IoBuf::new(store.chunk_bytes(params.elem_bytes())).map_err(|e| other(e.to_string()))?;
-    store
-        .read_tensor(key, params.bytes_mut(), scratch)
-        .map_err(|source| EngineError::Io { rank, source })?;
+    let elem = params.elem_bytes();
+    read_param_bytes(store, (rank, unit, elem), params.bytes_mut(), None)?;
     Ok(params)
 }

@@ -134,7 +134,8 @@ impl LowParams {
 }
 
 /// Where a unit's low-precision parameters live between uses.
-pub(super) enum Params {
+#[derive(Clone)]
+pub enum Params {
     /// In memory (the host tier, or device memory on CPU devices), shared with the lanes
     /// that read it: an update replaces it, it is never written in place.
     Memory(Arc<LowParams>),
@@ -552,18 +553,14 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 let full = self.all_gather(&shard, self.units[u].part.padded)?;
                 (self.tensor_of(&full, u)?, Some(hold))
             }
-            (_, _) if matches!(self.units[u].params, Params::Memory(_)) => {
-                // the replica is already whole: copy it into a tensor without a clone
-                let Params::Memory(params) = &self.units[u].params else {
-                    unreachable!("matched above")
-                };
-                let tensor = self.tensor_of(params, u)?;
-                return Ok((tensor, None));
-            }
-            _ => {
-                let params = self.local_params(u)?;
-                (self.tensor_of(&params, u)?, None)
-            }
+            // the replica is already whole: in memory it becomes a tensor without a clone
+            _ => match &self.units[u].params {
+                Params::Memory(params) => return Ok((self.tensor_of(params, u)?, None)),
+                Params::Nvme => {
+                    let params = self.local_params(u)?;
+                    (self.tensor_of(&params, u)?, None)
+                }
+            },
         };
         let numel = self.units[u].part.numel;
         match gathered {
@@ -591,10 +588,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
 
     /// Where the lanes find a unit's shard: shared from memory, or on NVMe.
     fn shard_source(&self, u: usize) -> Source {
-        match &self.units[u].params {
-            Params::Memory(params) => Source::Memory(params.clone()),
-            Params::Nvme => Source::Nvme,
-        }
+        self.units[u].params.clone()
     }
 
     /// Every rank's `shard` of a unit, concatenated into its padded length.
