@@ -4,7 +4,9 @@
 TORCH_VERSION := 2.11.0
 VENV          := $(CURDIR)/.venv
 PYTHON        ?= python3
-TORCH_STAMP   := $(VENV)/.torch-$(TORCH_VERSION)
+# tensorboard: its event reader checks the monitors' files in the tests
+TENSORBOARD_VERSION := 2.21.0
+TORCH_STAMP   := $(VENV)/.torch-$(TORCH_VERSION)-tb-$(TENSORBOARD_VERSION)
 CONFIG        ?= configs/default.json
 CARGO         ?= cargo
 
@@ -19,7 +21,7 @@ setup: $(TORCH_STAMP)
 $(TORCH_STAMP):
 	@command -v $(PYTHON) >/dev/null || (apt-get update && apt-get install -y python3 python3-venv python3-pip)
 	@test -x $(VENV)/bin/pip || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION) tensorboard==$(TENSORBOARD_VERSION)
 	@touch $@
 
 build: setup

@@ -649,6 +649,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 "accelerator": loaded.plan.train.accelerator,
                 "gpu_memory": result.gpu_memory,
                 "mfu": result.steps.last().map(|m| m.mfu),
+                "host": result.host,
             });
             let output_dir = &loaded.plan.train.output_dir;
             let summary_path = output_dir.join("summary.json");
@@ -664,6 +665,14 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     100.0 * (*peak as f64 / predicted.total.max(1) as f64 - 1.0)
                 );
             }
+            let host = &result.host.steps;
+            println!(
+                "host: peak resident {:.2} GB in the steps ({:.2} GB at start-up), kernel time {:.0}% of {:.1} CPU-seconds",
+                host.peak_rss as f64 / 1e9,
+                result.host.startup_peak_rss as f64 / 1e9,
+                100.0 * host.kernel_fraction,
+                host.user_s + host.system_s
+            );
             println!(
                 "done: {} steps in {:.1}s, loss {first:.4} -> {last:.4}, {tokens_per_s:.0} tokens/s; {}/{{metrics.jsonl,loss.png,summary.json}}",
                 result.steps.len(),

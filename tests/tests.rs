@@ -13,6 +13,7 @@ mod hf_reference;
 mod launch;
 mod memory;
 mod model;
+mod monitors;
 mod multiprocess;
 mod precision;
 mod rendezvous;

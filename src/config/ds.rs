@@ -26,9 +26,19 @@ pub struct DsConfig {
     pub bf16: Option<Bf16Section>,
     pub zero_optimization: Option<ZeroSection>,
     pub aio: Option<AioSection>,
+    pub tensorboard: Option<MonitorSection>,
+    pub csv_monitor: Option<MonitorSection>,
     pub model: Option<ModelSection>,
     pub data: Option<DataSection>,
     pub train: Option<TrainSection>,
+}
+
+/// `tensorboard` / `csv_monitor`: DeepSpeed's monitor sections.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+pub struct MonitorSection {
+    pub enabled: Option<bool>,
+    pub output_path: Option<PathBuf>,
+    pub job_name: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]

@@ -21,7 +21,6 @@ const DEEPSPEED_UNACTED_TOP: &[&str] = &[
     "comms_logger",
     "communication_data_type",
     "compression_training",
-    "csv_monitor",
     "curriculum_learning",
     "data_efficiency",
     "data_types",
@@ -38,7 +37,6 @@ const DEEPSPEED_UNACTED_TOP: &[&str] = &[
     "seq_parallel_communication_data_type",
     "sparse_attention",
     "sparse_gradients",
-    "tensorboard",
     "wandb",
     "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer",
@@ -228,7 +226,7 @@ mod tests {
 
     #[test]
     fn deepspeed_keys_are_accepted() {
-        assert_eq!(classify("tensorboard"), Unnamed::DeepSpeedUnacted);
+        assert_eq!(classify("wandb"), Unnamed::DeepSpeedUnacted);
         assert_eq!(
             classify("zero_optimization.round_robin_gradients"),
             Unnamed::DeepSpeedUnacted

@@ -115,6 +115,19 @@ pub fn from_json(mut json: Value, sets: &[String], facts: DeviceFacts) -> Result
         }
     }
     let mut warnings = Vec::new();
+    // monitors that report to a web service: this build has no network client for them
+    let (network, accepted): (Vec<String>, Vec<String>) = accepted
+        .into_iter()
+        .partition(|k| k == "wandb" || k == "comet" || k.starts_with("wandb.") || k.starts_with("comet."));
+    let services: std::collections::BTreeSet<&str> =
+        network.iter().filter_map(|k| k.split('.').next()).collect();
+    if !services.is_empty() {
+        warnings.push(format!(
+            "{} accepted but not acted on: tierzero does not send metrics to web services; \
+             enable \"tensorboard\" or \"csv_monitor\" (written under their output_path) or read metrics.jsonl",
+            services.into_iter().collect::<Vec<_>>().join(" and ")
+        ));
+    }
     if !accepted.is_empty() {
         warnings.push(format!(
             "DeepSpeed keys accepted but not acted on by tierzero: {}",

@@ -246,11 +246,20 @@ pub struct Plan {
     pub gradient_clipping: f64,
     pub steps_per_print: u64,
     pub wall_clock_breakdown: bool,
+    /// Directories of DeepSpeed's monitors (`<output_path>/<job_name>`), when enabled.
+    pub monitors: Monitors,
     pub zero: Zero,
     pub aio: Aio,
     pub model: ModelPlan,
     pub data: Data,
     pub train: Train,
+}
+
+/// `tensorboard` and `csv_monitor`: where each writes, None when off.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Monitors {
+    pub tensorboard: Option<PathBuf>,
+    pub csv: Option<PathBuf>,
 }
 
 /// Where this process sits in a multi-process run (one process: nnodes 1).

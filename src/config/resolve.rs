@@ -66,6 +66,15 @@ pub(super) fn count_or_auto(
     }
 }
 
+/// A monitor's directory as DeepSpeed forms it: `output_path` joined with `job_name`
+/// (default `DeepSpeedJobName`; an empty `output_path`, DeepSpeed's default, leaves it
+/// relative to the working directory). None unless `enabled`.
+fn monitor_dir(section: Option<&MonitorSection>) -> Option<PathBuf> {
+    let section = section.filter(|s| s.enabled == Some(true))?;
+    let job = section.job_name.as_deref().unwrap_or("DeepSpeedJobName");
+    Some(section.output_path.clone().unwrap_or_default().join(job))
+}
+
 impl Plan {
     /// Validates the mirror into a plan. `warnings` receives what the user should hear at
     /// start-up (deprecated spellings).
@@ -105,6 +114,10 @@ impl Plan {
             gradient_clipping,
             steps_per_print: count("steps_per_print", ds.steps_per_print, 10)? as u64,
             wall_clock_breakdown: ds.wall_clock_breakdown.unwrap_or(false),
+            monitors: Monitors {
+                tensorboard: monitor_dir(ds.tensorboard.as_ref()),
+                csv: monitor_dir(ds.csv_monitor.as_ref()),
+            },
             zero,
             aio,
             model,

@@ -1,12 +1,16 @@
 //! What a run shows a person: the progress bar, the end-of-run loss plot, and where the
 //! time goes (`timeline.rs`: spans and per-step breakdowns; `trace.rs`: trace.json and
-//! breakdown.png), and the matmul peak MFU is measured against (`peak.rs`).
+//! breakdown.png), the matmul peak MFU is measured against (`peak.rs`), and the host
+//! memory and CPU time the process takes (`host.rs`); DeepSpeed's TensorBoard and CSV
+//! monitors (`monitor.rs`).
 //!
 //! `loss.png` is drawn with plotters' bitmap backend: training loss per step (blue), eval
 //! loss (red dots) and, for synthetic data, the known loss floor (grey). The build has no
 //! font backend (nothing to load offline), so the plot has a frame and gridlines but no
 //! text; the numbers are in `metrics.jsonl` and `summary.json`.
 
+pub mod host;
+pub mod monitor;
 pub mod peak;
 pub mod timeline;
 pub mod trace;

@@ -73,14 +73,26 @@ impl UnitLayout {
 
     /// Fills `out` (this unit's full flat buffer) with the initial values.
     pub fn init(&self, seed: u64, out: &mut [f32]) {
+        self.init_range(seed, 0..self.numel, out);
+    }
+
+    /// Fills `out` with the initial values of elements `range` of the flat buffer: the
+    /// same values [`Self::init`] puts there (each is a function of seed, tensor and
+    /// index), so a rank builds its slice without the whole unit.
+    pub fn init_range(&self, seed: u64, range: std::ops::Range<usize>, out: &mut [f32]) {
         for p in &self.params {
-            let dst = &mut out[p.offset..p.offset + p.numel];
+            let start = p.offset.max(range.start);
+            let end = (p.offset + p.numel).min(range.end);
+            if start >= end {
+                continue;
+            }
+            let dst = &mut out[start - range.start..end - range.start];
             match p.init {
                 Init::Ones => dst.fill(1.0),
                 Init::Zeros => dst.fill(0.0),
                 Init::Normal(std) => {
                     let stream = seed ^ fnv1a(&p.name);
-                    for (i, x) in dst.iter_mut().enumerate() {
+                    for (i, x) in (start - p.offset..).zip(dst.iter_mut()) {
                         *x = std * standard_normal(stream, i as u64);
                     }
                 }
@@ -225,5 +237,35 @@ mod tests {
         );
         let norm = unit.param("input_layernorm.weight").unwrap();
         assert!(a[norm.offset..norm.offset + norm.numel].iter().all(|&x| x == 1.0));
+    }
+
+    #[test]
+    fn a_range_holds_what_the_whole_unit_holds_there() {
+        let config = ModelConfig::preset("llama-tiny").unwrap();
+        let unit = &units(&config)[1];
+        // the reference: each tensor in turn over the whole buffer
+        let mut whole = vec![f32::NAN; unit.numel];
+        for p in &unit.params {
+            let stream = 7 ^ fnv1a(&p.name);
+            for i in 0..p.numel {
+                whole[p.offset + i] = match p.init {
+                    Init::Ones => 1.0,
+                    Init::Zeros => 0.0,
+                    Init::Normal(std) => std * standard_normal(stream, i as u64),
+                };
+            }
+        }
+        let q = unit.param("q_proj.weight").unwrap();
+        let boundary = q.offset + q.numel;
+        for range in [
+            0..unit.numel,
+            3..boundary + 5,
+            boundary - 1..boundary + 1,
+            unit.numel - 7..unit.numel,
+        ] {
+            let mut part = vec![f32::NAN; range.len()];
+            unit.init_range(7, range.clone(), &mut part);
+            assert_eq!(part, whole[range.clone()], "{range:?}");
+        }
     }
 }

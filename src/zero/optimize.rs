@@ -27,9 +27,15 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     }
 
     /// The new parameters of unit `u` to where they live: all-gathered into the replica
-    /// (stages 1–2), written to NVMe, or kept; the persistent gathered copy is dropped.
-    /// Buffers the unit no longer needs become its spares for the next optimizer phase.
-    pub(super) fn install(&mut self, u: usize, fresh: LowParams) -> Result<(), EngineError> {
+    /// (stages 1–2) or kept in memory; parameters on NVMe were written by the optimizer
+    /// lane already. The persistent gathered copy is dropped either way. Buffers the unit
+    /// no longer needs become its spares for the next optimizer phase.
+    pub(super) fn install(&mut self, u: usize, fresh: NewParams) -> Result<(), EngineError> {
+        self.units[u].persistent = None;
+        let fresh = match fresh {
+            NewParams::Written => return Ok(()),
+            NewParams::Memory(fresh) => fresh,
+        };
         let params = match self.stage() {
             3 | 0 => fresh,
             _ => {
@@ -48,46 +54,10 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 full
             }
         };
-        self.units[u].persistent = None;
-        if matches!(self.units[u].params, Params::Nvme) {
-            let Some(store) = self.param_store else {
-                return Err(EngineError::Other {
-                    rank: self.rank,
-                    message: "parameters on nvme without a swap store".into(),
-                });
-            };
-            let key = TensorKey {
-                unit: u as u32,
-                rank: self.rank as u32,
-                state: State::Param,
-            };
-            let scratch = match self.param_scratch.take() {
-                Some(buf) => buf,
-                None => {
-                    IoBuf::new(store.chunk_bytes(params.elem_bytes())).map_err(|e| EngineError::Other {
-                        rank: self.rank,
-                        message: e.to_string(),
-                    })?
-                }
-            };
-            let bytes = params.as_bytes().len() as u64;
-            let scratch = self
-                .tracks
-                .compute
-                .span(Phase::NvmeWrite, Some(u), bytes, || {
-                    store.write_tensor(key, params.as_bytes(), scratch)
-                })
-                .map_err(self.io_err())?;
-            self.param_scratch = Some(scratch);
-            if self.stage() == 3 || self.stage() == 0 {
-                self.units[u].spare_params = Some(params);
-            }
-        } else {
-            let previous = std::mem::replace(&mut self.units[u].params, Params::Memory(Arc::new(params)));
-            if let (Params::Memory(old), 3 | 0) = (previous, self.stage()) {
-                // a lane may still hold the old shard: then it is dropped, not reused
-                self.units[u].spare_params = Arc::try_unwrap(old).ok();
-            }
+        let previous = std::mem::replace(&mut self.units[u].params, Params::Memory(Arc::new(params)));
+        if let (Params::Memory(old), 3 | 0) = (previous, self.stage()) {
+            // a lane may still hold the old shard: then it is dropped, not reused
+            self.units[u].spare_params = Arc::try_unwrap(old).ok();
         }
         Ok(())
     }
@@ -166,9 +136,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 } else {
                     std::mem::take(&mut unit.grad)
                 };
-                let fresh = match unit.spare_params.take() {
-                    Some(p) if p.len() == unit.opt_len => p,
-                    _ => LowParams::zeros(unit.opt_len, &self.plan.precision),
+                // parameters on NVMe are written from the optimizer lane's one staging
+                // buffer: no partition of the whole model waits in memory
+                let fresh = match (&unit.params, unit.spare_params.take()) {
+                    (Params::Nvme, _) => None,
+                    (Params::Memory(_), Some(p)) if p.len() == unit.opt_len => Some(p),
+                    (Params::Memory(_), _) => Some(LowParams::zeros(unit.opt_len, &self.plan.precision)),
                 };
                 OptimizerJob {
                     unit: u,
@@ -182,6 +155,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             rank: self.rank,
             precision: self.plan.precision,
             store: self.store,
+            param_store: self.param_store,
+            staging: self.param_staging.clone(),
             pool: self.pool.clone(),
             pipeline: PipelineConfig {
                 buffer_count: self.plan.zero.offload_optimizer.buffer_count,
@@ -220,23 +195,43 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
 }
 
 /// One unit's optimizer work: its state (None when on NVMe), final gradient, and the
-/// buffer the new low-precision partition is written into.
+/// buffer the new low-precision partition is written into (None: the parameters live on
+/// NVMe and are written there through the staging buffer).
 struct OptimizerJob {
     unit: usize,
     state: Option<OptimizerState>,
     grad: Grads,
-    fresh: LowParams,
+    fresh: Option<LowParams>,
+}
+
+/// A unit's new low-precision partition: in a buffer to install, or already written to
+/// the NVMe parameter store by the optimizer lane.
+pub(super) enum NewParams {
+    Memory(LowParams),
+    Written,
 }
 
 /// An update ready to install: unit, new low-precision partition, its state and the
 /// gradient buffer back.
-pub(super) type Update = (usize, LowParams, Option<OptimizerState>, Grads);
+pub(super) type Update = (usize, NewParams, Option<OptimizerState>, Grads);
+
+/// The optimizer lane's buffers for parameters on NVMe: the new partition (sized to the
+/// largest unit once, resized within its capacity) and the bounce buffer of its write.
+/// Kept by the engine between steps, so the step allocates nothing for them.
+pub(super) struct ParamStaging {
+    values: LowParams,
+    scratch: IoBuf,
+}
+
+pub(super) type SharedStaging = Arc<std::sync::Mutex<Option<ParamStaging>>>;
 
 /// What the optimizer phase needs, without borrowing the engine.
 struct OptimizerContext<'a> {
     rank: usize,
     precision: Precision,
     store: Option<&'a SwapStore>,
+    param_store: Option<&'a SwapStore>,
+    staging: SharedStaging,
     pool: Option<BufferPool>,
     pipeline: PipelineConfig,
     coefficients: adam::Coefficients,
@@ -275,10 +270,83 @@ impl OptimizerContext<'_> {
     fn run(&self, job: OptimizerJob) -> Result<Update, EngineError> {
         let OptimizerJob {
             unit,
-            mut state,
+            state,
             grad,
-            mut fresh,
+            fresh,
         } = job;
+        match fresh {
+            Some(mut fresh) => {
+                let state = self.update(unit, state, &grad, &mut fresh)?;
+                Ok((unit, NewParams::Memory(fresh), state, grad))
+            }
+            None => {
+                let state = self.update_to_nvme(unit, state, &grad)?;
+                Ok((unit, NewParams::Written, state, grad))
+            }
+        }
+    }
+
+    /// AdamW on one partition whose parameters live on NVMe: the new values go into the
+    /// staging buffer and from there to the parameter store, before the update is
+    /// reported (so the unit's next fetch reads them).
+    fn update_to_nvme(
+        &self,
+        unit: usize,
+        state: Option<OptimizerState>,
+        grad: &Grads,
+    ) -> Result<Option<OptimizerState>, EngineError> {
+        let other = |message: String| EngineError::Other {
+            rank: self.rank,
+            message,
+        };
+        let Some(store) = self.param_store else {
+            return Err(other("parameters on nvme without a swap store".into()));
+        };
+        let mut slot = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let mut staging = match slot.take() {
+            Some(staging) => staging,
+            None => ParamStaging {
+                values: LowParams::zeros(0, &self.precision),
+                scratch: IoBuf::new(store.chunk_bytes(self.precision.bytes()))
+                    .map_err(|e| other(e.to_string()))?,
+            },
+        };
+        staging.values.resize(grad.len());
+        let state = self.update(unit, state, grad, &mut staging.values)?;
+        let key = TensorKey {
+            unit: unit as u32,
+            rank: self.rank as u32,
+            state: State::Param,
+        };
+        let bytes = staging.values.as_bytes();
+        let start = Instant::now();
+        staging.scratch = store
+            .write_tensor(key, bytes, staging.scratch)
+            .map_err(|source| EngineError::Io {
+                rank: self.rank,
+                source,
+            })?;
+        self.tracks.nvme_write.record_between(
+            Phase::NvmeWrite,
+            false,
+            Some(unit),
+            start,
+            Instant::now(),
+            bytes.len() as u64,
+        );
+        *slot = Some(staging);
+        Ok(state)
+    }
+
+    /// AdamW on one partition: in memory, or streamed through the NVMe pipeline; the
+    /// new low-precision values into `fresh`.
+    fn update(
+        &self,
+        unit: usize,
+        mut state: Option<OptimizerState>,
+        grad: &Grads,
+        fresh: &mut LowParams,
+    ) -> Result<Option<OptimizerState>, EngineError> {
         let opt_len = fresh.len();
         let other = |message: String| EngineError::Other {
             rank: self.rank,
@@ -323,6 +391,6 @@ impl OptimizerContext<'_> {
                 source,
             })?;
         }
-        Ok((unit, fresh, state, grad))
+        Ok(state)
     }
 }

@@ -118,6 +118,15 @@ impl LowParams {
         }
     }
 
+    /// Sets the length to `len` (new elements zero); within the capacity nothing is
+    /// allocated.
+    pub(crate) fn resize(&mut self, len: usize) {
+        match self {
+            LowParams::F32(v) => v.resize(len, 0.0),
+            LowParams::U16(v) => v.resize(len, 0),
+        }
+    }
+
     pub(crate) fn len(&self) -> usize {
         match self {
             LowParams::F32(v) => v.len(),
@@ -302,8 +311,8 @@ pub struct RankEngine<'a, C: Collective> {
     pub(super) lanes: LaneOptions,
     /// Stage-3 gather buffers, reused across micro-batches (lent to the prefetcher).
     pub(super) gather_buffers: Option<GatherBuffers>,
-    /// The bounce buffer of parameter writes to NVMe.
-    pub(super) param_scratch: Option<IoBuf>,
+    /// The optimizer lane's buffers for writing parameters to NVMe, kept between steps.
+    pub(super) param_staging: super::optimize::SharedStaging,
     /// Where this rank computes (CPU, or its GPU).
     pub(super) compute: tch::Device,
 }
@@ -388,7 +397,21 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             } else {
                 (part.range(rank).start, part.shard)
             };
-            let master = kept[opt_start - kept_range.start..][..opt_len].to_vec();
+            let mut params = LowParams::zeros(kept.len(), &plan.precision);
+            match start
+                .params(u, real.clone(), &plan.precision)
+                .map_err(start_err)?
+            {
+                Some(bytes) => params.bytes_mut()[..bytes.len()].copy_from_slice(&bytes),
+                None => round_into(&kept, &mut params, &plan.precision),
+            }
+            // the master weights: the kept elements themselves where they are the
+            // optimizer partition (stage 3), else a copy of the partition
+            let master = if kept_range == (opt_start..opt_start + opt_len) {
+                kept
+            } else {
+                kept[opt_start - kept_range.start..][..opt_len].to_vec()
+            };
             let (mut exp_avg, mut exp_avg_sq) = (vec![0f32; opt_len], vec![0f32; opt_len]);
             let opt_real = opt_start.min(part.numel)..(opt_start + opt_len).min(part.numel);
             start
@@ -399,14 +422,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                     &mut exp_avg_sq[..opt_real.len()],
                 )
                 .map_err(start_err)?;
-            let mut params = LowParams::zeros(kept.len(), &plan.precision);
-            match start
-                .params(u, real.clone(), &plan.precision)
-                .map_err(start_err)?
-            {
-                Some(bytes) => params.bytes_mut()[..bytes.len()].copy_from_slice(&bytes),
-                None => round_into(&kept, &mut params, &plan.precision),
-            }
             let bf16_grads = bf16_gradients(plan);
             let grad = Grads::zeros(if stage >= 2 { opt_len } else { part.padded }, bf16_grads);
             let optimizer = if optimizer_nvme {
@@ -520,7 +535,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             overlap,
             lanes,
             gather_buffers: Some(GatherBuffers::new(lanes.mode)),
-            param_scratch: None,
+            param_staging: Default::default(),
             compute: plan.train.compute_device(rank),
         })
     }

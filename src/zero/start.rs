@@ -29,9 +29,7 @@ impl Start {
     ) -> Result<(), String> {
         match self {
             Start::Init { seed } => {
-                let mut full = vec![0f32; layout.numel];
-                layout.init(*seed, &mut full);
-                out.copy_from_slice(&full[range]);
+                layout.init_range(*seed, range, out);
                 Ok(())
             }
             Start::Hf(weights) => weights.read(u, range, out).map_err(|e| e.to_string()),

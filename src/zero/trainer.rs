@@ -21,6 +21,8 @@ use crate::comm::{Collective, Group};
 use crate::config::plan::{Plan, Tier};
 use crate::data::{DataError, Dataset};
 use crate::device::cpu::CpuDevice;
+use crate::metrics::host::{Span, Usage};
+use crate::metrics::monitor::{Monitors, Scalar};
 use crate::metrics::timeline::{Breakdown, Timeline};
 use crate::metrics::trace::TierBytes;
 use crate::model::Model;
@@ -89,6 +91,8 @@ pub struct StepMetrics {
     pub breakdown: serde_json::Value,
     /// Bytes per tier after the step (device: the step's peak).
     pub memory: TierBytes,
+    /// The process's resident set after the step, bytes (all ranks of this process).
+    pub host_rss: u64,
 }
 
 #[derive(Debug, Default)]
@@ -105,6 +109,16 @@ pub struct TrainResult {
     pub seconds: f64,
     /// Rank 0's breakdown of every step.
     pub breakdowns: Vec<Breakdown>,
+    /// This process's host usage: peak resident set of start-up, and CPU time and peak
+    /// resident set of the steps (checkpoint saves between steps included, the final
+    /// one not).
+    pub host: HostUsage,
+}
+
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct HostUsage {
+    pub startup_peak_rss: u64,
+    pub steps: Span,
 }
 
 /// What a rank hands back at the end: its device peak and master partitions.
@@ -122,6 +136,43 @@ struct RankMessage {
     eval_loss: Option<f64>,
     breakdown: Breakdown,
     memory: TierBytes,
+    /// The process's usage when the steps began (peak: that of start-up), and after this
+    /// step's update was issued (peak: of the steps so far).
+    host_start: Usage,
+    host: Usage,
+}
+
+/// A step's scalars under DeepSpeed's monitor names (`Train/Samples/…`), then
+/// tierzero's own: gradient norm, throughput, MFU, seconds per phase of the breakdown,
+/// bytes per memory tier and the process's resident set.
+fn scalars(m: &StepMetrics, breakdown: &Breakdown, plan: &Plan) -> Vec<Scalar> {
+    let scalar = |tag: &str, value: f64| Scalar {
+        tag: format!("Train/Samples/{tag}"),
+        value,
+    };
+    let mut out = vec![scalar("train_loss", m.loss), scalar("lr", m.lr)];
+    if matches!(plan.precision, crate::config::plan::Precision::Fp16(_)) {
+        out.push(scalar("loss_scale", m.loss_scale));
+    }
+    out.push(scalar("grad_norm", m.grad_norm));
+    out.push(scalar("tokens_per_s", m.tokens_per_s));
+    out.push(scalar("mfu", m.mfu));
+    if let Some(eval) = m.eval_loss {
+        out.push(scalar("eval_loss", eval));
+    }
+    out.push(scalar("step_seconds", m.step_seconds));
+    for (phase, seconds) in &breakdown.phases {
+        out.push(scalar(&format!("seconds/{}", phase.name()), *seconds));
+    }
+    for (tier, bytes) in [
+        ("device", m.memory.device),
+        ("host", m.memory.host),
+        ("nvme", m.memory.nvme),
+        ("host_rss", m.host_rss),
+    ] {
+        out.push(scalar(&format!("memory/{tier}_bytes"), bytes as f64));
+    }
+    out
 }
 
 fn swap_specs(plan: &Plan, model: &Model, states: &[State], elem_bytes: usize) -> Vec<TensorSpec> {
@@ -347,6 +398,18 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     } else {
         0.0
     };
+    // DeepSpeed's monitors, from node 0 only
+    let mut monitors = match options.write_outputs && plan.train.launch.node_rank == 0 {
+        true => Some(
+            Monitors::open(
+                plan.monitors.tensorboard.as_deref(),
+                plan.monitors.csv.as_deref(),
+                plan.steps_per_print,
+            )
+            .map_err(|(path, source)| TrainError::Output { path, source })?,
+        ),
+        false => None,
+    };
     let flops_per_token = model.config.flops_per_token(plan.data.seq_len);
     let tokens_per_step = plan.tokens_per_step() as u64;
 
@@ -423,6 +486,11 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                 eval_loss: message.eval_loss,
                 breakdown: message.breakdown.json(),
                 memory: message.memory,
+                host_rss: message.host.rss,
+            };
+            result.host = HostUsage {
+                startup_peak_rss: message.host_start.peak_rss,
+                steps: Span::between(message.host_start, message.host),
             };
             if plan.wall_clock_breakdown
                 && plan.steps_per_print > 0
@@ -432,6 +500,12 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                 match &progress {
                     Some(progress) => progress.line(&line),
                     None => tracing::info!("{line}"),
+                }
+            }
+            if let Some(monitors) = monitors.as_mut() {
+                let samples = metrics.step * plan.batch.train_batch_size as u64;
+                if let Err(e) = monitors.record(samples, &scalars(&metrics, &message.breakdown, plan)) {
+                    tracing::warn!("writing the tensorboard/csv monitors: {e}");
                 }
             }
             result.breakdowns.push(message.breakdown);
@@ -638,10 +712,15 @@ fn run_rank(
     std::thread::scope(|scope| -> Result<(), TrainError> {
         let first_step = context.start.first_step();
         let root = save::root(&plan.train.output_dir);
+        let host_start = Usage::now();
+        if rank == 0 {
+            crate::metrics::host::reset_peak();
+        }
         for step in first_step..plan.train.steps {
             let start = Instant::now();
             let concurrent = !(options.blocking_optimizer || options.no_overlap);
             let report = engine.step(step, concurrent.then_some(scope))?;
+            let host = Usage::now();
             let end = Instant::now();
             let seconds = (end - start).as_secs_f64();
             let breakdown = context
@@ -671,6 +750,8 @@ fn run_rank(
                     report,
                     seconds,
                     eval_loss,
+                    host_start,
+                    host,
                 });
             }
         }

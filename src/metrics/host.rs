@@ -1,0 +1,109 @@
+//! What the process takes from the host, measured by the kernel rather than predicted:
+//! resident set (now and its peak, `/proc/self/status`), CPU time in user and kernel
+//! mode (`getrusage`). The peak can be reset (`/proc/self/clear_refs`), so the peak of
+//! the training steps is told apart from that of start-up.
+
+use serde::Serialize;
+
+/// One reading of the process's host usage.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
+pub struct Usage {
+    /// Resident set size now (VmRSS), bytes.
+    pub rss: u64,
+    /// Peak resident set since start or the last [`reset_peak`] (VmHWM), bytes.
+    pub peak_rss: u64,
+    /// CPU seconds in user mode, all threads.
+    pub user_s: f64,
+    /// CPU seconds in kernel mode, all threads.
+    pub system_s: f64,
+}
+
+impl Usage {
+    /// Reads the process's usage now; zeros where the kernel does not say (not Linux).
+    pub fn now() -> Usage {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let (user_s, system_s) = cpu_seconds();
+        Usage {
+            rss: status_kib(&status, "VmRSS:") * 1024,
+            peak_rss: status_kib(&status, "VmHWM:") * 1024,
+            user_s,
+            system_s,
+        }
+    }
+}
+
+/// Usage over a span of the run: CPU time between two readings, and the peak resident
+/// set seen at the end of it.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Span {
+    pub user_s: f64,
+    pub system_s: f64,
+    /// Kernel time as a fraction of the process's CPU time over the span.
+    pub kernel_fraction: f64,
+    pub peak_rss: u64,
+}
+
+impl Span {
+    pub fn between(start: Usage, end: Usage) -> Span {
+        let user_s = end.user_s - start.user_s;
+        let system_s = end.system_s - start.system_s;
+        Span {
+            user_s,
+            system_s,
+            kernel_fraction: system_s / (user_s + system_s).max(1e-9),
+            peak_rss: end.peak_rss,
+        }
+    }
+}
+
+/// Starts the peak resident set afresh from the current one (Linux ≥ 4.0); returns
+/// whether the kernel did it.
+pub fn reset_peak() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+fn status_kib(status: &str, key: &str) -> u64 {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(key))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+fn cpu_seconds() -> (f64, f64) {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes a whole rusage into the pointer it is given.
+    let ok = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } == 0;
+    if !ok {
+        return (0.0, 0.0);
+    }
+    // SAFETY: initialised by the successful call above.
+    let usage = unsafe { usage.assume_init() };
+    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    (seconds(usage.ru_utime), seconds(usage.ru_stime))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_touched_buffer_shows_in_the_resident_set_and_its_peak() {
+        let before = Usage::now();
+        assert!(before.rss > 0 && before.peak_rss >= before.rss, "{before:?}");
+        let mut buffer = vec![0u8; 64 << 20];
+        for page in buffer.chunks_mut(4096) {
+            page[0] = 1;
+        }
+        let during = Usage::now();
+        std::hint::black_box(&buffer);
+        drop(buffer);
+        // other tests of this binary allocate concurrently: only the direction is certain
+        assert!(
+            during.peak_rss >= before.rss + (32 << 20),
+            "{before:?} {during:?}"
+        );
+        assert!(during.user_s + during.system_s >= before.user_s + before.system_s);
+    }
+}
