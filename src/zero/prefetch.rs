@@ -268,6 +268,24 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
         // gathered unit to its GPU when it computes (device-side gathers are NCCL's, later)
         let make = |n| tensor_buffer(n, f.kind, tch::Device::Cpu);
         let buffer = self.buffers.units.take(part.padded, make).map_err(torch_err)?;
+        if part.world == 1 {
+            // one rank: the shard is the whole unit, read straight into the unit buffer;
+            // the gather has nothing to do and compute waits for the copy
+            let copied = {
+                let (f, out, scratch) = (f.clone(), buffer.shallow_clone(), self.buffers.scratch.clone());
+                self.lanes.h2d.submit(move || {
+                    f.to_staging(unit, shard, &out, &scratch)
+                        .map_err(|e| e.to_string())
+                })
+            };
+            self.in_flight.push_back(InFlight {
+                unit,
+                buffer,
+                gathered: copied,
+                hold,
+            });
+            return Ok(());
+        }
         let staging = self.buffers.staging.take(part.shard, make).map_err(torch_err)?;
         let copied = {
             let (f, staging, scratch) = (f.clone(), staging.shallow_clone(), self.buffers.scratch.clone());

@@ -24,7 +24,7 @@
 use super::grads::Grads;
 use super::partition::Partition;
 use super::prefetch::{self, DroppedWait, FetchLanes, Fetcher, GatherBuffers, Prefetcher, Source};
-use super::reduce::{ReduceBuffers, Reducer};
+use super::reduce::{reduce_into, ChunkBuffers, Reducer, Target, CHUNK_LIMIT};
 use super::schedule::{learning_rate, LossScaler};
 use super::start::Start;
 use crate::comm::{Collective, CommError, ReduceOp};
@@ -119,11 +119,17 @@ impl LowParams {
     }
 
     /// Sets the length to `len` (new elements zero); within the capacity nothing is
-    /// allocated.
+    /// allocated, beyond it exactly `len` elements are.
     pub(crate) fn resize(&mut self, len: usize) {
         match self {
-            LowParams::F32(v) => v.resize(len, 0.0),
-            LowParams::U16(v) => v.resize(len, 0),
+            LowParams::F32(v) => {
+                v.reserve_exact(len.saturating_sub(v.len()));
+                v.resize(len, 0.0)
+            }
+            LowParams::U16(v) => {
+                v.reserve_exact(len.saturating_sub(v.len()));
+                v.resize(len, 0)
+            }
         }
     }
 
@@ -284,8 +290,8 @@ pub struct RankEngine<'a, C: Collective> {
     pub(super) reduce_comm: C,
     /// The reduce lane of the step in progress, when gradients are reduced off-thread.
     pub(super) reducer: Option<Reducer<'a, C>>,
-    /// Full-gradient and shard buffers, reused across units and steps.
-    pub(super) reduce_buffers: ReduceBuffers,
+    /// The chunk buffers of gradient reductions, reused across units and steps.
+    pub(super) chunk_buffers: ChunkBuffers,
     pub(super) plan: &'a Plan,
     pub(super) model: &'a Model,
     pub(super) dataset: &'a Dataset,
@@ -516,7 +522,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             gather_comm,
             reduce_comm,
             reducer: None,
-            reduce_buffers: ReduceBuffers::default(),
+            chunk_buffers: ChunkBuffers::default(),
             plan,
             model,
             dataset,
@@ -648,66 +654,53 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         })
     }
 
-    /// Adds a unit's flat gradient (numel elements, fp32) into this rank's accumulator.
+    /// Adds a unit's flat gradient (numel elements, the compute kind) into this rank's
+    /// accumulator: reduce-scattered at stages 2–3 (on the reduce lane when it runs), else
+    /// added to the replica's accumulator.
     fn accumulate(&mut self, u: usize, grad: &Tensor) -> Result<(), EngineError> {
         let part = self.units[u].part;
-        let reducer = self.reducer.as_mut().filter(|_| self.plan.zero.stage >= 2);
-        let mut full = match reducer {
-            Some(r) => r.buffers.take(part.padded),
-            None => self.reduce_buffers.take(part.padded),
-        };
-        let n = grad.numel();
-        // the padding reduces as zeros
-        full[n..].fill(0.0);
-        self.tracks
-            .compute
-            .span(Phase::D2h, Some(u), 4 * n as u64, || {
-                torch::copy_to_f32(grad, &mut full[..n])
-            })
-            .map_err(self.torch_err())?;
         if self.stage() >= 2 {
             if let Some(reducer) = self.reducer.as_mut() {
-                if let Some((v, mine)) = reducer.send(u, full)? {
-                    self.add_shard(v, mine);
+                // a unit reduced twice in a micro-batch (the tied embedding): its
+                // accumulator comes back from the lane first
+                while reducer.holds(u) {
+                    if let Some((v, acc)) = reducer.take(true)? {
+                        self.units[v].grad = acc;
+                    }
+                }
+                let acc = std::mem::take(&mut self.units[u].grad);
+                if let Some((v, acc)) = reducer.send(u, grad.shallow_clone(), part, acc)? {
+                    self.units[v].grad = acc;
                 }
                 return self.absorb(false);
             }
         }
-        let start = Instant::now();
-        if self.stage() >= 2 {
-            let mut mine = self.reduce_buffers.take(part.shard);
-            let reduced = self.comm.reduce_scatter(&full, &mut mine, ReduceOp::Avg);
-            self.tracks
-                .compute
-                .record(Phase::Reduce, Some(u), start, 4 * n as u64);
-            reduced?;
-            self.reduce_buffers.give(full);
-            self.add_shard(u, mine);
+        let target = if self.stage() >= 2 {
+            Target::Shard
         } else {
-            let _reduce = Recorded::new(&self.tracks.compute, Phase::Reduce, Some(u), start, 4 * n as u64);
-            self.units[u].grad.add(0, &full);
-            self.reduce_buffers.give(full);
-        }
-        Ok(())
+            Target::Replica
+        };
+        reduce_into(
+            &self.comm,
+            target,
+            u,
+            grad,
+            part,
+            &mut self.units[u].grad,
+            &mut self.chunk_buffers,
+            &self.tracks.compute,
+            CHUNK_LIMIT,
+        )
     }
 
-    /// Adds a reduced shard into unit `u`'s accumulator and recycles its buffer.
-    fn add_shard(&mut self, u: usize, mine: Vec<f32>) {
-        self.units[u].grad.add(0, &mine);
-        match self.reducer.as_mut() {
-            Some(r) => r.buffers.give(mine),
-            None => self.reduce_buffers.give(mine),
-        }
-    }
-
-    /// Adds the reduce lane's finished shards to the accumulators, in the order they
-    /// were sent; with `wait`, every outstanding one.
+    /// Puts the accumulators the reduce lane finished back in their units, in the order
+    /// they were sent; with `wait`, every outstanding one.
     fn absorb(&mut self, wait: bool) -> Result<(), EngineError> {
-        while let Some((u, mine)) = match self.reducer.as_mut() {
+        while let Some((u, acc)) = match self.reducer.as_mut() {
             Some(r) => r.take(wait)?,
             None => None,
         } {
-            self.add_shard(u, mine);
+            self.units[u].grad = acc;
         }
         Ok(())
     }
@@ -735,7 +728,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let (rank, mode) = (self.rank, self.lanes.mode);
         std::thread::scope(|scope| {
             let lane = Lane::start(scope, rank, "reduce", mode);
-            let buffers = std::mem::take(&mut self.reduce_buffers);
+            let buffers = std::mem::take(&mut self.chunk_buffers);
             self.reducer = Some(Reducer::new(
                 lane,
                 self.reduce_comm.clone(),
@@ -747,7 +740,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 abort.abort(&e.to_string());
             }
             if let Some(r) = self.reducer.take() {
-                self.reduce_buffers = r.finish();
+                self.chunk_buffers = r.finish();
             }
             result
         })
@@ -1112,33 +1105,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let mut totals = [sum, count];
         self.comm.all_reduce(&mut totals, ReduceOp::Sum)?;
         Ok(totals[0] / totals[1].max(1.0))
-    }
-}
-
-/// Records a span from `start` to when it is dropped (covers early returns).
-struct Recorded<'t> {
-    track: &'t Track,
-    phase: Phase,
-    unit: Option<usize>,
-    start: Instant,
-    bytes: u64,
-}
-
-impl<'t> Recorded<'t> {
-    fn new(track: &'t Track, phase: Phase, unit: Option<usize>, start: Instant, bytes: u64) -> Self {
-        Recorded {
-            track,
-            phase,
-            unit,
-            start,
-            bytes,
-        }
-    }
-}
-
-impl Drop for Recorded<'_> {
-    fn drop(&mut self) {
-        self.track.record(self.phase, self.unit, self.start, self.bytes);
     }
 }
 

@@ -1,54 +1,114 @@
-//! Gradient reduction on the reduce lane (`overlap_comm`, stages 2 and 3).
+//! Gradient reduction, chunk by chunk, on the compute thread or the reduce lane
+//! (`overlap_comm`, stages 2 and 3).
 //!
-//! After a unit's backward the compute thread copies its flat gradient into a pooled
-//! host buffer and hands it to the reduce lane, which reduce-scatters it (mean) on its
-//! own communicator while the compute thread goes on with the next unit's backward. The
-//! buffers move into the lane's job and come back with its event (the buffer is never
-//! reachable from two places). Reduced shards are taken back in the order they were
-//! sent and added to the accumulators in that order, so the result is the blocking
-//! path's bit for bit. At most [`DEPTH`] gradients are in flight (the role of
-//! DeepSpeed's reduce bucket). On any error the engine aborts the reduce communicator,
-//! so no rank's lane waits forever.
+//! A unit's flat gradient (a tensor of the compute kind) is never copied whole into host
+//! memory: it is reduced in chunks of at most [`CHUNK_LIMIT`] fp32 elements. Each chunk
+//! gathers the same stretch of every rank's shard (so the reduce-scatter of the chunk
+//! leaves this rank its own stretch), reduce-scatters it (mean) and adds the result into
+//! the unit's accumulator at that stretch's offset. Every element is reduced exactly as
+//! a whole-gradient reduce-scatter reduces it (sums in rank order), so results are
+//! bit-identical to it, while the host holds two chunk buffers instead of a full gradient
+//! and a shard per unit in flight.
+//!
+//! On the reduce lane the gradient tensor and the unit's accumulator move into the job
+//! and the accumulator comes back with its event (never reachable from two places);
+//! accumulators are taken back in the order they were sent. At most [`DEPTH`] gradients
+//! are in flight (the role of DeepSpeed's reduce bucket). On any error the engine aborts
+//! the reduce communicator, so no rank's lane waits forever.
 
+use super::grads::Grads;
+use super::partition::Partition;
 use super::rank::EngineError;
 use crate::comm::{Collective, ReduceOp};
 use crate::device::lanes::{Event, Lane};
-use crate::device::pool::best_fit;
 use crate::metrics::timeline::{Phase, Track};
+use crate::torch;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+use tch::Tensor;
 
-/// Full gradients in flight at most.
+/// Gradients in flight on the lane at most.
 pub const DEPTH: usize = 2;
 
-/// Host buffers of full gradients and reduced shards, reused across units and steps.
+/// fp32 elements of one chunk (all ranks' stretches together): 16 MiB.
+pub const CHUNK_LIMIT: usize = 1 << 22;
+
+/// The two host buffers of a chunked reduction, reused across units and steps.
 #[derive(Default)]
-pub struct ReduceBuffers {
-    free: Vec<Vec<f32>>,
+pub struct ChunkBuffers {
+    send: Vec<f32>,
+    recv: Vec<f32>,
 }
 
-impl ReduceBuffers {
-    /// A buffer of exactly `len` elements (contents unspecified), from a free one with
-    /// room when there is one.
-    pub fn take(&mut self, len: usize) -> Vec<f32> {
-        let mut buffer = match best_fit(&self.free, len, Vec::capacity) {
-            Some(i) => self.free.swap_remove(i),
-            None => Vec::with_capacity(len),
-        };
-        buffer.resize(len, 0.0);
-        buffer
-    }
-
-    pub fn give(&mut self, buffer: Vec<f32>) {
-        self.free.push(buffer);
-    }
+/// Where a gradient goes: reduce-scattered into this rank's shard (stages 2–3), or added
+/// whole into the replica's accumulator (stages 0–1 all-reduce once per step).
+#[derive(Clone, Copy)]
+pub enum Target {
+    Shard,
+    Replica,
 }
 
-type Outcome = Result<(Vec<f32>, Vec<f32>), EngineError>;
+/// Reduces unit `unit`'s flat gradient `grad` (its `part.numel` elements; the padding
+/// counts as zeros) into `acc`, in chunks of at most `chunk` elements (all ranks'
+/// stretches together), on the calling thread.
+#[allow(clippy::too_many_arguments)]
+pub fn reduce_into<C: Collective>(
+    comm: &C,
+    target: Target,
+    unit: usize,
+    grad: &Tensor,
+    part: Partition,
+    acc: &mut Grads,
+    buffers: &mut ChunkBuffers,
+    track: &Track,
+    chunk: usize,
+) -> Result<(), EngineError> {
+    let rank = comm.rank();
+    let torch_err = |source| EngineError::Torch { rank, source };
+    let (pieces, length) = match target {
+        Target::Shard => (part.world, part.shard),
+        Target::Replica => (1, part.padded),
+    };
+    let step = (chunk / pieces).max(1);
+    let mut start = 0;
+    while start < length {
+        let k = step.min(length - start);
+        buffers.send.resize(pieces * k, 0.0);
+        let copy_start = Instant::now();
+        for p in 0..pieces {
+            // this chunk's stretch of piece p, within the real elements
+            let from = p * length + start;
+            let real = from.min(part.numel)..(from + k).min(part.numel);
+            let out = &mut buffers.send[p * k..(p + 1) * k];
+            if !real.is_empty() {
+                let view = grad
+                    .f_narrow(0, real.start as i64, real.len() as i64)
+                    .map_err(torch_err)?;
+                torch::copy_to_f32(&view, &mut out[..real.len()]).map_err(torch_err)?;
+            }
+            out[real.len()..].fill(0.0);
+        }
+        track.record(Phase::D2h, Some(unit), copy_start, 4 * (pieces * k) as u64);
+        match target {
+            Target::Shard => {
+                let reduce_start = Instant::now();
+                buffers.recv.resize(k, 0.0);
+                comm.reduce_scatter(&buffers.send, &mut buffers.recv, ReduceOp::Avg)?;
+                track.record(Phase::Reduce, Some(unit), reduce_start, 4 * (pieces * k) as u64);
+                acc.add(start, &buffers.recv);
+            }
+            Target::Replica => acc.add(start, &buffers.send),
+        }
+        start += k;
+    }
+    Ok(())
+}
 
-/// A gradient on the lane: its unit, the event of its reduce-scatter, and where the
-/// job leaves the buffers.
+type Outcome = Result<Grads, EngineError>;
+
+/// A gradient on the lane: its unit, the event of its reduction, and where the job
+/// leaves the accumulator.
 struct InFlight {
     unit: usize,
     done: Event,
@@ -61,49 +121,73 @@ pub struct Reducer<'env, C: Collective> {
     comm: C,
     track: Track,
     in_flight: VecDeque<InFlight>,
-    pub buffers: ReduceBuffers,
+    /// Used by one job at a time (the lane runs them in order).
+    buffers: Arc<Mutex<ChunkBuffers>>,
 }
 
 impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
-    pub fn new(lane: Lane<'env>, comm: C, track: Track, buffers: ReduceBuffers) -> Self {
+    pub fn new(lane: Lane<'env>, comm: C, track: Track, buffers: ChunkBuffers) -> Self {
         Reducer {
             lane,
             comm,
             track,
             in_flight: VecDeque::new(),
-            buffers,
+            buffers: Arc::new(Mutex::new(buffers)),
         }
     }
 
-    /// Queues unit `unit`'s full gradient (padded length) for reduce-scatter. With
-    /// `DEPTH` in flight, first takes back the oldest: returned for the caller to add.
-    pub fn send(&mut self, unit: usize, full: Vec<f32>) -> Result<Option<(usize, Vec<f32>)>, EngineError> {
+    /// Whether unit `unit`'s accumulator is on the lane.
+    pub fn holds(&self, unit: usize) -> bool {
+        self.in_flight.iter().any(|job| job.unit == unit)
+    }
+
+    /// Queues unit `unit`'s gradient for reduction into `acc` (its accumulator, lent to
+    /// the job). With `DEPTH` in flight, first takes back the oldest accumulator:
+    /// returned for the caller to put back.
+    pub fn send(
+        &mut self,
+        unit: usize,
+        grad: Tensor,
+        part: Partition,
+        acc: Grads,
+    ) -> Result<Option<(usize, Grads)>, EngineError> {
         let oldest = if self.in_flight.len() >= DEPTH {
             self.take(true)?
         } else {
             None
         };
-        let mine = self.buffers.take(full.len() / self.comm.world().max(1));
         let slot = Arc::new(Mutex::new(None));
-        let (comm, track, out) = (self.comm.clone(), self.track.clone(), slot.clone());
+        let (comm, track, out, buffers) = (
+            self.comm.clone(),
+            self.track.clone(),
+            slot.clone(),
+            self.buffers.clone(),
+        );
         let done = self.lane.submit(move || {
-            let start = Instant::now();
-            let mut mine = mine;
-            let result = comm.reduce_scatter(&full, &mut mine, ReduceOp::Avg);
-            track.record(Phase::Reduce, Some(unit), start, 4 * full.len() as u64);
+            let mut acc = acc;
+            let mut buffers = buffers.lock().unwrap_or_else(|e| e.into_inner());
+            let result = reduce_into(
+                &comm,
+                Target::Shard,
+                unit,
+                &grad,
+                part,
+                &mut acc,
+                &mut buffers,
+                &track,
+                CHUNK_LIMIT,
+            );
             let message = result.as_ref().err().map(|e| e.to_string());
-            let outcome = result.map(|()| (full, mine)).map_err(EngineError::from);
-            *out.lock().unwrap_or_else(|e| e.into_inner()) = Some(outcome);
+            *out.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map(|()| acc));
             message.map_or(Ok(()), Err)
         });
         self.in_flight.push_back(InFlight { unit, done, slot });
         Ok(oldest)
     }
 
-    /// The oldest reduced shard: waiting for it when `wait`, else only if it is done.
-    /// The full gradient's buffer goes back to the pool; the shard is the caller's to
-    /// add and give back.
-    pub fn take(&mut self, wait: bool) -> Result<Option<(usize, Vec<f32>)>, EngineError> {
+    /// The oldest accumulator back: waiting for it when `wait`, else only if its job is
+    /// done.
+    pub fn take(&mut self, wait: bool) -> Result<Option<(usize, Grads)>, EngineError> {
         let Some(oldest) = self.in_flight.front() else {
             return Ok(None);
         };
@@ -117,10 +201,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
             // the job's own error names the collective's cause
             (Some(Err(e)), _) => Err(e),
             (_, Err(e)) => Err(e.into()),
-            (Some(Ok((full, mine))), Ok(())) => {
-                self.buffers.give(full);
-                Ok(Some((unit, mine)))
-            }
+            (Some(Ok(acc)), Ok(())) => Ok(Some((unit, acc))),
             (None, Ok(())) => Err(self.lane_gone()),
         }
     }
@@ -132,11 +213,95 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
         }
     }
 
-    /// Hands the pools back once nothing is in flight.
-    pub fn finish(self) -> ReduceBuffers {
+    /// Hands the chunk buffers back once nothing is in flight.
+    pub fn finish(self) -> ChunkBuffers {
         for job in &self.in_flight {
             let _ = job.done.synchronize();
         }
-        self.buffers
+        let buffers =
+            Arc::try_unwrap(self.buffers).map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()));
+        buffers.unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::local::Local;
+
+    /// Every chunking (stretches of 1, 7, 64 elements, and the whole) leaves each rank
+    /// the bits one reduce-scatter of the whole padded gradient gives it, added to what
+    /// its accumulator held; replicas get the whole gradient added.
+    #[test]
+    fn chunked_reduction_equals_one_reduce_scatter_bit_for_bit() {
+        for world in 1..=3 {
+            let part = Partition::new(1000, world);
+            let results = std::thread::scope(|s| {
+                let handles: Vec<_> = Local::group(world)
+                    .into_iter()
+                    .map(|comm| {
+                        s.spawn(move || {
+                            let rank = comm.rank();
+                            let values: Vec<f32> = (0..part.numel)
+                                .map(|i| ((i * 31 + rank * 7) % 97) as f32 / 9.0 - 3.3)
+                                .collect();
+                            let grad = Tensor::from_slice(&values);
+                            let start: Vec<f32> = (0..part.shard).map(|i| i as f32 * 0.01).collect();
+                            // the reference: the whole padded gradient at once
+                            let mut full = values.clone();
+                            full.resize(part.padded, 0.0);
+                            let mut mine = vec![0f32; part.shard];
+                            comm.reduce_scatter(&full, &mut mine, ReduceOp::Avg).unwrap();
+                            let expected: Vec<f32> = start.iter().zip(&mine).map(|(a, b)| a + b).collect();
+                            let mut outcomes = Vec::new();
+                            for chunk in [world, 7 * world, 64 * world, usize::MAX] {
+                                let mut acc = Grads::F32(start.clone());
+                                let mut buffers = ChunkBuffers::default();
+                                let track = Track::disabled();
+                                reduce_into(
+                                    &comm,
+                                    Target::Shard,
+                                    0,
+                                    &grad,
+                                    part,
+                                    &mut acc,
+                                    &mut buffers,
+                                    &track,
+                                    chunk,
+                                )
+                                .unwrap();
+                                let mut replica = Grads::F32(vec![1.0; part.padded]);
+                                reduce_into(
+                                    &comm,
+                                    Target::Replica,
+                                    0,
+                                    &grad,
+                                    part,
+                                    &mut replica,
+                                    &mut buffers,
+                                    &track,
+                                    chunk,
+                                )
+                                .unwrap();
+                                outcomes.push((acc, replica));
+                            }
+                            (expected, full, outcomes)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+            });
+            for (expected, full, outcomes) in results {
+                for (acc, replica) in outcomes {
+                    let Grads::F32(acc) = acc else { unreachable!() };
+                    let Grads::F32(replica) = replica else {
+                        unreachable!()
+                    };
+                    assert_eq!(acc, expected, "world {world}");
+                    let whole: Vec<f32> = full.iter().map(|x| 1.0 + x).collect();
+                    assert_eq!(replica, whole, "world {world}");
+                }
+            }
+        }
     }
 }
