@@ -371,6 +371,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     if let (Some(floor), true) = (loss_floor, options.write_outputs) {
         println!("synthetic data: a perfect model reaches a loss of {floor:.4}");
     }
+    crate::metrics::host::reuse_freed_memory();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     tch::set_num_threads((cores / plan.train.devices).max(1) as i32);
 
