@@ -622,6 +622,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let tokens_per_s =
                 result.steps.iter().map(|m| m.tokens_per_s).sum::<f64>() / result.steps.len().max(1) as f64;
             let predicted = tierzero::zero::memory::predict(&loaded.plan);
+            let host_predicted = tierzero::zero::host_memory::predict_host(&loaded.plan);
             // the first step (start-up, first gathers) is left out of the breakdown
             let steady = result
                 .breakdowns
@@ -650,6 +651,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 "gpu_memory": result.gpu_memory,
                 "mfu": result.steps.last().map(|m| m.mfu),
                 "host": result.host,
+                "host_bytes_predicted": host_predicted,
             });
             let output_dir = &loaded.plan.train.output_dir;
             let summary_path = output_dir.join("summary.json");
@@ -667,8 +669,10 @@ fn run(cli: Cli) -> Result<(), Failure> {
             }
             let host = &result.host.steps;
             println!(
-                "host: peak resident {:.2} GB in the steps ({:.2} GB at start-up), kernel time {:.0}% of {:.1} CPU-seconds",
+                "host: peak resident {:.2} GB in the steps, plan predicted {:.2} GB ({:+.1}%; {:.2} GB at start-up), kernel time {:.0}% of {:.1} CPU-seconds",
                 host.peak_rss as f64 / 1e9,
+                host_predicted.total as f64 / 1e9,
+                100.0 * (host.peak_rss as f64 / host_predicted.total.max(1) as f64 - 1.0),
                 result.host.startup_peak_rss as f64 / 1e9,
                 100.0 * host.kernel_fraction,
                 host.user_s + host.system_s

@@ -10,6 +10,7 @@ mod cuda;
 mod default_run;
 mod estimate;
 mod hf_reference;
+mod host_memory;
 mod launch;
 mod memory;
 mod model;

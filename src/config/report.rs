@@ -197,6 +197,21 @@ pub fn plan_table(plan: &Plan) -> String {
             gib(device.working)
         ),
     );
+    let host = crate::zero::host_memory::predict_host(plan);
+    row(
+        &mut out,
+        "host memory per process",
+        format!(
+            "{:.3} GiB (runtime {:.3}, params {:.3}, grads {:.3}, optimizer {:.3}, buffers {:.3}, working {:.3})",
+            gib(host.total),
+            gib(host.runtime),
+            gib(host.parameters),
+            gib(host.gradients),
+            gib(host.optimizer),
+            gib(host.buffers),
+            gib(host.working)
+        ),
+    );
     row(&mut out, "sub_group_size", plan.zero.sub_group_size.to_string());
     row(
         &mut out,

@@ -72,7 +72,8 @@ pub fn backward(
     let count = tg.f_ge(0)?.f_sum(Kind::Int64)?.f_int64_value(&[])?;
     let factor = scale / count.max(1) as f64;
     let dh = Tensor::f_zeros_like(&hf)?;
-    let mut dw = Tensor::f_zeros_like(&wf)?;
+    // accumulated in place: one [V, H] fp32 buffer, not one per chunk
+    let mut dw: Option<Tensor> = None;
     let mut total = 0.0;
     let mut start = 0;
     while start < n {
@@ -92,8 +93,18 @@ pub fn backward(
         d = d.f_scatter_add(1, &target.f_unsqueeze(1)?, &minus_one)?;
         d = d.f_mul(&valid.f_unsqueeze(1)?.f_mul_scalar(factor)?)?;
         dh.f_narrow(0, start, len)?.f_copy_(&d.f_matmul(&wf)?)?;
-        dw = dw.f_add(&d.f_tr()?.f_matmul(&hf.f_narrow(0, start, len)?)?)?;
+        let (dt, hc) = (d.f_tr()?, hf.f_narrow(0, start, len)?);
+        match dw.as_mut() {
+            None => dw = Some(dt.f_matmul(&hc)?),
+            Some(dw) => {
+                let _ = dw.f_addmm_(&dt, &hc)?;
+            }
+        }
         start += len;
     }
+    let dw = match dw {
+        Some(dw) => dw,
+        None => Tensor::f_zeros_like(&wf)?,
+    };
     Ok((dh.f_view(h.size().as_slice())?, dw, total, count))
 }

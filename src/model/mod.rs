@@ -127,8 +127,8 @@ impl Model {
         })
     }
 
-    /// Backward of unit `u` (not the final one) by recompute: returns the flat fp32
-    /// gradient of its parameters and, for blocks, the gradient of its input.
+    /// Backward of unit `u` (not the final one) by recompute: returns the flat gradient
+    /// of its parameters (in their kind) and, for blocks, the gradient of its input.
     pub fn backward_unit(
         &self,
         u: usize,
@@ -148,9 +148,11 @@ impl Model {
         let inputs: Vec<&Tensor> = if is_block { vec![&leaf, &x] } else { vec![&leaf] };
         let mut grads = shim::grad(&[&y], &[&dy], &inputs, false)?;
         let grad_input = if is_block { grads.pop().flatten() } else { None };
+        // in the parameters' kind: the reduction reads it chunk by chunk as fp32 (exact
+        // from bf16/fp16), so no whole fp32 copy of a unit's gradient is made here
         let grad_params = match grads.pop().flatten() {
-            Some(g) => g.f_to_kind(Kind::Float)?,
-            None => Tensor::f_zeros(leaf.size(), (Kind::Float, leaf.device()))?,
+            Some(g) => g,
+            None => Tensor::f_zeros(leaf.size(), (leaf.kind(), leaf.device()))?,
         };
         Ok((grad_params, grad_input))
     }

@@ -11,10 +11,12 @@
 //! - `snapshot.rs`: a rank's part of saving a checkpoint
 //! - `trainer.rs`: ranks as threads, the swap stores, metrics, checkpoint cadence
 //! - `memory.rs`: the device bytes per rank a plan predicts and a run measures
+//! - `host_memory.rs`: the host bytes per process a plan predicts (checked against RSS)
 //! - `estimate.rs`: DeepSpeed's ZeRO-3 memory estimator
 
 pub mod estimate;
 pub mod grads;
+pub mod host_memory;
 pub mod memory;
 pub mod optimize;
 pub mod partition;

@@ -1,0 +1,169 @@
+//! Host bytes per process: what `tierzero plan` predicts beside the device row, and what
+//! a run's peak resident set (`metrics/host.rs`, measured by the kernel) is checked
+//! against in the tests.
+//!
+//! Counted per rank of the process: parameters kept in host memory (the current
+//! partition and the spare the next update is written into), gradient accumulators
+//! (always host memory in this engine), optimizer state not on NVMe, the NVMe pipelines'
+//! buffers, the reduction's chunk buffers, and — on CPU ranks, whose device memory is
+//! host memory — the device prediction plus the largest unit's flat gradient tensor
+//! (a compute temporary the device row leaves out, as DeepSpeed's estimator does). Per
+//! process: [`RUNTIME_BYTES`] of code and libraries.
+
+use super::memory::predict;
+use super::partition::Partition;
+use super::prefetch::MAX_IN_FLIGHT;
+use super::reduce::CHUNK_LIMIT;
+use super::trainer::SWAP_CHUNK_LIMIT;
+use crate::config::plan::{Accelerator, Plan, Tier};
+use serde::Serialize;
+
+/// Resident bytes of a training process before its state: the binary, libtorch and its
+/// kernels' libraries, thread stacks and allocator slack (measured on the CI machine's
+/// kind: a `llama-tiny` run peaks within 100 MB of it).
+pub const RUNTIME_BYTES: u64 = 450 << 20;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct HostBytes {
+    pub runtime: u64,
+    pub parameters: u64,
+    pub gradients: u64,
+    pub optimizer: u64,
+    /// NVMe pipeline buffers, parameter staging and reduction chunks.
+    pub buffers: u64,
+    /// On CPU ranks: the device prediction (gathered units, activations) and a unit's
+    /// flat gradient.
+    pub working: u64,
+    pub total: u64,
+}
+
+/// Host bytes this process holds at its peak (all its ranks).
+pub fn predict_host(plan: &Plan) -> HostBytes {
+    let world = plan.world_size;
+    let stage = plan.zero.stage;
+    let elem = plan.precision.bytes() as u64;
+    let cpu = plan.train.accelerator == Accelerator::Cpu;
+    let in_host = |tier: Tier| tier == Tier::Cpu || (tier == Tier::Device && cpu);
+    let parts: Vec<Partition> = plan
+        .model
+        .config
+        .unit_numels()
+        .iter()
+        .map(|&n| Partition::new(n, world))
+        .collect();
+    let opt_len = |p: &Partition| if stage == 0 { p.padded } else { p.shard } as u64;
+    let kept = |p: &Partition| if stage == 3 { p.shard } else { p.padded } as u64;
+    let max_opt = parts.iter().map(opt_len).max().unwrap_or(0);
+    let max_numel = parts.iter().map(|p| p.numel).max().unwrap_or(0) as u64;
+    let grad_elem = if super::rank::bf16_gradients(plan) { 2 } else { 4 };
+    let mut rank = HostBytes::default();
+    for p in &parts {
+        if in_host(plan.zero.offload_param.tier) {
+            // stages 0/3: the partition and its spare; 1/2: the replica and a partition
+            rank.parameters += elem
+                * match stage {
+                    1 | 2 => p.padded as u64 + opt_len(p),
+                    _ => 2 * kept(p),
+                };
+        }
+        rank.gradients += grad_elem * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
+        if stage == 1 {
+            // the partition copy lent to the optimizer
+            rank.gradients += 4 * opt_len(p);
+        }
+        if plan.zero.offload_optimizer.tier != Tier::Nvme {
+            rank.optimizer += 12 * opt_len(p);
+        }
+    }
+    let aligned = |bytes: u64| bytes.div_ceil(4096) * 4096;
+    let swap_chunk = (plan.zero.sub_group_size as u64)
+        .min(SWAP_CHUNK_LIMIT as u64)
+        .min(max_opt.max(1));
+    if plan.zero.offload_optimizer.tier == Tier::Nvme {
+        let sets = plan.zero.offload_optimizer.buffer_count.max(1) as u64;
+        rank.buffers += 3 * sets * aligned(4 * swap_chunk);
+    }
+    if plan.zero.offload_param.tier == Tier::Nvme {
+        // the optimizer lane's staging partition, its bounce buffer and the h2d lane's
+        rank.buffers += elem * max_opt + 2 * aligned(elem * swap_chunk);
+    }
+    let shard_max = parts.iter().map(|p| p.shard).max().unwrap_or(0) as u64;
+    let send = (CHUNK_LIMIT as u64).min(if stage >= 2 {
+        world as u64 * shard_max
+    } else {
+        max_numel
+    });
+    rank.buffers += 4 * (send + send / world as u64);
+    if cpu {
+        let c = &plan.model.config;
+        let (vocab, hidden) = (c.vocab_size as u64, c.hidden_size as u64);
+        let tokens = (plan.batch.micro_batch_per_gpu * plan.data.seq_len) as u64;
+        // the LM head's backward: the fp32 weight gradient, an fp32 copy of a 16-bit
+        // weight, and a chunk's logits with their exp and gradient
+        let head = 4 * vocab * hidden
+            + if elem == 4 { 0 } else { 4 * vocab * hidden }
+            + 3 * 4 * tokens.min(crate::model::head::CHUNK as u64) * vocab;
+        let device = predict(plan).working;
+        let gathered = if stage == 3 {
+            let padded: Vec<u64> = parts.iter().map(|p| p.padded as u64).collect();
+            let shards: Vec<u64> = parts.iter().map(|p| p.shard as u64).collect();
+            let staging = if world > 1 {
+                pool_footprint(&shards, MAX_IN_FLIGHT)
+            } else {
+                0
+            };
+            elem * (pool_footprint(&padded, MAX_IN_FLIGHT + 1) + staging)
+        } else {
+            0
+        };
+        // the pools keep what each size of unit needed at once (the device row counts
+        // what is gathered at the peak moment); the activations kept for backward
+        let activations = 8 * tokens + (parts.len() as u64 - 1) * elem * tokens * hidden;
+        rank.working = device.max(gathered + activations) + head + elem * max_numel;
+    }
+    let ranks = plan.train.devices as u64;
+    let mut total = HostBytes {
+        runtime: RUNTIME_BYTES,
+        parameters: ranks * rank.parameters,
+        gradients: ranks * rank.gradients,
+        optimizer: ranks * rank.optimizer,
+        buffers: ranks * rank.buffers,
+        working: ranks * rank.working,
+        total: 0,
+    };
+    total.total =
+        total.runtime + total.parameters + total.gradients + total.optimizer + total.buffers + total.working;
+    total
+}
+
+/// Elements a best-fit pool (`device/pool.rs`: a buffer serves requests down to half its
+/// size) keeps for buffers of these sizes when up to `at_once` of them are out together:
+/// per size class (sizes within 2× of the class's largest), `at_once` of its largest, or
+/// as many as the class has units.
+fn pool_footprint(sizes: &[u64], at_once: usize) -> u64 {
+    let mut sorted = sizes.to_vec();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    let mut total = 0;
+    let mut i = 0;
+    while i < sorted.len() {
+        let largest = sorted[i];
+        let members = sorted[i..].iter().take_while(|&&s| 2 * s >= largest).count();
+        total += members.min(at_once) as u64 * largest;
+        i += members;
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_keeps_at_once_buffers_per_size_class() {
+        // two embedding-sized units, four blocks, a tiny norm
+        let sizes = [100, 4, 30, 30, 30, 30, 90];
+        assert_eq!(pool_footprint(&sizes, 3), 2 * 100 + 3 * 30 + 4);
+        assert_eq!(pool_footprint(&sizes, 1), 100 + 30 + 4);
+        assert_eq!(pool_footprint(&[], 3), 0);
+    }
+}
