@@ -47,9 +47,9 @@ $PY -c "import torch; print(torch.__version__, torch.cuda.is_available())" >>"$O
 TESTS="$(dirname "$BIN")/tests"
 if part tests && [ -x "$TESTS" ]; then
   mkdir -p "$(dirname "$TESTS")/nccl"
-  run cuda-tests "$TESTS" cuda:: --test-threads 1 --nocapture
+  run cuda-tests "$TESTS" cuda:: --ignored --test-threads 1 --nocapture
   # the same with checked lanes: random delays on every lane job, NaN-poisoned pools
-  run cuda-tests-checked env TIERZERO_CHECKED_LANES=1 "$TESTS" cuda:: --test-threads 1 --nocapture
+  run cuda-tests-checked env TIERZERO_CHECKED_LANES=1 "$TESTS" cuda:: --ignored --test-threads 1 --nocapture
 fi
 if part bench; then
   run bench-gpu "$BIN" bench gpu

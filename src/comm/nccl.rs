@@ -356,11 +356,8 @@ mod tests {
 
     #[test]
     fn the_library_loads_and_makes_ids_without_a_gpu() {
-        // NCCL comes with the pip torch wheel; the id needs no GPU.
-        if let Err(e) = library() {
-            eprintln!("skipped: {e}");
-            return;
-        }
+        // NCCL comes with the pip torch wheel `make setup` installs; the id needs no GPU.
+        library().unwrap();
         let (major, minor, _) = version().unwrap();
         assert!(major >= 2 && minor > 0, "{major}.{minor}");
         let (a, b) = (unique_id().unwrap(), unique_id().unwrap());
