@@ -108,3 +108,48 @@ pub fn backward(
     };
     Ok((dh.f_view(h.size().as_slice())?, dw, total, count))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two chunks, the second partial (1400 tokens), ignored targets in both: the
+    /// chunked loss and hand-written backward against torch autograd through one
+    /// unchunked cross-entropy.
+    #[test]
+    fn chunked_loss_and_backward_equal_autograd_over_the_whole_batch() {
+        tch::manual_seed(5);
+        let (rows, seq, hidden, vocab) = (2, 700, 16, 50);
+        let h = Tensor::randn([rows, seq, hidden], (Kind::Float, tch::Device::Cpu));
+        let w = Tensor::randn([vocab, hidden], (Kind::Float, tch::Device::Cpu)) * 0.3;
+        let targets = Tensor::randint(vocab, [rows, seq], (Kind::Int64, tch::Device::Cpu));
+        for i in [3, 1023, 1024, 1399] {
+            let _ = targets.view([-1]).get(i).fill_(-100);
+        }
+        let scale = 2.5;
+        let (loss, count) = loss_sum(&h, &w, &targets).unwrap();
+        let (dh, dw, loss_b, count_b) = backward(&h, &w, &targets, scale).unwrap();
+        assert_eq!((count, count_b), (1396, 1396));
+
+        let hr = h.detach().set_requires_grad(true);
+        let wr = w.detach().set_requires_grad(true);
+        let logits = hr.view([-1, hidden]).matmul(&wr.tr());
+        let sum =
+            logits.cross_entropy_loss::<Tensor>(&targets.view([-1]), None, tch::Reduction::Sum, -100, 0.0);
+        (&sum * (scale / count as f64)).backward();
+        let reference = sum.double_value(&[]);
+        for got in [loss, loss_b] {
+            assert!(
+                (got - reference).abs() < 1e-5 * reference.abs(),
+                "{got} vs {reference}"
+            );
+        }
+        let close = |a: &Tensor, b: &Tensor| {
+            let diff = (a - b).abs().max().double_value(&[]);
+            let size = b.abs().max().double_value(&[]);
+            assert!(diff <= 1e-5 * size, "max diff {diff} of {size}");
+        };
+        close(&dh, &hr.grad());
+        close(&dw, &wr.grad());
+    }
+}
