@@ -1,5 +1,6 @@
 //! Build script: makes the `tierzero` binary start with no environment variables, and
-//! compiles the small C++ bridge to libtorch (`src/torch/shim.cpp`).
+//! compiles the small C++ bridges to libtorch (`src/torch/shim.cpp`, and c10d's store and
+//! Gloo in `src/torch/c10d.cpp`, for the torch release the Makefile pins).
 //!
 //! torch-sys links libtorch but adds no rpath, and the linker's `--as-needed` drops
 //! `libtorch_cuda.so` because nothing references it by symbol (then CUDA reports
@@ -12,6 +13,8 @@ use std::path::{Path, PathBuf};
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/torch/shim.cpp");
+    println!("cargo:rerun-if-changed=src/torch/c10d.cpp");
+    println!("cargo:rerun-if-changed=src/torch/gloo_stub");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     // torch-sys is a direct dependency with `links = "tch"`, so cargo hands us its lib dir.
     let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
@@ -23,8 +26,30 @@ fn main() {
     if lib_dir.join("libtorch_cuda.so").exists() {
         println!("cargo:rustc-link-arg=-Wl,--push-state,--no-as-needed,-ltorch_cuda,--pop-state");
     }
+    check_torch_version(&lib_dir);
     compile_shim(&lib_dir);
     link_nccl(&lib_dir);
+}
+
+/// The c10d bridge compiles against this torch's headers and the gloo stand-ins match
+/// the layout of `ProcessGroupGloo` in this release only.
+const TORCH_RELEASE: &str = "2.11.";
+
+fn check_torch_version(lib_dir: &Path) {
+    let file = lib_dir.join("../version.py");
+    let text = std::fs::read_to_string(&file).unwrap_or_default();
+    let version = text
+        .lines()
+        .find_map(|l| l.strip_prefix("__version__ = "))
+        .map(|v| v.trim_matches(|c| c == '\'' || c == '"').to_string());
+    match version {
+        Some(v) if v.starts_with(TORCH_RELEASE) => {}
+        other => panic!(
+            "tierzero's c10d bridge (src/torch/c10d.cpp) is built for torch {TORCH_RELEASE}x, but LIBTORCH points at torch {} ({}); run `make setup` (it installs the pinned torch into .venv) or point LIBTORCH at a torch {TORCH_RELEASE}x",
+            other.as_deref().unwrap_or("of unknown version"),
+            file.display()
+        ),
+    }
 }
 
 fn compile_shim(lib_dir: &Path) {
@@ -39,6 +64,18 @@ fn compile_shim(lib_dir: &Path) {
         .flag_if_supported("-Wno-unused-parameter")
         .warnings(false)
         .compile("tierzero_shim");
+    // c10d (TCPStore, ProcessGroupGloo): the wheel ships c10d's headers but not gloo's
+    cc::Build::new()
+        .cpp(true)
+        .file("src/torch/c10d.cpp")
+        .include("src/torch/gloo_stub")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+        .flag_if_supported("-Wno-unused-parameter")
+        .warnings(false)
+        .compile("tierzero_c10d");
 }
 
 /// `target/<profile>/nccl/libnccl.so` → the wheel's `libnccl.so.2`, and `$ORIGIN/nccl`

@@ -5,6 +5,7 @@
 //! rank order, so results do not depend on thread timing.
 
 pub mod exchange;
+pub mod gloo;
 pub mod launch;
 pub mod local;
 pub mod nccl;
@@ -91,6 +92,7 @@ pub trait Collective: Send + Sync + 'static {
 pub enum Group {
     Local(local::Local),
     Tcp(std::sync::Arc<tcp::Tcp>),
+    Gloo(std::sync::Arc<gloo::Gloo>),
 }
 
 /// Calls the same method on whichever communicator a [`Group`] holds.
@@ -99,6 +101,7 @@ macro_rules! dispatch {
         match $self {
             Group::Local($c) => $call,
             Group::Tcp($c) => $call,
+            Group::Gloo($c) => $call,
         }
     };
 }

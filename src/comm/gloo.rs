@@ -1,0 +1,437 @@
+//! Ranks in several processes: torch's c10d — a `TCPStore` (served by node 0, or by
+//! torchrun's agent) and one `ProcessGroupGloo` per communicator — through the C++ bridge
+//! `src/torch/c10d.cpp`.
+//!
+//! Each collective wraps the caller's host slices as CPU tensors (no copy), queues the
+//! Gloo operation and waits for its work handle on the calling thread: the engine calls
+//! collectives from its lanes, so the waits happen on the gather and reduce lanes.
+//! Averages are Gloo sums scaled here, as `Local` scales them (bit-identical between two
+//! ranks; Gloo sums three or more in ring order, so they may differ in the last bits).
+//! An abort marks this communicator failed and publishes the reason in the store, so a
+//! peer whose collective fails (its connection to this process closed) names the cause.
+
+use super::{Collective, CommError, Element, ReduceOp};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tch::{Device, Tensor};
+use torch_sys::C_tensor;
+
+const ERR_LEN: usize = 1024;
+/// Where an aborting rank leaves its reason.
+const ABORT_KEY: &str = "tierzero/abort";
+
+extern "C" {
+    fn tz_store_new(
+        host: *const c_char,
+        port: u16,
+        is_server: c_int,
+        timeout_ms: i64,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
+    fn tz_store_free(store: *mut c_void);
+    fn tz_store_set(store: *mut c_void, key: *const c_char, value: *const u8, len: usize, err: *mut c_char, n: usize)
+        -> c_int;
+    fn tz_store_check(store: *mut c_void, key: *const c_char, out: *mut c_int, err: *mut c_char, n: usize) -> c_int;
+    fn tz_store_get(
+        store: *mut c_void,
+        key: *const c_char,
+        out: *mut u8,
+        cap: usize,
+        len: *mut usize,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
+    fn tz_gloo_new(
+        store: *mut c_void,
+        prefix: *const c_char,
+        rank: c_int,
+        world: c_int,
+        timeout_ms: i64,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
+    fn tz_gloo_free(group: *mut c_void);
+    fn tz_gloo_all_gather(
+        group: *mut c_void,
+        out: *mut C_tensor,
+        input: *mut C_tensor,
+        work: *mut *mut c_void,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
+    fn tz_gloo_reduce_scatter(
+        group: *mut c_void,
+        out: *mut C_tensor,
+        input: *mut C_tensor,
+        op: c_int,
+        work: *mut *mut c_void,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
+    fn tz_gloo_all_reduce(
+        group: *mut c_void,
+        data: *mut C_tensor,
+        op: c_int,
+        work: *mut *mut c_void,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
+    fn tz_gloo_broadcast(
+        group: *mut c_void,
+        data: *mut C_tensor,
+        root: c_int,
+        work: *mut *mut c_void,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
+    fn tz_gloo_barrier(group: *mut c_void, work: *mut *mut c_void, err: *mut c_char, n: usize) -> c_int;
+    fn tz_work_wait(work: *mut c_void, err: *mut c_char, n: usize) -> c_int;
+    fn tz_work_free(work: *mut c_void);
+}
+
+/// Runs one bridge call with an error buffer; a non-zero return becomes its message
+/// (the first line of torch's exception text).
+fn call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), String> {
+    let mut err = [0 as c_char; ERR_LEN];
+    if f(err.as_mut_ptr(), ERR_LEN) == 0 {
+        return Ok(());
+    }
+    // SAFETY: the bridge writes a NUL-terminated string of at most ERR_LEN bytes.
+    let message = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy();
+    Err(message.lines().next().unwrap_or("").to_string())
+}
+
+fn c_string(s: &str) -> Result<CString, String> {
+    CString::new(s).map_err(|_| format!("{s:?} contains a NUL byte"))
+}
+
+/// A c10d `TCPStore`: the server (node 0 without torchrun) or a client of it.
+pub struct Store {
+    raw: *mut c_void,
+}
+
+// SAFETY: c10d's TCPStore is safe to use from several threads (its client serialises
+// requests under a lock); the handle is only freed on drop.
+unsafe impl Send for Store {}
+unsafe impl Sync for Store {}
+
+impl Store {
+    /// The store at `host:port`, served here when `serve`; connecting retries until
+    /// `timeout`, then fails naming the address.
+    pub fn connect(host: &str, port: u16, serve: bool, timeout: Duration) -> Result<Arc<Store>, String> {
+        let c_host = c_string(host)?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid C string and out-pointer.
+        call(|e, n| unsafe {
+            tz_store_new(c_host.as_ptr(), port, c_int::from(serve), timeout.as_millis() as i64, &mut raw, e, n)
+        })
+        .map_err(|e| {
+            let role = if serve { "serve" } else { "reach" };
+            format!("cannot {role} the c10d store at {host}:{port}: {e}")
+        })?;
+        Ok(Arc::new(Store { raw }))
+    }
+
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), String> {
+        let key = c_string(key)?;
+        // SAFETY: valid handle, C string and byte slice.
+        call(|e, n| unsafe { tz_store_set(self.raw, key.as_ptr(), value.as_ptr(), value.len(), e, n) })
+    }
+
+    /// The value of `key` if some process set it (no waiting).
+    pub fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
+        let c_key = c_string(key)?;
+        let mut present: c_int = 0;
+        // SAFETY: valid handle, C string and out-pointer.
+        call(|e, n| unsafe { tz_store_check(self.raw, c_key.as_ptr(), &mut present, e, n) })?;
+        if present == 0 {
+            return Ok(None);
+        }
+        let mut buf = vec![0u8; 4096];
+        let mut len = 0usize;
+        // SAFETY: `buf` has `buf.len()` bytes of room; `len` receives the full length.
+        call(|e, n| unsafe { tz_store_get(self.raw, c_key.as_ptr(), buf.as_mut_ptr(), buf.len(), &mut len, e, n) })?;
+        buf.truncate(len.min(4096));
+        Ok(Some(buf))
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // SAFETY: created by tz_store_new, freed once.
+        unsafe { tz_store_free(self.raw) }
+    }
+}
+
+/// One rank's Gloo communicator.
+pub struct Gloo {
+    raw: *mut c_void,
+    store: Arc<Store>,
+    rank: usize,
+    world: usize,
+    failed: Mutex<Option<String>>,
+}
+
+// SAFETY: ProcessGroupGloo queues work from any thread under its own lock; the handle is
+// only freed on drop.
+unsafe impl Send for Gloo {}
+unsafe impl Sync for Gloo {}
+
+/// A host slice seen as a 1-D CPU tensor of its element kind, sharing its memory.
+///
+/// # Safety
+/// The slice must outlive the tensor and every operation on it (the callers wait for the
+/// collective before returning).
+unsafe fn blob<T: Element>(data: &[T]) -> Tensor {
+    Tensor::from_blob(data.as_ptr().cast(), &[data.len() as i64], &[1], T::KIND, Device::Cpu)
+}
+
+/// As [`blob`], for a slice the collective writes.
+///
+/// # Safety
+/// As [`blob`]; nothing else reads or writes the slice until the collective finished.
+unsafe fn blob_mut<T: Element>(data: &mut [T]) -> Tensor {
+    let ptr: *mut T = data.as_mut_ptr();
+    Tensor::from_blob(ptr as *const u8, &[data.len() as i64], &[1], T::KIND, Device::Cpu)
+}
+
+impl Gloo {
+    /// Rank `rank` of `world` on communicator `name` (its keys under `tierzero/<name>/`).
+    /// Blocks until every rank has joined, at most `timeout`, which also bounds each
+    /// collective (a peer that stops answering fails it with the cause).
+    pub fn join(store: Arc<Store>, name: &str, rank: usize, world: usize, timeout: Duration) -> Result<Gloo, String> {
+        let prefix = c_string(&format!("tierzero/{name}"))?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid store handle, C string and out-pointer.
+        call(|e, n| unsafe {
+            tz_gloo_new(
+                store.raw,
+                prefix.as_ptr(),
+                rank as c_int,
+                world as c_int,
+                timeout.as_millis() as i64,
+                &mut raw,
+                e,
+                n,
+            )
+        })
+        .map_err(|e| format!("rank {rank}: joining the {name} communicator of {world} ranks: {e}"))?;
+        Ok(Gloo {
+            raw,
+            store,
+            rank,
+            world,
+            failed: Mutex::new(None),
+        })
+    }
+
+    fn aborted(&self, reason: String) -> CommError {
+        let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        let reason = failed.get_or_insert(reason).clone();
+        CommError::Aborted {
+            rank: self.rank,
+            reason,
+        }
+    }
+
+    fn check(&self) -> Result<(), CommError> {
+        let failed = self.failed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match failed {
+            Some(reason) => Err(self.aborted(reason)),
+            None => Ok(()),
+        }
+    }
+
+    /// Queues one operation with `queue` and waits for it; a failure names a peer's
+    /// published reason when there is one.
+    fn run(&self, op: &str, queue: impl FnOnce(*mut *mut c_void, *mut c_char, usize) -> c_int) -> Result<(), CommError> {
+        self.check()?;
+        let mut work = std::ptr::null_mut();
+        let result = call(|e, n| queue(&mut work, e, n)).and_then(|()| {
+            // SAFETY: `work` was created by the queue call above; freed once below.
+            let waited = call(|e, n| unsafe { tz_work_wait(work, e, n) });
+            unsafe { tz_work_free(work) };
+            waited
+        });
+        result.map_err(|e| {
+            let cause = match self.store.try_get(ABORT_KEY) {
+                Ok(Some(reason)) => format!("{} (after: {e})", String::from_utf8_lossy(&reason)),
+                _ => format!("{op} failed: {e} (a process of the run exited or stopped answering)"),
+            };
+            self.aborted(cause)
+        })
+    }
+
+    fn shape(&self, op: &'static str, message: String) -> CommError {
+        CommError::Shape {
+            rank: self.rank,
+            op,
+            message,
+        }
+    }
+}
+
+impl Drop for Gloo {
+    fn drop(&mut self) {
+        // SAFETY: created by tz_gloo_new, freed once.
+        unsafe { tz_gloo_free(self.raw) }
+    }
+}
+
+fn op_code(op: ReduceOp) -> c_int {
+    // averages are sums scaled by the caller (Gloo has no average)
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => 0,
+    }
+}
+
+fn scale_average<T: Element>(data: &mut [T], op: ReduceOp, world: usize) {
+    if op == ReduceOp::Avg {
+        let by = 1.0 / world as f64;
+        for x in data {
+            *x = x.scale(by);
+        }
+    }
+}
+
+impl Collective for Arc<Gloo> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_gather<T: Element>(&self, shard: &[T], out: &mut [T]) -> Result<(), CommError> {
+        if out.len() != shard.len() * self.world {
+            return Err(self.shape("all_gather", format!("{} elements for {} × {}", out.len(), self.world, shard.len())));
+        }
+        // SAFETY: both slices outlive the wait in `run`.
+        let (input, mut output) = unsafe { (blob(shard), blob_mut(out)) };
+        self.run("all_gather", |w, e, n| unsafe {
+            tz_gloo_all_gather(self.raw, output.as_mut_ptr(), input.as_ptr() as *mut C_tensor, w, e, n)
+        })
+    }
+
+    fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        if full.len() != out.len() * self.world {
+            return Err(self.shape("reduce_scatter", format!("{} elements for {} × {}", full.len(), self.world, out.len())));
+        }
+        // SAFETY: both slices outlive the wait in `run`.
+        let (input, mut output) = unsafe { (blob(full), blob_mut(out)) };
+        self.run("reduce_scatter", |w, e, n| unsafe {
+            tz_gloo_reduce_scatter(self.raw, output.as_mut_ptr(), input.as_ptr() as *mut C_tensor, op_code(op), w, e, n)
+        })?;
+        scale_average(out, op, self.world);
+        Ok(())
+    }
+
+    fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        // SAFETY: the slice outlives the wait in `run`.
+        let mut tensor = unsafe { blob_mut(data) };
+        self.run("all_reduce", |w, e, n| unsafe {
+            tz_gloo_all_reduce(self.raw, tensor.as_mut_ptr(), op_code(op), w, e, n)
+        })?;
+        scale_average(data, op, self.world);
+        Ok(())
+    }
+
+    fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<(), CommError> {
+        // SAFETY: the slice outlives the wait in `run`.
+        let mut tensor = unsafe { blob_mut(data) };
+        self.run("broadcast", |w, e, n| unsafe {
+            tz_gloo_broadcast(self.raw, tensor.as_mut_ptr(), root as c_int, w, e, n)
+        })
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        self.run("barrier", |w, e, n| unsafe { tz_gloo_barrier(self.raw, w, e, n) })
+    }
+
+    fn abort(&self, reason: &str) {
+        let reason = format!("rank {} stopped: {reason}", self.rank);
+        let _ = self.aborted(reason.clone());
+        let _ = self.store.set(ABORT_KEY, reason.as_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::local::Local;
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// What every collective leaves on each rank.
+    type Outcome = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f64>, Vec<u16>);
+
+    fn exercise<C: Collective>(c: &C) -> Outcome {
+        let r = c.rank() as f32;
+        let world = c.world();
+        let mut gathered = vec![0f32; 3 * world];
+        c.all_gather(&[r, r + 0.25, r * 3.0], &mut gathered).unwrap();
+        let full: Vec<f32> = (0..5 * world).map(|i| (i as f32 * 0.37 + r).sin()).collect();
+        let mut mine = vec![0f32; 5];
+        c.reduce_scatter(&full, &mut mine, ReduceOp::Avg).unwrap();
+        let mut summed = full.clone();
+        c.all_reduce(&mut summed, ReduceOp::Sum).unwrap();
+        let mut loss = vec![f64::from(r) + 0.1];
+        c.all_reduce(&mut loss, ReduceOp::Avg).unwrap();
+        let mut bits = vec![c.rank() as u16 + 7; 4];
+        c.broadcast(&mut bits, world - 1).unwrap();
+        c.barrier().unwrap();
+        (gathered, mine, summed, loss, bits)
+    }
+
+    /// Two ranks over a real TCPStore and ProcessGroupGloo compute `Local`'s bits.
+    #[test]
+    fn two_gloo_ranks_compute_the_bits_of_local() {
+        let port = free_port();
+        let timeout = Duration::from_secs(30);
+        let server = Store::connect("127.0.0.1", port, true, timeout).unwrap();
+        let gloo: Vec<Outcome> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let store = if rank == 0 {
+                        server.clone()
+                    } else {
+                        Store::connect("127.0.0.1", port, false, timeout).unwrap()
+                    };
+                    s.spawn(move || exercise(&Arc::new(Gloo::join(store, "test", rank, 2, timeout).unwrap())))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let local: Vec<Outcome> = std::thread::scope(|s| {
+            let handles: Vec<_> = Local::group(2).into_iter().map(|c| s.spawn(move || exercise(&c))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(gloo, local);
+    }
+
+    #[test]
+    fn an_abort_fails_later_collectives_with_its_reason_and_publishes_it() {
+        let port = free_port();
+        let timeout = Duration::from_secs(30);
+        let store = Store::connect("127.0.0.1", port, true, timeout).unwrap();
+        let solo = Arc::new(Gloo::join(store.clone(), "solo", 0, 1, timeout).unwrap());
+        solo.barrier().unwrap();
+        solo.abort("the disk is full");
+        let e = solo.barrier().unwrap_err().to_string();
+        assert!(e.contains("the disk is full"), "{e}");
+        let published = store.try_get(ABORT_KEY).unwrap().unwrap();
+        assert!(String::from_utf8_lossy(&published).contains("rank 0 stopped: the disk is full"));
+        assert_eq!(store.try_get("tierzero/absent").unwrap(), None);
+    }
+}
