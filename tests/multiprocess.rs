@@ -143,3 +143,110 @@ fn a_node_that_dies_stops_the_others_with_the_cause() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("rank 1"), "{err}");
 }
+
+/// `.venv/bin/torchrun --nproc_per_node N --no-python tierzero train …`: the real
+/// launcher, its agent serving the c10d store every process joins as a client.
+fn torchrun(dir: &Path, nproc: usize, extra: &[String]) -> Output {
+    let mut args = vec![
+        "--nproc_per_node".to_string(),
+        nproc.to_string(),
+        "--master_addr".into(),
+        "127.0.0.1".into(),
+        "--master_port".into(),
+        free_port().to_string(),
+        "--no-python".into(),
+        env!("CARGO_BIN_EXE_tierzero").into(),
+    ];
+    args.extend(args_for(dir, extra));
+    let mut cmd = std::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.venv/bin/torchrun"));
+    for k in ["WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
+        cmd.env_remove(k);
+    }
+    cmd.args(&args).env("RUST_LOG", "warn").output().unwrap()
+}
+
+/// The arguments `train` gets in these tests (8 steps, checkpoints at 4 and 8).
+fn args_for(dir: &Path, extra: &[String]) -> Vec<String> {
+    let mut args = args(
+        "train --config configs/default.json --set train.steps=8 --set scheduler.params.warmup_num_steps=2 \
+         --set train.save_interval=4 --set train.rendezvous_timeout=60",
+    );
+    args.push("--set".into());
+    args.push(format!("train.output_dir={}", dir.display()));
+    args.push("--set".into());
+    args.push(format!(
+        "zero_optimization.offload_optimizer.nvme_path={}",
+        dir.join("nvme").display()
+    ));
+    args.extend_from_slice(extra);
+    args
+}
+
+/// Losses as numbers, for runs whose sums may differ in the last bits.
+fn loss_values(dir: &Path) -> Vec<f64> {
+    losses(dir).iter().map(|&(_, l, _)| f64::from_bits(l)).collect()
+}
+
+#[test]
+fn the_real_torchrun_launches_processes_that_train_the_run_of_threads() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 2 processes × 1 rank: two-rank sums are exact both ways, so the bits agree
+    let (one, two) = (tmp.path().join("one"), tmp.path().join("two"));
+    ok(train(&one, &args("--devices 2"), &[]).wait_with_output().unwrap());
+    ok(torchrun(&two, 2, &[]));
+    assert_eq!(losses(&one), losses(&two));
+    assert_eq!(losses(&two).len(), 8);
+    same_checkpoints(&one, &two);
+    // the checkpoint the processes wrote resumes in one process
+    let resumed = tmp.path().join("resumed");
+    std::fs::create_dir_all(&resumed).unwrap();
+    let mut resume = args_for(&resumed, &args("--devices 2"));
+    resume.push("--resume".into());
+    resume.push(two.join("checkpoints/step-4").display().to_string());
+    ok(crate::launch::spawn_node(&resume, &[], "warn")
+        .wait_with_output()
+        .unwrap());
+    assert_eq!(losses(&resumed), losses(&two)[4..].to_vec());
+
+    // 3 processes × 1 rank: Gloo sums three ranks in ring order, tierzero in rank order
+    let (one3, three) = (tmp.path().join("one3"), tmp.path().join("three"));
+    let extra = args("--set train.steps=4 --set train.save_interval=0");
+    let mut threads3 = extra.clone();
+    threads3.extend(args("--devices 3"));
+    ok(train(&one3, &threads3, &[]).wait_with_output().unwrap());
+    ok(torchrun(&three, 3, &extra));
+    let (a, b) = (loss_values(&one3), loss_values(&three));
+    assert_eq!(a.len(), 4);
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-6 * x.abs(), "{a:?} vs {b:?}");
+    }
+}
+
+#[test]
+fn two_processes_of_two_ranks_train_the_run_of_four_threads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (one, two) = (tmp.path().join("one"), tmp.path().join("two"));
+    let extra =
+        args("--set train.steps=4 --set train.save_interval=0 --set train_micro_batch_size_per_gpu=4");
+    let mut four = extra.clone();
+    four.extend(args("--devices 4"));
+    ok(train(&one, &four, &[]).wait_with_output().unwrap());
+    let port = free_port();
+    let nodes: Vec<Child> = (0..2)
+        .map(|n| {
+            let mut a = extra.clone();
+            a.extend(args(&format!(
+                "--devices 2 --nnodes 2 --node-rank {n} --master-port {port}"
+            )));
+            train(&two, &a, &[])
+        })
+        .collect();
+    for c in nodes {
+        ok(c.wait_with_output().unwrap());
+    }
+    let (a, b) = (loss_values(&one), loss_values(&two));
+    assert_eq!(a.len(), 4);
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-6 * x.abs(), "{a:?} vs {b:?}");
+    }
+}

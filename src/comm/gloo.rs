@@ -32,9 +32,21 @@ extern "C" {
         n: usize,
     ) -> c_int;
     fn tz_store_free(store: *mut c_void);
-    fn tz_store_set(store: *mut c_void, key: *const c_char, value: *const u8, len: usize, err: *mut c_char, n: usize)
-        -> c_int;
-    fn tz_store_check(store: *mut c_void, key: *const c_char, out: *mut c_int, err: *mut c_char, n: usize) -> c_int;
+    fn tz_store_set(
+        store: *mut c_void,
+        key: *const c_char,
+        value: *const u8,
+        len: usize,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
+    fn tz_store_check(
+        store: *mut c_void,
+        key: *const c_char,
+        out: *mut c_int,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
     fn tz_store_get(
         store: *mut c_void,
         key: *const c_char,
@@ -127,7 +139,15 @@ impl Store {
         let mut raw = std::ptr::null_mut();
         // SAFETY: valid C string and out-pointer.
         call(|e, n| unsafe {
-            tz_store_new(c_host.as_ptr(), port, c_int::from(serve), timeout.as_millis() as i64, &mut raw, e, n)
+            tz_store_new(
+                c_host.as_ptr(),
+                port,
+                c_int::from(serve),
+                timeout.as_millis() as i64,
+                &mut raw,
+                e,
+                n,
+            )
         })
         .map_err(|e| {
             let role = if serve { "serve" } else { "reach" };
@@ -154,7 +174,17 @@ impl Store {
         let mut buf = vec![0u8; 4096];
         let mut len = 0usize;
         // SAFETY: `buf` has `buf.len()` bytes of room; `len` receives the full length.
-        call(|e, n| unsafe { tz_store_get(self.raw, c_key.as_ptr(), buf.as_mut_ptr(), buf.len(), &mut len, e, n) })?;
+        call(|e, n| unsafe {
+            tz_store_get(
+                self.raw,
+                c_key.as_ptr(),
+                buf.as_mut_ptr(),
+                buf.len(),
+                &mut len,
+                e,
+                n,
+            )
+        })?;
         buf.truncate(len.min(4096));
         Ok(Some(buf))
     }
@@ -187,7 +217,13 @@ unsafe impl Sync for Gloo {}
 /// The slice must outlive the tensor and every operation on it (the callers wait for the
 /// collective before returning).
 unsafe fn blob<T: Element>(data: &[T]) -> Tensor {
-    Tensor::from_blob(data.as_ptr().cast(), &[data.len() as i64], &[1], T::KIND, Device::Cpu)
+    Tensor::from_blob(
+        data.as_ptr().cast(),
+        &[data.len() as i64],
+        &[1],
+        T::KIND,
+        Device::Cpu,
+    )
 }
 
 /// As [`blob`], for a slice the collective writes.
@@ -203,7 +239,13 @@ impl Gloo {
     /// Rank `rank` of `world` on communicator `name` (its keys under `tierzero/<name>/`).
     /// Blocks until every rank has joined, at most `timeout`, which also bounds each
     /// collective (a peer that stops answering fails it with the cause).
-    pub fn join(store: Arc<Store>, name: &str, rank: usize, world: usize, timeout: Duration) -> Result<Gloo, String> {
+    pub fn join(
+        store: Arc<Store>,
+        name: &str,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<Gloo, String> {
         let prefix = c_string(&format!("tierzero/{name}"))?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: valid store handle, C string and out-pointer.
@@ -248,7 +290,11 @@ impl Gloo {
 
     /// Queues one operation with `queue` and waits for it; a failure names a peer's
     /// published reason when there is one.
-    fn run(&self, op: &str, queue: impl FnOnce(*mut *mut c_void, *mut c_char, usize) -> c_int) -> Result<(), CommError> {
+    fn run(
+        &self,
+        op: &str,
+        queue: impl FnOnce(*mut *mut c_void, *mut c_char, usize) -> c_int,
+    ) -> Result<(), CommError> {
         self.check()?;
         let mut work = std::ptr::null_mut();
         let result = call(|e, n| queue(&mut work, e, n)).and_then(|()| {
@@ -260,10 +306,34 @@ impl Gloo {
         result.map_err(|e| {
             let cause = match self.store.try_get(ABORT_KEY) {
                 Ok(Some(reason)) => format!("{} (after: {e})", String::from_utf8_lossy(&reason)),
-                _ => format!("{op} failed: {e} (a process of the run exited or stopped answering)"),
+                _ => match self.silent_ranks() {
+                    Some(silent) => format!("rank {silent} exited or stopped answering ({op}: {e})"),
+                    None => format!("{op} failed: {e}"),
+                },
             };
             self.aborted(cause)
         })
+    }
+
+    /// After a failed collective: every rank that sees the failure says so in the store;
+    /// the ranks that have not within a few seconds are the ones that died (a killed
+    /// process cannot say anything). None when every rank answered.
+    fn silent_ranks(&self) -> Option<String> {
+        let _ = self.store.set(&format!("tierzero/failed/{}", self.rank), b"1");
+        let start = std::time::Instant::now();
+        loop {
+            let silent: Vec<String> = (0..self.world)
+                .filter(|r| !matches!(self.store.try_get(&format!("tierzero/failed/{r}")), Ok(Some(_))))
+                .map(|r| r.to_string())
+                .collect();
+            if silent.is_empty() {
+                return None;
+            }
+            if start.elapsed() > Duration::from_secs(3) {
+                return Some(silent.join(", rank "));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     fn shape(&self, op: &'static str, message: String) -> CommError {
@@ -309,23 +379,44 @@ impl Collective for Arc<Gloo> {
 
     fn all_gather<T: Element>(&self, shard: &[T], out: &mut [T]) -> Result<(), CommError> {
         if out.len() != shard.len() * self.world {
-            return Err(self.shape("all_gather", format!("{} elements for {} × {}", out.len(), self.world, shard.len())));
+            return Err(self.shape(
+                "all_gather",
+                format!("{} elements for {} × {}", out.len(), self.world, shard.len()),
+            ));
         }
         // SAFETY: both slices outlive the wait in `run`.
         let (input, mut output) = unsafe { (blob(shard), blob_mut(out)) };
         self.run("all_gather", |w, e, n| unsafe {
-            tz_gloo_all_gather(self.raw, output.as_mut_ptr(), input.as_ptr() as *mut C_tensor, w, e, n)
+            tz_gloo_all_gather(
+                self.raw,
+                output.as_mut_ptr(),
+                input.as_ptr() as *mut C_tensor,
+                w,
+                e,
+                n,
+            )
         })
     }
 
     fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         if full.len() != out.len() * self.world {
-            return Err(self.shape("reduce_scatter", format!("{} elements for {} × {}", full.len(), self.world, out.len())));
+            return Err(self.shape(
+                "reduce_scatter",
+                format!("{} elements for {} × {}", full.len(), self.world, out.len()),
+            ));
         }
         // SAFETY: both slices outlive the wait in `run`.
         let (input, mut output) = unsafe { (blob(full), blob_mut(out)) };
         self.run("reduce_scatter", |w, e, n| unsafe {
-            tz_gloo_reduce_scatter(self.raw, output.as_mut_ptr(), input.as_ptr() as *mut C_tensor, op_code(op), w, e, n)
+            tz_gloo_reduce_scatter(
+                self.raw,
+                output.as_mut_ptr(),
+                input.as_ptr() as *mut C_tensor,
+                op_code(op),
+                w,
+                e,
+                n,
+            )
         })?;
         scale_average(out, op, self.world);
         Ok(())
@@ -414,7 +505,10 @@ mod tests {
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         let local: Vec<Outcome> = std::thread::scope(|s| {
-            let handles: Vec<_> = Local::group(2).into_iter().map(|c| s.spawn(move || exercise(&c))).collect();
+            let handles: Vec<_> = Local::group(2)
+                .into_iter()
+                .map(|c| s.spawn(move || exercise(&c)))
+                .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         assert_eq!(gloo, local);

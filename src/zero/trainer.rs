@@ -15,8 +15,8 @@ use super::partition::Partition;
 use super::rank::{kind_for, Comms, EngineError, LaneOptions, RankContext, RankEngine, StepReport};
 use super::start::Start;
 use crate::checkpoint::{save, Checkpoint, CheckpointError};
+use crate::comm::gloo::{Gloo, Store};
 use crate::comm::local::Local;
-use crate::comm::tcp::{Hub, Tcp};
 use crate::comm::{Collective, Group};
 use crate::config::plan::{Plan, Tier};
 use crate::data::{DataError, Dataset};
@@ -417,7 +417,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     let trace = options.trace || plan.train.trace;
     let timeline = Timeline::new(trace);
     let (tx, rx) = crossbeam_channel::unbounded::<RankMessage>();
-    let (_hubs, comms) = communicators(plan)?;
+    let comms = communicators(plan)?;
     let mut result = TrainResult {
         loss_floor,
         ..TrainResult::default()
@@ -650,7 +650,7 @@ fn local_comms(world: usize) -> Vec<Comms<Local>> {
 
 /// This process's ranks' communicators, and the hubs node 0 serves them from in a
 /// multi-process run (one per communicator, on the master port and the next two).
-fn communicators(plan: &Plan) -> Result<(Vec<Hub>, Vec<Comms<Group>>), TrainError> {
+fn communicators(plan: &Plan) -> Result<Vec<Comms<Group>>, TrainError> {
     let world = plan.world_size;
     let launch = &plan.train.launch;
     if launch.nnodes == 1 {
@@ -662,32 +662,49 @@ fn communicators(plan: &Plan) -> Result<(Vec<Hub>, Vec<Comms<Group>>), TrainErro
                 reduce: Group::Local(c.reduce),
             })
             .collect();
-        return Ok((Vec::new(), comms));
+        return Ok(comms);
     }
+    // several processes: c10d's TCPStore on the master address — torchrun's agent serves
+    // it when it says so, else node 0 does — and Gloo communicators over it
     let timeout = std::time::Duration::from_secs(launch.timeout_s);
-    let addr = |g: u16| format!("{}:{}", launch.master_addr, launch.master_port + g);
-    let hubs = if launch.node_rank == 0 {
-        (0..3)
-            .map(|g| Hub::start(&addr(g), world, timeout))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(TrainError::Invalid)?
-    } else {
-        Vec::new()
-    };
-    let mut comms = Vec::new();
-    for rank in plan.train.local_ranks() {
-        let connect = |g| {
-            Tcp::connect(&addr(g), world, rank, timeout)
-                .map(Group::Tcp)
-                .map_err(EngineError::from)
-        };
-        comms.push(Comms {
-            main: connect(0)?,
-            gather: connect(1)?,
-            reduce: connect(2)?,
-        });
-    }
-    Ok((hubs, comms))
+    let agent = std::env::var("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Ok("True");
+    let serve = !agent && launch.node_rank == 0;
+    let first = plan.train.local_ranks().start;
+    // every rank joins its three communicators in the same order; the ranks of this
+    // process join concurrently (each join waits for all ranks), each through its own
+    // connection to the store (a client blocks in a wait while Gloo rendezvous)
+    let joined: Vec<Result<Comms<Group>, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = plan
+            .train
+            .local_ranks()
+            .map(|rank| {
+                s.spawn(move || {
+                    let serves = serve && rank == first;
+                    let store = Store::connect(&launch.master_addr, launch.master_port, serves, timeout)?;
+                    let join = |name: &str| {
+                        Gloo::join(store.clone(), name, rank, world, timeout)
+                            .map(|g| Group::Gloo(std::sync::Arc::new(g)))
+                    };
+                    Ok(Comms {
+                        main: join("main")?,
+                        gather: join("gather")?,
+                        reduce: join("reduce")?,
+                    })
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a rank panicked while joining".into()))
+            })
+            .collect()
+    });
+    joined
+        .into_iter()
+        .map(|c| c.map_err(TrainError::Invalid))
+        .collect()
 }
 
 fn run_rank(
