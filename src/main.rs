@@ -53,7 +53,7 @@ struct LaunchArgs {
     /// Address node 0 listens on (`train.master_addr`).
     #[arg(long)]
     master_addr: Option<String>,
-    /// Port node 0 listens on; the next two ports are used too (`train.master_port`).
+    /// Port of the c10d store node 0 serves (`train.master_port`).
     #[arg(long)]
     master_port: Option<u16>,
 }

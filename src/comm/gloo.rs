@@ -40,6 +40,14 @@ extern "C" {
         err: *mut c_char,
         n: usize,
     ) -> c_int;
+    fn tz_store_add(
+        store: *mut c_void,
+        key: *const c_char,
+        delta: i64,
+        out: *mut i64,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
     fn tz_store_check(
         store: *mut c_void,
         key: *const c_char,
@@ -160,6 +168,16 @@ impl Store {
         let key = c_string(key)?;
         // SAFETY: valid handle, C string and byte slice.
         call(|e, n| unsafe { tz_store_set(self.raw, key.as_ptr(), value.as_ptr(), value.len(), e, n) })
+    }
+
+    /// Adds `delta` to the counter at `key` (0 when unset) and returns the sum, atomically
+    /// across processes.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64, String> {
+        let c_key = c_string(key)?;
+        let mut out = 0i64;
+        // SAFETY: valid handle, C string and out-pointer.
+        call(|e, n| unsafe { tz_store_add(self.raw, c_key.as_ptr(), delta, &mut out, e, n) })?;
+        Ok(out)
     }
 
     /// The value of `key` if some process set it (no waiting).

@@ -12,8 +12,8 @@
 //! Nothing is copied into an intermediate buffer and nothing is allocated, except the
 //! result of an in-place `all_reduce`, which must not overwrite its input before the
 //! peers have read it. Sums run in rank order, element by element (`x0 + x1 + …`, then
-//! the mean's scale in f64), so results are deterministic and equal, bit for bit, to the
-//! exchange-based collectives `Tcp` computes.
+//! the mean's scale in f64), so results are deterministic, and equal bit for bit to the
+//! Gloo communicators' for two ranks (`gloo.rs` tests it).
 //!
 //! A rank that fails calls `abort`; ranks waiting to publish, or arriving later, get an
 //! error naming the reason instead of hanging. A round that is already open for reading

@@ -1,16 +1,15 @@
 //! Collectives between ranks: all_gather, reduce_scatter, all_reduce, broadcast, barrier.
 //!
 //! [`Collective`] is the seam; [`local::Local`] runs N ranks as threads of one process
-//! (every test uses it); NCCL plugs in behind the same trait on GPUs. Reductions sum in
-//! rank order, so results do not depend on thread timing.
+//! (every test uses it); [`gloo::Gloo`] runs ranks in several processes over torch's
+//! c10d (TCPStore, ProcessGroupGloo); NCCL plugs in behind the same trait on GPUs.
+//! `Local` sums in rank order, so results do not depend on thread timing.
 
-pub mod exchange;
 pub mod gloo;
 pub mod launch;
 pub mod local;
 pub mod nccl;
 pub mod rendezvous;
-pub mod tcp;
 
 use tierzero_offload::host::Pod;
 
@@ -87,11 +86,11 @@ pub trait Collective: Send + Sync + 'static {
 }
 
 /// The communicator of a `train` rank: ranks as threads of this process, or ranks in
-/// several processes through the TCP hub. Both compute the same bits.
+/// several processes over c10d's Gloo. Both compute the same bits for two ranks (Gloo
+/// sums three or more in ring order).
 #[derive(Clone)]
 pub enum Group {
     Local(local::Local),
-    Tcp(std::sync::Arc<tcp::Tcp>),
     Gloo(std::sync::Arc<gloo::Gloo>),
 }
 
@@ -100,7 +99,6 @@ macro_rules! dispatch {
     ($self:ident, $c:ident => $call:expr) => {
         match $self {
             Group::Local($c) => $call,
-            Group::Tcp($c) => $call,
             Group::Gloo($c) => $call,
         }
     };

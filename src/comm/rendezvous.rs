@@ -1,21 +1,21 @@
-//! The TCP rendezvous of a multi-process run: it only hands every process the 128-byte
-//! NCCL unique id that process 0 created, and checks that the processes agree.
+//! The rendezvous of a multi-process run through c10d's TCPStore (the one the Gloo
+//! communicators use): it hands every process the 128-byte NCCL unique id process 0
+//! created, and checks that the processes agree.
 //!
 //! Topology comes from `--nnodes/--node-rank/--master-addr/--master-port` (one process
 //! per machine, `local` ranks each) or from torchrun's environment (`WORLD_SIZE`, `RANK`,
-//! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`: one process per GPU). Process 0 listens
-//! on the master address, waits for every other process's hello (magic, version, index,
-//! process count, local ranks), then answers each with the id, or with an error naming
-//! the mismatch (a duplicate node rank, a different world) so every process stops with
-//! the same cause. A process that never arrives is named when the timeout expires.
+//! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`: one process per GPU). Node 0 serves the
+//! store (torchrun's agent does when it says so). Each process claims its node rank (an
+//! atomic counter: a second claim is named), publishes its world, and waits for every
+//! other's; a mismatch or a missing node (named when the timeout expires) is published
+//! under one error key, so every process stops with the same cause. Node 0 keeps the
+//! store up until every node has read the id, or a moment after a failure.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use super::gloo::Store;
 use std::time::{Duration, Instant};
 
-const MAGIC: &[u8; 4] = b"TZRV";
-const VERSION: u32 = 1;
 pub const ID_BYTES: usize = 128;
+const ERROR_KEY: &str = "rendezvous/error";
 
 /// Where this process sits in a multi-process run.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,7 +95,7 @@ pub struct RendezvousError {
     pub message: String,
 }
 
-/// Exchanges the NCCL id: process 0 calls `make_id` and serves it; the others fetch it.
+/// Exchanges the NCCL id: process 0 calls `make_id` and publishes it; the others fetch it.
 pub fn rendezvous(
     topo: &Topology,
     timeout: Duration,
@@ -108,157 +108,117 @@ pub fn rendezvous(
         message,
     };
     topo.check().map_err(err)?;
-    if topo.index == 0 {
-        serve(topo, &addr, timeout, make_id).map_err(err)
-    } else {
-        join(topo, &addr, timeout).map_err(err)
+    let agent = std::env::var("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Ok("True");
+    let serve = !agent && topo.index == 0;
+    let store = Store::connect(&topo.master_addr, topo.master_port, serve, timeout).map_err(|e| {
+        err(if serve {
+            format!("{e}; pick a free --master-port (or MASTER_PORT)")
+        } else {
+            format!("cannot reach node rank 0: {e}")
+        })
+    })?;
+    let deadline = Instant::now() + timeout;
+    let result = exchange(&store, topo, timeout, deadline, make_id);
+    if let Err(message) = &result {
+        let _ = store.set(ERROR_KEY, message.as_bytes());
+        if serve {
+            // the others read the cause from this process's store before it goes
+            std::thread::sleep(Duration::from_secs(2));
+        }
     }
+    result.map_err(err)
 }
 
-fn hello(topo: &Topology) -> Vec<u8> {
-    let mut m = MAGIC.to_vec();
-    for v in [
-        VERSION,
-        topo.index as u32,
-        topo.processes as u32,
-        topo.local as u32,
-    ] {
-        m.extend_from_slice(&v.to_le_bytes());
-    }
-    m
-}
-
-fn serve(
+fn exchange(
+    store: &Store,
     topo: &Topology,
-    addr: &str,
     timeout: Duration,
+    deadline: Instant,
     make_id: impl FnOnce() -> Result<[u8; ID_BYTES], String>,
 ) -> Result<[u8; ID_BYTES], String> {
-    let listener = TcpListener::bind(resolve(addr)?)
-        .map_err(|e| format!("cannot listen: {e}; pick a free --master-port (or MASTER_PORT)"))?;
-    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
-    let deadline = Instant::now() + timeout;
-    let mut peers: Vec<(usize, TcpStream)> = Vec::new();
-    let mut problem: Option<String> = None;
-    while peers.len() + 1 < topo.processes {
-        match listener.accept() {
-            Ok((mut stream, from)) => {
-                stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-                stream.set_read_timeout(Some(Duration::from_secs(10))).ok();
-                let mut h = [0u8; 20];
-                if stream.read_exact(&mut h).is_err() || &h[..4] != MAGIC {
-                    continue; // not one of ours (a port scanner, a stale client)
+    let world = format!("{} {}", topo.processes, topo.local);
+    if store.add(&format!("rendezvous/claim/{}", topo.index), 1)? > 1 {
+        return Err(format!(
+            "node rank {} is claimed twice; give each node a distinct --node-rank",
+            topo.index
+        ));
+    }
+    store.set(&format!("rendezvous/hello/{}", topo.index), world.as_bytes())?;
+    // every node's world, as node 0 sees it and as each node sees node 0's
+    let mut missing: Vec<usize> = (0..topo.processes).collect();
+    while !missing.is_empty() {
+        check_error(store)?;
+        let mut still = Vec::new();
+        for i in missing {
+            match store.try_get(&format!("rendezvous/hello/{i}"))? {
+                Some(theirs) if theirs != world.as_bytes() && (i == 0 || topo.index == 0) => {
+                    let theirs = String::from_utf8_lossy(&theirs).into_owned();
+                    // (the node that differs from node 0, its world, node 0's world)
+                    let (node, differs, zeros) = if i == 0 {
+                        (topo.index, world.as_str(), theirs.as_str())
+                    } else {
+                        (i, theirs.as_str(), world.as_str())
+                    };
+                    let (p, l) = differs.split_once(' ').unwrap_or((differs, "?"));
+                    let (p0, l0) = zeros.split_once(' ').unwrap_or((zeros, "?"));
+                    return Err(format!(
+                        "node rank {node} expects {p} node(s) × {l} device(s), node rank 0 has {p0} × {l0}"
+                    ));
                 }
-                let field = |i: usize| {
-                    u32::from_le_bytes(h[4 + 4 * i..8 + 4 * i].try_into().unwrap_or_default()) as usize
-                };
-                let (version, index, processes, local) = (field(0), field(1), field(2), field(3));
-                let mismatch = if version != VERSION as usize {
-                    Some(format!("node {from} speaks rendezvous version {version}, this one {VERSION}: run the same tierzero everywhere"))
-                } else if processes != topo.processes || local != topo.local {
-                    Some(format!(
-                        "node rank {index} at {from} expects {processes} node(s) × {local} device(s), node rank 0 has {} × {}",
-                        topo.processes, topo.local
-                    ))
-                } else if index == 0 || index >= topo.processes || peers.iter().any(|(i, _)| *i == index) {
-                    Some(format!("node rank {index} (from {from}) is claimed twice or out of range; give each node a distinct --node-rank"))
-                } else {
-                    None
-                };
-                if let Some(m) = mismatch {
-                    problem.get_or_insert(m);
-                }
-                peers.push((index, stream));
+                Some(_) => {}
+                None => still.push(i),
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() > deadline {
-                    let missing: Vec<String> = (1..topo.processes)
-                        .filter(|i| !peers.iter().any(|(p, _)| p == i))
-                        .map(|i| i.to_string())
-                        .collect();
-                    let message = format!(
-                        "timed out after {:.0} s waiting for node rank(s) {}",
-                        timeout.as_secs_f64(),
-                        missing.join(", ")
-                    );
-                    for (_, s) in &mut peers {
-                        let _ = reply(s, Err(&message));
-                    }
-                    return Err(message);
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Err(e) => return Err(format!("accept failed: {e}")),
         }
-    }
-    let id = match problem {
-        Some(p) => Err(p),
-        None => make_id(),
-    };
-    for (_, s) in &mut peers {
-        let _ = reply(s, id.as_ref().map_err(String::as_str));
-    }
-    id
-}
-
-fn reply(stream: &mut TcpStream, id: Result<&[u8; ID_BYTES], &str>) -> std::io::Result<()> {
-    match id {
-        Ok(id) => {
-            stream.write_all(b"OK")?;
-            stream.write_all(id)
-        }
-        Err(message) => {
-            stream.write_all(b"ER")?;
-            stream.write_all(&(message.len() as u32).to_le_bytes())?;
-            stream.write_all(message.as_bytes())
-        }
-    }
-}
-
-fn resolve(addr: &str) -> Result<SocketAddr, String> {
-    addr.to_socket_addrs()
-        .map_err(|e| format!("cannot resolve the master address: {e}"))?
-        .next()
-        .ok_or_else(|| "the master address resolves to nothing".into())
-}
-
-fn join(topo: &Topology, addr: &str, timeout: Duration) -> Result<[u8; ID_BYTES], String> {
-    let deadline = Instant::now() + timeout;
-    let mut stream = loop {
-        let target = resolve(addr);
-        match target.and_then(|t| TcpStream::connect_timeout(&t, Duration::from_secs(2)).map_err(|e| e.to_string())) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() > deadline => {
+        missing = still;
+        if !missing.is_empty() {
+            if Instant::now() > deadline {
+                let names: Vec<String> = missing.iter().map(usize::to_string).collect();
                 return Err(format!(
-                    "cannot reach node rank 0 within {:.0} s ({e}); is it running, and is --master-addr its address?",
-                    timeout.as_secs_f64()
-                ))
+                    "timed out after {:.0} s waiting for node rank(s) {}",
+                    timeout.as_secs_f64(),
+                    names.join(", ")
+                ));
             }
-            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            std::thread::sleep(Duration::from_millis(20));
         }
-    };
-    stream.write_all(&hello(topo)).map_err(|e| e.to_string())?;
-    stream
-        .set_read_timeout(Some(
-            deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(10),
-        ))
-        .ok();
-    let lost = |e: std::io::Error| format!("node rank 0 went away during the rendezvous: {e}");
-    let mut tag = [0u8; 2];
-    stream.read_exact(&mut tag).map_err(lost)?;
-    if &tag == b"OK" {
-        let mut id = [0u8; ID_BYTES];
-        stream.read_exact(&mut id).map_err(lost)?;
-        return Ok(id);
     }
-    let mut len = [0u8; 4];
-    stream.read_exact(&mut len).map_err(lost)?;
-    let mut message = vec![0u8; (u32::from_le_bytes(len) as usize).min(1 << 16)];
-    stream.read_exact(&mut message).map_err(lost)?;
-    Err(format!(
-        "node rank 0 refused: {}",
-        String::from_utf8_lossy(&message)
-    ))
+    if topo.index == 0 {
+        let id = make_id()?;
+        store.set("rendezvous/id", &id)?;
+    }
+    let id = loop {
+        check_error(store)?;
+        if let Some(id) = store.try_get("rendezvous/id")? {
+            break id;
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "timed out after {:.0} s waiting for node rank 0's id",
+                timeout.as_secs_f64()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let id: [u8; ID_BYTES] = id
+        .try_into()
+        .map_err(|v: Vec<u8>| format!("node rank 0 published an id of {} bytes, not {ID_BYTES}", v.len()))?;
+    let read = store.add("rendezvous/read", 1)?;
+    if topo.index == 0 {
+        // the store is this process's: it stays until every node has the id
+        let mut read = read;
+        while read < topo.processes as i64 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            read = store.add("rendezvous/read", 0)?;
+        }
+    }
+    Ok(id)
+}
+
+fn check_error(store: &Store) -> Result<(), String> {
+    match store.try_get(ERROR_KEY)? {
+        Some(message) => Err(String::from_utf8_lossy(&message).into_owned()),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

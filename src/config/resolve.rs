@@ -198,16 +198,13 @@ fn build_launch(t: &TrainSection) -> Result<Launch, ConfigError> {
         ));
     }
     let port = count("train.master_port", t.master_port, 29500)?;
-    let master_port = u16::try_from(port)
-        .ok()
-        .filter(|p| *p > 0 && *p < u16::MAX - 1)
-        .ok_or_else(|| {
-            ConfigError::invalid(
-                "train.master_port",
-                format!("{port} is not a port"),
-                "use 1..65533 (it and the next two ports are used)",
-            )
-        })?;
+    let master_port = u16::try_from(port).ok().filter(|p| *p > 0).ok_or_else(|| {
+        ConfigError::invalid(
+            "train.master_port",
+            format!("{port} is not a port"),
+            "use 1..65535 (the c10d store listens there on node 0)",
+        )
+    })?;
     Ok(Launch {
         nnodes,
         node_rank,

@@ -75,6 +75,13 @@ int tz_store_set(void* store, const char* key, const uint8_t* value, size_t len,
   TZ_CATCH
 }
 
+// Atomically adds `delta` to the counter at `key` (0 when unset); *out gets the sum.
+int tz_store_add(void* store, const char* key, int64_t delta, int64_t* out, char* err, size_t n) {
+  TZ_TRY
+  *out = static_cast<Store*>(store)->store->add(std::string(key), delta);
+  TZ_CATCH
+}
+
 // Whether `key` is set (without waiting).
 int tz_store_check(void* store, const char* key, int* out, char* err, size_t n) {
   TZ_TRY

@@ -4,9 +4,10 @@
 //! One worker thread per local rank (DESIGN.md, "Processes and ranks"); the ranks share
 //! one swap store (one I/O engine per NVMe path) and the CPU cores are split between
 //! their libtorch intra-op threads. Each rank has three communicators (`Comms`: compute,
-//! prefetch, reducer). One process: they are `Local`. Several (`train.nnodes`): node 0
-//! runs a TCP hub for each and every rank connects to them; each node keeps its NVMe
-//! files under `<nvme_path>/node-<rank>`. A rank that fails or panics aborts its
+//! prefetch, reducer). One process: they are `Local`. Several (`train.nnodes`, or
+//! torchrun): c10d Gloo communicators over the TCPStore on the master address (served
+//! by node 0, or by torchrun's agent); each node keeps its NVMe files under
+//! `<nvme_path>/node-<rank>`. A rank that fails or panics aborts its
 //! communicators, so every other rank, in any process, returns an error instead of
 //! hanging. Global rank 0
 //! reports each step; its process writes `<output_dir>/metrics.jsonl` and the progress.
@@ -648,8 +649,8 @@ fn local_comms(world: usize) -> Vec<Comms<Local>> {
         .collect()
 }
 
-/// This process's ranks' communicators, and the hubs node 0 serves them from in a
-/// multi-process run (one per communicator, on the master port and the next two).
+/// This process's ranks' communicators: `Local` in one process, Gloo over c10d's store
+/// across several.
 fn communicators(plan: &Plan) -> Result<Vec<Comms<Group>>, TrainError> {
     let world = plan.world_size;
     let launch = &plan.train.launch;
