@@ -49,8 +49,8 @@ pub enum Target {
     Replica,
 }
 
-/// Reduces unit `unit`'s flat gradient `grad` (its `part.numel` elements; the padding
-/// counts as zeros) into `acc`, in chunks of at most `chunk` elements (all ranks'
+/// Reduces unit `unit`'s flat gradient `grad` (its first elements; the rest of the
+/// padded unit counts as zeros) into `acc`, in chunks of at most `chunk` elements (all ranks'
 /// stretches together), on the calling thread.
 #[allow(clippy::too_many_arguments)]
 pub fn reduce_into<C: Collective>(
@@ -71,6 +71,9 @@ pub fn reduce_into<C: Collective>(
         Target::Replica => (1, part.padded),
     };
     let step = (chunk / pieces).max(1);
+    // the gradient covers the unit's first `numel` elements (a tied head's gradient only
+    // the embedding's); the rest, and the padding, reduce as zeros
+    let numel = grad.numel().min(part.padded);
     let mut start = 0;
     while start < length {
         let k = step.min(length - start);
@@ -79,7 +82,7 @@ pub fn reduce_into<C: Collective>(
         for p in 0..pieces {
             // this chunk's stretch of piece p, within the real elements
             let from = p * length + start;
-            let real = from.min(part.numel)..(from + k).min(part.numel);
+            let real = from.min(numel)..(from + k).min(numel);
             let out = &mut buffers.send[p * k..(p + 1) * k];
             if !real.is_empty() {
                 let view = grad
@@ -302,6 +305,48 @@ mod tests {
                     assert_eq!(replica, whole, "world {world}");
                 }
             }
+        }
+    }
+
+    /// A tied head's gradient covers only the embedding: the unit's other elements
+    /// (GPT-2's position embedding) reduce as zeros.
+    #[test]
+    fn a_gradient_shorter_than_its_unit_reduces_the_rest_as_zeros() {
+        let part = Partition::new(1000, 2);
+        let results = std::thread::scope(|s| {
+            let handles: Vec<_> = Local::group(2)
+                .into_iter()
+                .map(|comm| {
+                    s.spawn(move || {
+                        let values: Vec<f32> = (0..600).map(|i| (i + comm.rank()) as f32 * 0.5).collect();
+                        let mut full = values.clone();
+                        full.resize(part.padded, 0.0);
+                        let mut expected = vec![0f32; part.shard];
+                        comm.reduce_scatter(&full, &mut expected, ReduceOp::Avg).unwrap();
+                        let mut acc = Grads::F32(vec![0.0; part.shard]);
+                        let (mut buffers, track) = (ChunkBuffers::default(), Track::disabled());
+                        let grad = Tensor::from_slice(&values);
+                        reduce_into(
+                            &comm,
+                            Target::Shard,
+                            0,
+                            &grad,
+                            part,
+                            &mut acc,
+                            &mut buffers,
+                            &track,
+                            64,
+                        )
+                        .unwrap();
+                        (acc, expected)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        });
+        for (acc, expected) in results {
+            let Grads::F32(acc) = acc else { unreachable!() };
+            assert_eq!(acc, expected);
         }
     }
 }
