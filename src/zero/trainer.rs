@@ -374,7 +374,14 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     }
     crate::metrics::host::reuse_freed_memory();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    tch::set_num_threads((cores / plan.train.devices).max(1) as i32);
+    // torchrun sets OMP_NUM_THREADS (to 1 for several processes per machine): as in
+    // PyTorch, it wins; else the cores are split between this process's ranks
+    let threads = std::env::var("OMP_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or((cores / plan.train.devices).max(1));
+    tch::set_num_threads(threads as i32);
 
     let mut metrics_file = None;
     let peak = if options.write_outputs {
