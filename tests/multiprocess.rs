@@ -238,7 +238,8 @@ fn two_processes_of_two_ranks_train_the_run_of_four_threads() {
             a.extend(args(&format!(
                 "--devices 2 --nnodes 2 --node-rank {n} --master-port {port}"
             )));
-            train(&two, &a, &[])
+            // the interface named as torch.distributed users name it
+            train(&two, &a, &[("GLOO_SOCKET_IFNAME", "lo".to_string())])
         })
         .collect();
     for c in nodes {

@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <sstream>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -106,6 +108,17 @@ int tz_gloo_new(void* store, const char* prefix, int rank, int world, int64_t ti
   TZ_TRY
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), static_cast<Store*>(store)->store);
   auto opts = c10d::ProcessGroupGloo::Options::create_default(std::chrono::milliseconds(timeout_ms));
+  // as torch.distributed does: GLOO_SOCKET_IFNAME (comma-separated) picks the interfaces,
+  // else the hostname's address (or loopback when it does not resolve)
+  if (const char* names = std::getenv("GLOO_SOCKET_IFNAME")) {
+    std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
+    std::stringstream list(names);
+    std::string name;
+    while (std::getline(list, name, ',')) {
+      if (!name.empty()) devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+    }
+    if (!devices.empty()) opts->devices = devices;
+  }
   auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, world, opts);
   *out = new Group{pg};
   TZ_CATCH
