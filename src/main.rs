@@ -216,6 +216,9 @@ enum Bench {
     Comm {
         #[arg(long, default_value_t = 2)]
         ranks: usize,
+        /// `local` (ranks as threads) or `gloo` (c10d Gloo over a loopback TCPStore).
+        #[arg(long, default_value = "local")]
+        backend: String,
         /// Bytes each rank receives per collective (e.g. 64M).
         #[arg(long, default_value = "64M", value_parser = parse_bytes)]
         size: u64,
@@ -549,11 +552,19 @@ fn run(cli: Cli) -> Result<(), Failure> {
             }
             Bench::Comm {
                 ranks,
+                backend,
                 size,
                 rounds,
                 json,
             } => {
+                use tierzero::bench::comm::Backend;
+                let backend = match backend.as_str() {
+                    "local" => Backend::Local,
+                    "gloo" => Backend::Gloo,
+                    other => return Err(anyhow::anyhow!("--backend {other:?}: use local or gloo").into()),
+                };
                 let args = tierzero::bench::comm::CommBenchArgs {
+                    backend,
                     ranks,
                     bytes: size as usize,
                     rounds,

@@ -268,3 +268,27 @@ fn plan_checks_the_data_train_would_read() {
     std::fs::write(&tokens, ids).unwrap();
     assert!(plan(&tokens).status.success());
 }
+
+#[test]
+fn bench_comm_measures_gloo_beside_memcpy() {
+    let out = tierzero()
+        .args([
+            "bench",
+            "comm",
+            "--backend",
+            "gloo",
+            "--size",
+            "1M",
+            "--rounds",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["backend"], "Gloo");
+    for key in ["memcpy_gbs", "all_gather_gbs", "reduce_scatter_gbs"] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+    }
+}

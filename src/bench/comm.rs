@@ -1,4 +1,7 @@
-//! `tierzero bench comm`: the `Local` collectives (ranks as threads) against memcpy.
+//! `tierzero bench comm`: the collectives against memcpy — `Local` (ranks as threads
+//! reading each other's buffers), or `--backend gloo`: c10d's Gloo over a loopback
+//! TCPStore, the transport processes of one machine use (here its ranks are threads of
+//! this process, each with its own store connection and communicator).
 //!
 //! Each collective moves a unit-sized buffer between `ranks` threads, as the stage-3
 //! engine does per unit; the limit, measured in the same run, is every rank copying the
@@ -8,13 +11,23 @@
 //! per second. Rounds alternate (memcpy, all-gather, reduce-scatter) and the report gives
 //! medians, since these shared machines' memory bandwidth swings between runs.
 
+use crate::comm::gloo::{Gloo, Store};
 use crate::comm::local::Local;
 use crate::comm::{Collective, CommError, ReduceOp};
 use serde::Serialize;
+use std::sync::Arc;
 use std::sync::Barrier;
 use std::time::Instant;
 
+/// Which communicator the ranks use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Backend {
+    Local,
+    Gloo,
+}
+
 pub struct CommBenchArgs {
+    pub backend: Backend,
     pub ranks: usize,
     /// Bytes of fp32 each rank receives per collective.
     pub bytes: usize,
@@ -23,6 +36,7 @@ pub struct CommBenchArgs {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct CommReport {
+    pub backend: Backend,
     pub ranks: usize,
     pub bytes: usize,
     pub rounds: usize,
@@ -40,10 +54,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Seconds of the slowest rank for `op`, all ranks starting together.
-fn timed<R: Send>(
-    ranks: &[Local],
+fn timed<R: Send, C: Collective>(
+    ranks: &[C],
     start: &Barrier,
-    op: &(dyn Fn(&Local) -> Result<R, CommError> + Sync),
+    op: &(dyn Fn(&C) -> Result<R, CommError> + Sync),
 ) -> Result<f64, CommError> {
     let times: Vec<Result<f64, CommError>> = std::thread::scope(|s| {
         let handles: Vec<_> = ranks
@@ -67,9 +81,49 @@ fn timed<R: Send>(
 
 pub fn run(args: &CommBenchArgs) -> Result<CommReport, CommError> {
     let world = args.ranks.max(1);
+    match args.backend {
+        Backend::Local => measure(args, Local::group(world)),
+        Backend::Gloo => measure(args, gloo_group(world)?),
+    }
+}
+
+/// `world` Gloo ranks over a TCPStore on a free loopback port, joined concurrently.
+fn gloo_group(world: usize) -> Result<Vec<Arc<Gloo>>, CommError> {
+    let failed = |reason: String| CommError::Aborted { rank: 0, reason };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| failed(format!("no free loopback port: {e}")))?
+        .port();
+    let timeout = std::time::Duration::from_secs(60);
+    let server = Store::connect("127.0.0.1", port, true, timeout).map_err(failed)?;
+    let joined: Vec<Result<Arc<Gloo>, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let server = server.clone();
+                s.spawn(move || {
+                    let store = match rank {
+                        0 => server,
+                        _ => Store::connect("127.0.0.1", port, false, timeout)?,
+                    };
+                    Gloo::join(store, "bench", rank, world, timeout).map(Arc::new)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a rank panicked while joining".into()))
+            })
+            .collect()
+    });
+    joined.into_iter().map(|r| r.map_err(failed)).collect()
+}
+
+fn measure<C: Collective>(args: &CommBenchArgs, ranks: Vec<C>) -> Result<CommReport, CommError> {
+    let world = ranks.len();
     let full = (args.bytes / 4).div_ceil(world) * world;
     let shard = full / world;
-    let ranks = Local::group(world);
     let start = Barrier::new(world);
     // each rank's buffers, allocated and touched once
     let inputs: Vec<Vec<f32>> = (0..world)
@@ -81,14 +135,14 @@ pub fn run(args: &CommBenchArgs) -> Result<CommReport, CommError> {
     let lock = |r: usize| outputs[r].lock().unwrap_or_else(|e| e.into_inner());
     let (mut memcpy, mut gather, mut scatter) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..args.rounds + 1 {
-        let copy = timed(&ranks, &start, &|c: &Local| {
+        let copy = timed(&ranks, &start, &|c: &C| {
             lock(c.rank()).copy_from_slice(&inputs[c.rank()]);
             Ok(())
         })?;
-        let all_gather = timed(&ranks, &start, &|c: &Local| {
+        let all_gather = timed(&ranks, &start, &|c: &C| {
             c.all_gather(&inputs[c.rank()][..shard], &mut lock(c.rank()))
         })?;
-        let reduce_scatter = timed(&ranks, &start, &|c: &Local| {
+        let reduce_scatter = timed(&ranks, &start, &|c: &C| {
             c.reduce_scatter(&inputs[c.rank()], &mut lock(c.rank())[..shard], ReduceOp::Avg)
         })?;
         // the first round warms caches and page tables
@@ -101,6 +155,7 @@ pub fn run(args: &CommBenchArgs) -> Result<CommReport, CommError> {
     }
     let (memcpy_gbs, all_gather_gbs, reduce_scatter_gbs) = (median(memcpy), median(gather), median(scatter));
     Ok(CommReport {
+        backend: args.backend,
         ranks: world,
         bytes: 4 * full,
         rounds: args.rounds,
@@ -115,10 +170,11 @@ pub fn run(args: &CommBenchArgs) -> Result<CommReport, CommError> {
 impl CommReport {
     pub fn human(&self) -> String {
         format!(
-            "comm bench: Local, {} ranks, {:.1} MiB per rank per collective, median of {} rounds\n\
+            "comm bench: {:?}, {} ranks, {:.1} MiB per rank per collective, median of {} rounds\n\
              {:<16} {:>9.2} GB/s per rank (the limit: every rank copying at once)\n\
              {:<16} {:>9.2} GB/s per rank  {:.2}× memcpy\n\
              {:<16} {:>9.2} GB/s per rank  {:.2}× memcpy\n",
+            self.backend,
             self.ranks,
             self.bytes as f64 / 1048576.0,
             self.rounds,
