@@ -53,29 +53,27 @@ fn check_torch_version(lib_dir: &Path) {
 }
 
 fn compile_shim(lib_dir: &Path) {
-    let include = lib_dir.join("../include");
-    cc::Build::new()
-        .cpp(true)
-        .file("src/torch/shim.cpp")
-        .include(&include)
-        .include(include.join("torch/csrc/api/include"))
-        .flag("-std=c++17")
-        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
-        .flag_if_supported("-Wno-unused-parameter")
-        .warnings(false)
-        .compile("tierzero_shim");
+    libtorch_cpp(lib_dir, "src/torch/shim.cpp").compile("tierzero_shim");
     // c10d (TCPStore, ProcessGroupGloo): the wheel ships c10d's headers but not gloo's
-    cc::Build::new()
-        .cpp(true)
-        .file("src/torch/c10d.cpp")
+    libtorch_cpp(lib_dir, "src/torch/c10d.cpp")
         .include("src/torch/gloo_stub")
+        .compile("tierzero_c10d");
+}
+
+/// A C++17 build of `file` against libtorch's headers, with torch's C++ ABI.
+fn libtorch_cpp(lib_dir: &Path, file: &str) -> cc::Build {
+    let include = lib_dir.join("../include");
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .file(file)
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
         .flag_if_supported("-Wno-unused-parameter")
-        .warnings(false)
-        .compile("tierzero_c10d");
+        .warnings(false);
+    build
 }
 
 /// `target/<profile>/nccl/libnccl.so` → the wheel's `libnccl.so.2`, and `$ORIGIN/nccl`

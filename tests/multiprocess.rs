@@ -8,19 +8,7 @@ use std::path::Path;
 use std::process::{Child, Output};
 
 fn train(dir: &Path, extra: &[String], env: &[(&str, String)]) -> Child {
-    let mut args = args(
-        "train --config configs/default.json --set train.steps=8 --set scheduler.params.warmup_num_steps=2 \
-         --set train.save_interval=4 --set train.rendezvous_timeout=60",
-    );
-    args.push("--set".into());
-    args.push(format!("train.output_dir={}", dir.display()));
-    args.push("--set".into());
-    args.push(format!(
-        "zero_optimization.offload_optimizer.nvme_path={}",
-        dir.join("nvme").display()
-    ));
-    args.extend_from_slice(extra);
-    spawn_node(&args, env, "warn")
+    spawn_node(&args_for(dir, extra), env, "warn")
 }
 
 fn ok(out: Output) -> Output {

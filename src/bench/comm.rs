@@ -11,7 +11,7 @@
 //! per second. Rounds alternate (memcpy, all-gather, reduce-scatter) and the report gives
 //! medians, since these shared machines' memory bandwidth swings between runs.
 
-use crate::comm::gloo::{Gloo, Store};
+use crate::comm::gloo::{join_concurrently, Gloo, Store};
 use crate::comm::local::Local;
 use crate::comm::{Collective, CommError, ReduceOp};
 use serde::Serialize;
@@ -96,28 +96,14 @@ fn gloo_group(world: usize) -> Result<Vec<Arc<Gloo>>, CommError> {
         .port();
     let timeout = std::time::Duration::from_secs(60);
     let server = Store::connect("127.0.0.1", port, true, timeout).map_err(failed)?;
-    let joined: Vec<Result<Arc<Gloo>, String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let server = server.clone();
-                s.spawn(move || {
-                    let store = match rank {
-                        0 => server,
-                        _ => Store::connect("127.0.0.1", port, false, timeout)?,
-                    };
-                    Gloo::join(store, "bench", rank, world, timeout).map(Arc::new)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err("a rank panicked while joining".into()))
-            })
-            .collect()
-    });
-    joined.into_iter().map(|r| r.map_err(failed)).collect()
+    join_concurrently(0..world, |rank| {
+        let store = match rank {
+            0 => server.clone(),
+            _ => Store::connect("127.0.0.1", port, false, timeout)?,
+        };
+        Gloo::join(store, "bench", rank, world, timeout).map(Arc::new)
+    })
+    .map_err(failed)
 }
 
 fn measure<C: Collective>(args: &CommBenchArgs, ranks: Vec<C>) -> Result<CommReport, CommError> {

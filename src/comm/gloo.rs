@@ -363,6 +363,25 @@ impl Gloo {
     }
 }
 
+/// Runs `join` for each of `ranks` on a thread of its own and returns their results in
+/// order: ranks of one process must join at once, since each join waits for all ranks.
+pub fn join_concurrently<T: Send>(
+    ranks: std::ops::Range<usize>,
+    join: impl Fn(usize) -> Result<T, String> + Sync,
+) -> Result<Vec<T>, String> {
+    let join = &join;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks.map(|rank| s.spawn(move || join(rank))).collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a rank panicked while joining".into()))
+            })
+            .collect()
+    })
+}
+
 impl Drop for Gloo {
     fn drop(&mut self) {
         // SAFETY: created by tz_gloo_new, freed once.

@@ -16,7 +16,7 @@ use super::partition::Partition;
 use super::rank::{kind_for, Comms, EngineError, LaneOptions, RankContext, RankEngine, StepReport};
 use super::start::Start;
 use crate::checkpoint::{save, Checkpoint, CheckpointError};
-use crate::comm::gloo::{Gloo, Store};
+use crate::comm::gloo::{join_concurrently, Gloo, Store};
 use crate::comm::local::Local;
 use crate::comm::{Collective, Group};
 use crate::config::plan::{Plan, Tier};
@@ -681,38 +681,19 @@ fn communicators(plan: &Plan) -> Result<Vec<Comms<Group>>, TrainError> {
     // every rank joins its three communicators in the same order; the ranks of this
     // process join concurrently (each join waits for all ranks), each through its own
     // connection to the store (a client blocks in a wait while Gloo rendezvous)
-    let joined: Vec<Result<Comms<Group>, String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = plan
-            .train
-            .local_ranks()
-            .map(|rank| {
-                s.spawn(move || {
-                    let serves = serve && rank == first;
-                    let store = Store::connect(&launch.master_addr, launch.master_port, serves, timeout)?;
-                    let join = |name: &str| {
-                        Gloo::join(store.clone(), name, rank, world, timeout)
-                            .map(|g| Group::Gloo(std::sync::Arc::new(g)))
-                    };
-                    Ok(Comms {
-                        main: join("main")?,
-                        gather: join("gather")?,
-                        reduce: join("reduce")?,
-                    })
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err("a rank panicked while joining".into()))
-            })
-            .collect()
-    });
-    joined
-        .into_iter()
-        .map(|c| c.map_err(TrainError::Invalid))
-        .collect()
+    join_concurrently(plan.train.local_ranks(), |rank| {
+        let serves = serve && rank == first;
+        let store = Store::connect(&launch.master_addr, launch.master_port, serves, timeout)?;
+        let join = |name: &str| {
+            Gloo::join(store.clone(), name, rank, world, timeout).map(|g| Group::Gloo(std::sync::Arc::new(g)))
+        };
+        Ok(Comms {
+            main: join("main")?,
+            gather: join("gather")?,
+            reduce: join("reduce")?,
+        })
+    })
+    .map_err(TrainError::Invalid)
 }
 
 fn run_rank(
