@@ -14,8 +14,8 @@
 use serde_json::json;
 use tierzero::config::{from_json, DeviceFacts, Plan};
 use tierzero::device::lanes::Mode;
+use tierzero::zero::context::LaneOptions;
 use tierzero::zero::prefetch::DroppedWait;
-use tierzero::zero::rank::LaneOptions;
 use tierzero::zero::trainer::{train, TrainOptions};
 
 const CHECKED: LaneOptions = LaneOptions {

@@ -1,7 +1,12 @@
 //! The ZeRO engine: partitions, the per-rank state and step, and the trainer.
 //!
 //! - `partition.rs`: padded flat buffers and each rank's slice
-//! - `rank.rs`: one rank's units on their tiers, and the training step for stages 0–3
+//! - `rank.rs`: one rank's engine: its three owners and the training step for stages 0–3
+//! - `units.rs`, `gradients.rs`, `optimizer.rs`: the owners of parameters, gradient
+//!   accumulators and optimizer state, each unit's residency a type
+//! - `params.rs`: low-precision parameters as stored, and their residency
+//! - `context.rs`: what a rank is given (plan, communicators, lanes, tracks)
+//! - `error.rs`: what stops a rank, with the rank and the cause
 //! - `prefetch.rs`: the stage-3 fetch schedule; fetches on the h2d and gather lanes
 //! - `reduce.rs`: gradient reduce-scatters on the reduce lane (`overlap_comm`)
 //! - `grads.rs`: gradient accumulators (fp32, or bf16 with the optimizer on NVMe)
@@ -14,11 +19,16 @@
 //! - `host_memory.rs`: the host bytes per process a plan predicts (checked against RSS)
 //! - `estimate.rs`: DeepSpeed's ZeRO-3 memory estimator
 
+pub mod context;
+pub mod error;
 pub mod estimate;
+pub mod gradients;
 pub mod grads;
 pub mod host_memory;
 pub mod memory;
 pub mod optimize;
+pub mod optimizer;
+pub mod params;
 pub mod partition;
 pub mod prefetch;
 pub mod rank;
@@ -27,3 +37,4 @@ pub mod schedule;
 pub mod snapshot;
 pub mod start;
 pub mod trainer;
+pub mod units;

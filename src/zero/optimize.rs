@@ -1,11 +1,16 @@
 //! The optimizer phase of a rank: AdamW on every unit's partition in forward order, on
 //! a thread of its own (the next step's forward waits only for its unit's update) or
 //! inline, with optimizer state in memory or streamed through the NVMe pipeline; and
-//! installing each update where the unit's parameters live (replica all-gather at
-//! stages 1–2, NVMe, or in memory).
+//! installing each update with the owners it came from (parameters, gradients,
+//! optimizer state).
 
+use super::context::Tracks;
+use super::error::{EngineError, On};
 use super::grads::Grads;
-use super::rank::{EngineError, LowParams, OptimizerState, Params, RankEngine, Tracks, UnitState};
+use super::optimizer::{Moments, OptimizerState, Update};
+use super::params::LowParams;
+use super::rank::RankEngine;
+use super::units::{Destination, NewParams};
 use crate::comm::Collective;
 use crate::config::plan::Precision;
 use crate::metrics::timeline::Phase;
@@ -14,99 +19,32 @@ use std::time::Instant;
 use tierzero_offload::adam::{self, Sweep};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pipeline::{self, PipelineConfig};
-use tierzero_offload::pool::{BufferPool, IoBuf};
+use tierzero_offload::pool::IoBuf;
 
 impl<'a, C: Collective + Clone> RankEngine<'a, C> {
-    /// The elements of a unit's gradient accumulator its optimizer partition reads.
-    pub(super) fn opt_range(&self, unit: &UnitState) -> std::ops::Range<usize> {
-        if self.stage() == 1 {
-            unit.opt_start..unit.opt_start + unit.opt_len
-        } else {
-            0..unit.grad.len()
-        }
+    /// An update back with the owners it was lent from.
+    fn install_update(&mut self, update: Update<'a>) -> Result<(), EngineError> {
+        let (u, fresh, moments, grad) = update;
+        self.optimizer.restore(u, moments);
+        self.grads.take_back(u, grad);
+        self.units.install(u, fresh, &self.comm, &self.tracks.compute)
     }
 
-    /// The new parameters of unit `u` to where they live: all-gathered into the replica
-    /// (stages 1–2) or kept in memory; parameters on NVMe were written by the optimizer
-    /// lane already. The persistent gathered copy is dropped either way. Buffers the unit
-    /// no longer needs become its spares for the next optimizer phase.
-    pub(super) fn install(&mut self, u: usize, fresh: NewParams) -> Result<(), EngineError> {
-        self.units[u].persistent = None;
-        let fresh = match fresh {
-            NewParams::Written => return Ok(()),
-            NewParams::Memory(fresh) => fresh,
-        };
-        let params = match self.stage() {
-            3 | 0 => fresh,
-            _ => {
-                let padded = self.units[u].part.padded;
-                // the old replica (stages 1-2 keep it in memory) is the gather's output
-                let previous = match &mut self.units[u].params {
-                    Params::Memory(old) => Some(std::mem::take(old)),
-                    Params::Nvme => None,
-                };
-                let mut full = match previous.map(Arc::try_unwrap) {
-                    Some(Ok(old)) if old.len() == padded => old,
-                    _ => LowParams::zeros(padded, &self.plan.precision),
-                };
-                self.all_gather_into(&fresh, &mut full)?;
-                self.units[u].spare_params = Some(fresh);
-                full
-            }
-        };
-        let previous = std::mem::replace(&mut self.units[u].params, Params::Memory(Arc::new(params)));
-        if let (Params::Memory(old), 3 | 0) = (previous, self.stage()) {
-            // a lane may still hold the old shard: then it is dropped, not reused
-            self.units[u].spare_params = Arc::try_unwrap(old).ok();
-        }
-        Ok(())
-    }
-
-    /// A gradient accumulator back from the optimizer phase: zeroed for the next step,
-    /// or (stage 1) kept as the buffer of the next partition copy.
-    fn take_back_gradient(&mut self, u: usize, mut grad: Grads) {
-        if self.stage() == 1 {
-            self.units[u].spare_grad = grad;
-        } else {
-            grad.fill_zero();
-            self.units[u].grad = grad;
-        }
-    }
-
-    /// Installs the optimizer thread's updates for units up to and including `through`
-    /// (waiting for them), and takes their optimizer state back.
+    /// Installs the optimizer lane's updates for units up to and including `through`
+    /// (waiting for them).
     pub(super) fn install_through(&mut self, through: usize) -> Result<(), EngineError> {
-        while self.next_update <= through {
-            let Some(updates) = &self.updates else {
-                return Ok(());
-            };
-            let start = Instant::now();
-            let update = updates.recv().map_err(|_| EngineError::Other {
-                rank: self.rank,
-                message: "the optimizer thread stopped".into(),
-            })?;
-            self.tracks
-                .compute
-                .waited(Phase::Optimizer, Some(self.next_update), start);
-            let update = update?;
-            let (u, fresh, state, grad) = update;
-            self.units[u].optimizer = state;
-            self.take_back_gradient(u, grad);
-            self.install(u, fresh)?;
-            self.next_update = u + 1;
-            if self.next_update == self.units.len() {
-                self.updates = None;
-            }
+        while self.optimizer.pending_through(through) {
+            let (start, next) = (Instant::now(), self.optimizer.next_unit());
+            let update = self.optimizer.receive()?;
+            self.tracks.compute.waited(Phase::Optimizer, Some(next), start);
+            self.install_update(update)?;
         }
         Ok(())
     }
 
     /// Waits for every pending update.
     pub fn install_all(&mut self) -> Result<(), EngineError> {
-        if self.updates.is_some() {
-            self.install_through(self.units.len() - 1)?;
-        }
-        Ok(())
+        self.install_through(self.units.len() - 1)
     }
 
     /// The optimizer phase: AdamW on every unit's partition in forward order. With a
@@ -121,43 +59,21 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     where
         'a: 'e,
     {
-        let stage = self.stage();
-        let jobs: Vec<OptimizerJob> = (0..self.units.len())
-            .map(|u| {
-                let unit = &mut self.units[u];
-                // the accumulator moves into the job and comes back with the update
-                // (stage 1 lends a copy of its partition: the replica stays whole)
-                let grad = if stage == 1 {
-                    let mut copy = std::mem::take(&mut unit.spare_grad).resized(unit.opt_len, false);
-                    if let (Some(copy), Some(grad)) = (copy.as_f32_mut(), unit.grad.as_f32_mut()) {
-                        copy.copy_from_slice(&grad[unit.opt_start..unit.opt_start + unit.opt_len]);
-                    }
-                    copy
-                } else {
-                    std::mem::take(&mut unit.grad)
-                };
-                // parameters on NVMe are written from the optimizer lane's one staging
-                // buffer: no partition of the whole model waits in memory
-                let fresh = match (&unit.params, unit.spare_params.take()) {
-                    (Params::Nvme, _) => None,
-                    (Params::Memory(_), Some(p)) if p.len() == unit.opt_len => Some(p),
-                    (Params::Memory(_), _) => Some(LowParams::zeros(unit.opt_len, &self.plan.precision)),
-                };
-                OptimizerJob {
-                    unit: u,
-                    state: unit.optimizer.take(),
-                    grad,
-                    fresh,
-                }
-            })
-            .collect();
+        // each unit's gradient, state and destination are lent to the job and come back
+        // with its update
+        let mut jobs = Vec::with_capacity(self.units.len());
+        for u in 0..self.units.len() {
+            jobs.push(OptimizerJob {
+                unit: u,
+                grad: self.grads.lend_to_optimizer(u)?,
+                destination: self.units.destination(u, self.optimizer.partition(u).len()),
+                moments: self.optimizer.lend(u),
+            });
+        }
         let context = OptimizerContext {
-            rank: self.rank,
+            on: On(self.rank),
             precision: self.plan.precision,
-            store: self.store,
-            param_store: self.param_store,
             staging: self.param_staging.clone(),
-            pool: self.pool.clone(),
             pipeline: PipelineConfig {
                 buffer_count: self.plan.zero.offload_optimizer.buffer_count,
                 pipeline_read: self.overlap && self.plan.zero.offload_optimizer.pipeline_read,
@@ -178,15 +94,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                         }
                     }
                 });
-                self.updates = Some(rx);
-                self.next_update = 0;
+                self.optimizer.running(rx);
             }
             None => {
                 for job in jobs {
-                    let (u, fresh, state, grad) = context.run(job)?;
-                    self.units[u].optimizer = state;
-                    self.take_back_gradient(u, grad);
-                    self.install(u, fresh)?;
+                    let update = context.run(job)?;
+                    self.install_update(update)?;
                 }
             }
         }
@@ -194,26 +107,14 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     }
 }
 
-/// One unit's optimizer work: its state (None when on NVMe), final gradient, and the
-/// buffer the new low-precision partition is written into (None: the parameters live on
-/// NVMe and are written there through the staging buffer).
-struct OptimizerJob {
+/// One unit's optimizer work: its state, final gradient, and where the new
+/// low-precision partition goes.
+struct OptimizerJob<'a> {
     unit: usize,
-    state: Option<OptimizerState>,
+    moments: Moments<'a>,
     grad: Grads,
-    fresh: Option<LowParams>,
+    destination: Destination<'a>,
 }
-
-/// A unit's new low-precision partition: in a buffer to install, or already written to
-/// the NVMe parameter store by the optimizer lane.
-pub(super) enum NewParams {
-    Memory(LowParams),
-    Written,
-}
-
-/// An update ready to install: unit, new low-precision partition, its state and the
-/// gradient buffer back.
-pub(super) type Update = (usize, NewParams, Option<OptimizerState>, Grads);
 
 /// The optimizer lane's buffers for parameters on NVMe: the new partition (sized to the
 /// largest unit once, resized within its capacity) and the bounce buffer of its write.
@@ -226,13 +127,10 @@ pub(super) struct ParamStaging {
 pub(super) type SharedStaging = Arc<std::sync::Mutex<Option<ParamStaging>>>;
 
 /// What the optimizer phase needs, without borrowing the engine.
-struct OptimizerContext<'a> {
-    rank: usize,
+struct OptimizerContext {
+    on: On,
     precision: Precision,
-    store: Option<&'a SwapStore>,
-    param_store: Option<&'a SwapStore>,
     staging: SharedStaging,
-    pool: Option<BufferPool>,
     pipeline: PipelineConfig,
     coefficients: adam::Coefficients,
     tracks: Tracks,
@@ -266,22 +164,22 @@ impl pipeline::Observer for Tracks {
     }
 }
 
-impl OptimizerContext<'_> {
-    fn run(&self, job: OptimizerJob) -> Result<Update, EngineError> {
+impl OptimizerContext {
+    fn run<'a>(&self, job: OptimizerJob<'a>) -> Result<Update<'a>, EngineError> {
         let OptimizerJob {
             unit,
-            state,
+            moments,
             grad,
-            fresh,
+            destination,
         } = job;
-        match fresh {
-            Some(mut fresh) => {
-                let state = self.update(unit, state, &grad, &mut fresh)?;
-                Ok((unit, NewParams::Memory(fresh), state, grad))
+        match destination {
+            Destination::Memory(mut fresh) => {
+                let moments = self.update(unit, moments, &grad, &mut fresh)?;
+                Ok((unit, NewParams::Memory(fresh), moments, grad))
             }
-            None => {
-                let state = self.update_to_nvme(unit, state, &grad)?;
-                Ok((unit, NewParams::Written, state, grad))
+            Destination::Nvme(store) => {
+                let moments = self.update_to_nvme(unit, moments, &grad, store)?;
+                Ok((unit, NewParams::Written, moments, grad))
             }
         }
     }
@@ -289,43 +187,33 @@ impl OptimizerContext<'_> {
     /// AdamW on one partition whose parameters live on NVMe: the new values go into the
     /// staging buffer and from there to the parameter store, before the update is
     /// reported (so the unit's next fetch reads them).
-    fn update_to_nvme(
+    fn update_to_nvme<'a>(
         &self,
         unit: usize,
-        state: Option<OptimizerState>,
+        moments: Moments<'a>,
         grad: &Grads,
-    ) -> Result<Option<OptimizerState>, EngineError> {
-        let other = |message: String| EngineError::Other {
-            rank: self.rank,
-            message,
-        };
-        let Some(store) = self.param_store else {
-            return Err(other("parameters on nvme without a swap store".into()));
-        };
+        store: &SwapStore,
+    ) -> Result<Moments<'a>, EngineError> {
         let mut slot = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         let mut staging = match slot.take() {
             Some(staging) => staging,
             None => ParamStaging {
                 values: LowParams::zeros(0, &self.precision),
-                scratch: IoBuf::new(store.chunk_bytes(self.precision.bytes()))
-                    .map_err(|e| other(e.to_string()))?,
+                scratch: IoBuf::new(store.chunk_bytes(self.precision.bytes())).map_err(self.on.alloc())?,
             },
         };
         staging.values.resize(grad.len());
-        let state = self.update(unit, state, grad, &mut staging.values)?;
+        let moments = self.update(unit, moments, grad, &mut staging.values)?;
         let key = TensorKey {
             unit: unit as u32,
-            rank: self.rank as u32,
+            rank: self.on.0 as u32,
             state: State::Param,
         };
         let bytes = staging.values.as_bytes();
         let start = Instant::now();
         staging.scratch = store
             .write_tensor(key, bytes, staging.scratch)
-            .map_err(|source| EngineError::Io {
-                rank: self.rank,
-                source,
-            })?;
+            .map_err(self.on.io())?;
         self.tracks.nvme_write.record_between(
             Phase::NvmeWrite,
             false,
@@ -335,62 +223,69 @@ impl OptimizerContext<'_> {
             bytes.len() as u64,
         );
         *slot = Some(staging);
-        Ok(state)
+        Ok(moments)
     }
 
     /// AdamW on one partition: in memory, or streamed through the NVMe pipeline; the
     /// new low-precision values into `fresh`.
-    fn update(
+    fn update<'a>(
         &self,
         unit: usize,
-        mut state: Option<OptimizerState>,
+        mut moments: Moments<'a>,
         grad: &Grads,
         fresh: &mut LowParams,
-    ) -> Result<Option<OptimizerState>, EngineError> {
+    ) -> Result<Moments<'a>, EngineError> {
         let opt_len = fresh.len();
-        let other = |message: String| EngineError::Other {
-            rank: self.rank,
-            message,
-        };
-        if let Some(state) = state.as_mut() {
-            let sweep = Sweep {
-                master: &mut state.master,
-                exp_avg: &mut state.exp_avg,
-                exp_avg_sq: &mut state.exp_avg_sq,
-                grad: grad.slice(0..grad.len()),
-                low: fresh.out_as(&self.precision),
-            };
-            let bytes = 16 * opt_len as u64;
-            self.tracks
-                .optimizer
-                .span(Phase::Optimizer, Some(unit), bytes, || {
-                    adam::step(&self.coefficients, sweep)
+        match &mut moments {
+            Moments::Memory(OptimizerState {
+                master,
+                exp_avg,
+                exp_avg_sq,
+            }) => {
+                let sweep = Sweep {
+                    master,
+                    exp_avg,
+                    exp_avg_sq,
+                    grad: grad.slice(0..grad.len()),
+                    low: fresh.out_as(&self.precision),
+                };
+                let bytes = 16 * opt_len as u64;
+                self.tracks
+                    .optimizer
+                    .span(Phase::Optimizer, Some(unit), bytes, || {
+                        adam::step(&self.coefficients, sweep)
+                    })
+                    .map_err(|source| EngineError::Adam {
+                        rank: self.on.0,
+                        unit,
+                        source,
+                    })?;
+            }
+            Moments::Nvme(tier) => {
+                let groups = pipeline::sub_groups(
+                    unit as u32,
+                    self.on.0 as u32,
+                    tier.store.chunk_elems(),
+                    grad.slice(0..grad.len()),
+                    fresh.out_as(&self.precision),
+                );
+                pipeline::nvme_adam_step_observed(
+                    tier.store,
+                    &tier.pool,
+                    groups,
+                    &self.coefficients,
+                    self.pipeline,
+                    &self.tracks,
+                )
+                .map_err(self.on.io())?;
+            }
+            Moments::Lent => {
+                return Err(EngineError::Invariant {
+                    rank: self.on.0,
+                    what: "an optimizer job was given state already lent",
                 })
-                .map_err(|e| other(e.to_string()))?;
-        } else {
-            let (Some(store), Some(pool)) = (self.store, self.pool.as_ref()) else {
-                return Err(other("optimizer state has no tier".into()));
-            };
-            let groups = pipeline::sub_groups(
-                unit as u32,
-                self.rank as u32,
-                store.chunk_elems(),
-                grad.slice(0..grad.len()),
-                fresh.out_as(&self.precision),
-            );
-            pipeline::nvme_adam_step_observed(
-                store,
-                pool,
-                groups,
-                &self.coefficients,
-                self.pipeline,
-                &self.tracks,
-            )
-            .map_err(|source| EngineError::Io {
-                rank: self.rank,
-                source,
-            })?;
+            }
         }
-        Ok(state)
+        Ok(moments)
     }
 }

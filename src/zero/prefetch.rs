@@ -16,8 +16,9 @@
 //! released when the compute thread is done with the unit, staging buffers with the
 //! event of the gather that read them (`keep_until`).
 
+use super::error::{EngineError, On};
+use super::params::{LowParams, Params};
 use super::partition::Partition;
-use super::rank::{EngineError, LowParams, Params};
 use crate::comm::Collective;
 use crate::config::plan::Precision;
 use crate::device::cpu::{CpuDevice, Reservation};
@@ -131,13 +132,12 @@ impl GatherBuffers {
 
 /// Where a unit's shard comes from: the rank's own residency, shared (a memory shard is
 /// never copied on the issuing thread).
-pub type Source = Params;
+pub type Source<'a> = Params<'a>;
 
 /// What the lanes need, owned or shared for the run (never the engine itself).
-pub struct Fetcher<'env, C: Collective> {
+pub struct Fetcher<C: Collective> {
     pub comm: C,
     pub rank: usize,
-    pub store: Option<&'env SwapStore>,
     pub precision: Precision,
     pub kind: tch::Kind,
     pub compute: tch::Device,
@@ -184,7 +184,7 @@ pub struct Prefetcher<'env, C: Collective> {
     track: Track,
     buffers: GatherBuffers,
     lanes: FetchLanes<'env>,
-    fetcher: Arc<Fetcher<'env, C>>,
+    fetcher: Arc<Fetcher<C>>,
 }
 
 impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
@@ -197,7 +197,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
         track: Track,
         buffers: GatherBuffers,
         lanes: FetchLanes<'env>,
-        fetcher: Fetcher<'env, C>,
+        fetcher: Fetcher<C>,
     ) -> Self {
         let parts = &fetcher.parts;
         Prefetcher {
@@ -227,7 +227,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
     fn fill(
         &mut self,
         needed: bool,
-        source: &mut dyn FnMut(usize) -> Result<Source, EngineError>,
+        source: &mut dyn FnMut(usize) -> Result<Source<'env>, EngineError>,
     ) -> Result<(), EngineError> {
         loop {
             let outstanding = self.requested - self.received;
@@ -260,7 +260,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
 
     /// Queues unit `unit`'s fetch: shard → staging on the h2d lane, then the all-gather
     /// into a unit buffer on the gather lane.
-    fn issue(&mut self, unit: usize, shard: Source, hold: Reservation) -> Result<(), EngineError> {
+    fn issue(&mut self, unit: usize, shard: Source<'env>, hold: Reservation) -> Result<(), EngineError> {
         let f = self.fetcher.clone();
         let part = f.parts[unit];
         let torch_err = |source| EngineError::Torch { rank: f.rank, source };
@@ -320,7 +320,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
     pub fn next(
         &mut self,
         expected: usize,
-        source: &mut dyn FnMut(usize) -> Result<Source, EngineError>,
+        source: &mut dyn FnMut(usize) -> Result<Source<'env>, EngineError>,
     ) -> Result<(Tensor, Reservation), EngineError> {
         // the compute thread is done with the previous unit, except the final one while
         // the tied embedding joins it (on CPU compute is synchronous: its work is done)
@@ -362,9 +362,10 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
     }
 
     fn order_error(&self, expected: usize, got: Option<usize>) -> EngineError {
-        EngineError::Other {
+        EngineError::Order {
             rank: self.fetcher.rank,
-            message: format!("prefetch order: got unit {got:?}, expected {expected}"),
+            expected,
+            got,
         }
     }
 
@@ -383,13 +384,13 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
     }
 }
 
-impl<C: Collective> Fetcher<'_, C> {
+impl<C: Collective> Fetcher<C> {
     /// The h2d lane's job: the shard into device staging (on CPU devices a memcpy, or
     /// the NVMe read straight into it).
     fn to_staging(
         &self,
         unit: usize,
-        shard: Source,
+        shard: Source<'_>,
         staging: &Tensor,
         scratch: &Mutex<Option<IoBuf>>,
     ) -> Result<(), EngineError> {
@@ -411,12 +412,12 @@ impl<C: Collective> Fetcher<'_, C> {
                     });
                 Ok(())
             }
-            Source::Nvme => {
+            Source::Nvme(store) => {
                 let mut slot = scratch.lock().unwrap_or_else(|e| e.into_inner());
                 let buf =
                     self.h2d_track
                         .span(TimedPhase::NvmeRead, Some(unit), (len * elem) as u64, || {
-                            read_param_bytes(self.store, (self.rank, unit, elem), out, slot.take())
+                            read_param_bytes(store, (self.rank, unit, elem), out, slot.take())
                         })?;
                 *slot = Some(buf);
                 Ok(())
@@ -456,13 +457,11 @@ impl<C: Collective> Fetcher<'_, C> {
 /// Reads rank `rank`'s stored parameters of `unit` (`elem`-byte elements) into `out`
 /// through `scratch` (the bounce buffer, made when None), which comes back for the next.
 fn read_param_bytes(
-    store: Option<&SwapStore>,
+    store: &SwapStore,
     (rank, unit, elem): (usize, usize, usize),
     out: &mut [u8],
     scratch: Option<IoBuf>,
 ) -> Result<IoBuf, EngineError> {
-    let other = |message: String| EngineError::Other { rank, message };
-    let store = store.ok_or_else(|| other("parameters on nvme without a swap store".into()))?;
     let key = TensorKey {
         unit: unit as u32,
         rank: rank as u32,
@@ -470,17 +469,15 @@ fn read_param_bytes(
     };
     let scratch = match scratch {
         Some(buf) => buf,
-        None => IoBuf::new(store.chunk_bytes(elem)).map_err(|e| other(e.to_string()))?,
+        None => IoBuf::new(store.chunk_bytes(elem)).map_err(On(rank).alloc())?,
     };
-    store
-        .read_tensor(key, out, scratch)
-        .map_err(|source| EngineError::Io { rank, source })
+    store.read_tensor(key, out, scratch).map_err(On(rank).io())
 }
 
 /// Reads rank `rank`'s stored parameters of `unit` (`len` elements) from the NVMe
 /// parameter store.
 pub fn read_param_shard(
-    store: Option<&SwapStore>,
+    store: &SwapStore,
     rank: usize,
     unit: usize,
     len: usize,

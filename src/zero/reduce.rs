@@ -16,9 +16,9 @@
 //! are in flight (the role of DeepSpeed's reduce bucket). On any error the engine aborts
 //! the reduce communicator, so no rank's lane waits forever.
 
+use super::error::EngineError;
 use super::grads::Grads;
 use super::partition::Partition;
-use super::rank::EngineError;
 use crate::comm::{Collective, ReduceOp};
 use crate::device::lanes::{Event, Lane};
 use crate::metrics::timeline::{Phase, Track};
@@ -197,7 +197,9 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
         if !wait && !oldest.done.query() {
             return Ok(None);
         }
-        let InFlight { unit, done, slot } = self.in_flight.pop_front().ok_or_else(|| self.lane_gone())?;
+        let Some(InFlight { unit, done, slot }) = self.in_flight.pop_front() else {
+            return Ok(None);
+        };
         let waited = done.synchronize();
         let outcome = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
         match (outcome, waited) {
@@ -205,14 +207,11 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
             (Some(Err(e)), _) => Err(e),
             (_, Err(e)) => Err(e.into()),
             (Some(Ok(acc)), Ok(())) => Ok(Some((unit, acc))),
-            (None, Ok(())) => Err(self.lane_gone()),
-        }
-    }
-
-    fn lane_gone(&self) -> EngineError {
-        EngineError::Other {
-            rank: self.comm.rank(),
-            message: "the reduce lane lost a gradient".into(),
+            (None, Ok(())) => Err(EngineError::LaneStopped {
+                rank: self.comm.rank(),
+                lane: "reduce",
+                unit,
+            }),
         }
     }
 

@@ -9,39 +9,37 @@
 //! all-reduce of failures), so a failure on any rank is an error on every rank and the
 //! previous checkpoint is untouched.
 
-use super::rank::{f32_bytes, EngineError, LowParams, Params, RankEngine};
+use super::error::EngineError;
+use super::optimizer::Sink;
+use super::rank::RankEngine;
 use crate::checkpoint::files::{param_dtype, state_files, unit_name, StateFile};
 use crate::checkpoint::manifest::{self, DataPosition, FileEntry, Manifest, SchedulerState, UnitEntry};
 use crate::checkpoint::save::{self, SliceWriter};
-use crate::checkpoint::CheckpointError;
 use crate::comm::{Collective, ReduceOp};
 use crate::config::plan::Precision;
 use crate::model::hf::SaveDtype;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use tierzero_offload::nvme::swap::{State, TensorKey};
-use tierzero_offload::pool::IoBuf;
-
-/// Receives a slice's bytes with the unit element they start at.
-type Sink<'s> = dyn FnMut(usize, &[u8]) -> Result<(), EngineError> + 's;
+use tierzero_offload::nvme::swap::State;
 
 impl<C: Collective + Clone> RankEngine<'_, C> {
     /// Every rank learns whether every rank succeeded; this rank's own error wins.
-    fn agree(&self, outcome: Result<(), EngineError>, what: &str) -> Result<(), EngineError> {
+    fn agree(&self, outcome: Result<(), EngineError>, what: &'static str) -> Result<(), EngineError> {
         let mut failed = [if outcome.is_err() { 1.0f64 } else { 0.0 }];
         self.comm.all_reduce(&mut failed, ReduceOp::Sum)?;
         outcome?;
         if failed[0] > 0.0 {
-            return Err(self.other(format!("another rank failed while {what}")));
+            return Err(EngineError::Peer {
+                rank: self.rank,
+                what,
+            });
         }
         Ok(())
     }
 
-    fn other(&self, message: String) -> EngineError {
-        EngineError::Other {
-            rank: self.rank,
-            message,
-        }
+    fn checkpoint_err(&self) -> impl Fn(crate::checkpoint::CheckpointError) -> EngineError {
+        let rank = self.rank;
+        move |source| EngineError::Checkpoint { rank, source }
     }
 
     /// Saves the state after `step` completed steps under `root` (the checkpoints
@@ -54,10 +52,11 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
         keep_last: usize,
     ) -> Result<Option<PathBuf>, EngineError> {
         self.install_all()?;
-        let ck = |e: CheckpointError| self.other(format!("saving checkpoint: {e}"));
         let files = state_files(&self.model.units, param_dtype(self.plan.precision.name()));
         let staged = if self.rank == 0 {
-            save::stage(root, step, &files).map(|_| ()).map_err(ck)
+            save::stage(root, step, &files)
+                .map(|_| ())
+                .map_err(self.checkpoint_err())
         } else {
             Ok(())
         };
@@ -74,7 +73,7 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
         let committed = if self.rank == 0 {
             let manifest = self.manifest(step, last_lr, &files, &all);
             save::commit(root, &manifest, keep_last)
-                .map_err(ck)
+                .map_err(self.checkpoint_err())
                 .and_then(|dir| self.save_16bit_model(&dir).map(|()| Some(dir)))
         } else {
             Ok(None)
@@ -97,107 +96,53 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
         };
         crate::checkpoint::export::model_beside(dir, dtype)
             .map(drop)
-            .map_err(|e| self.other(format!("saving the 16-bit model: {e}")))
+            .map_err(|source| EngineError::Export {
+                rank: self.rank,
+                source,
+            })
     }
 
     /// Writes this rank's slice of every unit into every file; returns the slices'
     /// crc32c as `[file][unit]` (f64 so they travel through the collectives exactly).
     fn write_slices(&self, root: &Path, step: u64, files: &[StateFile]) -> Result<Vec<f64>, EngineError> {
-        let writer = SliceWriter::open(root, step, files).map_err(|e| self.other(e.to_string()))?;
+        let writer = SliceWriter::open(root, step, files).map_err(self.checkpoint_err())?;
         let mut crcs = Vec::with_capacity(files.len() * self.units.len());
         for (fi, file) in files.iter().enumerate() {
             for u in 0..self.units.len() {
-                let real = self.units[u].part.real(self.rank);
+                let real = self.units.part(u).real(self.rank);
                 let mut crc = 0u32;
                 let mut sink = |elem: usize, bytes: &[u8]| -> Result<(), EngineError> {
                     crc = crc32c::crc32c_append(crc, bytes);
-                    writer
-                        .write(fi, u, elem, bytes)
-                        .map_err(|e| self.other(e.to_string()))
+                    writer.write(fi, u, elem, bytes).map_err(self.checkpoint_err())
                 };
                 if !real.is_empty() {
                     match file.state {
                         State::Param => self.param_slice(u, real.clone(), &mut sink)?,
-                        state => self.optimizer_slice(state, u, real.clone(), &mut sink)?,
+                        state => self.optimizer.read(state, u, real.clone(), &mut sink)?,
                     }
                 }
                 crcs.push(f64::from(crc));
             }
         }
-        writer.sync().map_err(|e| self.other(e.to_string()))?;
+        writer.sync().map_err(self.checkpoint_err())?;
         Ok(crcs)
     }
 
     /// The low-precision parameters of elements `real` of unit `u`.
     fn param_slice(&self, u: usize, real: Range<usize>, sink: &mut Sink<'_>) -> Result<(), EngineError> {
-        let unit = &self.units[u];
         // stage 3 keeps its shard, the others the replica
         let base = if self.stage() == 3 {
-            unit.part.range(self.rank).start
+            self.units.part(u).range(self.rank).start
         } else {
             0
         };
-        let read;
-        let params: &LowParams = match &unit.params {
-            Params::Memory(params) => params,
-            Params::Nvme => {
-                read = self.local_params(u)?;
-                &read
-            }
-        };
-        let width = params.elem_bytes();
-        let bytes = params.as_bytes();
-        sink(
-            real.start,
-            &bytes[(real.start - base) * width..(real.end - base) * width],
-        )
-    }
-
-    /// fp32 optimizer state `state` of elements `real` of unit `u`, from memory or
-    /// chunk by chunk from the swap store.
-    fn optimizer_slice(
-        &self,
-        state: State,
-        u: usize,
-        real: Range<usize>,
-        sink: &mut Sink<'_>,
-    ) -> Result<(), EngineError> {
-        let unit = &self.units[u];
-        let local = real.start - unit.opt_start..real.end - unit.opt_start;
-        if let Some(opt) = &unit.optimizer {
-            let values = match state {
-                State::Master => &opt.master,
-                State::ExpAvg => &opt.exp_avg,
-                _ => &opt.exp_avg_sq,
-            };
-            return sink(real.start, f32_bytes(&values[local]));
-        }
-        let Some(store) = self.store else {
-            return Err(self.other("optimizer state has no tier".into()));
-        };
-        let key = TensorKey {
-            unit: u as u32,
-            rank: self.rank as u32,
-            state,
-        };
-        let io = |e| EngineError::Io {
-            rank: self.rank,
-            source: e,
-        };
-        let chunk = store.chunk_elems();
-        let mut buf = IoBuf::new(store.chunk_bytes(4)).map_err(|e| self.other(e.to_string()))?;
-        for c in local.start / chunk..local.end.div_ceil(chunk) {
-            buf = store
-                .read_async(key, c, buf)
-                .map_err(|(e, _)| io(e))?
-                .wait()
-                .map_err(io)?;
-            let lo = local.start.max(c * chunk);
-            let hi = local.end.min((c + 1) * chunk);
-            let bytes = &buf.as_bytes()[(lo - c * chunk) * 4..(hi - c * chunk) * 4];
-            sink(lo + unit.opt_start, bytes)?;
-        }
-        Ok(())
+        self.units.with_stored(u, &self.tracks.compute, |params| {
+            let width = params.elem_bytes();
+            sink(
+                real.start,
+                &params.as_bytes()[(real.start - base) * width..(real.end - base) * width],
+            )
+        })
     }
 
     fn manifest(&self, step: u64, last_lr: f64, files: &[StateFile], crcs: &[f64]) -> Manifest {
@@ -227,7 +172,7 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
             format: manifest::FORMAT.into(),
             version: manifest::VERSION,
             step,
-            adam_steps: self.adam_steps,
+            adam_steps: self.optimizer.adam_steps,
             world_size: world,
             created_unix_s: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)

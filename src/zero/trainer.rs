@@ -12,8 +12,10 @@
 //! hanging. Global rank 0
 //! reports each step; its process writes `<output_dir>/metrics.jsonl` and the progress.
 
+use super::context::{Comms, LaneOptions, RankContext, StepReport};
+use super::error::EngineError;
 use super::partition::Partition;
-use super::rank::{kind_for, Comms, EngineError, LaneOptions, RankContext, RankEngine, StepReport};
+use super::rank::{kind_for, RankEngine};
 use super::start::Start;
 use crate::checkpoint::{save, Checkpoint, CheckpointError};
 use crate::comm::gloo::{join_concurrently, Gloo, Store};

@@ -1,0 +1,227 @@
+//! The owner of a rank's optimizer state: fp32 master, exp_avg and exp_avg_sq of each
+//! unit's optimizer partition, in memory or in the NVMe swap store, lent to the optimizer
+//! lane while an update runs; the channel its updates come back on; the applied-step
+//! count.
+
+use super::error::{EngineError, On};
+use super::grads::Grads;
+use super::params::{f32_bytes, f32_bytes_mut};
+use super::units::NewParams;
+use std::ops::Range;
+use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
+use tierzero_offload::pool::{BufferPool, IoBuf};
+
+/// Receives a slice's bytes with the unit element they start at.
+pub(super) type Sink<'s> = dyn FnMut(usize, &[u8]) -> Result<(), EngineError> + 's;
+
+/// fp32 optimizer state of one partition, in memory.
+pub(super) struct OptimizerState {
+    pub(super) master: Vec<f32>,
+    pub(super) exp_avg: Vec<f32>,
+    pub(super) exp_avg_sq: Vec<f32>,
+}
+
+/// The NVMe tier of optimizer state: the swap store and the pipeline's buffers.
+#[derive(Clone)]
+pub(super) struct NvmeTier<'a> {
+    pub(super) store: &'a SwapStore,
+    pub(super) pool: BufferPool,
+}
+
+/// Where a unit's optimizer state is.
+pub(super) enum Moments<'a> {
+    Memory(OptimizerState),
+    /// In the swap store under (unit, rank, state), streamed through the pipeline.
+    Nvme(NvmeTier<'a>),
+    /// With the optimizer lane until its update is installed.
+    Lent,
+}
+
+/// An update ready to install: unit, new low-precision partition, its optimizer state
+/// and the gradient buffer back.
+pub(super) type Update<'a> = (usize, NewParams, Moments<'a>, Grads);
+
+pub(super) struct Optimizer<'a> {
+    moments: Vec<Moments<'a>>,
+    /// Each unit's optimizer partition within its padded buffer.
+    partitions: Vec<Range<usize>>,
+    on: On,
+    nvme: Option<NvmeTier<'a>>,
+    /// The optimizer lane's updates, in forward order, while it runs.
+    updates: Option<crossbeam_channel::Receiver<Result<Update<'a>, EngineError>>>,
+    /// The next unit whose update is to be installed.
+    next: usize,
+    /// Optimizer steps applied (skipped steps do not count, as in DeepSpeed).
+    pub(super) adam_steps: u64,
+}
+
+impl<'a> Optimizer<'a> {
+    pub(super) fn new(rank: usize, nvme: Option<NvmeTier<'a>>, adam_steps: u64) -> Self {
+        Optimizer {
+            moments: Vec::new(),
+            partitions: Vec::new(),
+            on: On(rank),
+            nvme,
+            updates: None,
+            next: 0,
+            adam_steps,
+        }
+    }
+
+    /// Adds the next unit's optimizer state (written to NVMe on that tier).
+    pub(super) fn push(&mut self, partition: Range<usize>, state: OptimizerState) -> Result<(), EngineError> {
+        let u = self.moments.len();
+        let moments = match &self.nvme {
+            Some(tier) => {
+                let mut scratch = tier.pool.lease();
+                for (which, data) in [
+                    (State::Master, &state.master),
+                    (State::ExpAvg, &state.exp_avg),
+                    (State::ExpAvgSq, &state.exp_avg_sq),
+                ] {
+                    scratch = tier
+                        .store
+                        .write_tensor(self.key(u, which), f32_bytes(data), scratch)
+                        .map_err(self.on.io())?;
+                }
+                Moments::Nvme(tier.clone())
+            }
+            None => Moments::Memory(state),
+        };
+        self.moments.push(moments);
+        self.partitions.push(partition);
+        Ok(())
+    }
+
+    fn key(&self, u: usize, state: State) -> TensorKey {
+        TensorKey {
+            unit: u as u32,
+            rank: self.on.0 as u32,
+            state,
+        }
+    }
+
+    /// Unit `u`'s optimizer partition within its padded buffer.
+    pub(super) fn partition(&self, u: usize) -> Range<usize> {
+        self.partitions[u].clone()
+    }
+
+    /// Unit `u`'s state for the optimizer lane; [`Self::restore`] takes it back.
+    pub(super) fn lend(&mut self, u: usize) -> Moments<'a> {
+        std::mem::replace(&mut self.moments[u], Moments::Lent)
+    }
+
+    pub(super) fn restore(&mut self, u: usize, moments: Moments<'a>) {
+        self.moments[u] = moments;
+    }
+
+    /// The optimizer lane runs: its updates arrive on `updates`, unit 0 first.
+    pub(super) fn running(&mut self, updates: crossbeam_channel::Receiver<Result<Update<'a>, EngineError>>) {
+        self.updates = Some(updates);
+        self.next = 0;
+    }
+
+    /// Whether unit `u`'s update (or an earlier one) is still to be installed.
+    pub(super) fn pending_through(&self, u: usize) -> bool {
+        self.updates.is_some() && self.next <= u
+    }
+
+    pub(super) fn any_pending(&self) -> bool {
+        self.updates.is_some()
+    }
+
+    /// The next update from the lane (waiting for it), with the unit it is for.
+    pub(super) fn receive(&mut self) -> Result<Update<'a>, EngineError> {
+        let unit = self.next;
+        let received = self.updates.as_ref().map(|rx| rx.recv());
+        let update = match received {
+            Some(Ok(update)) => update?,
+            // the lane ended early: it sent its error first, so this is a stop without one
+            _ => {
+                return Err(EngineError::LaneStopped {
+                    rank: self.on.0,
+                    lane: "optimizer",
+                    unit,
+                })
+            }
+        };
+        self.next = update.0 + 1;
+        if self.next == self.moments.len() {
+            self.updates = None;
+        }
+        Ok(update)
+    }
+
+    /// The next unit whose update is awaited.
+    pub(super) fn next_unit(&self) -> usize {
+        self.next
+    }
+
+    /// Calls `sink` with the fp32 `state` of elements `real` (unit coordinates) of unit
+    /// `u`: from memory in one piece, or chunk by chunk from the swap store.
+    pub(super) fn read(
+        &self,
+        state: State,
+        u: usize,
+        real: Range<usize>,
+        sink: &mut Sink<'_>,
+    ) -> Result<(), EngineError> {
+        let offset = self.partitions[u].start;
+        let local = real.start - offset..real.end - offset;
+        match &self.moments[u] {
+            Moments::Memory(opt) => {
+                let values = match state {
+                    State::Master => &opt.master,
+                    State::ExpAvg => &opt.exp_avg,
+                    _ => &opt.exp_avg_sq,
+                };
+                sink(real.start, f32_bytes(&values[local]))
+            }
+            Moments::Nvme(tier) => {
+                let key = self.key(u, state);
+                let chunk = tier.store.chunk_elems();
+                let mut buf = IoBuf::new(tier.store.chunk_bytes(4)).map_err(self.on.alloc())?;
+                for c in local.start / chunk..local.end.div_ceil(chunk) {
+                    buf = tier
+                        .store
+                        .read_async(key, c, buf)
+                        .map_err(|(e, _)| self.on.io()(e))?
+                        .wait()
+                        .map_err(self.on.io())?;
+                    let lo = local.start.max(c * chunk);
+                    let hi = local.end.min((c + 1) * chunk);
+                    sink(
+                        offset + lo,
+                        &buf.as_bytes()[(lo - c * chunk) * 4..(hi - c * chunk) * 4],
+                    )?;
+                }
+                Ok(())
+            }
+            Moments::Lent => Err(EngineError::Invariant {
+                rank: self.on.0,
+                what: "optimizer state read while lent to the optimizer lane",
+            }),
+        }
+    }
+
+    /// fp32 master weights of unit `u`'s optimizer partition.
+    pub(super) fn master(&self, u: usize) -> Result<Vec<f32>, EngineError> {
+        let mut master = vec![0f32; self.partitions[u].len()];
+        let start = self.partitions[u].start;
+        self.read(State::Master, u, self.partitions[u].clone(), &mut |at, bytes| {
+            let from = at - start;
+            f32_bytes_mut(&mut master[from..from + bytes.len() / 4]).copy_from_slice(bytes);
+            Ok(())
+        })?;
+        Ok(master)
+    }
+
+    /// Host bytes of optimizer state in memory (counted by size while lent), and of the
+    /// NVMe pipeline's buffers.
+    pub(super) fn memory_bytes(&self) -> usize {
+        match &self.nvme {
+            Some(tier) => tier.pool.count() * tier.pool.buffer_bytes(),
+            None => self.partitions.iter().map(|p| 12 * p.len()).sum(),
+        }
+    }
+}
