@@ -12,6 +12,7 @@
 //! This crate links neither libtorch nor CUDA: it builds and tests on any machine.
 
 pub mod adam;
+pub mod arena;
 pub mod convert;
 pub mod host;
 pub mod nvme;

@@ -10,7 +10,7 @@
 # DeepSpeed lives in its own virtualenv ($DSVENV) that reuses the project's torch:
 #   python3 -m venv $DSVENV
 #   echo "$(ls -d .venv/lib/python3*/site-packages)" > $DSVENV/lib/python3*/site-packages/tierzero_torch.pth
-#   $DSVENV/bin/pip install deepspeed==0.19.8 transformers ninja     (apt: libaio-dev)
+#   $DSVENV/bin/pip install deepspeed==0.19.8 transformers accelerate ninja     (apt: libaio-dev)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)

@@ -43,7 +43,6 @@ pub const NOT_YET_ACTED: &[&str] = &[
     "zero_optimization.allgather_bucket_size",
     "zero_optimization.stage3_max_reuse_distance",
     "zero_optimization.offload_param.pin_memory",
-    "zero_optimization.offload_optimizer.pin_memory",
     "zero_optimization.offload_optimizer.fast_init",
     "optimizer.params.torch_adam",
     "optimizer.params.fused",

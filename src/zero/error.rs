@@ -7,6 +7,7 @@ use crate::device::lanes::LaneError;
 use crate::device::OutOfMemory;
 use tch::TchError;
 use tierzero_offload::adam::AdamError;
+use tierzero_offload::arena::CarveError;
 use tierzero_offload::host::AllocError;
 use tierzero_offload::nvme::IoError;
 
@@ -24,6 +25,13 @@ pub enum EngineError {
     Lane(#[from] LaneError),
     #[error("rank {rank}: {source}")]
     Alloc { rank: usize, source: AllocError },
+    #[error("rank {rank}: {source}")]
+    Cuda {
+        rank: usize,
+        source: crate::device::cuda::CudaError,
+    },
+    #[error("rank {rank}: {source}")]
+    Arena { rank: usize, source: CarveError },
     #[error("rank {rank}: AdamW on unit {unit}: {source}")]
     Adam {
         rank: usize,

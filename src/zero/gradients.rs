@@ -11,6 +11,7 @@ use crate::comm::{Collective, ReduceOp};
 use crate::metrics::timeline::Track;
 use std::ops::Range;
 use tch::Tensor;
+use tierzero_offload::arena::Pinning;
 
 /// Where a unit's accumulator is.
 #[derive(Debug)]
@@ -23,8 +24,8 @@ pub(super) enum Accumulator {
 pub(super) struct Gradients<'a, C: Collective> {
     accumulators: Vec<Accumulator>,
     /// Stage 1: the buffers the optimizer partition is copied into for the optimizer
-    /// lane (the replica's accumulator stays here, whole).
-    copies: Vec<Grads>,
+    /// lane (the replica's accumulator stays here, whole); None while lent.
+    copies: Vec<Option<Grads>>,
     parts: Vec<Partition>,
     /// Each unit's optimizer partition within its padded buffer.
     partitions: Vec<Range<usize>>,
@@ -39,32 +40,46 @@ pub(super) struct Gradients<'a, C: Collective> {
 }
 
 impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
-    pub(super) fn new(stage: u8, rank: usize, bf16: bool) -> Self {
-        Gradients {
-            accumulators: Vec::new(),
-            copies: Vec::new(),
-            parts: Vec::new(),
-            partitions: Vec::new(),
+    /// Every unit's accumulator, zeroed, in one arena (and at stage 1 the partition
+    /// copies in another), allocated here once for the run.
+    pub(super) fn new(
+        (stage, rank, bf16): (u8, usize, bool),
+        parts: Vec<Partition>,
+        partitions: Vec<Range<usize>>,
+        pinning: &Pinning,
+    ) -> Result<Self, EngineError> {
+        let carve_err = |source| EngineError::Arena { rank, source };
+        let lens: Vec<usize> = parts
+            .iter()
+            .zip(&partitions)
+            .map(|(p, r)| if stage >= 2 { r.len() } else { p.padded })
+            .collect();
+        let accumulators = Grads::carve(&lens, bf16, pinning)
+            .map_err(carve_err)?
+            .into_iter()
+            .map(Accumulator::Here)
+            .collect();
+        let copies = if stage == 1 {
+            let lens: Vec<usize> = partitions.iter().map(|r| r.len()).collect();
+            Grads::carve(&lens, false, pinning)
+                .map_err(carve_err)?
+                .into_iter()
+                .map(Some)
+                .collect()
+        } else {
+            parts.iter().map(|_| None).collect()
+        };
+        Ok(Gradients {
+            accumulators,
+            copies,
+            parts,
+            partitions,
             stage,
             rank,
             bf16,
             reducer: None,
             chunk_buffers: ChunkBuffers::default(),
-        }
-    }
-
-    /// Adds the next unit's accumulator, zeroed.
-    pub(super) fn push(&mut self, part: Partition, partition: Range<usize>) {
-        let len = if self.stage >= 2 {
-            partition.len()
-        } else {
-            part.padded
-        };
-        self.accumulators
-            .push(Accumulator::Here(Grads::zeros(len, self.bf16)));
-        self.copies.push(Grads::default());
-        self.parts.push(part);
-        self.partitions.push(partition);
+        })
     }
 
     fn here(&mut self, u: usize) -> Result<&mut Grads, EngineError> {
@@ -238,8 +253,13 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     pub(super) fn lend_to_optimizer(&mut self, u: usize) -> Result<Grads, EngineError> {
         if self.stage == 1 {
             let range = self.partitions[u].clone();
-            let copy = std::mem::take(&mut self.copies[u]).resized(range.len(), false);
-            let mut copy = copy;
+            let Some(mut copy) = self.copies[u].take() else {
+                return Err(EngineError::Lent {
+                    rank: self.rank,
+                    unit: u,
+                    lane: "optimizer",
+                });
+            };
             if let (Grads::F32(copy), Grads::F32(grad)) = (&mut copy, &*self.here(u)?) {
                 copy.copy_from_slice(&grad[range]);
             }
@@ -258,7 +278,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// kept as the buffer of the next partition copy.
     pub(super) fn take_back(&mut self, u: usize, mut grad: Grads) {
         if self.stage == 1 {
-            self.copies[u] = grad;
+            self.copies[u] = Some(grad);
         } else {
             grad.fill_zero();
             self.accumulators[u] = Accumulator::Here(grad);

@@ -1,5 +1,6 @@
 //! A unit's gradient accumulator on the host: fp32, or bf16 when the run trains in bf16
-//! and its optimizer state lives on NVMe.
+//! and its optimizer state lives on NVMe; a slab of the rank's gradient arena
+//! (`tierzero_offload::arena`), allocated once at start-up.
 //!
 //! With the optimizer on NVMe the host must not hold 4 bytes per parameter of gradient
 //! (issue "The engine on lanes and arenas", §2): a bf16 run keeps the reduced gradient
@@ -10,28 +11,43 @@
 //! (`rank::bf16_gradients` says why accumulation keeps fp32).
 
 use tierzero_offload::adam::GradSlice;
+use tierzero_offload::arena::{self, CarveError, Pinning, Slab};
 use tierzero_offload::convert::{bf16_to_f32, f32_to_bf16};
+use tierzero_offload::host::AllocError;
 
 #[derive(Debug)]
 pub enum Grads {
-    F32(Vec<f32>),
-    Bf16(Vec<u16>),
-}
-
-impl Default for Grads {
-    fn default() -> Self {
-        Grads::F32(Vec::new())
-    }
+    F32(Slab<f32>),
+    Bf16(Slab<u16>),
 }
 
 impl Grads {
-    /// `len` zeros, in bf16 when `bf16`.
-    pub fn zeros(len: usize, bf16: bool) -> Grads {
-        if bf16 {
-            Grads::Bf16(vec![0; len])
+    /// `len` zeros, in bf16 when `bf16`, in an arena of their own.
+    pub fn zeros(len: usize, bf16: bool) -> Result<Grads, AllocError> {
+        Ok(if bf16 {
+            Grads::Bf16(Slab::zeroed(len)?)
         } else {
-            Grads::F32(vec![0.0; len])
-        }
+            Grads::F32(Slab::zeroed(len)?)
+        })
+    }
+
+    /// One zeroed accumulator of each length, in one arena (a rank's run-long gradients).
+    pub fn carve(lens: &[usize], bf16: bool, pinning: &Pinning) -> Result<Vec<Grads>, CarveError> {
+        Ok(if bf16 {
+            arena::carve(lens, pinning)?
+                .into_iter()
+                .map(Grads::Bf16)
+                .collect()
+        } else {
+            arena::carve(lens, pinning)?.into_iter().map(Grads::F32).collect()
+        })
+    }
+
+    /// fp32 values as an accumulator (tests).
+    pub fn from_f32(values: &[f32]) -> Result<Grads, AllocError> {
+        let mut slab = Slab::zeroed(values.len())?;
+        slab.copy_from_slice(values);
+        Ok(Grads::F32(slab))
     }
 
     pub fn len(&self) -> usize {
@@ -49,21 +65,6 @@ impl Grads {
         match self {
             Grads::F32(g) => 4 * g.len(),
             Grads::Bf16(g) => 2 * g.len(),
-        }
-    }
-
-    /// A buffer of the same kind and `len` elements, reusing this one's memory.
-    pub fn resized(self, len: usize, bf16: bool) -> Grads {
-        match (self, bf16) {
-            (Grads::F32(mut g), false) => {
-                g.resize(len, 0.0);
-                Grads::F32(g)
-            }
-            (Grads::Bf16(mut g), true) => {
-                g.resize(len, 0);
-                Grads::Bf16(g)
-            }
-            (_, bf16) => Grads::zeros(len, bf16),
         }
     }
 
@@ -105,14 +106,6 @@ impl Grads {
             Grads::Bf16(g) => GradSlice::Bf16(&g[range]),
         }
     }
-
-    /// The fp32 accumulator (whole replicas at stages 0–1 are always fp32).
-    pub fn as_f32_mut(&mut self) -> Option<&mut Vec<f32>> {
-        match self {
-            Grads::F32(g) => Some(g),
-            Grads::Bf16(_) => None,
-        }
-    }
 }
 
 #[cfg(test)]
@@ -121,7 +114,7 @@ mod tests {
 
     #[test]
     fn bf16_accumulation_rounds_each_addition_once() {
-        let mut g = Grads::zeros(3, true);
+        let mut g = Grads::zeros(3, true).unwrap();
         g.add(1, &[1.0 + 1.0 / 512.0, -3.0]);
         // 1 + 2^-9 is halfway between two bf16 values: ties to even (1.0)
         assert_eq!(g.slice(0..3).get(1), 1.0);
@@ -129,7 +122,7 @@ mod tests {
         g.add(1, &[1.0]);
         assert_eq!(g.slice(0..3).get(1), 2.0);
         assert_eq!(g.sum_squares(0..3), 4.0 + 9.0);
-        let mut f = Grads::zeros(2, false);
+        let mut f = Grads::zeros(2, false).unwrap();
         f.add(0, &[0.5, 0.25]);
         f.add(0, &[0.5, 0.25]);
         assert_eq!(f.sum_squares(0..2), 1.0 + 0.25);

@@ -243,9 +243,9 @@ impl OptimizerContext {
                 exp_avg_sq,
             }) => {
                 let sweep = Sweep {
-                    master,
-                    exp_avg,
-                    exp_avg_sq,
+                    master: &mut master[..],
+                    exp_avg: &mut exp_avg[..],
+                    exp_avg_sq: &mut exp_avg_sq[..],
                     grad: grad.slice(0..grad.len()),
                     low: fresh.out_as(&self.precision),
                 };

@@ -8,17 +8,18 @@ use super::grads::Grads;
 use super::params::{f32_bytes, f32_bytes_mut};
 use super::units::NewParams;
 use std::ops::Range;
+use tierzero_offload::arena::{self, Pinning, Slab};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pool::{BufferPool, IoBuf};
 
 /// Receives a slice's bytes with the unit element they start at.
 pub(super) type Sink<'s> = dyn FnMut(usize, &[u8]) -> Result<(), EngineError> + 's;
 
-/// fp32 optimizer state of one partition, in memory.
+/// fp32 optimizer state of one partition, in memory: slabs of the rank's optimizer arena.
 pub(super) struct OptimizerState {
-    pub(super) master: Vec<f32>,
-    pub(super) exp_avg: Vec<f32>,
-    pub(super) exp_avg_sq: Vec<f32>,
+    pub(super) master: Slab<f32>,
+    pub(super) exp_avg: Slab<f32>,
+    pub(super) exp_avg_sq: Slab<f32>,
 }
 
 /// The NVMe tier of optimizer state: the swap store and the pipeline's buffers.
@@ -56,41 +57,86 @@ pub(super) struct Optimizer<'a> {
 }
 
 impl<'a> Optimizer<'a> {
-    pub(super) fn new(rank: usize, nvme: Option<NvmeTier<'a>>, adam_steps: u64) -> Self {
-        Optimizer {
-            moments: Vec::new(),
-            partitions: Vec::new(),
+    /// The state of every unit's `partitions` entry: on NVMe when `nvme` is given, else
+    /// zeroed slabs of one arena allocated here for the run (a unit's three side by side).
+    pub(super) fn new(
+        rank: usize,
+        nvme: Option<NvmeTier<'a>>,
+        adam_steps: u64,
+        partitions: Vec<Range<usize>>,
+        pinning: &Pinning,
+    ) -> Result<Self, EngineError> {
+        let moments = match &nvme {
+            Some(tier) => partitions.iter().map(|_| Moments::Nvme(tier.clone())).collect(),
+            None => {
+                let lens: Vec<usize> = partitions.iter().flat_map(|r| [r.len(); 3]).collect();
+                let mut slabs = arena::carve::<f32>(&lens, pinning)
+                    .map_err(|source| EngineError::Arena { rank, source })?
+                    .into_iter();
+                let mut moments = Vec::with_capacity(partitions.len());
+                while let (Some(master), Some(exp_avg), Some(exp_avg_sq)) =
+                    (slabs.next(), slabs.next(), slabs.next())
+                {
+                    moments.push(Moments::Memory(OptimizerState {
+                        master,
+                        exp_avg,
+                        exp_avg_sq,
+                    }));
+                }
+                moments
+            }
+        };
+        Ok(Optimizer {
+            moments,
+            partitions,
             on: On(rank),
             nvme,
             updates: None,
             next: 0,
             adam_steps,
-        }
+        })
     }
 
-    /// Adds the next unit's optimizer state (written to NVMe on that tier).
-    pub(super) fn push(&mut self, partition: Range<usize>, state: OptimizerState) -> Result<(), EngineError> {
-        let u = self.moments.len();
-        let moments = match &self.nvme {
-            Some(tier) => {
-                let mut scratch = tier.pool.lease();
-                for (which, data) in [
-                    (State::Master, &state.master),
-                    (State::ExpAvg, &state.exp_avg),
-                    (State::ExpAvgSq, &state.exp_avg_sq),
-                ] {
-                    scratch = tier
-                        .store
-                        .write_tensor(self.key(u, which), f32_bytes(data), scratch)
+    /// Unit `u`'s initial state (each slice its partition's length): copied into its
+    /// slabs, or written to the swap store.
+    pub(super) fn init(
+        &mut self,
+        u: usize,
+        master: &[f32],
+        exp_avg: &[f32],
+        exp_avg_sq: &[f32],
+    ) -> Result<(), EngineError> {
+        let initial = [
+            (State::Master, master),
+            (State::ExpAvg, exp_avg),
+            (State::ExpAvgSq, exp_avg_sq),
+        ];
+        match &mut self.moments[u] {
+            Moments::Memory(state) => {
+                state.master.copy_from_slice(master);
+                state.exp_avg.copy_from_slice(exp_avg);
+                state.exp_avg_sq.copy_from_slice(exp_avg_sq);
+                Ok(())
+            }
+            Moments::Nvme(tier) => {
+                let (store, mut scratch) = (tier.store, tier.pool.lease());
+                for (which, data) in initial {
+                    let key = TensorKey {
+                        unit: u as u32,
+                        rank: self.on.0 as u32,
+                        state: which,
+                    };
+                    scratch = store
+                        .write_tensor(key, f32_bytes(data), scratch)
                         .map_err(self.on.io())?;
                 }
-                Moments::Nvme(tier.clone())
+                Ok(())
             }
-            None => Moments::Memory(state),
-        };
-        self.moments.push(moments);
-        self.partitions.push(partition);
-        Ok(())
+            Moments::Lent => Err(EngineError::Invariant {
+                rank: self.on.0,
+                what: "optimizer state initialised while lent",
+            }),
+        }
     }
 
     fn key(&self, u: usize, state: State) -> TensorKey {

@@ -27,7 +27,7 @@
 use super::context::{Comms, LaneOptions, RankContext, StepReport, Tracks};
 use super::error::{EngineError, On};
 use super::gradients::Gradients;
-use super::optimizer::{NvmeTier, Optimizer, OptimizerState};
+use super::optimizer::{NvmeTier, Optimizer};
 use super::params::LowParams;
 use super::partition::Partition;
 use super::prefetch::{self, FetchLanes, Fetcher, Prefetcher};
@@ -47,6 +47,7 @@ use crate::torch;
 use std::sync::Arc;
 use std::time::Instant;
 use tch::{Kind, TchError, Tensor};
+use tierzero_offload::arena::Pinning;
 use tierzero_offload::nvme::swap::SwapStore;
 use tierzero_offload::pipeline;
 
@@ -146,13 +147,31 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             plan.zero.param_persistence_threshold,
             lanes.mode,
         );
+        let parts: Vec<Partition> = model
+            .units
+            .iter()
+            .map(|l| Partition::new(l.numel, world))
+            .collect();
+        // each unit's optimizer partition: the whole unit at stage 0, else this rank's slice
+        let partitions: Vec<_> = parts
+            .iter()
+            .map(|p| if stage == 0 { 0..p.padded } else { p.range(rank) })
+            .collect();
+        // the run-long host state, allocated once: gradients and in-memory optimizer
+        // state in arenas, locked (and registered with a GPU's context) with pin_memory
+        let pinning = host_pinning(plan, compute, rank)?;
         let bf16_grads = bf16_gradients(plan);
-        let mut grads = Gradients::new(stage, rank, bf16_grads);
+        let grads = Gradients::new(
+            (stage, rank, bf16_grads),
+            parts.clone(),
+            partitions.clone(),
+            &pinning,
+        )?;
         let adam_steps = start.checkpoint().map_or(0, |c| c.manifest.adam_steps);
-        let mut optimizer = Optimizer::new(rank, optimizer_nvme, adam_steps);
+        let mut optimizer = Optimizer::new(rank, optimizer_nvme, adam_steps, partitions.clone(), &pinning)?;
         let mut held = Vec::new();
-        for (u, layout) in model.units.iter().enumerate() {
-            let part = Partition::new(layout.numel, world);
+        for (u, (layout, part)) in model.units.iter().zip(&parts).enumerate() {
+            let (part, partition) = (*part, partitions[u].clone());
             let start_err = |message: String| EngineError::Start {
                 rank,
                 unit: u,
@@ -169,12 +188,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             start
                 .master(u, layout, real.clone(), &mut kept[..real.len()])
                 .map_err(start_err)?;
-            // the optimizer partition: the whole unit at stage 0, else this rank's slice
-            let partition = if stage == 0 {
-                0..part.padded
-            } else {
-                part.range(rank)
-            };
             let params = match start
                 .params(u, real.clone(), &plan.precision)
                 .map_err(start_err)?
@@ -186,13 +199,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 }
                 None => LowParams::rounded(&kept, &plan.precision),
             };
-            // the master weights: the kept elements themselves where they are the
-            // optimizer partition (stage 3), else a copy of the partition
-            let master = if kept_range == partition {
-                kept
-            } else {
-                kept[partition.start - kept_range.start..][..partition.len()].to_vec()
-            };
+            let master = &kept[partition.start - kept_range.start..][..partition.len()];
             let (mut exp_avg, mut exp_avg_sq) = (vec![0f32; partition.len()], vec![0f32; partition.len()]);
             let opt_real = partition.start.min(part.numel)..partition.end.min(part.numel);
             start
@@ -203,6 +210,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                     &mut exp_avg_sq[..opt_real.len()],
                 )
                 .map_err(start_err)?;
+            optimizer.init(u, master, &exp_avg, &exp_avg_sq)?;
             // what of this unit sits on the device for the whole run
             if plan.zero.offload_param.tier == Tier::Device {
                 let bytes = (params.len() * plan.precision.bytes()) as u64;
@@ -216,15 +224,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 held.push(device.reserve(state_bytes, &format!("optimizer state of unit {u}"))?);
             }
             units.push(part, params, param_nvme)?;
-            grads.push(part, partition.clone());
-            optimizer.push(
-                partition,
-                OptimizerState {
-                    master,
-                    exp_avg,
-                    exp_avg_sq,
-                },
-            )?;
         }
         let mut scaler = LossScaler::new(match &plan.precision {
             Precision::Fp16(s) => Some(s),
@@ -629,6 +628,25 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         self.comm.all_reduce(&mut totals, ReduceOp::Sum)?;
         Ok(totals[0] / totals[1].max(1.0))
     }
+}
+
+/// How the rank's host arenas are held: locked in RAM with
+/// `offload_optimizer.pin_memory` (DeepSpeed's key for the optimizer state and gradients
+/// it offloads), and on a CUDA rank also registered with its context (`cuMemHostRegister`)
+/// so copies from them are asynchronous.
+fn host_pinning(plan: &Plan, compute: tch::Device, rank: usize) -> Result<Pinning, EngineError> {
+    if !plan.zero.offload_optimizer.pin_memory {
+        return Ok(Pinning::default());
+    }
+    let register = match compute {
+        tch::Device::Cuda(ordinal) => {
+            let cuda = crate::device::cuda::Cuda::open(ordinal)
+                .map_err(|source| EngineError::Cuda { rank, source })?;
+            Some(Arc::new(cuda.pinner()) as Arc<dyn tierzero_offload::pool::HostRegister>)
+        }
+        _ => None,
+    };
+    Ok(Pinning { lock: true, register })
 }
 
 /// Whether gradient accumulators are kept in bf16: a bf16 run whose optimizer state is on
