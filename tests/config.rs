@@ -96,11 +96,75 @@ fn auto_resolves_from_the_model_like_the_hf_integration() {
         DeviceFacts {
             cuda_bf16: true,
             cuda_devices: 1,
+            cuda_memory: None,
         },
     )
     .unwrap()
     .plan;
     assert_eq!(gpu.precision, Precision::Bf16);
+}
+
+/// The batch keys as Hugging Face's and LLaMA-Factory's published ds_configs set them:
+/// tierzero decides. The micro-batch is the largest power of two whose planned device
+/// bytes fit the budget (checked against `zero::memory::predict` on both sides of the
+/// choice); accumulation is 1 unless train_batch_size is set; `plan` says why.
+#[test]
+fn auto_batch_sizes_are_decided_from_the_memory_plan() {
+    let all_auto = |extra: &[&str]| {
+        let mut v = json!({
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "model": {"preset": "llama-tiny"},
+            "data": {"synthetic": "markov", "seq_len": 64},
+            "train": {"devices": 2}
+        });
+        for s in extra {
+            tierzero::config::overrides::apply(&mut v, s).unwrap();
+        }
+        load(v).unwrap().plan
+    };
+    // no budget: the Hugging Face Trainer's default per-device batch
+    let plan = all_auto(&[]);
+    assert_eq!(
+        (
+            plan.batch.micro_batch_per_gpu,
+            plan.batch.gradient_accumulation_steps,
+            plan.batch.train_batch_size
+        ),
+        (8, 1, 16)
+    );
+    assert_eq!(plan.auto.len(), 3);
+    // a budget: the largest power of two that fits, and twice it does not
+    let one = |micro: usize| {
+        let mut p = plan.clone();
+        p.batch.micro_batch_per_gpu = micro;
+        tierzero::zero::memory::predict(&p).total
+    };
+    let budget = (one(4) + one(8)) / 2;
+    let plan = all_auto(&[&format!("train.device_memory={budget}")]);
+    let micro = plan.batch.micro_batch_per_gpu;
+    assert_eq!(micro, 4);
+    assert!(one(micro) <= budget && one(2 * micro) > budget);
+    let text = tierzero::config::plan_table(&plan);
+    assert!(
+        text.contains("\"auto\" train_micro_batch_size_per_gpu") && text.contains("largest power of two"),
+        "{text}"
+    );
+    // train_batch_size given: the micro-batch divides its share, accumulation makes up the rest
+    let plan = all_auto(&["train_batch_size=24"]);
+    assert_eq!(
+        (
+            plan.batch.micro_batch_per_gpu,
+            plan.batch.gradient_accumulation_steps,
+            plan.batch.train_batch_size
+        ),
+        (4, 3, 24)
+    );
+    // a budget even one sample exceeds: 1, and the reason says so
+    let plan = all_auto(&["train.device_memory=1000"]);
+    assert_eq!(plan.batch.micro_batch_per_gpu, 1);
+    assert!(plan.auto[0].why.contains("even 1"), "{:?}", plan.auto);
 }
 
 #[test]
@@ -317,6 +381,7 @@ fn accelerator_follows_the_machine_and_refuses_what_it_lacks() {
     let gpu = DeviceFacts {
         cuda_bf16: true,
         cuda_devices: 2,
+        cuda_memory: None,
     };
     let plan = from_json(v.clone(), &[], cpu).unwrap().plan;
     assert_eq!(plan.train.accelerator, tierzero::config::plan::Accelerator::Cpu);
@@ -385,6 +450,7 @@ fn launch_keys_set_the_world_and_refuse_a_bad_node_rank() {
     let gpu = DeviceFacts {
         cuda_bf16: true,
         cuda_devices: 4,
+        cuda_memory: None,
     };
     let plan = from_json(
         v.clone(),

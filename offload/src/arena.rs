@@ -25,13 +25,20 @@ pub struct Pinning {
 /// One allocation shared by its slabs.
 pub struct Arena {
     buf: AlignedBuf<u8>,
+    /// The whole pages the slabs occupy (locked and registered).
+    region: (usize, usize),
     locked: bool,
     register: Option<Arc<dyn HostRegister>>,
 }
 
 impl Arena {
-    /// Bytes of the allocation.
+    /// Bytes of the slabs' pages.
     pub fn bytes(&self) -> usize {
+        self.region.1
+    }
+
+    /// Bytes allocated (the pages, and up to a page of alignment slack).
+    pub fn allocated(&self) -> usize {
         self.buf.capacity_bytes()
     }
 
@@ -43,7 +50,7 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        let (addr, len) = (self.buf.as_bytes().as_ptr() as *mut u8, self.buf.capacity_bytes());
+        let (addr, len) = (self.region.0 as *mut u8, self.region.1);
         if let Some(register) = &self.register {
             register.unregister(addr, len);
         }
@@ -72,7 +79,9 @@ impl<T: Pod> Slab<T> {
     pub fn zeroed(len: usize) -> Result<Slab<T>, AllocError> {
         let mut slabs = carve::<T>(&[len], &Pinning::default()).map_err(|e| match e {
             CarveError::Alloc(a) => a,
-            CarveError::Register(_) => AllocError { bytes: len },
+            CarveError::Register(_) => AllocError {
+                bytes: len * std::mem::size_of::<T>(),
+            },
         })?;
         Ok(slabs
             .pop()
@@ -119,31 +128,48 @@ pub enum CarveError {
 /// on a page boundary (so O_DIRECT and DMA can use any of them).
 pub fn carve<T: Pod>(lens: &[usize], pinning: &Pinning) -> Result<Vec<Slab<T>>, CarveError> {
     let elem = std::mem::size_of::<T>();
-    let pages = |len: usize| (len * elem).div_ceil(ALIGN) * ALIGN;
+    // slabs start on page boundaries: the kernel's page where it is larger than ALIGN, so
+    // locking or unlocking one arena never touches a page of another
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).map_or(ALIGN, |p| p.max(ALIGN));
+    let pages = |len: usize| (len * elem).div_ceil(page) * page;
     let total: usize = lens.iter().map(|&l| pages(l)).sum();
-    let mut buf = AlignedBuf::<u8>::zeroed(total.max(1))?;
-    let (base, bytes) = (buf.as_mut_ptr(), buf.capacity_bytes());
+    let mut buf = AlignedBuf::<u8>::zeroed(total.max(page) + page - ALIGN)?;
+    let start = buf.as_mut_ptr();
+    // the first page boundary at or after the allocation's start; [base, base + bytes) is
+    // whole pages inside the allocation, the only range locked and registered
+    let base = start.wrapping_add(start.align_offset(page).min(page - ALIGN));
+    let bytes = total.max(page);
     let locked = pinning.lock
-        // SAFETY: [base, base + bytes) is the allocation just made.
+        // SAFETY: [base, base + bytes) lies inside the allocation just made.
         && unsafe { libc::mlock(base as *const libc::c_void, bytes) } == 0;
     if pinning.lock && !locked {
         tracing::warn!(
             "pin_memory: cannot lock {bytes} bytes of host state in RAM (RLIMIT_MEMLOCK); it stays pageable"
         );
     }
-    if let Some(register) = &pinning.register {
-        register.register(base, bytes).map_err(CarveError::Register)?;
-    }
+    // registration is best effort too: without it copies from the arena are staged
+    let register = pinning
+        .register
+        .as_ref()
+        .and_then(|r| match r.register(base, bytes) {
+            Ok(()) => Some(r.clone()),
+            Err(e) => {
+                tracing::warn!("pin_memory: {}", CarveError::Register(e));
+                None
+            }
+        });
     let arena = Arc::new(Arena {
         buf,
+        region: (base as usize, bytes),
         locked,
-        register: pinning.register.clone(),
+        register,
     });
     let mut offset = 0;
     let mut slabs = Vec::with_capacity(lens.len());
     for &len in lens {
-        // SAFETY: offset + len * elem ≤ total ≤ bytes, and offset is page-aligned, which
-        // satisfies T's alignment; the ranges of different slabs do not overlap.
+        // SAFETY: base + offset + len * elem ≤ start + bytes, and base + offset is
+        // page-aligned, which satisfies T's alignment; the slabs' ranges do not overlap.
         let ptr = unsafe { NonNull::new_unchecked(base.add(offset).cast::<T>()) };
         slabs.push(Slab {
             arena: arena.clone(),
@@ -158,6 +184,11 @@ pub fn carve<T: Pod>(lens: &[usize], pinning: &Pinning) -> Result<Vec<Slab<T>>, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn page_size() -> usize {
+        // SAFETY: sysconf has no preconditions.
+        unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize }
+    }
 
     #[test]
     fn slabs_are_disjoint_page_aligned_and_outlive_their_arena_handle() {
@@ -174,7 +205,9 @@ mod tests {
         }
         assert_eq!(back[2].len(), 1025);
         // a page each, none for the empty slab, two for 1025 floats
-        assert_eq!(back[0].arena().bytes(), 4 * 4096);
+        if page_size() == ALIGN {
+            assert_eq!(back[0].arena().bytes(), 4 * 4096);
+        }
         let single = Slab::<u16>::zeroed(5).unwrap();
         assert_eq!(&single[..], &[0; 5]);
     }

@@ -53,7 +53,7 @@ for step in range(a.warmup + a.steps):
     dist.barrier()
     if step >= a.warmup:
         times.append(time.perf_counter() - start)
-    losses.append(float(loss))
+    losses.append(float(loss.detach()))
 peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
 peaks = [torch.zeros_like(peak) for _ in range(world)]
 dist.all_gather(peaks, peak)

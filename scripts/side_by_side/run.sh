@@ -5,7 +5,7 @@
 # interleaved. Prints each run's tokens/s and peak RSS (DeepSpeed: its processes summed)
 # and the medians.
 #
-#   scripts/side_by_side/run.sh [ROUNDS]          (environment: WORK, DSVENV, SEQ, STEPS)
+#   scripts/side_by_side/run.sh [ROUNDS]          (environment: WORK, DSVENV, SEQ, STEPS, WARMUP)
 #
 # DeepSpeed lives in its own virtualenv ($DSVENV) that reuses the project's torch:
 #   python3 -m venv $DSVENV
@@ -19,7 +19,7 @@ work=${WORK:-/work/bench/side}
 dsvenv=${DSVENV:-/work/dsvenv}
 seq=${SEQ:-256}
 steps=${STEPS:-4}
-warmup=2
+warmup=${WARMUP:-2}
 mkdir -p "$work/nvme-tz" "$work/nvme-ds"
 [ -f "$work/llama/config.json" ] || "$dsvenv/bin/python" "$here/make_llama.py" "$work/llama"
 
@@ -57,7 +57,7 @@ steps = [json.loads(l) for l in open(out + "/metrics.jsonl")]
 times = sorted(s["step_seconds"] for s in steps[warmup:])
 median = times[len(times) // 2]
 summary = json.load(open(out + "/summary.json"))
-tokens = steps[-1]["tokens"]
+tokens = steps[0]["tokens"]  # metrics.jsonl counts tokens cumulatively
 peak = max(summary["host"]["startup_peak_rss"], summary["host"]["steps"]["peak_rss"])
 print(json.dumps({"trainer": "tierzero", "tokens_per_s": tokens / median, "median_step_s": median,
                   "peak_rss": peak, "kernel_fraction": summary["host"]["steps"]["kernel_fraction"]}))

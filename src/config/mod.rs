@@ -12,6 +12,7 @@
 //! - `resolve.rs`: defaults, `"auto"`, batch math, contradictions
 //! - `resolve_zero.rs`: the same for `zero_optimization` and `aio`
 
+mod auto_batch;
 pub mod ds;
 mod error;
 pub mod keys;

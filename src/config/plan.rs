@@ -253,6 +253,17 @@ pub struct Plan {
     pub model: ModelPlan,
     pub data: Data,
     pub train: Train,
+    /// Each `"auto"` batch key and what it became, with why (printed by `plan`).
+    pub auto: Vec<AutoChoice>,
+}
+
+/// A `"auto"` value tierzero decided (the Hugging Face Trainer fills these in; tierzero is
+/// the trainer here).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct AutoChoice {
+    pub key: &'static str,
+    pub value: usize,
+    pub why: String,
 }
 
 /// `tensorboard` and `csv_monitor`: where each writes, None when off.
@@ -310,6 +321,8 @@ pub struct DeviceFacts {
     pub cuda_bf16: bool,
     /// GPUs torch can use (0 on machines without a driver).
     pub cuda_devices: usize,
+    /// Bytes of the first GPU's memory (the budget of an `"auto"` micro-batch on CUDA).
+    pub cuda_memory: Option<u64>,
 }
 
 impl DeviceFacts {
@@ -320,9 +333,14 @@ impl DeviceFacts {
         } else {
             0
         };
+        let cuda_memory = (cuda_devices > 0)
+            .then(|| crate::device::cuda::Cuda::open(0).and_then(|c| c.memory()).ok())
+            .flatten()
+            .map(|(_, total)| total);
         DeviceFacts {
             cuda_bf16: cuda_devices > 0,
             cuda_devices,
+            cuda_memory,
         }
     }
 }

@@ -113,6 +113,13 @@ pub fn plan_table(plan: &Plan) -> String {
             b.train_batch_size, b.micro_batch_per_gpu, b.gradient_accumulation_steps, plan.world_size
         ),
     );
+    for choice in &plan.auto {
+        row(
+            &mut out,
+            &format!("\"auto\" {}", choice.key),
+            format!("{} ({})", choice.value, choice.why),
+        );
+    }
     row(&mut out, "seq_len", plan.data.seq_len.to_string());
     row(&mut out, "tokens per step", plan.tokens_per_step().to_string());
     let _ = writeln!(out, "training");

@@ -83,7 +83,7 @@ impl Plan {
         let model = build_model(ds.model.clone().unwrap_or_default())?;
         let data = build_data(ds.data.clone().unwrap_or_default(), &model.config)?;
         let world_size = train.devices * train.launch.nnodes;
-        let batch = build_batch(ds, world_size)?;
+        let (batch, auto) = build_batch(ds, world_size)?;
         let precision = build_precision(ds, facts)?;
         let optimizer = build_optimizer(ds.optimizer.clone().unwrap_or_default())?;
         let scheduler = build_scheduler(ds.scheduler.clone(), &optimizer, train.steps, warnings)?;
@@ -105,7 +105,7 @@ impl Plan {
             warnings,
         )?;
         let aio = super::resolve_zero::build_aio(ds.aio.clone().unwrap_or_default(), warnings)?;
-        Ok(Plan {
+        let mut plan = Plan {
             world_size,
             batch,
             precision,
@@ -123,7 +123,10 @@ impl Plan {
             model,
             data,
             train,
-        })
+            auto: Vec::new(),
+        };
+        super::auto_batch::decide(&mut plan, auto, facts);
+        Ok(plan)
     }
 
     /// Bytes of tokens one optimizer step consumes on all ranks.
@@ -369,20 +372,35 @@ fn build_data(d: DataSection, model: &ModelConfig) -> Result<Data, ConfigError> 
     Ok(Data { source, seq_len })
 }
 
-/// DeepSpeed's `_set_batch_related_parameters`, with `"auto"` meaning "not given".
-fn build_batch(ds: &DsConfig, world: usize) -> Result<Batch, ConfigError> {
+/// DeepSpeed's `_set_batch_related_parameters`. `"auto"` means "not given", except that
+/// an `"auto"` micro-batch that the other two do not determine is left for
+/// `auto_batch::decide` (returned as [`AutoBatch`], with a placeholder of 1).
+fn build_batch(ds: &DsConfig, world: usize) -> Result<(Batch, AutoBatch), ConfigError> {
     let given = |key: &str, v: Option<Num>| -> Result<Option<usize>, ConfigError> {
         match v {
             None | Some(Num::Auto) => Ok(None),
             some => positive(key, some, 1).map(Some),
         }
     };
+    let is_auto = |v: Option<Num>| matches!(v, Some(Num::Auto));
     let tbs = given("train_batch_size", ds.train_batch_size)?;
     let micro = given(
         "train_micro_batch_size_per_gpu",
         ds.train_micro_batch_size_per_gpu,
     )?;
     let gas = given("gradient_accumulation_steps", ds.gradient_accumulation_steps)?;
+    let auto = AutoBatch {
+        micro: micro.is_none()
+            && is_auto(ds.train_micro_batch_size_per_gpu)
+            && (tbs.is_none() || gas.is_none()),
+        gas: gas.is_none() && is_auto(ds.gradient_accumulation_steps),
+        tbs: tbs.is_none() && is_auto(ds.train_batch_size),
+        tbs_given: tbs,
+        gas_given: gas,
+    };
+    // an "auto" micro-batch starts at 1; `auto_batch::decide` grows it
+    let micro = if auto.micro { Some(1) } else { micro };
+    let tbs = if auto.micro { None } else { tbs };
     let divide = |total: usize, by: usize, what: &str| -> Result<usize, ConfigError> {
         if !total.is_multiple_of(by) || total < by {
             return Err(ConfigError::invalid(
@@ -404,10 +422,14 @@ fn build_batch(ds: &DsConfig, world: usize) -> Result<Batch, ConfigError> {
             return Err(ConfigError::invalid(
                 "train_micro_batch_size_per_gpu",
                 "neither train_batch_size nor train_micro_batch_size_per_gpu is given",
-                "--set train_micro_batch_size_per_gpu=4 (or set train_batch_size)",
+                "--set train_micro_batch_size_per_gpu=4 (or set train_batch_size, or \"auto\")",
             ))
         }
     };
+    if let Some(t) = auto.tbs_given.filter(|_| auto.micro) {
+        // the micro-batch will be a power of two dividing this; 1 always does
+        divide(t, world * gas, "gradient_accumulation_steps × devices")?;
+    }
     if tbs != micro * gas * world {
         return Err(ConfigError::invalid(
             "train_batch_size",
@@ -418,11 +440,25 @@ fn build_batch(ds: &DsConfig, world: usize) -> Result<Batch, ConfigError> {
             "fix one of the three, or leave one out and it is derived",
         ));
     }
-    Ok(Batch {
-        train_batch_size: tbs,
-        micro_batch_per_gpu: micro,
-        gradient_accumulation_steps: gas,
-    })
+    Ok((
+        Batch {
+            train_batch_size: tbs,
+            micro_batch_per_gpu: micro,
+            gradient_accumulation_steps: gas,
+        },
+        auto,
+    ))
+}
+
+/// Which batch keys were `"auto"`, and the numbers given beside them.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct AutoBatch {
+    /// The micro-batch is tierzero's to decide.
+    pub micro: bool,
+    pub gas: bool,
+    pub tbs: bool,
+    pub tbs_given: Option<usize>,
+    pub gas_given: Option<usize>,
 }
 
 fn build_precision(ds: &DsConfig, facts: DeviceFacts) -> Result<Precision, ConfigError> {

@@ -7,8 +7,9 @@
 //! Plot: per step, stacked bars of phase seconds (rank 0; colours in the order of
 //! [`Phase::ALL`]: forward, backward, all_gather, reduce, h2d, d2h, nvme_read,
 //! nvme_write, optimizer) over the step time (black line), and below it bytes per tier
-//! over the run (device peak in the step: blue; host: green; NVMe: red). No fonts are
-//! available offline, so the numbers are in metrics.jsonl.
+//! over the run (device peak in the step: blue; host: green; NVMe: red); titles, axes
+//! with units and tick values, and legends naming each phase and tier, in the shipped
+//! font (`metrics::register_font`).
 
 use super::timeline::{Breakdown, Phase, Timeline};
 use plotters::prelude::*;
@@ -96,10 +97,11 @@ pub fn plot_breakdown(path: &Path, steps: &[(u64, Breakdown, TierBytes)]) -> Res
     if steps.is_empty() {
         return Ok(());
     }
+    super::register_font();
     let e = |x: &dyn std::fmt::Display| format!("drawing {}: {x}", path.display());
-    let root = BitMapBackend::new(path, (900, 700)).into_drawing_area();
+    let root = BitMapBackend::new(path, (900, 760)).into_drawing_area();
     root.fill(&WHITE).map_err(|x| e(&x))?;
-    let (top, bottom) = root.split_vertically(460);
+    let (top, bottom) = root.split_vertically(480);
     let first = steps[0].0;
     let last = steps[steps.len() - 1].0 + 1;
     let highest = steps
@@ -107,52 +109,98 @@ pub fn plot_breakdown(path: &Path, steps: &[(u64, Breakdown, TierBytes)]) -> Res
         .map(|(_, b, _)| b.phases.iter().map(|p| p.1).sum::<f64>().max(b.step_seconds))
         .fold(1e-9, f64::max);
     let mut chart = ChartBuilder::on(&top)
-        .margin(20)
-        .build_cartesian_2d(first as f64..last as f64, 0.0..highest * 1.05)
+        .caption("Where each step's time goes (rank 0)", ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(65)
+        .build_cartesian_2d(first as f64..last as f64, 0.0..highest * 1.3)
         .map_err(|x| e(&x))?;
-    for (step, breakdown, _) in steps {
-        let x = *step as f64;
-        let mut y = 0.0;
-        for (i, phase) in Phase::ALL.iter().enumerate() {
-            let h = breakdown.phase(*phase);
-            if h > 0.0 {
-                chart
-                    .draw_series([Rectangle::new([(x, y), (x + 0.8, y + h)], COLORS[i].filled())])
-                    .map_err(|x| e(&x))?;
-                y += h;
-            }
+    chart
+        .configure_mesh()
+        .x_desc("optimizer step")
+        .y_desc("seconds (phases stacked)")
+        .light_line_style(RGBColor(235, 235, 235))
+        .label_style(("sans-serif", 13))
+        .draw()
+        .map_err(|x| e(&x))?;
+    for (i, phase) in Phase::ALL.iter().enumerate() {
+        let bars: Vec<Rectangle<(f64, f64)>> = steps
+            .iter()
+            .filter_map(|(step, breakdown, _)| {
+                let below: f64 = Phase::ALL[..i].iter().map(|p| breakdown.phase(*p)).sum();
+                let h = breakdown.phase(*phase);
+                let x = *step as f64;
+                (h > 0.0).then(|| Rectangle::new([(x, below), (x + 0.8, below + h)], COLORS[i].filled()))
+            })
+            .collect();
+        if bars.is_empty() {
+            continue;
         }
+        let color = COLORS[i];
+        chart
+            .draw_series(bars)
+            .map_err(|x| e(&x))?
+            .label(phase.name())
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
     }
     chart
         .draw_series(LineSeries::new(
             steps.iter().map(|(s, b, _)| (*s as f64 + 0.4, b.step_seconds)),
             BLACK.stroke_width(2),
         ))
+        .map_err(|x| e(&x))?
+        .label("step wall time")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(2)));
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 13))
+        .draw()
         .map_err(|x| e(&x))?;
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
     let most = steps
         .iter()
-        .map(|(_, _, t)| t.device.max(t.host).max(t.nvme))
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64;
+        .map(|(_, _, t)| gib(t.device.max(t.host).max(t.nvme)))
+        .fold(1e-9, f64::max);
     let mut memory = ChartBuilder::on(&bottom)
-        .margin(20)
-        .build_cartesian_2d(first as f64..last as f64, 0.0..most * 1.05)
+        .caption("Model state by tier", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(65)
+        .build_cartesian_2d(first as f64..last as f64, 0.0..most * 1.3)
         .map_err(|x| e(&x))?;
-    for (pick, color) in [
-        (0usize, RGBColor(31, 119, 180)),
-        (1, RGBColor(44, 160, 44)),
-        (2, RGBColor(214, 39, 40)),
+    memory
+        .configure_mesh()
+        .x_desc("optimizer step")
+        .y_desc("GiB")
+        .light_line_style(RGBColor(235, 235, 235))
+        .label_style(("sans-serif", 13))
+        .draw()
+        .map_err(|x| e(&x))?;
+    for (pick, name, color) in [
+        (0usize, "device (peak in the step)", RGBColor(31, 119, 180)),
+        (1, "host", RGBColor(44, 160, 44)),
+        (2, "NVMe", RGBColor(214, 39, 40)),
     ] {
         let series = steps.iter().map(|(s, _, t)| {
             let v = [t.device, t.host, t.nvme][pick];
-            (*s as f64 + 0.4, v as f64)
+            (*s as f64 + 0.4, gib(v))
         });
         memory
             .draw_series(LineSeries::new(series, color.stroke_width(2)))
-            .map_err(|x| e(&x))?;
+            .map_err(|x| e(&x))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
     }
-    root.draw(&Rectangle::new([(0, 0), (899, 699)], BLACK.stroke_width(1)))
+    memory
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 13))
+        .draw()
         .map_err(|x| e(&x))?;
     root.present().map_err(|x| e(&x))
 }

@@ -248,11 +248,25 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         Ok(sum)
     }
 
+    /// Fails (naming the first) unless every accumulator is here: lending to the
+    /// optimizer is all or nothing.
+    pub(super) fn all_here(&self) -> Result<(), EngineError> {
+        match self
+            .accumulators
+            .iter()
+            .position(|a| matches!(a, Accumulator::Lent(_)))
+        {
+            Some(u) => Err(self.lent(u)),
+            None => Ok(()),
+        }
+    }
+
     /// Unit `u`'s final gradient for the optimizer lane: the accumulator itself (lent
     /// until [`Self::take_back`]), or at stage 1 a copy of its partition.
     pub(super) fn lend_to_optimizer(&mut self, u: usize) -> Result<Grads, EngineError> {
         if self.stage == 1 {
             let range = self.partitions[u].clone();
+            self.here(u)?;
             let Some(mut copy) = self.copies[u].take() else {
                 return Err(EngineError::Lent {
                     rank: self.rank,

@@ -60,7 +60,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         'a: 'e,
     {
         // each unit's gradient, state and destination are lent to the job and come back
-        // with its update
+        // with its update (all or nothing: nothing is lent unless every gradient is here)
+        self.grads.all_here()?;
         let mut jobs = Vec::with_capacity(self.units.len());
         for u in 0..self.units.len() {
             jobs.push(OptimizerJob {

@@ -635,7 +635,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
 /// it offloads), and on a CUDA rank also registered with its context (`cuMemHostRegister`)
 /// so copies from them are asynchronous.
 fn host_pinning(plan: &Plan, compute: tch::Device, rank: usize) -> Result<Pinning, EngineError> {
-    if !plan.zero.offload_optimizer.pin_memory {
+    // as in DeepSpeed, pin_memory concerns state offloaded from the device
+    if !plan.zero.offload_optimizer.pin_memory || plan.zero.offload_optimizer.tier == Tier::Device {
         return Ok(Pinning::default());
     }
     let register = match compute {

@@ -261,7 +261,11 @@ impl<'a> Units<'a> {
                     Some(Ok(old)) if old.len() == padded => old,
                     _ => LowParams::zeros(padded, &self.precision),
                 };
-                all_gather_into(comm, &fresh, &mut full, track)?;
+                if let Err(e) = all_gather_into(comm, &fresh, &mut full, track) {
+                    // the buffer goes back so the unit is never left empty (the run stops)
+                    self.units[u].params = Params::Memory(Arc::new(full));
+                    return Err(e);
+                }
                 self.units[u].spare = Some(fresh);
                 full
             }
@@ -310,7 +314,12 @@ fn all_gather_into<C: Collective>(
         (LowParams::F32(s), LowParams::F32(out)) => comm.all_gather(s, out)?,
         (LowParams::U16(s), LowParams::U16(out)) => comm.all_gather(s, out)?,
         // one engine stores one precision: a shard and its unit always match
-        _ => unreachable!("all-gather between two precisions"),
+        _ => {
+            return Err(EngineError::Invariant {
+                rank: comm.rank(),
+                what: "all-gather between two precisions",
+            })
+        }
     }
     track.record(Phase::AllGather, None, start, bytes);
     Ok(())

@@ -1,0 +1,112 @@
+//! `"auto"` batch sizes. The ds_configs Hugging Face and LLaMA-Factory publish set the
+//! batch keys to `"auto"` for their Trainer to fill in; tierzero is the trainer here, so
+//! it decides: the micro-batch is the largest power of two whose planned device bytes
+//! (`zero::memory::predict`) fit the device budget; accumulation is 1 unless
+//! `train_batch_size` is set (then it makes up the rest); `train_batch_size` follows.
+//! `plan` prints each with what it became and why.
+
+use super::plan::{Accelerator, AutoChoice, DeviceFacts, Plan};
+use super::resolve::AutoBatch;
+
+/// The micro-batch when no device budget bounds it: the Hugging Face Trainer's default
+/// `per_device_train_batch_size`.
+pub const UNBOUNDED_MICRO: usize = 8;
+
+/// The largest micro-batch tried against a budget.
+pub const MAX_MICRO: usize = 1 << 12;
+
+/// Replaces the placeholder batch of an `"auto"` config with tierzero's choice.
+pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
+    let world = plan.world_size;
+    let gib = |b: u64| format!("{:.4} GiB", b as f64 / f64::from(1u32 << 30));
+    if auto.micro {
+        // with train_batch_size set, the micro-batch divides each rank's share of it
+        // (and the given accumulation, if any)
+        let share = auto.tbs_given.map(|t| t / world / auto.gas_given.unwrap_or(1));
+        let candidates: Vec<usize> = (0..=MAX_MICRO.trailing_zeros())
+            .map(|k| 1usize << k)
+            .filter(|m| share.is_none_or(|s| s.is_multiple_of(*m)))
+            .collect();
+        let planned = |micro: usize| {
+            let mut p = plan.clone();
+            p.batch.micro_batch_per_gpu = micro;
+            crate::zero::memory::predict(&p).total
+        };
+        let (budget, budget_key) = match plan.train.accelerator {
+            Accelerator::Cuda => (facts.cuda_memory, "the GPU's memory"),
+            Accelerator::Cpu => (plan.train.device_memory, "train.device_memory"),
+        };
+        let (micro, why) = match budget {
+            None => {
+                let micro = candidates
+                    .iter()
+                    .copied()
+                    .filter(|&m| m <= UNBOUNDED_MICRO)
+                    .max()
+                    .unwrap_or(1);
+                (
+                    micro,
+                    format!(
+                        "no device budget bounds it ({budget_key} unset): the Hugging Face Trainer's default \
+                         per-device batch, {UNBOUNDED_MICRO}{}",
+                        if micro < UNBOUNDED_MICRO { ", or the largest power of two dividing train_batch_size's share" } else { "" }
+                    ),
+                )
+            }
+            Some(budget) => match candidates.iter().copied().filter(|&m| planned(m) <= budget).max() {
+                Some(micro) => (
+                    micro,
+                    format!(
+                        "the largest power of two whose planned device bytes ({}) fit {budget_key} ({})",
+                        gib(planned(micro)),
+                        gib(budget)
+                    ),
+                ),
+                None => (
+                    1,
+                    format!(
+                        "even 1 plans {}, over {budget_key} ({}): lower seq_len or offload more",
+                        gib(planned(1)),
+                        gib(budget)
+                    ),
+                ),
+            },
+        };
+        let gas = match auto.tbs_given {
+            Some(t) => t / (micro * world),
+            None => auto.gas_given.unwrap_or(1),
+        };
+        plan.batch.micro_batch_per_gpu = micro;
+        plan.batch.gradient_accumulation_steps = gas;
+        plan.batch.train_batch_size = micro * gas * world;
+        plan.auto.push(AutoChoice {
+            key: "train_micro_batch_size_per_gpu",
+            value: micro,
+            why,
+        });
+    }
+    let b = plan.batch;
+    if auto.gas {
+        plan.auto.push(AutoChoice {
+            key: "gradient_accumulation_steps",
+            value: b.gradient_accumulation_steps,
+            why: match auto.tbs_given {
+                Some(t) => format!(
+                    "train_batch_size {t} / (micro {} × devices {world})",
+                    b.micro_batch_per_gpu
+                ),
+                None => "no train_batch_size to make up".into(),
+            },
+        });
+    }
+    if auto.tbs {
+        plan.auto.push(AutoChoice {
+            key: "train_batch_size",
+            value: b.train_batch_size,
+            why: format!(
+                "micro {} × accumulation {} × devices {world}",
+                b.micro_batch_per_gpu, b.gradient_accumulation_steps
+            ),
+        });
+    }
+}
