@@ -113,11 +113,13 @@ pub fn plot_breakdown(path: &Path, steps: &[(u64, Breakdown, TierBytes)]) -> Res
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(65)
-        .build_cartesian_2d(first as f64..last as f64, 0.0..highest * 1.3)
+        // headroom above the tallest bar for the legend
+        .build_cartesian_2d(first as f64..last as f64, 0.0..highest * 1.8)
         .map_err(|x| e(&x))?;
     chart
         .configure_mesh()
         .x_desc("optimizer step")
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .y_desc("seconds (phases stacked)")
         .light_line_style(RGBColor(235, 235, 235))
         .label_style(("sans-serif", 13))
@@ -159,22 +161,31 @@ pub fn plot_breakdown(path: &Path, steps: &[(u64, Breakdown, TierBytes)]) -> Res
         .label_font(("sans-serif", 13))
         .draw()
         .map_err(|x| e(&x))?;
-    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
-    let most = steps
+    let largest = steps
         .iter()
-        .map(|(_, _, t)| gib(t.device.max(t.host).max(t.nvme)))
-        .fold(1e-9, f64::max);
+        .map(|(_, _, t)| t.device.max(t.host).max(t.nvme))
+        .max()
+        .unwrap_or(0);
+    // GiB, or MiB for small models
+    let (unit, scale) = if largest >= 1 << 30 {
+        ("GiB", 30)
+    } else {
+        ("MiB", 20)
+    };
+    let gib = |b: u64| b as f64 / (1u64 << scale) as f64;
+    let most = gib(largest).max(1e-9);
     let mut memory = ChartBuilder::on(&bottom)
         .caption("Model state by tier", ("sans-serif", 18))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(65)
-        .build_cartesian_2d(first as f64..last as f64, 0.0..most * 1.3)
+        .build_cartesian_2d(first as f64..last as f64, 0.0..most * 1.6)
         .map_err(|x| e(&x))?;
     memory
         .configure_mesh()
         .x_desc("optimizer step")
-        .y_desc("GiB")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_desc(unit)
         .light_line_style(RGBColor(235, 235, 235))
         .label_style(("sans-serif", 13))
         .draw()
