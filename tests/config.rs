@@ -464,6 +464,15 @@ fn launch_keys_set_the_world_and_refuse_a_bad_node_rank() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("train.devices") && e.contains("from GPU 3 on"), "{e}");
+    // one visible GPU per process (per-task CUDA_VISIBLE_DEVICES): LOCAL_RANK 3 is GPU 0
+    let one = DeviceFacts {
+        cuda_devices: 1,
+        ..gpu
+    };
+    let plan = from_json(base(), &sets(&["train.first_device=3"]), one)
+        .unwrap()
+        .plan;
+    assert_eq!(plan.train.compute_device(0), tch::Device::Cuda(0));
 }
 
 /// DeepSpeed accepts a warm-up longer than the run (it warns): so does tierzero, and the

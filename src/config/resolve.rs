@@ -156,7 +156,15 @@ fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError
             ))
         }
     };
-    let launch = build_launch(&t)?;
+    let mut launch = build_launch(&t)?;
+    // LOCAL_RANK (first_device) numbers the node's GPUs; where each task sees only its own
+    // (per-task CUDA_VISIBLE_DEVICES, as SLURM and Kubernetes set it), they are 0, 1, …
+    if accelerator == Accelerator::Cuda
+        && launch.first_device + devices > facts.cuda_devices
+        && devices == facts.cuda_devices
+    {
+        launch.first_device = 0;
+    }
     if accelerator == Accelerator::Cuda && launch.first_device + devices > facts.cuda_devices {
         return Err(ConfigError::invalid(
             "train.devices",
