@@ -115,16 +115,19 @@ fn resume_on_other_world_sizes_matches_the_uninterrupted_run() {
         let one = plan(1, stage, param, optimizer, 6, &tmp.path().join("one"));
         let last = run(&one, Some(&step_dir(&three, 4)));
         let losses: Vec<f64> = middle.steps.iter().chain(&last.steps).map(|s| s.loss).collect();
+        // tolerances at the measured gap (losses ≤ 1.2e-8, master weights ≤ 4.0e-7
+        // relative: other worlds sum gradients in another order) with room for another
+        // CPU's kernels; a lost moment or weight decay moves them by ~1e-3
         for (a, b) in full.steps[2..].iter().zip(&losses) {
             assert!(
-                (a.loss - b).abs() <= 1e-5 * a.loss.abs(),
+                (a.loss - b).abs() <= 1e-7 * a.loss.abs(),
                 "{what}: step {}: {} vs {b}",
                 a.step,
                 a.loss
             );
         }
         let diff = max_rel_diff(&last.master, &full.master);
-        assert!(diff <= 1e-5, "{what}: master weights differ by {diff:e} relative");
+        assert!(diff <= 2e-6, "{what}: master weights differ by {diff:e} relative");
     }
 }
 
@@ -342,9 +345,10 @@ fn resume_with_another_micro_batch_split_matches_the_uninterrupted_run() {
     let three = split(3, 2, 6, &tmp.path().join("three"));
     let resumed = run(&three, Some(&step_dir(&whole, 2)));
     assert_eq!((full.steps.len(), resumed.steps.len()), (6, 4));
+    // measured: losses within 1.2e-8, master weights 2.3e-7 relative
     for (a, b) in full.steps[2..].iter().zip(&resumed.steps) {
         assert!(
-            (a.loss - b.loss).abs() <= 1e-5 * a.loss.abs(),
+            (a.loss - b.loss).abs() <= 1e-7 * a.loss.abs(),
             "step {}: {} vs {}",
             a.step,
             a.loss,
@@ -352,5 +356,5 @@ fn resume_with_another_micro_batch_split_matches_the_uninterrupted_run() {
         );
     }
     let diff = max_rel_diff(&resumed.master, &full.master);
-    assert!(diff <= 1e-5, "master weights differ by {diff:e} relative");
+    assert!(diff <= 2e-6, "master weights differ by {diff:e} relative");
 }
