@@ -30,8 +30,12 @@ pub enum EngineError {
         rank: usize,
         source: crate::device::cuda::CudaError,
     },
-    #[error("rank {rank}: {source}")]
-    Arena { rank: usize, source: CarveError },
+    #[error("rank {rank}: the {what} arena: {source}")]
+    Arena {
+        rank: usize,
+        what: &'static str,
+        source: CarveError,
+    },
     #[error("rank {rank}: AdamW on unit {unit}: {source}")]
     Adam {
         rank: usize,

@@ -48,21 +48,21 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         partitions: Vec<Range<usize>>,
         pinning: &Pinning,
     ) -> Result<Self, EngineError> {
-        let carve_err = |source| EngineError::Arena { rank, source };
+        let carve_err = |what: &'static str| move |source| EngineError::Arena { rank, what, source };
         let lens: Vec<usize> = parts
             .iter()
             .zip(&partitions)
             .map(|(p, r)| if stage >= 2 { r.len() } else { p.padded })
             .collect();
         let accumulators = Grads::carve(&lens, bf16, pinning)
-            .map_err(carve_err)?
+            .map_err(carve_err("gradient"))?
             .into_iter()
             .map(Accumulator::Here)
             .collect();
         let copies = if stage == 1 {
             let lens: Vec<usize> = partitions.iter().map(|r| r.len()).collect();
             Grads::carve(&lens, false, pinning)
-                .map_err(carve_err)?
+                .map_err(carve_err("stage-1 gradient copy"))?
                 .into_iter()
                 .map(Some)
                 .collect()

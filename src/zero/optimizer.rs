@@ -71,7 +71,11 @@ impl<'a> Optimizer<'a> {
             None => {
                 let lens: Vec<usize> = partitions.iter().flat_map(|r| [r.len(); 3]).collect();
                 let mut slabs = arena::carve::<f32>(&lens, pinning)
-                    .map_err(|source| EngineError::Arena { rank, source })?
+                    .map_err(|source| EngineError::Arena {
+                        rank,
+                        what: "optimizer state",
+                        source,
+                    })?
                     .into_iter();
                 let mut moments = Vec::with_capacity(partitions.len());
                 while let (Some(master), Some(exp_avg), Some(exp_avg_sq)) =
