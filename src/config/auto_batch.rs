@@ -53,12 +53,17 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
                     ),
                 )
             }
-            Some(budget) => match candidates.iter().copied().filter(|&m| planned(m) <= budget).max() {
-                Some(micro) => (
+            Some(budget) => match candidates
+                .iter()
+                .map(|&m| (m, planned(m)))
+                .filter(|&(_, bytes)| bytes <= budget)
+                .max_by_key(|&(m, _)| m)
+            {
+                Some((micro, bytes)) => (
                     micro,
                     format!(
                         "the largest power of two whose planned device bytes ({}) fit {budget_key} ({})",
-                        gib(planned(micro)),
+                        gib(bytes),
                         gib(budget)
                     ),
                 ),

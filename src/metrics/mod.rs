@@ -64,6 +64,20 @@ pub fn register_font() {
     });
 }
 
+/// The legend every picture draws: upper right, on a translucent white box.
+pub(crate) fn draw_legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    size: u32,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", size))
+        .draw()
+}
+
 /// Draws `loss.png`: (step, loss) pairs, optional eval points and floor.
 pub fn plot_loss(
     path: &Path,
@@ -135,14 +149,7 @@ pub fn plot_loss(
             }))
             .map_err(|x| e(&x))?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()
-        .map_err(|x| e(&x))?;
+    draw_legend(&mut chart, 14).map_err(|x| e(&x))?;
     root.present().map_err(|x| e(&x))
 }
 

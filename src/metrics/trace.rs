@@ -153,14 +153,7 @@ pub fn plot_breakdown(path: &Path, steps: &[(u64, Breakdown, TierBytes)]) -> Res
         .map_err(|x| e(&x))?
         .label("step wall time")
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(2)));
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 13))
-        .draw()
-        .map_err(|x| e(&x))?;
+    super::draw_legend(&mut chart, 13).map_err(|x| e(&x))?;
     let largest = steps
         .iter()
         .map(|(_, _, t)| t.device.max(t.host).max(t.nvme))
@@ -205,13 +198,6 @@ pub fn plot_breakdown(path: &Path, steps: &[(u64, Breakdown, TierBytes)]) -> Res
             .label(name)
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
     }
-    memory
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 13))
-        .draw()
-        .map_err(|x| e(&x))?;
+    super::draw_legend(&mut memory, 13).map_err(|x| e(&x))?;
     root.present().map_err(|x| e(&x))
 }

@@ -52,7 +52,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         let lens: Vec<usize> = parts
             .iter()
             .zip(&partitions)
-            .map(|(p, r)| if stage >= 2 { r.len() } else { p.padded })
+            .map(|(p, r)| accumulator_len(stage, p, r))
             .collect();
         let accumulators = Grads::carve(&lens, bf16, pinning)
             .map_err(carve_err("gradient"))?
@@ -299,17 +299,24 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         }
     }
 
+    /// Bytes of unit `u`'s accumulator, wherever it is now.
+    pub(super) fn unit_bytes(&self, u: usize) -> usize {
+        let elem = if self.bf16 { 2 } else { 4 };
+        elem * accumulator_len(self.stage, &self.parts[u], &self.partitions[u])
+    }
+
     /// Host bytes of the accumulators, wherever they are now.
     pub(super) fn bytes(&self) -> usize {
-        let elem = if self.bf16 { 2 } else { 4 };
-        (0..self.parts.len())
-            .map(|u| {
-                elem * if self.stage >= 2 {
-                    self.partitions[u].len()
-                } else {
-                    self.parts[u].padded
-                }
-            })
-            .sum()
+        (0..self.parts.len()).map(|u| self.unit_bytes(u)).sum()
+    }
+}
+
+/// Elements of a unit's accumulator: its optimizer partition at stages 2–3 (gradients
+/// are reduce-scattered into it), the whole padded unit at 0–1.
+fn accumulator_len(stage: u8, part: &Partition, partition: &Range<usize>) -> usize {
+    if stage >= 2 {
+        partition.len()
+    } else {
+        part.padded
     }
 }

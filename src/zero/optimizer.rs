@@ -111,9 +111,9 @@ impl<'a> Optimizer<'a> {
         exp_avg_sq: &[f32],
     ) -> Result<(), EngineError> {
         let initial = [
-            (State::Master, master),
-            (State::ExpAvg, exp_avg),
-            (State::ExpAvgSq, exp_avg_sq),
+            (self.key(u, State::Master), master),
+            (self.key(u, State::ExpAvg), exp_avg),
+            (self.key(u, State::ExpAvgSq), exp_avg_sq),
         ];
         match &mut self.moments[u] {
             Moments::Memory(state) => {
@@ -124,12 +124,7 @@ impl<'a> Optimizer<'a> {
             }
             Moments::Nvme(tier) => {
                 let (store, mut scratch) = (tier.store, tier.pool.lease());
-                for (which, data) in initial {
-                    let key = TensorKey {
-                        unit: u as u32,
-                        rank: self.on.0 as u32,
-                        state: which,
-                    };
+                for (key, data) in initial {
                     scratch = store
                         .write_tensor(key, f32_bytes(data), scratch)
                         .map_err(self.on.io())?;

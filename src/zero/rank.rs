@@ -217,9 +217,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 held.push(device.reserve(bytes, &format!("parameters of unit {u}"))?);
             }
             if plan.zero.offload_optimizer.tier == Tier::Device {
-                let len = if stage >= 2 { partition.len() } else { part.padded };
-                let grad_bytes = len * if bf16_grads { 2 } else { 4 };
-                held.push(device.reserve(grad_bytes as u64, &format!("gradients of unit {u}"))?);
+                let grad_bytes = grads.unit_bytes(u) as u64;
+                held.push(device.reserve(grad_bytes, &format!("gradients of unit {u}"))?);
                 let state_bytes = 12 * partition.len() as u64;
                 held.push(device.reserve(state_bytes, &format!("optimizer state of unit {u}"))?);
             }
