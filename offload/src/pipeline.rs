@@ -3,11 +3,13 @@
 //! DeepSpeed's `PipelinedOptimizerSwapper` (`runtime/swap_tensor/`) in three stages joined
 //! by bounded crossbeam channels:
 //!
-//! 1. the reader leases a buffer set (master, exp_avg, exp_avg_sq) and submits the three
-//!    chunk reads of the next sub-group;
+//! 1. the reader leases a buffer set (master, exp_avg, exp_avg_sq, and the gradient when
+//!    it is stored beside them, as DeepSpeed's optimizer swapper keeps it) and submits
+//!    the chunk reads of the next sub-group;
 //! 2. the updater waits for them (checksums verified), runs the SIMD AdamW on the
-//!    sub-group with its gradient and low-precision output in host memory, and submits
-//!    the three writes;
+//!    sub-group with its gradient (from host memory or the store) and low-precision
+//!    output in host memory, and submits the three state writes (a gradient is read
+//!    only);
 //! 3. the completer waits for the writes (checksums recorded) and returns the set.
 //!
 //! At most `buffer_count` sets exist, so memory is bounded and the reader runs at most
@@ -30,8 +32,53 @@ pub struct SubGroup<'a> {
     pub unit: u32,
     pub rank: u32,
     pub chunk: usize,
-    pub grad: GradSlice<'a>,
+    pub grad: GradIn<'a>,
     pub low: LowPrecisionOut<'a>,
+}
+
+/// Where a sub-group's gradient is.
+#[derive(Clone, Copy, Debug)]
+pub enum GradIn<'a> {
+    Host(GradSlice<'a>),
+    /// `len` elements in the store under (unit, rank, [`State::Grad`]), chunked as the
+    /// optimizer state is, in bf16 or fp32: read beside the state.
+    Stored {
+        len: usize,
+        bf16: bool,
+    },
+}
+
+impl<'a> GradIn<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            GradIn::Host(g) => g.len(),
+            GradIn::Stored { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn split_at(self, mid: usize) -> (Self, Self) {
+        match self {
+            GradIn::Host(g) => {
+                let (a, b) = g.split_at(mid);
+                (GradIn::Host(a), GradIn::Host(b))
+            }
+            GradIn::Stored { len, bf16 } => (
+                GradIn::Stored { len: mid, bf16 },
+                GradIn::Stored { len: len - mid, bf16 },
+            ),
+        }
+    }
+
+    fn stored_bytes(&self, store: &SwapStore) -> Option<usize> {
+        match self {
+            GradIn::Host(_) => None,
+            GradIn::Stored { bf16, .. } => Some(store.chunk_bytes(if *bf16 { 2 } else { 4 })),
+        }
+    }
 }
 
 impl SubGroup<'_> {
@@ -50,7 +97,7 @@ pub fn sub_groups<'a>(
     unit: u32,
     rank: u32,
     chunk_elems: usize,
-    grad: GradSlice<'a>,
+    grad: GradIn<'a>,
     low: LowPrecisionOut<'a>,
 ) -> Vec<SubGroup<'a>> {
     let mut groups = Vec::with_capacity(grad.len().div_ceil(chunk_elems.max(1)));
@@ -96,10 +143,16 @@ pub struct PipelineReport {
     pub total: Duration,
 }
 
-/// A pool big enough for `buffer_count` sets of one chunk of each optimizer state.
-pub fn buffer_pool_for(store: &SwapStore, buffer_count: usize) -> Result<BufferPool, IoError> {
+/// A pool big enough for `buffer_count` sets of one chunk of each optimizer state, and of
+/// the gradient when `stored_gradients`.
+pub fn buffer_pool_for(
+    store: &SwapStore,
+    buffer_count: usize,
+    stored_gradients: bool,
+) -> Result<BufferPool, IoError> {
     let bytes = store.chunk_bytes(4);
-    BufferPool::new(3 * buffer_count.max(1), bytes).map_err(|e| IoError::Store {
+    let per_set = 3 + usize::from(stored_gradients);
+    BufferPool::new(per_set * buffer_count.max(1), bytes).map_err(|e| IoError::Store {
         path: store.dir().to_path_buf(),
         message: e.to_string(),
     })
@@ -124,10 +177,18 @@ impl FirstError {
     }
 }
 
-fn submit_reads(store: &SwapStore, pool: &BufferPool, group: (u32, u32, usize)) -> Result<Reads, IoError> {
+/// The reads of one sub-group's optimizer state, and of its gradient when `grad`.
+fn submit_reads(
+    store: &SwapStore,
+    pool: &BufferPool,
+    group: (u32, u32, usize),
+    grad: bool,
+) -> Result<Reads, IoError> {
     let (unit, rank, chunk) = group;
+    let gradient = grad.then_some(State::Grad);
     State::OPTIMIZER
         .iter()
+        .chain(gradient.iter())
         .map(|&state| {
             let key = TensorKey { unit, rank, state };
             store.read_async(key, chunk, pool.lease()).map_err(|(e, _)| e)
@@ -136,7 +197,7 @@ fn submit_reads(store: &SwapStore, pool: &BufferPool, group: (u32, u32, usize)) 
 }
 
 fn wait_all_reads(reads: Reads) -> Result<Vec<IoBuf>, IoError> {
-    let mut buffers = Vec::with_capacity(3);
+    let mut buffers = Vec::with_capacity(reads.len());
     let mut first = None;
     for read in reads {
         match read.wait() {
@@ -187,8 +248,8 @@ impl Observer for Unobserved {
     fn leg(&self, _: Leg, _: u32, _: Instant, _: Instant, _: u64) {}
 }
 
-/// Runs AdamW over every sub-group, streaming the optimizer state through `pool`.
-/// The pool's buffers must hold one chunk of fp32 ([`buffer_pool_for`]).
+/// Runs AdamW over every sub-group, streaming the optimizer state (and stored gradients)
+/// through `pool`. The pool's buffers must hold one chunk of fp32 ([`buffer_pool_for`]).
 pub fn nvme_adam_step(
     store: &SwapStore,
     pool: &BufferPool,
@@ -212,14 +273,17 @@ pub fn nvme_adam_step_observed(
 ) -> Result<PipelineReport, IoError> {
     let start = Instant::now();
     let sets = config.buffer_count.max(1);
-    let order: Vec<(u32, u32, usize)> = groups.iter().map(|g| (g.unit, g.rank, g.chunk)).collect();
+    let order: Vec<((u32, u32, usize), Option<usize>)> = groups
+        .iter()
+        .map(|g| ((g.unit, g.rank, g.chunk), g.grad.stored_bytes(store)))
+        .collect();
     let error = FirstError(Mutex::new(None));
     let report = Mutex::new(PipelineReport {
         sub_groups: groups.len(),
         ..PipelineReport::default()
     });
     let group_bytes = 3 * store.chunk_bytes(4) as u64;
-    let (to_wait, submitted) = crossbeam_channel::bounded::<(u32, Instant, Reads)>(sets);
+    let (to_wait, submitted) = crossbeam_channel::bounded::<(u32, Instant, Reads, u64)>(sets);
     let (to_update, updates) = crossbeam_channel::bounded::<Result<Vec<IoBuf>, IoError>>(sets);
     let (to_complete, completions) = crossbeam_channel::bounded::<(u32, Instant, Writes<'_>)>(sets);
     // without pipeline_read the reader waits for this after each sub-group
@@ -247,10 +311,10 @@ pub fn nvme_adam_step_observed(
         let read_waiter = scope.spawn(|| {
             let to_update = to_update; // closes the updater's channel when done
             let mut last_end = start;
-            for (unit, submit, reads) in submitted {
+            for (unit, submit, reads, bytes) in submitted {
                 let result = wait_all_reads(reads);
                 let end = Instant::now();
-                observer.leg(Leg::Read, unit, submit.max(last_end), end, group_bytes);
+                observer.leg(Leg::Read, unit, submit.max(last_end), end, bytes);
                 last_end = end;
                 if to_update.send(result).is_err() {
                     error.set(IoError::Store {
@@ -288,11 +352,25 @@ pub fn nvme_adam_step_observed(
                 else {
                     break;
                 };
+                // a stored gradient's buffer goes back to the pool after the update
+                let stored = buffers.next();
+                let grad = match (group.grad, &stored) {
+                    (GradIn::Host(g), _) => g,
+                    (GradIn::Stored { bf16: true, .. }, Some(b)) => GradSlice::Bf16(b.typed::<u16>(n)),
+                    (GradIn::Stored { bf16: false, .. }, Some(b)) => GradSlice::F32(b.typed::<f32>(n)),
+                    (GradIn::Stored { .. }, None) => {
+                        error.set(IoError::Store {
+                            path: store.dir().to_path_buf(),
+                            message: format!("unit {} chunk {chunk}: its gradient was not read", group.unit),
+                        });
+                        break;
+                    }
+                };
                 let sweep = Sweep {
                     master: master.typed_mut::<f32>(n),
                     exp_avg: exp_avg.typed_mut::<f32>(n),
                     exp_avg_sq: exp_avg_sq.typed_mut::<f32>(n),
-                    grad: group.grad,
+                    grad,
                     low: group.low,
                 };
                 let found = match adam::step(coefficients, sweep) {
@@ -320,7 +398,7 @@ pub fn nvme_adam_step_observed(
                     r.found_non_finite |= found;
                     r.read_wait += read_wait;
                     r.update += update;
-                    r.bytes_read += 3 * store.chunk_bytes(4) as u64;
+                    r.bytes_read += group_bytes + group.grad.stored_bytes(store).unwrap_or(0) as u64;
                     r.bytes_written += 3 * store.chunk_bytes(4) as u64;
                 }
                 if config.pipeline_write {
@@ -353,7 +431,7 @@ pub fn nvme_adam_step_observed(
         });
 
         // stage 1 (this thread): read ahead
-        for (i, &group) in order.iter().enumerate() {
+        for (i, &(group, grad_bytes)) in order.iter().enumerate() {
             if error.is_set() {
                 break;
             }
@@ -361,9 +439,10 @@ pub fn nvme_adam_step_observed(
                 break;
             }
             let submit = Instant::now();
-            match submit_reads(store, pool, group) {
+            match submit_reads(store, pool, group, grad_bytes.is_some()) {
                 Ok(reads) => {
-                    if to_wait.send((group.0, submit, reads)).is_err() {
+                    let bytes = group_bytes + grad_bytes.unwrap_or(0) as u64;
+                    if to_wait.send((group.0, submit, reads, bytes)).is_err() {
                         break;
                     }
                 }
@@ -437,7 +516,7 @@ pub fn read_only(
     stream(
         pool.count() / 3,
         groups,
-        |group| submit_reads(store, pool, group),
+        |group| submit_reads(store, pool, group, false),
         |reads| wait_all_reads(reads).map(drop),
     )
 }

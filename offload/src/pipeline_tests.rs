@@ -5,7 +5,7 @@ use crate::adam::{self, AdamHyper, GradSlice, LowPrecisionOut, Sweep};
 use crate::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
 use crate::nvme::tests::{engines, test_dir};
 use crate::nvme::{BlockIo, IoError};
-use crate::pipeline::{buffer_pool_for, nvme_adam_step, sub_groups, PipelineConfig, SubGroup};
+use crate::pipeline::{buffer_pool_for, nvme_adam_step, sub_groups, GradIn, PipelineConfig, SubGroup};
 use crate::pool::IoBuf;
 use std::io::{Seek, SeekFrom, Write};
 use std::sync::Arc;
@@ -15,15 +15,18 @@ fn specs(units: &[usize], rank: u32) -> Vec<TensorSpec> {
         .iter()
         .enumerate()
         .flat_map(|(unit, &numel)| {
-            State::OPTIMIZER.into_iter().map(move |state| TensorSpec {
-                key: TensorKey {
-                    unit: unit as u32,
-                    rank,
-                    state,
-                },
-                numel,
-                elem_bytes: 4,
-            })
+            State::OPTIMIZER
+                .into_iter()
+                .chain([State::Grad])
+                .map(move |state| TensorSpec {
+                    key: TensorKey {
+                        unit: unit as u32,
+                        rank,
+                        state,
+                    },
+                    numel,
+                    elem_bytes: 4,
+                })
         })
         .collect()
 }
@@ -56,6 +59,7 @@ fn store_with(engine: Arc<dyn BlockIo>, dir: &std::path::Path, units: &[usize], 
 
 #[test]
 fn pipeline_equals_in_memory_adamw_bit_for_bit() {
+    // the (2, true, false) runs read their gradients from the store, beside the state
     let dir = test_dir();
     // three units, the last with a ragged tail; chunks of 4096 elements
     let units = [10_000usize, 4096, 9_999];
@@ -87,7 +91,8 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
                 }
                 memory.push(state);
             }
-            let pool = buffer_pool_for(&store, buffer_count).unwrap();
+            let stored = buffer_count == 2;
+            let pool = buffer_pool_for(&store, buffer_count, stored).unwrap();
             let hyper = AdamHyper {
                 lr: 1e-2,
                 weight_decay: 0.1,
@@ -120,13 +125,21 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
                 // on nvme, sub-group by sub-group
                 let mut groups = Vec::new();
                 for (u, (grad, low)) in grads.iter().zip(low_nvme.iter_mut()).enumerate() {
-                    let unit = sub_groups(
-                        u as u32,
-                        0,
-                        store.chunk_elems(),
-                        GradSlice::F32(grad),
-                        LowPrecisionOut::Bf16(low),
-                    );
+                    let grad = if stored {
+                        let key = TensorKey {
+                            unit: u as u32,
+                            rank: 0,
+                            state: State::Grad,
+                        };
+                        scratch = store.write_tensor(key, as_bytes(grad), scratch).unwrap();
+                        GradIn::Stored {
+                            len: grad.len(),
+                            bf16: false,
+                        }
+                    } else {
+                        GradIn::Host(GradSlice::F32(grad))
+                    };
+                    let unit = sub_groups(u as u32, 0, store.chunk_elems(), grad, LowPrecisionOut::Bf16(low));
                     let key = TensorKey {
                         unit: u as u32,
                         rank: 0,
@@ -245,14 +258,14 @@ fn pipeline_stops_with_the_error_instead_of_hanging() {
     let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     f.seek(SeekFrom::Start(5 * 16384)).unwrap();
     f.write_all(&[1]).unwrap();
-    let pool = buffer_pool_for(&store, 2).unwrap();
+    let pool = buffer_pool_for(&store, 2, false).unwrap();
     let grad = vec![0.1f32; 8 * 4096];
     let groups = (0..8)
         .map(|chunk| SubGroup {
             unit: 0,
             rank: 0,
             chunk,
-            grad: GradSlice::F32(&grad[chunk * 4096..][..4096]),
+            grad: GradIn::Host(GradSlice::F32(&grad[chunk * 4096..][..4096])),
             low: LowPrecisionOut::None,
         })
         .collect();

@@ -69,8 +69,8 @@ pub fn run(args: &SwapBenchArgs) -> anyhow::Result<SwapReport> {
         .collect();
     let name = format!(".tierzero-bench-swap-{}", std::process::id());
     let store = SwapStore::create(&args.dir, &name, engine.clone(), &specs, args.sub_group_size)?;
-    let pool = pipeline::buffer_pool_for(&store, args.buffer_count)?;
-    let twin_pool = pipeline::buffer_pool_for(&store, args.buffer_count)?;
+    let pool = pipeline::buffer_pool_for(&store, args.buffer_count, false)?;
+    let twin_pool = pipeline::buffer_pool_for(&store, args.buffer_count, false)?;
     let chunks = store.chunks(specs[0].key)?;
     let groups: Vec<(u32, u32, usize)> = (0..chunks).map(|c| (0, 0, c)).collect();
     let twin_groups: Vec<(u32, u32, usize)> = (0..chunks).map(|c| (1, 0, c)).collect();
@@ -116,7 +116,7 @@ pub fn run(args: &SwapBenchArgs) -> anyhow::Result<SwapReport> {
             0,
             0,
             store.chunk_elems(),
-            GradSlice::F32(&grad),
+            pipeline::GradIn::Host(GradSlice::F32(&grad)),
             LowPrecisionOut::Bf16(&mut low),
         );
         let config = PipelineConfig {

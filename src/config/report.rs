@@ -40,15 +40,13 @@ pub fn model_states(plan: &Plan) -> Vec<StateRow> {
         },
         StateRow {
             state: "gradients",
-            // the fp32 gradient shard sits next to the optimizer state; with the state on
-            // NVMe it is accumulated in pinned host memory, as DeepSpeed does
-            tier: match (stage >= 2, optimizer_tier) {
-                (false, _) => Tier::Device,
-                (true, Tier::Nvme) => Tier::Cpu,
-                (true, tier) => tier,
-            },
+            // the gradient shard sits next to the optimizer state, on NVMe too (as
+            // DeepSpeed's optimizer swapper keeps it), there in bf16 when the run trains
+            // in bf16 without accumulation
+            tier: if stage >= 2 { optimizer_tier } else { Tier::Device },
             bytes_per_rank: if stage >= 2 {
-                per_rank(4, true)
+                let bf16 = crate::zero::rank::bf16_gradients(plan);
+                per_rank(if bf16 { 2 } else { 4 }, true)
             } else {
                 per_rank(low, false)
             },

@@ -1,28 +1,71 @@
 //! The owner of a rank's gradient accumulators: one per unit (the optimizer partition at
-//! stages 2–3, the whole padded unit at 0–1), each either here or lent — to the reduce
-//! lane while a reduce-scatter adds into it, or to the optimizer lane while AdamW reads
-//! it — and the reduce lane's end on the compute thread.
+//! stages 2–3, the whole padded unit at 0–1), each in host memory, or in the optimizer's
+//! swap store on NVMe (stages 2–3 with the optimizer state there, `grad_store.rs`), or
+//! lent — to the reduce lane while a reduce-scatter adds into it, or to the optimizer lane
+//! while AdamW reads it — and the reduce lane's end on the compute thread.
 
-use super::error::EngineError;
+use super::error::{EngineError, On};
+use super::grad_store::{Acc, GradStream};
 use super::grads::Grads;
 use super::partition::Partition;
-use super::reduce::{reduce_into, ChunkBuffers, Reducer, Target, CHUNK_LIMIT};
+use super::reduce::{reduce_into, ChunkBuffers, Reducer, Target, CHUNK_LIMIT, DEPTH};
 use crate::comm::{Collective, ReduceOp};
 use crate::metrics::timeline::Track;
 use std::ops::Range;
 use tch::Tensor;
 use tierzero_offload::arena::Pinning;
+use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
+use tierzero_offload::pool::BufferPool;
 
 /// Where a unit's accumulator is.
 #[derive(Debug)]
 pub(super) enum Accumulator {
     Here(Grads),
+    /// In the swap store under (unit, rank, [`State::Grad`]).
+    Nvme(Stored),
     /// On a lane (named), coming back with its job.
     Lent(&'static str),
 }
 
+/// What the store holds of a unit's gradient this step.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Stored {
+    /// Nothing yet: the gradient is zero.
+    Nothing,
+    /// The whole partition, with its Σg².
+    Whole { sum_squares: f64 },
+}
+
+/// A unit's final gradient as the optimizer lane reads it.
+#[derive(Debug)]
+pub(super) enum FinalGrad {
+    Here(Grads),
+    /// `len` elements in the optimizer's swap store, bf16 or fp32.
+    Stored {
+        len: usize,
+        bf16: bool,
+    },
+}
+
+impl FinalGrad {
+    pub(super) fn len(&self) -> usize {
+        match self {
+            FinalGrad::Here(g) => g.len(),
+            FinalGrad::Stored { len, .. } => *len,
+        }
+    }
+}
+
+/// The NVMe tier of gradients: the optimizer's swap store and one chunk buffer per
+/// reduction in flight.
+struct NvmeGrads<'a> {
+    store: &'a SwapStore,
+    chunks: BufferPool,
+}
+
 pub(super) struct Gradients<'a, C: Collective> {
     accumulators: Vec<Accumulator>,
+    nvme: Option<NvmeGrads<'a>>,
     /// Stage 1: the buffers the optimizer partition is copied into for the optimizer
     /// lane (the replica's accumulator stays here, whole); None while lent.
     copies: Vec<Option<Grads>>,
@@ -40,25 +83,38 @@ pub(super) struct Gradients<'a, C: Collective> {
 }
 
 impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
-    /// Every unit's accumulator, zeroed, in one arena (and at stage 1 the partition
-    /// copies in another), allocated here once for the run.
+    /// Every unit's accumulator, zeroed: in `nvme` (stages 2–3) with a chunk buffer per
+    /// reduction in flight, else in one arena (and at stage 1 the partition copies in
+    /// another), allocated here once for the run.
     pub(super) fn new(
         (stage, rank, bf16): (u8, usize, bool),
         parts: Vec<Partition>,
         partitions: Vec<Range<usize>>,
         pinning: &Pinning,
+        nvme: Option<&'a SwapStore>,
     ) -> Result<Self, EngineError> {
         let carve_err = |what: &'static str| move |source| EngineError::Arena { rank, what, source };
-        let lens: Vec<usize> = parts
-            .iter()
-            .zip(&partitions)
-            .map(|(p, r)| accumulator_len(stage, p, r))
-            .collect();
-        let accumulators = Grads::carve(&lens, bf16, pinning)
-            .map_err(carve_err("gradient"))?
-            .into_iter()
-            .map(Accumulator::Here)
-            .collect();
+        let (accumulators, nvme) = match nvme.filter(|_| stage >= 2) {
+            Some(store) => {
+                // one buffer for each reduction on the lane and one for the compute thread's
+                let chunks = BufferPool::new(DEPTH + 1, store.chunk_bytes(4)).map_err(On(rank).alloc())?;
+                let stored = parts.iter().map(|_| Accumulator::Nvme(Stored::Nothing)).collect();
+                (stored, Some(NvmeGrads { store, chunks }))
+            }
+            None => {
+                let lens: Vec<usize> = parts
+                    .iter()
+                    .zip(&partitions)
+                    .map(|(p, r)| accumulator_len(stage, p, r))
+                    .collect();
+                let here = Grads::carve(&lens, bf16, pinning)
+                    .map_err(carve_err("gradient"))?
+                    .into_iter()
+                    .map(Accumulator::Here)
+                    .collect();
+                (here, None)
+            }
+        };
         let copies = if stage == 1 {
             let lens: Vec<usize> = partitions.iter().map(|r| r.len()).collect();
             Grads::carve(&lens, false, pinning)
@@ -71,6 +127,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         };
         Ok(Gradients {
             accumulators,
+            nvme,
             copies,
             parts,
             partitions,
@@ -83,24 +140,76 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     }
 
     fn here(&mut self, u: usize) -> Result<&mut Grads, EngineError> {
+        let rank = self.rank;
         match &mut self.accumulators[u] {
             Accumulator::Here(g) => Ok(g),
-            Accumulator::Lent(lane) => Err(EngineError::Lent {
-                rank: self.rank,
-                unit: u,
-                lane,
+            Accumulator::Lent(lane) => Err(EngineError::Lent { rank, unit: u, lane }),
+            Accumulator::Nvme(_) => Err(EngineError::Invariant {
+                rank,
+                what: "a host gradient wanted where the gradients are on NVMe",
             }),
         }
     }
 
     /// Zeroes every accumulator here for a new step (one lent to the optimizer comes
-    /// back zeroed).
+    /// back zeroed; a stored one starts again from nothing).
     pub(super) fn zero(&mut self) {
         for acc in &mut self.accumulators {
-            if let Accumulator::Here(g) = acc {
-                g.fill_zero();
+            match acc {
+                Accumulator::Here(g) => g.fill_zero(),
+                Accumulator::Nvme(stored) => *stored = Stored::Nothing,
+                Accumulator::Lent(_) => {}
             }
         }
+    }
+
+    fn key(&self, u: usize) -> TensorKey {
+        TensorKey {
+            unit: u as u32,
+            rank: self.rank as u32,
+            state: State::Grad,
+        }
+    }
+
+    /// Unit `u`'s accumulator for a reduction on `lane`: the buffer itself, or a stream
+    /// into the store (reading back what an earlier micro-batch stored). Lent until
+    /// [`Self::settle`].
+    fn lend(&mut self, u: usize, lane: &'static str) -> Result<Acc<'a>, EngineError> {
+        let stored = match std::mem::replace(&mut self.accumulators[u], Accumulator::Lent(lane)) {
+            Accumulator::Here(g) => return Ok(Acc::Here(g)),
+            Accumulator::Nvme(stored) => stored,
+            lent => {
+                self.accumulators[u] = lent;
+                return Err(self.lent(u));
+            }
+        };
+        let key = self.key(u);
+        let buf = self.nvme.as_ref().and_then(|n| n.chunks.try_lease());
+        match (&self.nvme, buf) {
+            (Some(nvme), Some(buf)) => {
+                let fresh = matches!(stored, Stored::Nothing);
+                let stream = GradStream::new(On(self.rank), nvme.store, key, self.bf16, fresh, buf);
+                Ok(Acc::Stream(stream))
+            }
+            _ => {
+                self.accumulators[u] = Accumulator::Nvme(stored);
+                Err(EngineError::Invariant {
+                    rank: self.rank,
+                    what: "more gradient streams than chunk buffers (one per reduction in flight)",
+                })
+            }
+        }
+    }
+
+    /// An accumulator back from a reduction (`ok`: it completed).
+    fn settle(&mut self, u: usize, acc: Acc<'a>, ok: bool) {
+        self.accumulators[u] = match acc {
+            Acc::Here(g) => Accumulator::Here(g),
+            Acc::Stream(s) if ok => Accumulator::Nvme(Stored::Whole {
+                sum_squares: s.sum_squares(),
+            }),
+            Acc::Stream(_) => Accumulator::Nvme(Stored::Nothing),
+        };
     }
 
     /// Reduces through `reducer` (the reduce lane) until [`Self::stop_reducing`].
@@ -140,14 +249,10 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             while self.reducer.as_ref().is_some_and(|r| r.holds(u)) {
                 self.take_one(true)?;
             }
-            let acc = std::mem::replace(&mut self.accumulators[u], Accumulator::Lent("reduce"));
-            let Accumulator::Here(acc) = acc else {
-                self.accumulators[u] = acc;
-                return Err(self.lent(u));
-            };
+            let acc = self.lend(u, "reduce")?;
             if let Some(reducer) = self.reducer.as_mut() {
                 if let Some((v, back)) = reducer.send(u, grad.shallow_clone(), part, acc)? {
-                    self.accumulators[v] = Accumulator::Here(back);
+                    self.settle(v, back, true);
                 }
             }
             return self.absorb(false);
@@ -157,26 +262,27 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         } else {
             Target::Replica
         };
-        let Accumulator::Here(acc) = &mut self.accumulators[u] else {
-            return Err(self.lent(u));
-        };
-        reduce_into(
+        let mut acc = self.lend(u, "compute")?;
+        let result = reduce_into(
             comm,
             target,
             u,
             grad,
             part,
-            acc,
+            &mut acc,
             &mut self.chunk_buffers,
             track,
             CHUNK_LIMIT,
         )
+        .and_then(|()| acc.finish());
+        self.settle(u, acc, result.is_ok());
+        result
     }
 
     fn lent(&self, u: usize) -> EngineError {
         let lane = match self.accumulators[u] {
             Accumulator::Lent(lane) => lane,
-            Accumulator::Here(_) => "compute",
+            Accumulator::Here(_) | Accumulator::Nvme(_) => "compute",
         };
         EngineError::Lent {
             rank: self.rank,
@@ -193,7 +299,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         };
         match reducer.take(wait)? {
             Some((u, acc)) => {
-                self.accumulators[u] = Accumulator::Here(acc);
+                self.settle(u, acc, true);
                 Ok(true)
             }
             None => Ok(false),
@@ -240,10 +346,12 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     pub(super) fn sum_squares(&mut self) -> Result<f64, EngineError> {
         let mut sum = 0.0;
         for u in 0..self.accumulators.len() {
-            let Accumulator::Here(acc) = &self.accumulators[u] else {
-                return Err(self.lent(u));
+            sum += match &self.accumulators[u] {
+                Accumulator::Here(acc) => acc.sum_squares(self.read_range(u, acc)),
+                Accumulator::Nvme(Stored::Whole { sum_squares }) => *sum_squares,
+                Accumulator::Nvme(Stored::Nothing) => 0.0,
+                Accumulator::Lent(_) => return Err(self.lent(u)),
             };
-            sum += acc.sum_squares(self.read_range(u, acc));
         }
         Ok(sum)
     }
@@ -262,8 +370,9 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     }
 
     /// Unit `u`'s final gradient for the optimizer lane: the accumulator itself (lent
-    /// until [`Self::take_back`]), or at stage 1 a copy of its partition.
-    pub(super) fn lend_to_optimizer(&mut self, u: usize) -> Result<Grads, EngineError> {
+    /// until [`Self::take_back`]), or at stage 1 a copy of its partition, or where it
+    /// is in the store (zeros written first if nothing was).
+    pub(super) fn lend_to_optimizer(&mut self, u: usize) -> Result<FinalGrad, EngineError> {
         if self.stage == 1 {
             let range = self.partitions[u].clone();
             self.here(u)?;
@@ -277,37 +386,60 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             if let (Grads::F32(copy), Grads::F32(grad)) = (&mut copy, &*self.here(u)?) {
                 copy.copy_from_slice(&grad[range]);
             }
-            return Ok(copy);
+            return Ok(FinalGrad::Here(copy));
+        }
+        if let Accumulator::Nvme(Stored::Nothing) = self.accumulators[u] {
+            let mut zeros = self.lend(u, "compute")?;
+            let result = zeros.finish();
+            self.settle(u, zeros, result.is_ok());
+            result?;
         }
         match std::mem::replace(&mut self.accumulators[u], Accumulator::Lent("optimizer")) {
-            Accumulator::Here(g) => Ok(g),
-            lent => {
-                self.accumulators[u] = lent;
+            Accumulator::Here(g) => Ok(FinalGrad::Here(g)),
+            Accumulator::Nvme(Stored::Whole { .. }) => Ok(FinalGrad::Stored {
+                len: self.partitions[u].len(),
+                bf16: self.bf16,
+            }),
+            other => {
+                self.accumulators[u] = other;
                 Err(self.lent(u))
             }
         }
     }
 
     /// A gradient back from the optimizer lane: zeroed for the next step, or (stage 1)
-    /// kept as the buffer of the next partition copy.
-    pub(super) fn take_back(&mut self, u: usize, mut grad: Grads) {
-        if self.stage == 1 {
-            self.copies[u] = Some(grad);
-        } else {
-            grad.fill_zero();
-            self.accumulators[u] = Accumulator::Here(grad);
-        }
+    /// kept as the buffer of the next partition copy, or (stored) nothing this step.
+    pub(super) fn take_back(&mut self, u: usize, grad: FinalGrad) {
+        self.accumulators[u] = match grad {
+            FinalGrad::Here(grad) if self.stage == 1 => {
+                self.copies[u] = Some(grad);
+                return;
+            }
+            FinalGrad::Here(mut grad) => {
+                grad.fill_zero();
+                Accumulator::Here(grad)
+            }
+            FinalGrad::Stored { .. } => Accumulator::Nvme(Stored::Nothing),
+        };
     }
 
-    /// Bytes of unit `u`'s accumulator, wherever it is now.
+    /// Host bytes of unit `u`'s accumulator, wherever it is now (none when stored).
     pub(super) fn unit_bytes(&self, u: usize) -> usize {
+        if self.nvme.is_some() {
+            return 0;
+        }
         let elem = if self.bf16 { 2 } else { 4 };
         elem * accumulator_len(self.stage, &self.parts[u], &self.partitions[u])
     }
 
-    /// Host bytes of the accumulators, wherever they are now.
+    /// Host bytes of the accumulators, wherever they are now, and of the chunk buffers
+    /// of stored ones.
     pub(super) fn bytes(&self) -> usize {
-        (0..self.parts.len()).map(|u| self.unit_bytes(u)).sum()
+        let chunks = self
+            .nvme
+            .as_ref()
+            .map_or(0, |n| n.chunks.count() * n.chunks.buffer_bytes());
+        chunks + (0..self.parts.len()).map(|u| self.unit_bytes(u)).sum::<usize>()
     }
 }
 

@@ -78,24 +78,16 @@ impl Grads {
     /// `self[offset + i] += x[i]` (bf16: added in fp32, rounded once).
     pub fn add(&mut self, offset: usize, x: &[f32]) {
         match self {
-            Grads::F32(g) => {
-                for (g, &x) in g[offset..offset + x.len()].iter_mut().zip(x) {
-                    *g += x;
-                }
-            }
-            Grads::Bf16(g) => {
-                for (g, &x) in g[offset..offset + x.len()].iter_mut().zip(x) {
-                    *g = f32_to_bf16(bf16_to_f32(*g) + x);
-                }
-            }
+            Grads::F32(g) => add_f32(&mut g[offset..offset + x.len()], x),
+            Grads::Bf16(g) => add_bf16(&mut g[offset..offset + x.len()], x),
         }
     }
 
     /// Σ g² over `range`, in f64.
     pub fn sum_squares(&self, range: std::ops::Range<usize>) -> f64 {
         match self {
-            Grads::F32(g) => g[range].iter().map(|&x| f64::from(x) * f64::from(x)).sum(),
-            Grads::Bf16(g) => g[range].iter().map(|&b| f64::from(bf16_to_f32(b)).powi(2)).sum(),
+            Grads::F32(g) => sum_squares_f32(0.0, &g[range]),
+            Grads::Bf16(g) => sum_squares_bf16(0.0, &g[range]),
         }
     }
 
@@ -106,6 +98,31 @@ impl Grads {
             Grads::Bf16(g) => GradSlice::Bf16(&g[range]),
         }
     }
+}
+
+/// `g[i] += x[i]`.
+pub fn add_f32(g: &mut [f32], x: &[f32]) {
+    for (g, &x) in g.iter_mut().zip(x) {
+        *g += x;
+    }
+}
+
+/// `g[i] += x[i]` on bf16 bits: added in fp32, rounded once (to nearest even).
+pub fn add_bf16(g: &mut [u16], x: &[f32]) {
+    for (g, &x) in g.iter_mut().zip(x) {
+        *g = f32_to_bf16(bf16_to_f32(*g) + x);
+    }
+}
+
+/// `from` + Σ g², folded in element order in f64 (so a sum continued chunk by chunk is the
+/// sum over the whole).
+pub fn sum_squares_f32(from: f64, g: &[f32]) -> f64 {
+    g.iter().fold(from, |s, &x| s + f64::from(x) * f64::from(x))
+}
+
+/// [`sum_squares_f32`] of bf16 bits.
+pub fn sum_squares_bf16(from: f64, g: &[u16]) -> f64 {
+    g.iter().fold(from, |s, &b| s + f64::from(bf16_to_f32(b)).powi(2))
 }
 
 #[cfg(test)]

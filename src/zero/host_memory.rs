@@ -4,8 +4,8 @@
 //!
 //! Counted per rank of the process: parameters kept in host memory (the current
 //! partition and the spare the next update is written into), gradient accumulators
-//! (always host memory in this engine), optimizer state not on NVMe, the NVMe pipelines'
-//! buffers, the reduction's chunk buffers, and — on CPU ranks, whose device memory is
+//! (host memory, or with the optimizer on NVMe at stages 2–3 one swap chunk per reduction
+//! in flight), optimizer state not on NVMe, the NVMe pipelines' buffers, the reduction's chunk buffers, and — on CPU ranks, whose device memory is
 //! host memory — the device prediction plus the largest unit's flat gradient tensor
 //! (a compute temporary the device row leaves out, as DeepSpeed's estimator does). Per
 //! process: [`RUNTIME_BYTES`] of code and libraries.
@@ -13,7 +13,7 @@
 use super::memory::predict;
 use super::partition::Partition;
 use super::prefetch::MAX_IN_FLIGHT;
-use super::reduce::CHUNK_LIMIT;
+use super::reduce::{CHUNK_LIMIT, DEPTH};
 use super::trainer::SWAP_CHUNK_LIMIT;
 use crate::config::plan::{Accelerator, Plan, Tier};
 use serde::Serialize;
@@ -56,6 +56,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     let max_opt = parts.iter().map(opt_len).max().unwrap_or(0);
     let max_numel = parts.iter().map(|p| p.numel).max().unwrap_or(0) as u64;
     let grad_elem = if super::rank::bf16_gradients(plan) { 2 } else { 4 };
+    let nvme_grads = super::rank::nvme_gradients(plan);
     let mut rank = HostBytes::default();
     for p in &parts {
         if in_host(plan.zero.offload_param.tier) {
@@ -66,7 +67,9 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
                     _ => 2 * kept(p),
                 };
         }
-        rank.gradients += grad_elem * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
+        if !nvme_grads {
+            rank.gradients += grad_elem * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
+        }
         if stage == 1 {
             // the partition copy lent to the optimizer
             rank.gradients += 4 * opt_len(p);
@@ -81,7 +84,11 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         .min(max_opt.max(1));
     if plan.zero.offload_optimizer.tier == Tier::Nvme {
         let sets = plan.zero.offload_optimizer.buffer_count.max(1) as u64;
-        rank.buffers += 3 * sets * aligned(4 * swap_chunk);
+        let per_set = 3 + u64::from(nvme_grads);
+        rank.buffers += per_set * sets * aligned(4 * swap_chunk);
+    }
+    if nvme_grads {
+        rank.gradients += (DEPTH as u64 + 1) * aligned(4 * swap_chunk);
     }
     if plan.zero.offload_param.tier == Tier::Nvme {
         // the optimizer lane's staging partition, its bounce buffer and the h2d lane's

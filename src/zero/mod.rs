@@ -22,6 +22,7 @@
 pub mod context;
 pub mod error;
 pub mod estimate;
+pub mod grad_store;
 pub mod gradients;
 pub mod grads;
 pub mod host_memory;

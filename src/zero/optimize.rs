@@ -6,7 +6,7 @@
 
 use super::context::Tracks;
 use super::error::{EngineError, On};
-use super::grads::Grads;
+use super::gradients::FinalGrad;
 use super::optimizer::{Moments, OptimizerState, Update};
 use super::params::LowParams;
 use super::rank::RankEngine;
@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tierzero_offload::adam::{self, Sweep};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
-use tierzero_offload::pipeline::{self, PipelineConfig};
+use tierzero_offload::pipeline::{self, GradIn, PipelineConfig};
 use tierzero_offload::pool::IoBuf;
 
 impl<'a, C: Collective + Clone> RankEngine<'a, C> {
@@ -113,7 +113,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
 struct OptimizerJob<'a> {
     unit: usize,
     moments: Moments<'a>,
-    grad: Grads,
+    grad: FinalGrad,
     destination: Destination<'a>,
 }
 
@@ -192,7 +192,7 @@ impl OptimizerContext {
         &self,
         unit: usize,
         moments: Moments<'a>,
-        grad: &Grads,
+        grad: &FinalGrad,
         store: &SwapStore,
     ) -> Result<Moments<'a>, EngineError> {
         let mut slot = self.staging.lock().unwrap_or_else(|e| e.into_inner());
@@ -233,16 +233,19 @@ impl OptimizerContext {
         &self,
         unit: usize,
         mut moments: Moments<'a>,
-        grad: &Grads,
+        grad: &FinalGrad,
         fresh: &mut LowParams,
     ) -> Result<Moments<'a>, EngineError> {
         let opt_len = fresh.len();
-        match &mut moments {
-            Moments::Memory(OptimizerState {
-                master,
-                exp_avg,
-                exp_avg_sq,
-            }) => {
+        match (&mut moments, grad) {
+            (
+                Moments::Memory(OptimizerState {
+                    master,
+                    exp_avg,
+                    exp_avg_sq,
+                }),
+                FinalGrad::Here(grad),
+            ) => {
                 let sweep = Sweep {
                     master: &mut master[..],
                     exp_avg: &mut exp_avg[..],
@@ -262,12 +265,22 @@ impl OptimizerContext {
                         source,
                     })?;
             }
-            Moments::Nvme(tier) => {
+            (Moments::Memory(_), FinalGrad::Stored { .. }) => {
+                return Err(EngineError::Invariant {
+                    rank: self.on.0,
+                    what: "a gradient on NVMe with optimizer state in memory",
+                })
+            }
+            (Moments::Nvme(tier), grad) => {
+                let grad = match grad {
+                    FinalGrad::Here(g) => GradIn::Host(g.slice(0..g.len())),
+                    &FinalGrad::Stored { len, bf16 } => GradIn::Stored { len, bf16 },
+                };
                 let groups = pipeline::sub_groups(
                     unit as u32,
                     self.on.0 as u32,
                     tier.store.chunk_elems(),
-                    grad.slice(0..grad.len()),
+                    grad,
                     fresh.out_as(&self.precision),
                 );
                 pipeline::nvme_adam_step_observed(
@@ -280,7 +293,7 @@ impl OptimizerContext {
                 )
                 .map_err(self.on.io())?;
             }
-            Moments::Lent => {
+            (Moments::Lent, _) => {
                 return Err(EngineError::Invariant {
                     rank: self.on.0,
                     what: "an optimizer job was given state already lent",

@@ -4,7 +4,7 @@
 //! count.
 
 use super::error::{EngineError, On};
-use super::grads::Grads;
+use super::gradients::FinalGrad;
 use super::params::{f32_bytes, f32_bytes_mut};
 use super::units::NewParams;
 use std::ops::Range;
@@ -40,7 +40,7 @@ pub(super) enum Moments<'a> {
 
 /// An update ready to install: unit, new low-precision partition, its optimizer state
 /// and the gradient buffer back.
-pub(super) type Update<'a> = (usize, NewParams, Moments<'a>, Grads);
+pub(super) type Update<'a> = (usize, NewParams, Moments<'a>, FinalGrad);
 
 pub(super) struct Optimizer<'a> {
     moments: Vec<Moments<'a>>,

@@ -127,8 +127,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let optimizer_nvme = match (plan.zero.offload_optimizer.tier, optimizer_store) {
             (Tier::Nvme, Some(store)) => Some(NvmeTier {
                 store,
-                pool: pipeline::buffer_pool_for(store, plan.zero.offload_optimizer.buffer_count)
-                    .map_err(on.io())?,
+                pool: pipeline::buffer_pool_for(
+                    store,
+                    plan.zero.offload_optimizer.buffer_count,
+                    nvme_gradients(plan),
+                )
+                .map_err(on.io())?,
             }),
             (Tier::Nvme, None) => return Err(missing("optimizer on nvme without a swap store")),
             _ => None,
@@ -166,6 +170,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             parts.clone(),
             partitions.clone(),
             &pinning,
+            optimizer_store.filter(|_| nvme_gradients(plan)),
         )?;
         let adam_steps = start.checkpoint().map_or(0, |c| c.manifest.adam_steps);
         let mut optimizer = Optimizer::new(rank, optimizer_nvme, adam_steps, partitions.clone(), &pinning)?;
@@ -649,11 +654,18 @@ fn host_pinning(plan: &Plan, compute: tch::Device, rank: usize) -> Result<Pinnin
     Ok(Pinning { lock: true, register })
 }
 
+/// Whether gradient partitions live in the optimizer's swap store on NVMe (stages 2–3
+/// with the optimizer state there; `grad_store.rs`), as DeepSpeed's optimizer swapper
+/// keeps them, instead of in host memory.
+pub fn nvme_gradients(plan: &Plan) -> bool {
+    plan.zero.stage >= 2 && plan.zero.offload_optimizer.tier == Tier::Nvme
+}
+
 /// Whether gradient accumulators are kept in bf16: a bf16 run whose optimizer state is on
 /// NVMe, at stages 2–3, without gradient accumulation (see `grads.rs`). With several
 /// micro-batches per step a bf16 sum of nearly cancelling micro-batch gradients can
 /// flip a sign that Adam then follows at full step size, so those runs keep fp32.
-pub(super) fn bf16_gradients(plan: &Plan) -> bool {
+pub fn bf16_gradients(plan: &Plan) -> bool {
     plan.zero.stage >= 2
         && plan.zero.offload_optimizer.tier == Tier::Nvme
         && plan.precision == Precision::Bf16

@@ -17,7 +17,7 @@
 //! the reduce communicator, so no rank's lane waits forever.
 
 use super::error::EngineError;
-use super::grads::Grads;
+use super::grad_store::{Acc, Accumulate};
 use super::partition::Partition;
 use crate::comm::{Collective, ReduceOp};
 use crate::device::lanes::{Event, Lane};
@@ -53,13 +53,13 @@ pub enum Target {
 /// padded unit counts as zeros) into `acc`, in chunks of at most `chunk` elements (all ranks'
 /// stretches together), on the calling thread.
 #[allow(clippy::too_many_arguments)]
-pub fn reduce_into<C: Collective>(
+pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
     comm: &C,
     target: Target,
     unit: usize,
     grad: &Tensor,
     part: Partition,
-    acc: &mut Grads,
+    acc: &mut A,
     buffers: &mut ChunkBuffers,
     track: &Track,
     chunk: usize,
@@ -99,23 +99,23 @@ pub fn reduce_into<C: Collective>(
                 buffers.recv.resize(k, 0.0);
                 comm.reduce_scatter(&buffers.send, &mut buffers.recv, ReduceOp::Avg)?;
                 track.record(Phase::Reduce, Some(unit), reduce_start, 4 * (pieces * k) as u64);
-                acc.add(start, &buffers.recv);
+                acc.add(start, &buffers.recv)?;
             }
-            Target::Replica => acc.add(start, &buffers.send),
+            Target::Replica => acc.add(start, &buffers.send)?,
         }
         start += k;
     }
     Ok(())
 }
 
-type Outcome = Result<Grads, EngineError>;
+type Outcome<'s> = Result<Acc<'s>, EngineError>;
 
 /// A gradient on the lane: its unit, the event of its reduction, and where the job
 /// leaves the accumulator.
-struct InFlight {
+struct InFlight<'s> {
     unit: usize,
     done: Event,
-    slot: Arc<Mutex<Option<Outcome>>>,
+    slot: Arc<Mutex<Option<Outcome<'s>>>>,
 }
 
 /// The compute thread's end of the reduce lane.
@@ -123,7 +123,7 @@ pub struct Reducer<'env, C: Collective> {
     lane: Lane<'env>,
     comm: C,
     track: Track,
-    in_flight: VecDeque<InFlight>,
+    in_flight: VecDeque<InFlight<'env>>,
     /// Used by one job at a time (the lane runs them in order).
     buffers: Arc<Mutex<ChunkBuffers>>,
 }
@@ -152,8 +152,8 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
         unit: usize,
         grad: Tensor,
         part: Partition,
-        acc: Grads,
-    ) -> Result<Option<(usize, Grads)>, EngineError> {
+        acc: Acc<'env>,
+    ) -> Result<Option<(usize, Acc<'env>)>, EngineError> {
         let oldest = if self.in_flight.len() >= DEPTH {
             self.take(true)?
         } else {
@@ -179,7 +179,8 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
                 &mut buffers,
                 &track,
                 CHUNK_LIMIT,
-            );
+            )
+            .and_then(|()| acc.finish());
             let message = result.as_ref().err().map(|e| e.to_string());
             *out.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map(|()| acc));
             message.map_or(Ok(()), Err)
@@ -190,7 +191,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
 
     /// The oldest accumulator back: waiting for it when `wait`, else only if its job is
     /// done.
-    pub fn take(&mut self, wait: bool) -> Result<Option<(usize, Grads)>, EngineError> {
+    pub fn take(&mut self, wait: bool) -> Result<Option<(usize, Acc<'env>)>, EngineError> {
         let Some(oldest) = self.in_flight.front() else {
             return Ok(None);
         };
@@ -230,6 +231,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
 mod tests {
     use super::*;
     use crate::comm::local::Local;
+    use crate::zero::grads::Grads;
 
     /// Every chunking (stretches of 1, 7, 64 elements, and the whole) leaves each rank
     /// the bits one reduce-scatter of the whole padded gradient gives it, added to what

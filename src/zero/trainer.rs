@@ -827,12 +827,14 @@ fn open_stores(plan: &Plan, model: &Model) -> Result<(Option<SwapStore>, Option<
         &plan.zero.offload_optimizer.tier,
         &plan.zero.offload_optimizer.nvme_path,
     ) {
-        (Tier::Nvme, Some(path)) => Some(open_store(
-            plan,
-            path,
-            "tierzero-optimizer",
-            &swap_specs(plan, model, &State::OPTIMIZER, 4),
-        )?),
+        (Tier::Nvme, Some(path)) => {
+            let mut specs = swap_specs(plan, model, &State::OPTIMIZER, 4);
+            if super::rank::nvme_gradients(plan) {
+                let elem = if super::rank::bf16_gradients(plan) { 2 } else { 4 };
+                specs.extend(swap_specs(plan, model, &[State::Grad], elem));
+            }
+            Some(open_store(plan, path, "tierzero-optimizer", &specs)?)
+        }
         _ => None,
     };
     let params = match (&plan.zero.offload_param.tier, &plan.zero.offload_param.nvme_path) {

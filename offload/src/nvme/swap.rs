@@ -31,10 +31,22 @@ pub enum State {
     ExpAvgSq,
     /// The low-precision parameter shard (offload_param to nvme).
     Param,
+    /// A gradient partition beside the optimizer state on NVMe (bf16 or fp32): written
+    /// by the gradient reduction, read by the optimizer pipeline; never checkpointed.
+    Grad,
 }
 
 impl State {
+    /// The states a checkpoint holds.
     pub const ALL: [State; 4] = [State::Master, State::ExpAvg, State::ExpAvgSq, State::Param];
+    /// Every state the store keeps a file for.
+    pub const STORED: [State; 5] = [
+        State::Master,
+        State::ExpAvg,
+        State::ExpAvgSq,
+        State::Param,
+        State::Grad,
+    ];
     /// The three fp32 optimizer states, in the order the pipeline reads them.
     pub const OPTIMIZER: [State; 3] = [State::Master, State::ExpAvg, State::ExpAvgSq];
 
@@ -44,6 +56,7 @@ impl State {
             State::ExpAvg => "exp_avg",
             State::ExpAvgSq => "exp_avg_sq",
             State::Param => "param",
+            State::Grad => "grad",
         }
     }
 }
@@ -87,7 +100,7 @@ fn is_store_file(name: &str) -> bool {
     };
     !rank.is_empty()
         && rank.bytes().all(|b| b.is_ascii_digit())
-        && State::ALL.iter().any(|s| tail == format!("{}.swp", s.name()))
+        && State::STORED.iter().any(|s| tail == format!("{}.swp", s.name()))
 }
 
 fn io_at(path: &Path, message: impl Into<String>) -> IoError {

@@ -1,0 +1,265 @@
+//! Gradient partitions on NVMe, beside the optimizer state (DeepSpeed's optimizer swapper
+//! keeps them there too): with the optimizer state on NVMe at stages 2–3 the host holds no
+//! gradient accumulator, only one swap chunk per reduction in flight (issue "The engine on
+//! lanes and arenas", §2).
+//!
+//! A reduction adds its reduced stretches into a [`GradStream`] in element order. The
+//! stream holds one chunk of the unit's stored gradient in a pool buffer — zeros on the
+//! step's first contribution, else the chunk read back from the store — and writes it
+//! (checksummed, O_DIRECT) as soon as the stretches move past it. Additions are
+//! [`Grads::add`]'s (fp32, or bf16 rounded once) and Σg² folds over the elements in order
+//! as [`Grads::sum_squares`] does, so the stored gradient, its norm and the update are the
+//! bits an in-memory accumulator gives. The optimizer pipeline reads each chunk back beside
+//! the state it updates (`pipeline::GradIn::Stored`).
+
+use super::error::{EngineError, On};
+use super::grads::{add_bf16, add_f32, sum_squares_bf16, sum_squares_f32, Grads};
+use tierzero_offload::nvme::swap::{SwapStore, TensorKey};
+use tierzero_offload::pool::IoBuf;
+
+/// Where a reduction adds: `offset` is the element of the accumulator `x[0]` goes to.
+pub trait Accumulate {
+    fn add(&mut self, offset: usize, x: &[f32]) -> Result<(), EngineError>;
+}
+
+impl Accumulate for Grads {
+    fn add(&mut self, offset: usize, x: &[f32]) -> Result<(), EngineError> {
+        Grads::add(self, offset, x);
+        Ok(())
+    }
+}
+
+/// One unit's gradient on its way into the store.
+pub struct GradStream<'s> {
+    on: On,
+    store: &'s SwapStore,
+    key: TensorKey,
+    bf16: bool,
+    /// Nothing was stored this step: chunks start at zero instead of being read back.
+    fresh: bool,
+    /// The chunk buffer (None only after a failed I/O took it).
+    buf: Option<IoBuf>,
+    /// The chunk `buf` holds.
+    held: Option<usize>,
+    /// Chunks written so far, in order.
+    written: usize,
+    sum_squares: f64,
+}
+
+impl<'s> GradStream<'s> {
+    /// A stream into `key` (a [`State::Grad`](tierzero_offload::nvme::swap::State) tensor)
+    /// through `buf` (one chunk of fp32).
+    pub fn new(on: On, store: &'s SwapStore, key: TensorKey, bf16: bool, fresh: bool, buf: IoBuf) -> Self {
+        GradStream {
+            on,
+            store,
+            key,
+            bf16,
+            fresh,
+            buf: Some(buf),
+            held: None,
+            written: 0,
+            sum_squares: 0.0,
+        }
+    }
+
+    /// Σg² of the gradient as written (complete after [`Self::finish`]).
+    pub fn sum_squares(&self) -> f64 {
+        self.sum_squares
+    }
+
+    /// Writes the chunk in hand and every chunk not reached, so that the store holds the
+    /// whole gradient (chunks nothing was added to keep their old or zero values).
+    pub fn finish(&mut self) -> Result<(), EngineError> {
+        let chunks = self.store.chunks(self.key).map_err(self.on.io())?;
+        if chunks > 0 {
+            self.hold(chunks - 1)?;
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn buffer(&mut self) -> Result<&mut IoBuf, EngineError> {
+        let rank = self.on.0;
+        self.buf.as_mut().ok_or(EngineError::Invariant {
+            rank,
+            what: "a gradient stream used after a failed write",
+        })
+    }
+
+    /// Makes chunk `c` the one in hand, writing the chunks before it first.
+    fn hold(&mut self, c: usize) -> Result<(), EngineError> {
+        while self.held != Some(c) {
+            if self.held.is_some() {
+                self.flush()?;
+            }
+            if self.written > c {
+                return Err(EngineError::Invariant {
+                    rank: self.on.0,
+                    what: "a gradient stream went back to a chunk it had written",
+                });
+            }
+            self.load(self.written)?;
+        }
+        Ok(())
+    }
+
+    fn load(&mut self, c: usize) -> Result<(), EngineError> {
+        let (store, key, io) = (self.store, self.key, self.on.io());
+        if self.fresh {
+            self.buffer()?.as_bytes_mut().fill(0);
+        } else {
+            let Some(buf) = self.buf.take() else {
+                return self.buffer().map(drop);
+            };
+            let read = store.read_async(key, c, buf).map_err(|(e, _)| io(e))?;
+            self.buf = Some(read.wait().map_err(&io)?);
+        }
+        self.held = Some(c);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), EngineError> {
+        let Some(c) = self.held.take() else {
+            return Ok(());
+        };
+        let (store, key, io) = (self.store, self.key, self.on.io());
+        let n = store.chunk_numel(key, c).map_err(&io)?;
+        let Some(buf) = self.buf.take() else {
+            return self.buffer().map(drop);
+        };
+        self.sum_squares = if self.bf16 {
+            sum_squares_bf16(self.sum_squares, buf.typed::<u16>(n))
+        } else {
+            sum_squares_f32(self.sum_squares, buf.typed::<f32>(n))
+        };
+        let write = store.write_async(key, c, buf).map_err(|(e, _)| io(e))?;
+        self.buf = Some(write.wait().map_err(&io)?);
+        self.written = c + 1;
+        Ok(())
+    }
+}
+
+impl Accumulate for GradStream<'_> {
+    fn add(&mut self, offset: usize, x: &[f32]) -> Result<(), EngineError> {
+        let chunk = self.store.chunk_elems();
+        let (mut offset, mut x) = (offset, x);
+        while !x.is_empty() {
+            let c = offset / chunk;
+            self.hold(c)?;
+            let within = offset - c * chunk;
+            let n = x.len().min(chunk - within);
+            let bf16 = self.bf16;
+            let buf = self.buffer()?;
+            if bf16 {
+                add_bf16(&mut buf.typed_mut::<u16>(within + n)[within..], &x[..n]);
+            } else {
+                add_f32(&mut buf.typed_mut::<f32>(within + n)[within..], &x[..n]);
+            }
+            offset += n;
+            x = &x[n..];
+        }
+        Ok(())
+    }
+}
+
+/// A unit's accumulator as a reduction holds it: in host memory, or streaming to NVMe.
+pub enum Acc<'s> {
+    Here(Grads),
+    Stream(GradStream<'s>),
+}
+
+impl Acc<'_> {
+    /// Completes what the reduction wrote (a stream's last chunks reach the store).
+    pub fn finish(&mut self) -> Result<(), EngineError> {
+        match self {
+            Acc::Here(_) => Ok(()),
+            Acc::Stream(s) => s.finish(),
+        }
+    }
+}
+
+impl Accumulate for Acc<'_> {
+    fn add(&mut self, offset: usize, x: &[f32]) -> Result<(), EngineError> {
+        match self {
+            Acc::Here(g) => Accumulate::add(g, offset, x),
+            Acc::Stream(s) => s.add(offset, x),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tierzero_offload::nvme::swap::{State, TensorSpec};
+    use tierzero_offload::nvme::{open_engine, EngineChoice, EngineConfig};
+
+    /// Two micro-batches added in stretches that straddle chunk boundaries, through the
+    /// store (the second reading back the first), against the same additions into an
+    /// in-memory accumulator: the same bits stored and the same Σg², fp32 and bf16; a
+    /// gradient nothing was added to is stored as zeros.
+    #[test]
+    fn a_stored_gradient_is_the_in_memory_accumulator_bit_for_bit() {
+        let dir = tempfile::tempdir().unwrap();
+        let (engine, _) = open_engine(dir.path(), EngineConfig::default(), None, EngineChoice::Auto).unwrap();
+        let numel = 10_000;
+        let key = |unit| TensorKey {
+            unit,
+            rank: 0,
+            state: State::Grad,
+        };
+        let specs = [(0, 4), (1, 2), (2, 4)].map(|(unit, elem_bytes)| TensorSpec {
+            key: key(unit),
+            numel,
+            elem_bytes,
+        });
+        let store = SwapStore::create(dir.path(), "grads", engine, &specs, 4096).unwrap();
+        assert_eq!(store.chunks(key(0)).unwrap(), 3, "a ragged last chunk");
+        let values = |seed: usize| -> Vec<f32> {
+            (0..numel)
+                .map(|i| ((i * 7919 + seed * 104_729) % 1999) as f32 / 997.0 - 1.0)
+                .collect()
+        };
+        let on = On(0);
+        for (unit, bf16) in [(0u32, false), (1, true)] {
+            let mut memory = Grads::zeros(numel, bf16).unwrap();
+            let mut sum = 0.0;
+            for (micro, stretch) in [(0, 700), (1, 4097)] {
+                let x = values(micro);
+                let buf = IoBuf::new(store.chunk_bytes(4)).unwrap();
+                let mut stream = GradStream::new(on, &store, key(unit), bf16, micro == 0, buf);
+                for start in (0..numel).step_by(stretch) {
+                    let end = (start + stretch).min(numel);
+                    stream.add(start, &x[start..end]).unwrap();
+                    memory.add(start, &x[start..end]);
+                }
+                stream.finish().unwrap();
+                sum = stream.sum_squares();
+            }
+            assert_eq!(
+                sum.to_bits(),
+                memory.sum_squares(0..numel).to_bits(),
+                "bf16 {bf16}"
+            );
+            let elem = if bf16 { 2 } else { 4 };
+            let mut stored = vec![0u8; elem * numel];
+            store
+                .read_tensor(key(unit), &mut stored, IoBuf::new(store.chunk_bytes(4)).unwrap())
+                .unwrap();
+            let expected: Vec<u8> = match &memory {
+                Grads::F32(g) => g.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                Grads::Bf16(g) => g.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            };
+            assert!(stored == expected, "bf16 {bf16}: the stored gradient differs");
+        }
+        let buf = IoBuf::new(store.chunk_bytes(4)).unwrap();
+        let mut untouched = GradStream::new(on, &store, key(2), false, true, buf);
+        untouched.finish().unwrap();
+        let mut stored = vec![1u8; 4 * numel];
+        store
+            .read_tensor(key(2), &mut stored, IoBuf::new(store.chunk_bytes(4)).unwrap())
+            .unwrap();
+        assert!(stored.iter().all(|&b| b == 0));
+        assert_eq!(untouched.sum_squares(), 0.0);
+    }
+}
