@@ -105,11 +105,13 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         let c = &plan.model.config;
         let (vocab, hidden) = (c.vocab_size as u64, c.hidden_size as u64);
         let tokens = (plan.batch.micro_batch_per_gpu * plan.data.seq_len) as u64;
-        // the LM head's backward: the fp32 weight gradient, an fp32 copy of a 16-bit
-        // weight, and a chunk's logits with their exp and gradient
-        let head = 4 * vocab * hidden
-            + if elem == 4 { 0 } else { 4 * vocab * hidden }
-            + 3 * 4 * tokens.min(crate::model::head::CHUNK as u64) * vocab;
+        // the LM head's backward (`model/head.rs`): the weight gradient in the weight's
+        // kind, a vocabulary slice's fp32 gradient (and fp32 copy of a 16-bit weight),
+        // and a chunk's logits of the slice with their exp and gradient
+        let rows = crate::model::head::slice_rows(vocab as i64, hidden as i64) as u64;
+        let head = elem * vocab * hidden
+            + 4 * rows * hidden * if elem == 4 { 1 } else { 2 }
+            + 3 * 4 * tokens.min(crate::model::head::CHUNK as u64) * rows;
         let device = predict(plan).working;
         let gathered = if stage == 3 {
             let padded: Vec<u64> = parts.iter().map(|p| p.padded as u64).collect();
