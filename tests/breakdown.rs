@@ -17,7 +17,7 @@ fn plan(dir: &std::path::Path) -> Plan {
             "sub_group_size": 2048,
             "stage3_param_persistence_threshold": 0,
             "offload_param": { "device": "nvme", "nvme_path": dir.join("p") },
-            "offload_optimizer": { "device": "nvme", "nvme_path": dir.join("o"), "buffer_count": 2 }
+            "offload_optimizer": { "device": "nvme", "nvme_path": dir.join("o"), "buffer_count": 8 }
         },
         "model": { "preset": "llama-tiny", "hidden_size": 64, "num_hidden_layers": 3 },
         "data": { "synthetic": "markov", "seq_len": 32 },

@@ -40,7 +40,7 @@ fn plan(
         "sub_group_size": 4096,
         "stage3_param_persistence_threshold": 0,
         "offload_param": { "device": param },
-        "offload_optimizer": { "device": optimizer, "buffer_count": 2, "pipeline_read": true, "pipeline_write": true }
+        "offload_optimizer": { "device": optimizer, "buffer_count": 8, "pipeline_read": true, "pipeline_write": true }
     });
     if param == "nvme" {
         zero["offload_param"]["nvme_path"] = json!(nvme.join("params"));

@@ -12,8 +12,10 @@
 //!    only);
 //! 3. the completer waits for the writes (checksums recorded) and returns the set.
 //!
-//! At most `buffer_count` sets exist, so memory is bounded and the reader runs at most
-//! that far ahead. `pipeline_read: false` makes the reader wait for each update before
+//! At most `sets` buffer sets exist, so memory is bounded and the reader runs at most
+//! that far ahead. DeepSpeed's `offload_optimizer.buffer_count` counts buffers, not sets
+//! (its docs: at least one per state, Adam's four being parameter, gradient, momentum and
+//! variance): [`sets_for`] turns it into sets. `pipeline_read: false` makes the reader wait for each update before
 //! reading the next sub-group; `pipeline_write: false` makes the updater wait for its
 //! writes. Results are bit-identical to the same AdamW on in-memory state: the kernel is
 //! elementwise and sees exactly the same inputs.
@@ -121,8 +123,8 @@ pub fn sub_groups<'a>(
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PipelineConfig {
-    /// Buffer sets in flight (DeepSpeed's `offload_optimizer.buffer_count`).
-    pub buffer_count: usize,
+    /// Buffer sets in flight ([`sets_for`] DeepSpeed's `offload_optimizer.buffer_count`).
+    pub sets: usize,
     pub pipeline_read: bool,
     pub pipeline_write: bool,
 }
@@ -143,16 +145,25 @@ pub struct PipelineReport {
     pub total: Duration,
 }
 
-/// A pool big enough for `buffer_count` sets of one chunk of each optimizer state, and of
-/// the gradient when `stored_gradients`.
+/// Buffers one sub-group needs: its three fp32 states, and its gradient when stored.
+fn per_set(stored_gradients: bool) -> usize {
+    3 + usize::from(stored_gradients)
+}
+
+/// Buffer sets in DeepSpeed's `buffer_count` buffers (at least one).
+pub fn sets_for(buffer_count: usize, stored_gradients: bool) -> usize {
+    (buffer_count / per_set(stored_gradients)).max(1)
+}
+
+/// A pool big enough for `sets` sets of one chunk of each optimizer state, and of the
+/// gradient when `stored_gradients`.
 pub fn buffer_pool_for(
     store: &SwapStore,
-    buffer_count: usize,
+    sets: usize,
     stored_gradients: bool,
 ) -> Result<BufferPool, IoError> {
     let bytes = store.chunk_bytes(4);
-    let per_set = 3 + usize::from(stored_gradients);
-    BufferPool::new(per_set * buffer_count.max(1), bytes).map_err(|e| IoError::Store {
+    BufferPool::new(per_set(stored_gradients) * sets.max(1), bytes).map_err(|e| IoError::Store {
         path: store.dir().to_path_buf(),
         message: e.to_string(),
     })
@@ -272,7 +283,7 @@ pub fn nvme_adam_step_observed(
     observer: &dyn Observer,
 ) -> Result<PipelineReport, IoError> {
     let start = Instant::now();
-    let sets = config.buffer_count.max(1);
+    let sets = config.sets.max(1);
     let order: Vec<((u32, u32, usize), Option<usize>)> = groups
         .iter()
         .map(|g| ((g.unit, g.rank, g.chunk), g.grad.stored_bytes(store)))

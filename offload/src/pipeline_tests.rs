@@ -153,7 +153,7 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
                     groups.extend(unit);
                 }
                 let config = PipelineConfig {
-                    buffer_count,
+                    sets: buffer_count,
                     pipeline_read,
                     pipeline_write,
                 };
@@ -271,7 +271,7 @@ fn pipeline_stops_with_the_error_instead_of_hanging() {
         .collect();
     let c = AdamHyper::default().coefficients(1, 1.0);
     let config = PipelineConfig {
-        buffer_count: 2,
+        sets: 2,
         pipeline_read: true,
         pipeline_write: true,
     };

@@ -120,7 +120,7 @@ pub fn run(args: &SwapBenchArgs) -> anyhow::Result<SwapReport> {
             LowPrecisionOut::Bf16(&mut low),
         );
         let config = PipelineConfig {
-            buffer_count: args.buffer_count,
+            sets: args.buffer_count,
             pipeline_read: true,
             pipeline_write: true,
         };

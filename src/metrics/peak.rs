@@ -1,6 +1,9 @@
 //! The compute limit MFU is measured against, taken on this machine in the same run:
 //! the matmuls of the model's own shapes (a micro-batch's tokens against the attention,
-//! MLP and LM-head weights) in the training precision on the rank's device. Each shape is
+//! MLP and LM-head weights) on the rank's device, each in the kind it runs in: the
+//! blocks' in the training precision, the LM head's in fp32 (`model/head.rs` computes
+//! logits in fp32 whatever the weights' kind; on a CPU without bf16 matmul units that is
+//! ~17× faster than a bf16 matmul, and a bf16-only peak let `llama-1b` read 404%). Each shape is
 //! timed several times and its median kept; the peak is the fastest shape's median, so
 //! no layer of the model can run above it and MFU stays a fraction (a single 512² fp32
 //! matmul, slower than the model's larger ones, once gave an MFU of 1.096).
@@ -78,9 +81,11 @@ pub fn peak_flops(plan: &Plan) -> f64 {
         (m, k, n)
     };
     let kind = compute_kind(&plan.precision);
+    let kinds = [kind, kind, Kind::Float];
     let measured = shapes
         .iter()
-        .map(|&shape| shape_flops(device, kind, bounded(shape), 5))
+        .zip(kinds)
+        .map(|(&shape, kind)| shape_flops(device, kind, bounded(shape), 5))
         .try_fold(0f64, |best, rate| rate.map(|r| best.max(r)));
     measured.unwrap_or_else(|e| {
         tracing::warn!("cannot measure the matmul peak ({e}); MFU will read 0");

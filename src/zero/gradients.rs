@@ -96,8 +96,10 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         let carve_err = |what: &'static str| move |source| EngineError::Arena { rank, what, source };
         let (accumulators, nvme) = match nvme.filter(|_| stage >= 2) {
             Some(store) => {
-                // one buffer for each reduction on the lane and one for the compute thread's
-                let chunks = BufferPool::new(DEPTH + 1, store.chunk_bytes(4)).map_err(On(rank).alloc())?;
+                // one chunk (of the stored element) per reduction in flight: the compute
+                // thread waits for the lane's oldest before starting another (`accumulate`)
+                let elem = if bf16 { 2 } else { 4 };
+                let chunks = BufferPool::new(DEPTH, store.chunk_bytes(elem)).map_err(On(rank).alloc())?;
                 let stored = parts.iter().map(|_| Accumulator::Nvme(Stored::Nothing)).collect();
                 (stored, Some(NvmeGrads { store, chunks }))
             }
@@ -245,8 +247,12 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         let part = self.parts[u];
         if self.stage >= 2 && self.reducer.is_some() {
             // a unit reduced twice in a micro-batch (the tied embedding): its accumulator
-            // comes back from the lane first
-            while self.reducer.as_ref().is_some_and(|r| r.holds(u)) {
+            // comes back from the lane first; and at most DEPTH are in flight
+            while self
+                .reducer
+                .as_ref()
+                .is_some_and(|r| r.holds(u) || r.in_flight() >= DEPTH)
+            {
                 self.take_one(true)?;
             }
             let acc = self.lend(u, "reduce")?;

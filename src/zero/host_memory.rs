@@ -83,12 +83,13 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         .min(SWAP_CHUNK_LIMIT as u64)
         .min(max_opt.max(1));
     if plan.zero.offload_optimizer.tier == Tier::Nvme {
-        let sets = plan.zero.offload_optimizer.buffer_count.max(1) as u64;
+        let sets = super::rank::pipeline_sets(plan) as u64;
         let per_set = 3 + u64::from(nvme_grads);
         rank.buffers += per_set * sets * aligned(4 * swap_chunk);
     }
     if nvme_grads {
-        rank.gradients += (DEPTH as u64 + 1) * aligned(4 * swap_chunk);
+        // one chunk per gradient reduction in flight
+        rank.gradients += DEPTH as u64 * aligned(grad_elem * swap_chunk);
     }
     if plan.zero.offload_param.tier == Tier::Nvme {
         // the optimizer lane's staging partition, its bounce buffer and the h2d lane's

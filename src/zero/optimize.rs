@@ -76,7 +76,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             precision: self.plan.precision,
             staging: self.param_staging.clone(),
             pipeline: PipelineConfig {
-                buffer_count: self.plan.zero.offload_optimizer.buffer_count,
+                sets: super::rank::pipeline_sets(self.plan),
                 pipeline_read: self.overlap && self.plan.zero.offload_optimizer.pipeline_read,
                 pipeline_write: self.overlap && self.plan.zero.offload_optimizer.pipeline_write,
             },

@@ -127,12 +127,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let optimizer_nvme = match (plan.zero.offload_optimizer.tier, optimizer_store) {
             (Tier::Nvme, Some(store)) => Some(NvmeTier {
                 store,
-                pool: pipeline::buffer_pool_for(
-                    store,
-                    plan.zero.offload_optimizer.buffer_count,
-                    nvme_gradients(plan),
-                )
-                .map_err(on.io())?,
+                pool: pipeline::buffer_pool_for(store, pipeline_sets(plan), nvme_gradients(plan))
+                    .map_err(on.io())?,
             }),
             (Tier::Nvme, None) => return Err(missing("optimizer on nvme without a swap store")),
             _ => None,
@@ -659,6 +655,12 @@ fn host_pinning(plan: &Plan, compute: tch::Device, rank: usize) -> Result<Pinnin
 /// keeps them, instead of in host memory.
 pub fn nvme_gradients(plan: &Plan) -> bool {
     plan.zero.stage >= 2 && plan.zero.offload_optimizer.tier == Tier::Nvme
+}
+
+/// Buffer sets of the NVMe optimizer pipeline: DeepSpeed's `offload_optimizer.buffer_count`
+/// counts buffers, one per state of a sub-group (the gradient's included when stored).
+pub fn pipeline_sets(plan: &Plan) -> usize {
+    pipeline::sets_for(plan.zero.offload_optimizer.buffer_count, nvme_gradients(plan))
 }
 
 /// Whether gradient accumulators are kept in bf16: a bf16 run whose optimizer state is on

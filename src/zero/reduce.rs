@@ -139,6 +139,11 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
         }
     }
 
+    /// Accumulators on the lane.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
     /// Whether unit `unit`'s accumulator is on the lane.
     pub fn holds(&self, unit: usize) -> bool {
         self.in_flight.iter().any(|job| job.unit == unit)

@@ -206,10 +206,10 @@ fn swap_specs(plan: &Plan, model: &Model, states: &[State], elem_bytes: usize) -
 }
 
 /// Elements per swap chunk at most, whatever `sub_group_size` says: the NVMe pipeline
-/// holds `3 × buffer_count` chunk buffers of fp32 (master, exp_avg, exp_avg_sq), so
-/// DeepSpeed's default sub-group of 1e9 elements would pin 48 GB of host memory with four
-/// buffer sets. 2²³ elements (32 MiB per state) keeps them at 384 MiB with DeepSpeed's
-/// default `buffer_count` of 4, and each read or write still moves whole MiBs at once.
+/// holds `buffer_count` chunk buffers of fp32 (a sub-group's master, exp_avg, exp_avg_sq
+/// and gradient each take one), so DeepSpeed's default sub-group of 1e9 elements would pin
+/// 16 GB of host memory with its default `buffer_count` of 4. 2²³ elements (32 MiB per
+/// state) keeps them at 128 MiB, and each read or write still moves whole MiBs at once.
 /// The chunking never changes the result (the pipeline equals in-memory AdamW bit for bit).
 pub const SWAP_CHUNK_LIMIT: usize = 1 << 23;
 
