@@ -110,7 +110,7 @@ impl Chunk {
                 let local = target.f_sub_scalar(start)?;
                 let inside = local.f_ge(0)?.f_logical_and(&local.f_lt(len)?)?;
                 let at = logits.f_gather(1, &local.f_clamp(0, len - 1)?, false)?;
-                picked = picked.f_add(&at.f_mul(&inside.f_to_kind(Kind::Float)?)?)?;
+                picked = picked.f_add(&at.f_masked_fill(&inside.f_logical_not()?, 0.0)?)?;
             }
             (Tensor::f_cat(&parts, 1)?.f_logsumexp([1], true)?, picked, None)
         };
@@ -187,38 +187,61 @@ fn backward_in(
     let count = tg.f_ge(0)?.f_sum(Kind::Int64)?.f_int64_value(&[])?;
     let factor = scale / count.max(1) as f64;
     let slices = Slices::new(weight, rows);
-    // pass 1: every token's log-normaliser (and, with one slice and one chunk, the
-    // logits; otherwise pass 2 recomputes them, the same bits, a chunk at a time)
-    let mut chunks = Vec::new();
-    let mut total = 0.0;
-    let one_chunk = n <= CHUNK;
-    for range in ranges(n, CHUNK) {
-        let chunk = Chunk::new(&hf, &tg, range)?;
-        let (loss, lse, logits) = chunk.normalise(&slices)?;
-        total += loss;
-        chunks.push((range, chunk, lse, logits.filter(|_| one_chunk)));
-    }
-    // pass 2: per slice, its dW accumulated over the chunks in fp32, written once
     let dh = Tensor::f_zeros_like(&hf)?;
     let dw = Tensor::f_zeros_like(weight)?;
+    let mut total = 0.0;
+    // adds one chunk's share of a slice's dW (fp32)
+    let accumulate = |dws: &mut Option<Tensor>, d: &Tensor, h: &Tensor| -> Result<(), TchError> {
+        let dt = d.f_tr()?;
+        match dws.as_mut() {
+            None => *dws = Some(dt.f_matmul(h)?),
+            Some(dws) => {
+                let _ = dws.f_addmm_(&dt, h)?;
+            }
+        }
+        Ok(())
+    };
+    if slices.one() {
+        // the whole vocabulary at once: one pass, chunk by chunk, each chunk's logits
+        // used for its loss and its gradients
+        let whole = (0, slices.vocab);
+        let w = slices.fp32(whole)?;
+        let mut dws = None;
+        for range in ranges(n, CHUNK) {
+            let chunk = Chunk::new(&hf, &tg, range)?;
+            let (loss, lse, logits) = chunk.normalise(&slices)?;
+            total += loss;
+            let logits = match logits {
+                Some(logits) => logits,
+                None => chunk.h.f_matmul(&w.f_tr()?)?,
+            };
+            let d = chunk.dlogits(&logits, &lse, whole, factor)?;
+            dh.f_narrow(0, range.0, range.1)?.f_copy_(&d.f_matmul(&w)?)?;
+            accumulate(&mut dws, &d, &chunk.h)?;
+        }
+        if let Some(dws) = dws {
+            dw.f_narrow(0, 0, slices.vocab)?.f_copy_(&dws)?;
+        }
+        return Ok((dh.f_view(h.size().as_slice())?, dw, total, count));
+    }
+    // pass 1: every token's log-normaliser over the slices
+    let mut chunks = Vec::new();
+    for range in ranges(n, CHUNK) {
+        let chunk = Chunk::new(&hf, &tg, range)?;
+        let (loss, lse, _) = chunk.normalise(&slices)?;
+        total += loss;
+        chunks.push((range, chunk, lse));
+    }
+    // pass 2: per slice, its dW accumulated over the chunks in fp32, written once
     for slice in slices.ranges() {
         let ws = slices.fp32(slice)?;
-        let mut dws: Option<Tensor> = None;
-        for ((start, len), chunk, lse, logits) in &mut chunks {
-            let logits = match logits.take() {
-                Some(logits) => logits,
-                None => chunk.h.f_matmul(&ws.f_tr()?)?,
-            };
+        let mut dws = None;
+        for ((start, len), chunk, lse) in &chunks {
+            let logits = chunk.h.f_matmul(&ws.f_tr()?)?;
             let d = chunk.dlogits(&logits, lse, slice, factor)?;
             drop(logits);
             let _ = dh.f_narrow(0, *start, *len)?.f_add_(&d.f_matmul(&ws)?)?;
-            let dt = d.f_tr()?;
-            match dws.as_mut() {
-                None => dws = Some(dt.f_matmul(&chunk.h)?),
-                Some(dws) => {
-                    let _ = dws.f_addmm_(&dt, &chunk.h)?;
-                }
-            }
+            accumulate(&mut dws, &d, &chunk.h)?;
         }
         if let Some(dws) = dws {
             dw.f_narrow(0, slice.0, slice.1)?.f_copy_(&dws)?;

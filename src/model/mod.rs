@@ -176,11 +176,8 @@ impl Model {
         let mut grads = shim::grad(&[&h], &[&dh], &[&leaf, &x_leaf], false)?;
         let missing = || TchError::Kind("autograd returned no gradient for the final unit".into());
         let grad_input = grads.pop().flatten().ok_or_else(missing)?;
-        let mut grad_params = grads
-            .pop()
-            .flatten()
-            .ok_or_else(missing)?
-            .f_to_kind(Kind::Float)?;
+        // in the parameters' kind, as every unit's (the reduction reads it as fp32)
+        let mut grad_params = grads.pop().flatten().ok_or_else(missing)?;
         let tied_grad = if self.config.tie_word_embeddings {
             Some(dw)
         } else {

@@ -362,6 +362,20 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         Ok(sum)
     }
 
+    /// Stores zeros for every unit that got no gradient this step, so that the optimizer
+    /// lane reads a whole gradient of each (before anything is lent to it).
+    pub(super) fn store_missing(&mut self) -> Result<(), EngineError> {
+        for u in 0..self.accumulators.len() {
+            if let Accumulator::Nvme(Stored::Nothing) = self.accumulators[u] {
+                let mut zeros = self.lend(u, "compute")?;
+                let result = zeros.finish();
+                self.settle(u, zeros, result.is_ok());
+                result?;
+            }
+        }
+        Ok(())
+    }
+
     /// Fails (naming the first) unless every accumulator is here: lending to the
     /// optimizer is all or nothing.
     pub(super) fn all_here(&self) -> Result<(), EngineError> {
@@ -377,7 +391,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
 
     /// Unit `u`'s final gradient for the optimizer lane: the accumulator itself (lent
     /// until [`Self::take_back`]), or at stage 1 a copy of its partition, or where it
-    /// is in the store (zeros written first if nothing was).
+    /// is in the store (after [`Self::store_missing`]; an error before).
     pub(super) fn lend_to_optimizer(&mut self, u: usize) -> Result<FinalGrad, EngineError> {
         if self.stage == 1 {
             let range = self.partitions[u].clone();
@@ -393,12 +407,6 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
                 copy.copy_from_slice(&grad[range]);
             }
             return Ok(FinalGrad::Here(copy));
-        }
-        if let Accumulator::Nvme(Stored::Nothing) = self.accumulators[u] {
-            let mut zeros = self.lend(u, "compute")?;
-            let result = zeros.finish();
-            self.settle(u, zeros, result.is_ok());
-            result?;
         }
         match std::mem::replace(&mut self.accumulators[u], Accumulator::Lent("optimizer")) {
             Accumulator::Here(g) => Ok(FinalGrad::Here(g)),
