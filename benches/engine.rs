@@ -150,7 +150,7 @@ fn nvme_pipeline(c: &mut Criterion) {
         .collect();
     let chunk = PARAMS / 4;
     let store = SwapStore::create(dir.path(), "bench", engine, &specs, chunk).expect("a swap store");
-    let pool = pipeline::buffer_pool_for(&store, 2).expect("buffers");
+    let pool = pipeline::buffer_pool_for(&store, 2, false).expect("buffers");
     let chunks = store.chunks(specs[0].key).expect("chunks");
     let all: Vec<(u32, u32, usize)> = (0..chunks).map(|c| (0, 0, c)).collect();
     pipeline::write_only(&store, &pool, &all).expect("initial state");
@@ -166,11 +166,11 @@ fn nvme_pipeline(c: &mut Criterion) {
                 0,
                 0,
                 store.chunk_elems(),
-                GradSlice::F32(&grad),
+                pipeline::GradIn::Host(GradSlice::F32(&grad)),
                 LowPrecisionOut::Bf16(&mut low),
             );
             let config = PipelineConfig {
-                buffer_count: 2,
+                sets: 2,
                 pipeline_read: true,
                 pipeline_write: true,
             };

@@ -17,6 +17,7 @@ mod model;
 mod monitors;
 mod multiprocess;
 mod precision;
+mod recall;
 mod rendezvous;
 mod text_data;
 mod zero_equivalence;

@@ -62,11 +62,20 @@ impl Span {
 /// activation tensors came back as fresh pages, zeroed by the kernel on first touch: at
 /// `llama-1b` scale most of the process's CPU time was kernel time), and the heap's top
 /// is not trimmed. The steps' working set then stays mapped and is reused step after
-/// step; the peak resident set is unchanged, since it is the working set's. Returns
-/// whether glibc took both settings (other C libraries: nothing happens).
+/// step; the peak resident set is unchanged, since it is the working set's. And at most
+/// one arena per core (glibc's default is eight per core): each arena keeps what its
+/// threads freed, so the engine's many threads (ranks, lanes, pipeline stages) would each
+/// keep a copy of the same working set; threads beyond the cores cannot run at once
+/// anyway. Returns whether glibc took the settings (other C libraries: nothing happens).
 pub fn reuse_freed_memory() -> bool {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let arenas = i32::try_from(cores.max(2)).unwrap_or(i32::MAX);
     // SAFETY: mallopt only sets allocator parameters (under the allocator's own lock).
-    unsafe { libc::mallopt(libc::M_MMAP_MAX, 0) == 1 && libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX) == 1 }
+    unsafe {
+        libc::mallopt(libc::M_MMAP_MAX, 0) == 1
+            && libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX) == 1
+            && libc::mallopt(libc::M_ARENA_MAX, arenas) == 1
+    }
 }
 
 /// Starts the peak resident set afresh from the current one (Linux ≥ 4.0); returns
