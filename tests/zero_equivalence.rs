@@ -145,6 +145,29 @@ fn every_world_size_stage_and_tier_matches_the_single_rank_run() {
     assert_eq!(cases, 4 * (1 + 3 + 3 + 7));
 }
 
+/// Units under `stage3_param_persistence_threshold` stay gathered for the whole run, as
+/// every shipped GPU config asks (4000 elements here: the embedding and the final unit
+/// of this model persist, its blocks do not): each update must reach the persistent
+/// copy, whichever tier holds the shards, so the run still matches the single-rank one.
+#[test]
+fn persistent_units_train_the_single_rank_run_on_every_tier() {
+    let dir = disk_dir();
+    let gas = 2;
+    let reference = master(&plan(1, 0, "none", "none", 2 * gas, dir.path(), "fp32"));
+    for (param, optimizer) in tiers(3) {
+        let mut p = plan(2, 3, param, optimizer, gas, dir.path(), "fp32");
+        p.zero.param_persistence_threshold = 4000;
+        let got = master(&p);
+        // the tolerance of every_world_size_stage_and_tier_matches_the_single_rank_run
+        assert_close(
+            &format!("persistent, param {param} optimizer {optimizer}"),
+            &got,
+            &reference,
+            2e-5,
+        );
+    }
+}
+
 /// bf16: the parameters the blocks compute with are rounded to 8 bits of mantissa, yet
 /// ZeRO-3 on NVMe over two ranks and one dense rank round the same fp32 values, so they
 /// agree far below bf16 resolution.

@@ -14,16 +14,19 @@
 
 use super::error::{EngineError, On};
 use super::grads::{add_bf16, add_f32, sum_squares_bf16, sum_squares_f32, Grads};
+use crate::metrics::timeline::{Phase, Track};
+use std::time::Instant;
 use tierzero_offload::nvme::swap::{SwapStore, TensorKey};
 use tierzero_offload::pool::IoBuf;
 
-/// Where a reduction adds: `offset` is the element of the accumulator `x[0]` goes to.
+/// Where a reduction adds: `offset` is the element of the accumulator `x[0]` goes to;
+/// I/O it does is recorded on `track` (the thread's).
 pub trait Accumulate {
-    fn add(&mut self, offset: usize, x: &[f32]) -> Result<(), EngineError>;
+    fn add(&mut self, offset: usize, x: &[f32], track: &Track) -> Result<(), EngineError>;
 }
 
 impl Accumulate for Grads {
-    fn add(&mut self, offset: usize, x: &[f32]) -> Result<(), EngineError> {
+    fn add(&mut self, offset: usize, x: &[f32], _: &Track) -> Result<(), EngineError> {
         Grads::add(self, offset, x);
         Ok(())
     }
@@ -70,13 +73,17 @@ impl<'s> GradStream<'s> {
 
     /// Writes the chunk in hand and every chunk not reached, so that the store holds the
     /// whole gradient (chunks nothing was added to keep their old or zero values).
-    pub fn finish(&mut self) -> Result<(), EngineError> {
+    pub fn finish(&mut self, track: &Track) -> Result<(), EngineError> {
         let chunks = self.store.chunks(self.key).map_err(self.on.io())?;
         if chunks > 0 {
-            self.hold(chunks - 1)?;
-            self.flush()?;
+            self.hold(chunks - 1, track)?;
+            self.flush(track)?;
         }
         Ok(())
+    }
+
+    fn unit(&self) -> Option<usize> {
+        Some(self.key.unit as usize)
     }
 
     fn buffer(&mut self) -> Result<&mut IoBuf, EngineError> {
@@ -88,10 +95,10 @@ impl<'s> GradStream<'s> {
     }
 
     /// Makes chunk `c` the one in hand, writing the chunks before it first.
-    fn hold(&mut self, c: usize) -> Result<(), EngineError> {
+    fn hold(&mut self, c: usize, track: &Track) -> Result<(), EngineError> {
         while self.held != Some(c) {
             if self.held.is_some() {
-                self.flush()?;
+                self.flush(track)?;
             }
             if self.written > c {
                 return Err(EngineError::Invariant {
@@ -99,12 +106,12 @@ impl<'s> GradStream<'s> {
                     what: "a gradient stream went back to a chunk it had written",
                 });
             }
-            self.load(self.written)?;
+            self.load(self.written, track)?;
         }
         Ok(())
     }
 
-    fn load(&mut self, c: usize) -> Result<(), EngineError> {
+    fn load(&mut self, c: usize, track: &Track) -> Result<(), EngineError> {
         let (store, key, io) = (self.store, self.key, self.on.io());
         if self.fresh {
             self.buffer()?.as_bytes_mut().fill(0);
@@ -112,14 +119,17 @@ impl<'s> GradStream<'s> {
             let Some(buf) = self.buf.take() else {
                 return self.buffer().map(drop);
             };
+            let start = Instant::now();
             let read = store.read_async(key, c, buf).map_err(|(e, _)| io(e))?;
-            self.buf = Some(read.wait().map_err(&io)?);
+            let buf = read.wait().map_err(&io)?;
+            track.record(Phase::NvmeRead, self.unit(), start, buf.capacity() as u64);
+            self.buf = Some(buf);
         }
         self.held = Some(c);
         Ok(())
     }
 
-    fn flush(&mut self) -> Result<(), EngineError> {
+    fn flush(&mut self, track: &Track) -> Result<(), EngineError> {
         let Some(c) = self.held.take() else {
             return Ok(());
         };
@@ -133,20 +143,23 @@ impl<'s> GradStream<'s> {
         } else {
             sum_squares_f32(self.sum_squares, buf.typed::<f32>(n))
         };
+        let start = Instant::now();
         let write = store.write_async(key, c, buf).map_err(|(e, _)| io(e))?;
-        self.buf = Some(write.wait().map_err(&io)?);
+        let buf = write.wait().map_err(&io)?;
+        track.record(Phase::NvmeWrite, self.unit(), start, buf.capacity() as u64);
+        self.buf = Some(buf);
         self.written = c + 1;
         Ok(())
     }
 }
 
 impl Accumulate for GradStream<'_> {
-    fn add(&mut self, offset: usize, x: &[f32]) -> Result<(), EngineError> {
+    fn add(&mut self, offset: usize, x: &[f32], track: &Track) -> Result<(), EngineError> {
         let chunk = self.store.chunk_elems();
         let (mut offset, mut x) = (offset, x);
         while !x.is_empty() {
             let c = offset / chunk;
-            self.hold(c)?;
+            self.hold(c, track)?;
             let within = offset - c * chunk;
             let n = x.len().min(chunk - within);
             let bf16 = self.bf16;
@@ -171,19 +184,19 @@ pub enum Acc<'s> {
 
 impl Acc<'_> {
     /// Completes what the reduction wrote (a stream's last chunks reach the store).
-    pub fn finish(&mut self) -> Result<(), EngineError> {
+    pub fn finish(&mut self, track: &Track) -> Result<(), EngineError> {
         match self {
             Acc::Here(_) => Ok(()),
-            Acc::Stream(s) => s.finish(),
+            Acc::Stream(s) => s.finish(track),
         }
     }
 }
 
 impl Accumulate for Acc<'_> {
-    fn add(&mut self, offset: usize, x: &[f32]) -> Result<(), EngineError> {
+    fn add(&mut self, offset: usize, x: &[f32], track: &Track) -> Result<(), EngineError> {
         match self {
-            Acc::Here(g) => Accumulate::add(g, offset, x),
-            Acc::Stream(s) => s.add(offset, x),
+            Acc::Here(g) => Accumulate::add(g, offset, x, track),
+            Acc::Stream(s) => s.add(offset, x, track),
         }
     }
 }
@@ -220,7 +233,7 @@ mod tests {
                 .map(|i| ((i * 7919 + seed * 104_729) % 1999) as f32 / 997.0 - 1.0)
                 .collect()
         };
-        let on = On(0);
+        let (on, track) = (On(0), Track::disabled());
         for (unit, bf16) in [(0u32, false), (1, true)] {
             let mut memory = Grads::zeros(numel, bf16).unwrap();
             let mut sum = 0.0;
@@ -230,10 +243,10 @@ mod tests {
                 let mut stream = GradStream::new(on, &store, key(unit), bf16, micro == 0, buf);
                 for start in (0..numel).step_by(stretch) {
                     let end = (start + stretch).min(numel);
-                    stream.add(start, &x[start..end]).unwrap();
+                    stream.add(start, &x[start..end], &track).unwrap();
                     memory.add(start, &x[start..end]);
                 }
-                stream.finish().unwrap();
+                stream.finish(&track).unwrap();
                 sum = stream.sum_squares();
             }
             assert_eq!(
@@ -254,7 +267,7 @@ mod tests {
         }
         let buf = IoBuf::new(store.chunk_bytes(4)).unwrap();
         let mut untouched = GradStream::new(on, &store, key(2), false, true, buf);
-        untouched.finish().unwrap();
+        untouched.finish(&track).unwrap();
         let mut stored = vec![1u8; 4 * numel];
         store
             .read_tensor(key(2), &mut stored, IoBuf::new(store.chunk_bytes(4)).unwrap())

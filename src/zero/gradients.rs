@@ -280,7 +280,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             track,
             CHUNK_LIMIT,
         )
-        .and_then(|()| acc.finish());
+        .and_then(|()| acc.finish(track));
         self.settle(u, acc, result.is_ok());
         result
     }
@@ -364,11 +364,11 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
 
     /// Stores zeros for every unit that got no gradient this step, so that the optimizer
     /// lane reads a whole gradient of each (before anything is lent to it).
-    pub(super) fn store_missing(&mut self) -> Result<(), EngineError> {
+    pub(super) fn store_missing(&mut self, track: &Track) -> Result<(), EngineError> {
         for u in 0..self.accumulators.len() {
             if let Accumulator::Nvme(Stored::Nothing) = self.accumulators[u] {
                 let mut zeros = self.lend(u, "compute")?;
-                let result = zeros.finish();
+                let result = zeros.finish(track);
                 self.settle(u, zeros, result.is_ok());
                 result?;
             }

@@ -62,7 +62,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         // each unit's gradient, state and destination are lent to the job and come back
         // with its update (all or nothing: nothing is lent unless every gradient is here)
         self.grads.all_here()?;
-        self.grads.store_missing()?;
+        self.grads.store_missing(&self.tracks.compute)?;
         let mut jobs = Vec::with_capacity(self.units.len());
         for u in 0..self.units.len() {
             jobs.push(OptimizerJob {

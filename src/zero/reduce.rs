@@ -99,9 +99,9 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
                 buffers.recv.resize(k, 0.0);
                 comm.reduce_scatter(&buffers.send, &mut buffers.recv, ReduceOp::Avg)?;
                 track.record(Phase::Reduce, Some(unit), reduce_start, 4 * (pieces * k) as u64);
-                acc.add(start, &buffers.recv)?;
+                acc.add(start, &buffers.recv, track)?;
             }
-            Target::Replica => acc.add(start, &buffers.send)?,
+            Target::Replica => acc.add(start, &buffers.send, track)?,
         }
         start += k;
     }
@@ -185,7 +185,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
                 &track,
                 CHUNK_LIMIT,
             )
-            .and_then(|()| acc.finish());
+            .and_then(|()| acc.finish(&track));
             let message = result.as_ref().err().map(|e| e.to_string());
             *out.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map(|()| acc));
             message.map_or(Ok(()), Err)
