@@ -43,32 +43,27 @@ fn adamw(c: &mut Criterion) {
     group.finish();
 }
 
+/// A 16-bit format: its name, fp32 → it, it → fp32.
+type Conversion = (&'static str, fn(f32) -> u16, fn(u16) -> f32);
+
 fn conversion(c: &mut Criterion) {
     let mut group = c.benchmark_group("convert");
     group.throughput(Throughput::Elements(PARAMS as u64));
     let values: Vec<f32> = (0..PARAMS).map(|i| i as f32 * 1.7e-3 - 900.0).collect();
     let mut bits = vec![0u16; PARAMS];
     let mut back = vec![0f32; PARAMS];
-    group.bench_function("f32_to_bf16", |b| {
-        b.iter(|| {
-            bits.iter_mut()
-                .zip(&values)
-                .for_each(|(o, &x)| *o = f32_to_bf16(x))
-        })
-    });
-    group.bench_function("bf16_to_f32", |b| {
-        b.iter(|| back.iter_mut().zip(&bits).for_each(|(o, &x)| *o = bf16_to_f32(x)))
-    });
-    group.bench_function("f32_to_f16", |b| {
-        b.iter(|| {
-            bits.iter_mut()
-                .zip(&values)
-                .for_each(|(o, &x)| *o = f32_to_f16(x))
-        })
-    });
-    group.bench_function("f16_to_f32", |b| {
-        b.iter(|| back.iter_mut().zip(&bits).for_each(|(o, &x)| *o = f16_to_f32(x)))
-    });
+    let pairs: [Conversion; 2] = [
+        ("bf16", f32_to_bf16, bf16_to_f32),
+        ("f16", f32_to_f16, f16_to_f32),
+    ];
+    for (name, to, from) in pairs {
+        group.bench_function(format!("f32_to_{name}"), |b| {
+            b.iter(|| bits.iter_mut().zip(&values).for_each(|(o, &x)| *o = to(x)))
+        });
+        group.bench_function(format!("{name}_to_f32"), |b| {
+            b.iter(|| back.iter_mut().zip(&bits).for_each(|(o, &x)| *o = from(x)))
+        });
+    }
     group.finish();
 }
 

@@ -3,24 +3,29 @@
 //! (its entropy rate, ≈ 1.21; src/data/synthetic.rs), through the real engine: 2 CPU
 //! ranks, ZeRO-3, optimizer state on NVMe.
 
-use tierzero::config::{load, DeviceFacts};
+use tierzero::config::{load, DeviceFacts, Plan};
 use tierzero::zero::trainer::{train, TrainOptions};
+
+/// `configs/default.json` with `sets` on top, writing its outputs and NVMe files into a
+/// fresh directory under the target's `name` (removed when the returned guard drops).
+pub(crate) fn default_config(name: &str, sets: &[&str]) -> (tempfile::TempDir, Plan) {
+    let base = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    std::fs::create_dir_all(&base).unwrap();
+    let dir = tempfile::tempdir_in(base).unwrap();
+    let mut all: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    all.push(format!("train.output_dir={}", dir.path().join("run").display()));
+    all.push(format!(
+        "zero_optimization.offload_optimizer.nvme_path={}",
+        dir.path().join("nvme").display()
+    ));
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/default.json");
+    let plan = load(&path, &all, DeviceFacts::default()).unwrap().plan;
+    (dir, plan)
+}
 
 #[test]
 fn default_config_loss_falls_below_threshold() {
-    let base = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("default-run");
-    std::fs::create_dir_all(&base).unwrap();
-    let dir = tempfile::tempdir_in(base).unwrap();
-    let sets = vec![
-        "train.steps=120".to_string(),
-        format!("train.output_dir={}", dir.path().join("run").display()),
-        format!(
-            "zero_optimization.offload_optimizer.nvme_path={}",
-            dir.path().join("nvme").display()
-        ),
-    ];
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/default.json");
-    let plan = load(&path, &sets, DeviceFacts::default()).unwrap().plan;
+    let (dir, plan) = default_config("default-run", &["train.steps=120"]);
     assert_eq!((plan.world_size, plan.zero.stage), (2, 3));
     let result = train(
         &plan,

@@ -6,25 +6,12 @@
 //! NVMe) takes it well under that bound, so attention, RoPE and the blocks' backward all
 //! have to work (the Markov corpus of `default_run.rs` is learnable without them).
 
-use tierzero::config::{load, DeviceFacts};
+use crate::default_run::default_config;
 use tierzero::zero::trainer::{train, TrainOptions};
 
 #[test]
 fn recall_is_learned_below_what_no_attention_can_reach() {
-    let base = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("recall-run");
-    std::fs::create_dir_all(&base).unwrap();
-    let dir = tempfile::tempdir_in(base).unwrap();
-    let sets = vec![
-        "data.synthetic=recall".to_string(),
-        "train.steps=800".to_string(),
-        format!("train.output_dir={}", dir.path().join("run").display()),
-        format!(
-            "zero_optimization.offload_optimizer.nvme_path={}",
-            dir.path().join("nvme").display()
-        ),
-    ];
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/default.json");
-    let plan = load(&path, &sets, DeviceFacts::default()).unwrap().plan;
+    let (_dir, plan) = default_config("recall-run", &["data.synthetic=recall", "train.steps=800"]);
     let result = train(&plan, TrainOptions::default()).unwrap();
     let mean = |from: usize, to: usize| {
         result.steps[from..to].iter().map(|s| s.loss).sum::<f64>() / (to - from) as f64

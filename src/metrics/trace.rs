@@ -92,6 +92,37 @@ const COLORS: [RGBColor; 9] = [
     RGBColor(188, 189, 34),
 ];
 
+type StepChart<'a, 'b> = ChartContext<
+    'a,
+    BitMapBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// One of `breakdown.png`'s charts: `caption` (text, size) over optimizer steps `steps`,
+/// y from 0 to `y` (top, label), its mesh drawn.
+fn step_chart<'a, 'b>(
+    area: &'a DrawingArea<BitMapBackend<'b>, plotters::coord::Shift>,
+    caption: (&str, u32),
+    steps: std::ops::Range<f64>,
+    y: (f64, &str),
+) -> Result<StepChart<'a, 'b>, DrawingAreaErrorKind<<BitMapBackend<'b> as DrawingBackend>::ErrorType>> {
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption.0, ("sans-serif", caption.1))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(65)
+        .build_cartesian_2d(steps, 0.0..y.0)?;
+    chart
+        .configure_mesh()
+        .x_desc("optimizer step")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_desc(y.1)
+        .light_line_style(RGBColor(235, 235, 235))
+        .label_style(("sans-serif", 13))
+        .draw()?;
+    Ok(chart)
+}
+
 /// Draws `breakdown.png` from rank 0's per-step breakdowns and tier bytes.
 pub fn plot_breakdown(path: &Path, steps: &[(u64, Breakdown, TierBytes)]) -> Result<(), String> {
     if steps.is_empty() {
@@ -108,23 +139,15 @@ pub fn plot_breakdown(path: &Path, steps: &[(u64, Breakdown, TierBytes)]) -> Res
         .iter()
         .map(|(_, b, _)| b.phases.iter().map(|p| p.1).sum::<f64>().max(b.step_seconds))
         .fold(1e-9, f64::max);
-    let mut chart = ChartBuilder::on(&top)
-        .caption("Where each step's time goes (rank 0)", ("sans-serif", 20))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(65)
-        // headroom above the tallest bar for the legend
-        .build_cartesian_2d(first as f64..last as f64, 0.0..highest * 1.8)
-        .map_err(|x| e(&x))?;
-    chart
-        .configure_mesh()
-        .x_desc("optimizer step")
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .y_desc("seconds (phases stacked)")
-        .light_line_style(RGBColor(235, 235, 235))
-        .label_style(("sans-serif", 13))
-        .draw()
-        .map_err(|x| e(&x))?;
+    let steps_axis = first as f64..last as f64;
+    // headroom above the tallest bar for the legend
+    let mut chart = step_chart(
+        &top,
+        ("Where each step's time goes (rank 0)", 20),
+        steps_axis.clone(),
+        (highest * 1.8, "seconds (phases stacked)"),
+    )
+    .map_err(|x| e(&x))?;
     for (i, phase) in Phase::ALL.iter().enumerate() {
         let bars: Vec<Rectangle<(f64, f64)>> = steps
             .iter()
@@ -167,22 +190,13 @@ pub fn plot_breakdown(path: &Path, steps: &[(u64, Breakdown, TierBytes)]) -> Res
     };
     let gib = |b: u64| b as f64 / (1u64 << scale) as f64;
     let most = gib(largest).max(1e-9);
-    let mut memory = ChartBuilder::on(&bottom)
-        .caption("Model state by tier", ("sans-serif", 18))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(65)
-        .build_cartesian_2d(first as f64..last as f64, 0.0..most * 1.6)
-        .map_err(|x| e(&x))?;
-    memory
-        .configure_mesh()
-        .x_desc("optimizer step")
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .y_desc(unit)
-        .light_line_style(RGBColor(235, 235, 235))
-        .label_style(("sans-serif", 13))
-        .draw()
-        .map_err(|x| e(&x))?;
+    let mut memory = step_chart(
+        &bottom,
+        ("Model state by tier", 18),
+        steps_axis,
+        (most * 1.6, unit),
+    )
+    .map_err(|x| e(&x))?;
     for (pick, name, color) in [
         (0usize, "device (peak in the step)", RGBColor(31, 119, 180)),
         (1, "host", RGBColor(44, 160, 44)),

@@ -257,9 +257,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             }
             let acc = self.lend(u, "reduce")?;
             if let Some(reducer) = self.reducer.as_mut() {
-                if let Some((v, back)) = reducer.send(u, grad.shallow_clone(), part, acc)? {
-                    self.settle(v, back, true);
-                }
+                reducer.send(u, grad.shallow_clone(), part, acc)?;
             }
             return self.absorb(false);
         }

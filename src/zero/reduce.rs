@@ -150,20 +150,22 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
     }
 
     /// Queues unit `unit`'s gradient for reduction into `acc` (its accumulator, lent to
-    /// the job). With `DEPTH` in flight, first takes back the oldest accumulator:
-    /// returned for the caller to put back.
+    /// the job). The caller takes accumulators back first while [`Self::in_flight`] is
+    /// `DEPTH` (so that it leases a chunk buffer only when the lane has room); more is
+    /// an error.
     pub fn send(
         &mut self,
         unit: usize,
         grad: Tensor,
         part: Partition,
         acc: Acc<'env>,
-    ) -> Result<Option<(usize, Acc<'env>)>, EngineError> {
-        let oldest = if self.in_flight.len() >= DEPTH {
-            self.take(true)?
-        } else {
-            None
-        };
+    ) -> Result<(), EngineError> {
+        if self.in_flight.len() >= DEPTH {
+            return Err(EngineError::Invariant {
+                rank: self.comm.rank(),
+                what: "more gradients sent to the reduce lane than its depth",
+            });
+        }
         let slot = Arc::new(Mutex::new(None));
         let (comm, track, out, buffers) = (
             self.comm.clone(),
@@ -191,7 +193,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
             message.map_or(Ok(()), Err)
         });
         self.in_flight.push_back(InFlight { unit, done, slot });
-        Ok(oldest)
+        Ok(())
     }
 
     /// The oldest accumulator back: waiting for it when `wait`, else only if its job is
