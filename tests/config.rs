@@ -496,11 +496,13 @@ fn a_warmup_longer_than_the_run_warns_and_runs() {
         warning[0]
     );
     // WarmupCosineLR, linear warm-up over 20 steps from warmup_min_ratio 0: step k runs
-    // at lr · k/20 (DeepSpeed's formula), never reaching the cosine part
+    // at the rate of iteration k − 1, lr · (k−1)/20 (0 for step 0, as DeepSpeed's engine
+    // runs it), never reaching the cosine part
     let lr = 3e-3;
     for k in 0..8u64 {
         let got = tierzero::zero::schedule::learning_rate(&loaded.plan.scheduler, lr, k);
-        assert!((got - lr * k as f64 / 20.0).abs() < 1e-15, "step {k}: {got}");
+        let want = lr * k.saturating_sub(1) as f64 / 20.0;
+        assert!((got - want).abs() < 1e-15, "step {k}: {got}");
     }
 }
 

@@ -124,7 +124,10 @@ fn logits_match_transformers_with_random_norms_biases_and_llama3_rope() {
                 perturbed_count += 1;
             }
         }
-        assert!(perturbed_count >= 5, "{name}: only {perturbed_count} tensors perturbed");
+        assert!(
+            perturbed_count >= 5,
+            "{name}: only {perturbed_count} tensors perturbed"
+        );
         // Through tierzero's export and import: the file holds exactly the tensors
         // transformers' save_pretrained writes for this model.
         let dir = tempfile::tempdir().unwrap();

@@ -89,12 +89,13 @@ fn fp16_skipped_steps_do_not_advance_the_schedule_and_the_scale_grows_on_deepspe
     let skipped: Vec<bool> = steps.iter().map(|s| s.skipped).collect();
     assert!(skipped[0], "2^24 overflows at the first step: {skipped:?}");
     assert!(skipped.iter().filter(|&&s| !s).count() >= 10, "{skipped:?}");
-    // WarmupLR, linear: the k-th applied step (0-based) runs at 1e-3 * k / 20, whatever
-    // number of skipped steps came before it
-    let mut applied = 0;
+    // WarmupLR, linear: the k-th applied step (0-based) runs at the rate of iteration
+    // k − 1, 1e-3 · (k−1) / 20 (warmup_min_lr for k = 0), whatever number of skipped
+    // steps came before it
+    let mut applied: u64 = 0;
     for s in &steps {
         if !s.skipped {
-            let want = 1e-3 * applied as f64 / 20.0;
+            let want = 1e-3 * applied.saturating_sub(1) as f64 / 20.0;
             assert!(
                 (s.lr - want).abs() < 1e-12,
                 "step {}: lr {} want {want} ({skipped:?})",

@@ -20,4 +20,5 @@ mod precision;
 mod recall;
 mod rendezvous;
 mod text_data;
+mod torch_reference;
 mod zero_equivalence;

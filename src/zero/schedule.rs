@@ -1,23 +1,47 @@
 //! Learning-rate schedules and fp16 loss scaling, as DeepSpeed computes them.
 //!
 //! Schedules: `deepspeed/runtime/lr_schedules.py` (WarmupLR, WarmupDecayLR,
-//! WarmupCosineLR). DeepSpeed steps a scheduler once at construction, so optimizer step
-//! k (0-based) uses the rate of iteration k. Loss scaling: `DynamicLossScaler` in
+//! WarmupCosineLR) as DeepSpeed 0.19.8's engine drives them: a scheduler is created at
+//! iteration −1 (WarmupLR and WarmupDecayLR give `warmup_min_lr` there, WarmupCosineLR
+//! 0) and stepped after each applied optimizer step, so optimizer step k (0-based,
+//! overflow-skipped steps not counted) runs at the rate of iteration k − 1. Warm-up
+//! lasts at least 2 iterations (DeepSpeed's `max(2, warmup_num_steps)`) and the cosine
+//! stays at its floor past `total_num_steps`. Loss scaling: `DynamicLossScaler` in
 //! `deepspeed/runtime/fp16/loss_scaler.py` (backoff by 2 after `hysteresis` overflows,
 //! growth by 2 after `loss_scale_window` clean steps, floor `min_loss_scale`).
 
 use crate::config::plan::{LossScale, Scheduler, WarmupType};
 use serde::{Deserialize, Serialize};
 
+/// DeepSpeed's warm-up length: at least 2 iterations.
+fn warmup_length(warmup_steps: u64) -> u64 {
+    warmup_steps.max(2)
+}
+
+/// Warm-up progress in [0, 1) at `iteration` (0 ≤ iteration < warm-up length).
 fn warmup_gamma(iteration: u64, warmup_steps: u64, kind: WarmupType) -> f64 {
+    let length = warmup_length(warmup_steps) as f64;
     match kind {
-        WarmupType::Log => (iteration as f64 + 1.0).ln() / (warmup_steps.max(2) as f64).ln(),
-        WarmupType::Linear => iteration as f64 / warmup_steps.max(1) as f64,
+        WarmupType::Log => (iteration as f64 + 1.0).ln() / length.ln(),
+        WarmupType::Linear => iteration as f64 / length,
     }
 }
 
-/// The learning rate of optimizer step `iteration` (0-based) for base rate `lr`.
-pub fn learning_rate(scheduler: &Scheduler, lr: f64, iteration: u64) -> f64 {
+/// The learning rate of applied optimizer step `applied` (0-based) for base rate `lr`:
+/// the scheduler's rate at iteration `applied − 1`.
+pub fn learning_rate(scheduler: &Scheduler, lr: f64, applied: u64) -> f64 {
+    match applied.checked_sub(1) {
+        Some(iteration) => rate_at(scheduler, lr, iteration),
+        None => match *scheduler {
+            Scheduler::Constant => lr,
+            Scheduler::WarmupLR { min_lr, .. } | Scheduler::WarmupDecayLR { min_lr, .. } => min_lr,
+            Scheduler::WarmupCosineLR { .. } => 0.0,
+        },
+    }
+}
+
+/// The scheduler's rate at `iteration` (≥ 0), DeepSpeed's `get_lr`.
+fn rate_at(scheduler: &Scheduler, lr: f64, iteration: u64) -> f64 {
     match *scheduler {
         Scheduler::Constant => lr,
         Scheduler::WarmupLR {
@@ -26,7 +50,7 @@ pub fn learning_rate(scheduler: &Scheduler, lr: f64, iteration: u64) -> f64 {
             warmup_steps,
             warmup_type,
         } => {
-            let gamma = if iteration < warmup_steps {
+            let gamma = if iteration < warmup_length(warmup_steps) {
                 warmup_gamma(iteration, warmup_steps, warmup_type)
             } else {
                 1.0
@@ -40,11 +64,12 @@ pub fn learning_rate(scheduler: &Scheduler, lr: f64, iteration: u64) -> f64 {
             total_steps,
             warmup_type,
         } => {
-            let gamma = if iteration < warmup_steps {
+            let warmup = warmup_length(warmup_steps);
+            let gamma = if iteration < warmup {
                 warmup_gamma(iteration, warmup_steps, warmup_type)
             } else {
-                (total_steps as f64 - iteration as f64).max(0.0)
-                    / (total_steps.saturating_sub(warmup_steps) as f64).max(1.0)
+                ((total_steps as f64 - iteration as f64) / (total_steps as f64 - warmup as f64).max(1.0))
+                    .max(0.0)
             };
             min_lr + (max_lr - min_lr) * gamma
         }
@@ -55,13 +80,15 @@ pub fn learning_rate(scheduler: &Scheduler, lr: f64, iteration: u64) -> f64 {
             total_steps,
             warmup_type,
         } => {
-            let ratio = if iteration < warmup_steps {
+            let warmup = warmup_length(warmup_steps);
+            let ratio = if iteration < warmup {
                 warmup_min_ratio
                     + warmup_gamma(iteration, warmup_steps, warmup_type) * (1.0 - warmup_min_ratio)
             } else {
-                let real_step = (iteration - warmup_steps + 1) as f64;
-                let real_total = (total_steps.saturating_sub(warmup_steps)).max(1) as f64;
-                let cosine = (1.0 + (std::f64::consts::PI * real_step / real_total).cos()) / 2.0;
+                let real_step = (iteration - warmup + 1) as f64;
+                let real_total = (total_steps.saturating_sub(warmup)).max(1) as f64;
+                let progress = (real_step / real_total).min(1.0);
+                let cosine = (1.0 + (std::f64::consts::PI * progress).cos()) / 2.0;
                 (cos_min_ratio + (1.0 - cos_min_ratio) * cosine).max(0.0)
             };
             lr * ratio
@@ -157,38 +184,59 @@ impl LossScaler {
 mod tests {
     use super::*;
 
+    /// The rate each of ten optimizer steps ran at under DeepSpeed 0.19.8's engine
+    /// (`deepspeed.initialize` on CPU, base rate 1, `optimizer.param_groups[0]["lr"]`
+    /// read before each `engine.step()`, rounded to 4 places), total_num_steps 8.
     #[test]
-    fn warmup_cosine_matches_deepspeed() {
-        // values from DeepSpeed's formula evaluated by hand: linear warmup over 10 steps
-        // to the base rate, cosine to cos_min_ratio at step 100
-        let s = Scheduler::WarmupCosineLR {
-            warmup_min_ratio: 0.0,
-            cos_min_ratio: 0.1,
-            warmup_steps: 10,
-            total_steps: 100,
-            warmup_type: WarmupType::Linear,
-        };
-        assert_eq!(learning_rate(&s, 1.0, 0), 0.0);
-        assert!((learning_rate(&s, 1.0, 5) - 0.5).abs() < 1e-12);
-        // first post-warmup step: real_step 1 of 90
-        let expected = 0.1 + 0.9 * (1.0 + (std::f64::consts::PI / 90.0).cos()) / 2.0;
-        assert!((learning_rate(&s, 1.0, 10) - expected).abs() < 1e-12);
-        assert!((learning_rate(&s, 1.0, 99) - 0.1).abs() < 1e-12);
-    }
-
-    #[test]
-    fn warmup_decay_and_log_warmup() {
-        let s = Scheduler::WarmupDecayLR {
+    fn every_schedule_matches_what_deepspeeds_engine_ran() {
+        let (linear, log) = (WarmupType::Linear, WarmupType::Log);
+        let warmup = |warmup_steps| Scheduler::WarmupLR {
             min_lr: 0.0,
             max_lr: 1.0,
-            warmup_steps: 10,
-            total_steps: 20,
-            warmup_type: WarmupType::Log,
+            warmup_steps,
+            warmup_type: linear,
         };
-        // log warmup: ln(k+1) / ln(10)
-        assert!((learning_rate(&s, 0.0, 4) - 5f64.ln() / 10f64.ln()).abs() < 1e-12);
-        assert!((learning_rate(&s, 0.0, 15) - 0.5).abs() < 1e-12);
-        assert_eq!(learning_rate(&s, 0.0, 25), 0.0);
+        let cosine = |warmup_steps, warmup_type| Scheduler::WarmupCosineLR {
+            warmup_min_ratio: 0.0,
+            cos_min_ratio: 0.0001,
+            warmup_steps,
+            total_steps: 8,
+            warmup_type,
+        };
+        let decay = Scheduler::WarmupDecayLR {
+            min_lr: 0.0,
+            max_lr: 1.0,
+            warmup_steps: 4,
+            total_steps: 8,
+            warmup_type: log,
+        };
+        let cases: [(Scheduler, [f64; 10]); 6] = [
+            (warmup(4), [0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0]),
+            (warmup(1), [0.0, 0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+            (
+                cosine(4, linear),
+                [0.0, 0.0, 0.25, 0.5, 0.75, 0.8536, 0.5, 0.1465, 0.0001, 0.0001],
+            ),
+            (
+                cosine(4, log),
+                [0.0, 0.0, 0.5, 0.7925, 1.0, 0.8536, 0.5, 0.1465, 0.0001, 0.0001],
+            ),
+            (
+                cosine(1, linear),
+                [0.0, 0.0, 0.5, 0.933, 0.75, 0.5, 0.2501, 0.0671, 0.0001, 0.0001],
+            ),
+            (decay, [0.0, 0.0, 0.5, 0.7925, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]),
+        ];
+        for (scheduler, deepspeed) in cases {
+            for (k, want) in deepspeed.iter().enumerate() {
+                let ours = learning_rate(&scheduler, 1.0, k as u64);
+                // DeepSpeed's figures are rounded to 4 places
+                assert!(
+                    (ours - want).abs() <= 0.5e-4 + 1e-12,
+                    "{scheduler:?} step {k}: {ours} vs {want}"
+                );
+            }
+        }
     }
 
     #[test]
