@@ -11,6 +11,20 @@ use tierzero::zero::trainer::{train, TrainError, TrainOptions, TrainResult};
 
 /// A plan whose global batch (micro 1 × world × gas = 6) is the same on 1, 2 and 3 ranks.
 fn plan(world: usize, stage: u8, param: &str, optimizer: &str, steps: u64, dir: &Path) -> Plan {
+    plan_with(world, stage, param, optimizer, steps, dir, json!({}))
+}
+
+/// `plan` with `extra` merged in: its top-level keys replace the config's, except
+/// `zero_optimization`, whose keys are merged one by one.
+fn plan_with(
+    world: usize,
+    stage: u8,
+    param: &str,
+    optimizer: &str,
+    steps: u64,
+    dir: &Path,
+    extra: serde_json::Value,
+) -> Plan {
     let mut zero = json!({
         "stage": stage,
         "sub_group_size": 1000,
@@ -35,6 +49,17 @@ fn plan(world: usize, stage: u8, param: &str, optimizer: &str, steps: u64, dir: 
         "data": { "synthetic": "addition", "seq_len": 16 },
         "train": { "steps": steps, "devices": world, "seed": 11, "save_interval": 2, "keep_last": 5, "output_dir": dir.join("out") }
     });
+    let mut config = config;
+    for (key, value) in extra.as_object().unwrap() {
+        match (key.as_str(), value) {
+            ("zero_optimization", serde_json::Value::Object(zero)) => {
+                for (k, v) in zero {
+                    config["zero_optimization"][k] = v.clone();
+                }
+            }
+            _ => config[key] = value.clone(),
+        }
+    }
     from_json(config, &[], DeviceFacts::default()).unwrap().plan
 }
 
@@ -100,6 +125,70 @@ fn resume_on_the_same_world_size_is_bit_exact() {
             assert!(a == b, "{what}: {file} differs");
         }
     }
+}
+
+/// Resume in fp16 and bf16 on every tier, with persistent units at stage 3: bit for
+/// bit the uninterrupted run, loss scale and skipped steps included. fp16 resumes from
+/// every step, so the loss scaler is saved in each of its states: mid-window before a
+/// growth, with its hysteresis half spent, right after a backoff.
+#[test]
+fn resume_in_fp16_and_bf16_and_with_persistent_units_is_bit_exact() {
+    let fp16 = json!({ "fp16": {
+        "enabled": true, "initial_scale_power": 17, "hysteresis": 2, "loss_scale_window": 2 } });
+    let bf16 = json!({ "bf16": { "enabled": true } });
+    let mut scales_seen = Vec::new();
+    for (precision, extra, resume_from) in [("fp16", fp16, 1..=5), ("bf16", bf16, 2..=2)] {
+        for &(stage, param, optimizer) in TIERS {
+            let mut extra = extra.clone();
+            let persistent = stage == 3;
+            if persistent {
+                // the embedding (96·32) and the final unit stay gathered
+                extra["zero_optimization"] = json!({ "stage3_param_persistence_threshold": 4000 });
+            }
+            let tmp = tempfile::tempdir().unwrap();
+            let mut whole = plan_with(2, stage, param, optimizer, 6, tmp.path(), extra.clone());
+            (whole.train.save_interval, whole.train.keep_last) = (1, 10);
+            let full = run(&whole, None);
+            for from in resume_from.clone() {
+                let what = format!(
+                    "{precision} stage {stage} param {param} optimizer {optimizer} persistent {persistent}, from step {from}"
+                );
+                let dir = tmp.path().join(format!("from-{from}"));
+                let again = plan_with(2, stage, param, optimizer, 6, &dir, extra.clone());
+                let resumed = run(&again, Some(&step_dir(&whole, from)));
+                assert_eq!(resumed.steps.len(), 6 - from as usize, "{what}");
+                for (a, b) in full.steps[from as usize..].iter().zip(&resumed.steps) {
+                    assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what}: step {} loss", a.step);
+                    assert_eq!(
+                        (a.lr, a.loss_scale, a.skipped),
+                        (b.lr, b.loss_scale, b.skipped),
+                        "{what}: step {}",
+                        a.step
+                    );
+                }
+                assert_eq!(full.master, resumed.master, "{what}: final master weights");
+            }
+            if precision == "fp16" {
+                scales_seen.push(
+                    full.steps
+                        .iter()
+                        .map(|s| (s.skipped, s.loss_scale))
+                        .collect::<Vec<_>>(),
+                );
+            }
+        }
+    }
+    // the scaler passes through the states above: a growth, skipped steps, a backoff
+    let pattern = &scales_seen[0];
+    assert!(
+        pattern.windows(2).any(|w| w[1].1 > w[0].1),
+        "a growth: {pattern:?}"
+    );
+    assert!(pattern.iter().any(|s| s.0), "skipped steps: {pattern:?}");
+    assert!(
+        pattern.windows(2).any(|w| w[1].1 < w[0].1),
+        "a backoff: {pattern:?}"
+    );
 }
 
 #[test]
