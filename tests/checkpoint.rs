@@ -11,11 +11,10 @@ use tierzero::zero::trainer::{train, TrainError, TrainOptions, TrainResult};
 
 /// A plan whose global batch (micro 1 × world × gas = 6) is the same on 1, 2 and 3 ranks.
 fn plan(world: usize, stage: u8, param: &str, optimizer: &str, steps: u64, dir: &Path) -> Plan {
-    plan_with(world, stage, param, optimizer, steps, dir, json!({}))
+    plan_with(world, stage, param, optimizer, steps, dir, &|_| {})
 }
 
-/// `plan` with `extra` merged in: its top-level keys replace the config's, except
-/// `zero_optimization`, whose keys are merged one by one.
+/// `plan` with `edit` applied to its ds_config first.
 fn plan_with(
     world: usize,
     stage: u8,
@@ -23,7 +22,7 @@ fn plan_with(
     optimizer: &str,
     steps: u64,
     dir: &Path,
-    extra: serde_json::Value,
+    edit: &dyn Fn(&mut serde_json::Value),
 ) -> Plan {
     let mut zero = json!({
         "stage": stage,
@@ -50,16 +49,7 @@ fn plan_with(
         "train": { "steps": steps, "devices": world, "seed": 11, "save_interval": 2, "keep_last": 5, "output_dir": dir.join("out") }
     });
     let mut config = config;
-    for (key, value) in extra.as_object().unwrap() {
-        match (key.as_str(), value) {
-            ("zero_optimization", serde_json::Value::Object(zero)) => {
-                for (k, v) in zero {
-                    config["zero_optimization"][k] = v.clone();
-                }
-            }
-            _ => config[key] = value.clone(),
-        }
-    }
+    edit(&mut config);
     from_json(config, &[], DeviceFacts::default()).unwrap().plan
 }
 
@@ -83,7 +73,9 @@ fn step_dir(plan: &Plan, step: u64) -> PathBuf {
     save::root(&plan.train.output_dir).join(format!("step-{step}"))
 }
 
-fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+/// Largest |a − b| over the units, relative to the largest |b| of each unit (shared
+/// with the PyTorch reference test).
+pub(crate) fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     a.iter()
         .zip(b)
         .map(|(x, y)| {
@@ -101,6 +93,23 @@ const TIERS: &[(u8, &str, &str)] = &[
     (3, "nvme", "nvme"),
 ];
 
+/// The resumed run's steps are the uninterrupted run's from `from` on, bit for bit
+/// (loss, rate, loss scale, skipped), and it ends with the same master weights.
+fn assert_resumed_bit_exact(full: &TrainResult, resumed: &TrainResult, from: usize, what: &str) {
+    assert_eq!(resumed.steps.len(), full.steps.len() - from, "{what}");
+    for (a, b) in full.steps[from..].iter().zip(&resumed.steps) {
+        assert_eq!(a.step, b.step, "{what}");
+        assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what}: step {} loss", a.step);
+        assert_eq!(
+            (a.lr, a.loss_scale, a.skipped),
+            (b.lr, b.loss_scale, b.skipped),
+            "{what}: step {}",
+            a.step
+        );
+    }
+    assert_eq!(full.master, resumed.master, "{what}: final master weights");
+}
+
 #[test]
 fn resume_on_the_same_world_size_is_bit_exact() {
     for &(stage, param, optimizer) in TIERS {
@@ -110,13 +119,7 @@ fn resume_on_the_same_world_size_is_bit_exact() {
         let resumed_plan = plan(2, stage, param, optimizer, 4, &tmp.path().join("again"));
         let resumed = run(&resumed_plan, Some(&step_dir(&whole, 2)));
         let what = format!("stage {stage} param {param} optimizer {optimizer}");
-        assert_eq!(resumed.steps.len(), 2, "{what}");
-        for (a, b) in full.steps[2..].iter().zip(&resumed.steps) {
-            assert_eq!(a.step, b.step, "{what}");
-            assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what}: step {} loss", a.step);
-            assert_eq!(a.lr, b.lr, "{what}");
-        }
-        assert_eq!(full.master, resumed.master, "{what}: final master weights");
+        assert_resumed_bit_exact(&full, &resumed, 2, &what);
         // both runs end with the same step-4 checkpoint, byte for byte
         for name in ["master", "exp_avg", "exp_avg_sq", "param"] {
             let file = format!("{name}.safetensors");
@@ -133,20 +136,21 @@ fn resume_on_the_same_world_size_is_bit_exact() {
 /// growth, with its hysteresis half spent, right after a backoff.
 #[test]
 fn resume_in_fp16_and_bf16_and_with_persistent_units_is_bit_exact() {
-    let fp16 = json!({ "fp16": {
-        "enabled": true, "initial_scale_power": 17, "hysteresis": 2, "loss_scale_window": 2 } });
-    let bf16 = json!({ "bf16": { "enabled": true } });
+    let fp16 = json!({ "enabled": true, "initial_scale_power": 17, "hysteresis": 2, "loss_scale_window": 2 });
+    let bf16 = json!({ "enabled": true });
     let mut scales_seen = Vec::new();
-    for (precision, extra, resume_from) in [("fp16", fp16, 1..=5), ("bf16", bf16, 2..=2)] {
+    for (precision, settings, resume_from) in [("fp16", fp16, 1..=5), ("bf16", bf16, 2..=2)] {
         for &(stage, param, optimizer) in TIERS {
-            let mut extra = extra.clone();
             let persistent = stage == 3;
-            if persistent {
-                // the embedding (96·32) and the final unit stay gathered
-                extra["zero_optimization"] = json!({ "stage3_param_persistence_threshold": 4000 });
-            }
+            let edit = |config: &mut serde_json::Value| {
+                config[precision] = settings.clone();
+                if persistent {
+                    // the embedding (96·32) and the final unit stay gathered
+                    config["zero_optimization"]["stage3_param_persistence_threshold"] = json!(4000);
+                }
+            };
             let tmp = tempfile::tempdir().unwrap();
-            let mut whole = plan_with(2, stage, param, optimizer, 6, tmp.path(), extra.clone());
+            let mut whole = plan_with(2, stage, param, optimizer, 6, tmp.path(), &edit);
             (whole.train.save_interval, whole.train.keep_last) = (1, 10);
             let full = run(&whole, None);
             for from in resume_from.clone() {
@@ -154,19 +158,9 @@ fn resume_in_fp16_and_bf16_and_with_persistent_units_is_bit_exact() {
                     "{precision} stage {stage} param {param} optimizer {optimizer} persistent {persistent}, from step {from}"
                 );
                 let dir = tmp.path().join(format!("from-{from}"));
-                let again = plan_with(2, stage, param, optimizer, 6, &dir, extra.clone());
+                let again = plan_with(2, stage, param, optimizer, 6, &dir, &edit);
                 let resumed = run(&again, Some(&step_dir(&whole, from)));
-                assert_eq!(resumed.steps.len(), 6 - from as usize, "{what}");
-                for (a, b) in full.steps[from as usize..].iter().zip(&resumed.steps) {
-                    assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what}: step {} loss", a.step);
-                    assert_eq!(
-                        (a.lr, a.loss_scale, a.skipped),
-                        (b.lr, b.loss_scale, b.skipped),
-                        "{what}: step {}",
-                        a.step
-                    );
-                }
-                assert_eq!(full.master, resumed.master, "{what}: final master weights");
+                assert_resumed_bit_exact(&full, &resumed, from as usize, &what);
             }
             if precision == "fp16" {
                 scales_seen.push(

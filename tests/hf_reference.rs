@@ -67,6 +67,16 @@ fn is_perturbed(name: &str) -> bool {
     name.ends_with(".bias") || name.contains("norm") || name.contains(".ln_")
 }
 
+/// A JSON array of strings.
+fn strings(array: &serde_json::Value) -> Vec<String> {
+    array
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_string())
+        .collect()
+}
+
 /// Tensor names in a safetensors file's header.
 fn safetensors_keys(path: &std::path::Path) -> Vec<String> {
     let bytes = std::fs::read(path).unwrap();
@@ -99,13 +109,7 @@ fn logits_match_transformers_with_random_norms_biases_and_llama3_rope() {
     let expected: serde_json::Value = serde_json::from_str(&text).unwrap();
     let mut worst: f64 = 0.0;
     for (name, case) in expected.as_object().unwrap() {
-        let sets: Vec<String> = case["sets"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s.as_str().unwrap().to_string())
-            .collect();
-        let plan = plan_for(&sets);
+        let plan = plan_for(&strings(&case["sets"]));
         let mut config = plan.model.config.clone();
         if let Some(json) = case.get("config_json") {
             let dir = tempfile::tempdir().unwrap();
@@ -132,15 +136,9 @@ fn logits_match_transformers_with_random_norms_biases_and_llama3_rope() {
         // transformers' save_pretrained writes for this model.
         let dir = tempfile::tempdir().unwrap();
         hf::save(dir.path(), &config, &weights, SaveDtype::F32, usize::MAX).unwrap();
-        let want_keys: Vec<String> = case["keys"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|k| k.as_str().unwrap().to_string())
-            .collect();
         assert_eq!(
             safetensors_keys(&dir.path().join("model.safetensors")),
-            want_keys,
+            strings(&case["keys"]),
             "{name}: exported tensor names"
         );
         let loaded = hf::load(dir.path(), &config).unwrap();

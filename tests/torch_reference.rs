@@ -37,11 +37,9 @@ fn config(stage: u8, world: usize, gas: usize, precision: Value, optimizer: &str
         "data": { "synthetic": "addition", "seq_len": 16 },
         "train": { "steps": STEPS, "devices": world, "seed": 5, "output_dir": dir.join("out") }
     });
-    let (key, value) = match &precision {
-        Value::Object(o) => o.iter().next().map(|(k, v)| (k.clone(), v.clone())).unwrap(),
-        _ => unreachable!(),
-    };
-    c[key] = value;
+    for (key, value) in precision.as_object().unwrap() {
+        c[key] = value.clone();
+    }
     c
 }
 
@@ -98,26 +96,11 @@ fn reference(ds: &Value, plan: &Plan, dir: &Path) -> (Vec<Value>, Vec<Vec<f32>>)
     (records, finals)
 }
 
-/// Largest |a − b| over every master weight, relative to the largest |b| of its unit.
-fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| {
-            let scale = y.iter().fold(0f32, |m, v| m.max(v.abs()));
-            f64::from(x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs())) / scale)
-        })
-        .fold(0.0, f64::max)
-}
-
 /// Runs tierzero and the reference on one config; checks the step records exactly
 /// (learning rate, scale, skipped) and the losses and masters within the tolerances.
-fn compare(ds: Value, loss_tolerance: f64, master_tolerance: f64) -> TrainResult {
+fn compare(mut ds: Value, loss_tolerance: f64, master_tolerance: f64) -> TrainResult {
     let dir = tempfile::tempdir().unwrap();
-    let ds = {
-        let mut ds = ds;
-        ds["train"]["output_dir"] = json!(dir.path().join("out"));
-        ds
-    };
+    ds["train"]["output_dir"] = json!(dir.path().join("out"));
     let plan = from_json(ds.clone(), &[], DeviceFacts::default()).unwrap().plan;
     let (records, finals) = reference(&ds, &plan, dir.path());
     let ours = train(
@@ -143,7 +126,7 @@ fn compare(ds: Value, loss_tolerance: f64, master_tolerance: f64) -> TrainResult
         assert!(rel < loss_tolerance, "{what}");
     }
     assert_eq!(ours.steps.len(), records.len());
-    let masters = max_rel_diff(&ours.master, &finals);
+    let masters = f64::from(crate::checkpoint::max_rel_diff(&ours.master, &finals));
     println!("losses within {worst_loss:.2e} relative, masters within {masters:.2e}");
     assert!(masters < master_tolerance, "masters differ by {masters:e}");
     ours

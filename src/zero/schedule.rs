@@ -18,12 +18,12 @@ fn warmup_length(warmup_steps: u64) -> u64 {
     warmup_steps.max(2)
 }
 
-/// Warm-up progress in [0, 1) at `iteration` (0 ≤ iteration < warm-up length).
-fn warmup_gamma(iteration: u64, warmup_steps: u64, kind: WarmupType) -> f64 {
-    let length = warmup_length(warmup_steps) as f64;
+/// Warm-up progress in [0, 1) at `iteration` (0 ≤ iteration < `warmup`, the length
+/// [`warmup_length`] gives).
+fn warmup_gamma(iteration: u64, warmup: u64, kind: WarmupType) -> f64 {
     match kind {
-        WarmupType::Log => (iteration as f64 + 1.0).ln() / length.ln(),
-        WarmupType::Linear => iteration as f64 / length,
+        WarmupType::Log => (iteration as f64 + 1.0).ln() / (warmup as f64).ln(),
+        WarmupType::Linear => iteration as f64 / warmup as f64,
     }
 }
 
@@ -50,8 +50,9 @@ fn rate_at(scheduler: &Scheduler, lr: f64, iteration: u64) -> f64 {
             warmup_steps,
             warmup_type,
         } => {
-            let gamma = if iteration < warmup_length(warmup_steps) {
-                warmup_gamma(iteration, warmup_steps, warmup_type)
+            let warmup = warmup_length(warmup_steps);
+            let gamma = if iteration < warmup {
+                warmup_gamma(iteration, warmup, warmup_type)
             } else {
                 1.0
             };
@@ -66,7 +67,7 @@ fn rate_at(scheduler: &Scheduler, lr: f64, iteration: u64) -> f64 {
         } => {
             let warmup = warmup_length(warmup_steps);
             let gamma = if iteration < warmup {
-                warmup_gamma(iteration, warmup_steps, warmup_type)
+                warmup_gamma(iteration, warmup, warmup_type)
             } else {
                 ((total_steps as f64 - iteration as f64) / (total_steps as f64 - warmup as f64).max(1.0))
                     .max(0.0)
@@ -82,8 +83,7 @@ fn rate_at(scheduler: &Scheduler, lr: f64, iteration: u64) -> f64 {
         } => {
             let warmup = warmup_length(warmup_steps);
             let ratio = if iteration < warmup {
-                warmup_min_ratio
-                    + warmup_gamma(iteration, warmup_steps, warmup_type) * (1.0 - warmup_min_ratio)
+                warmup_min_ratio + warmup_gamma(iteration, warmup, warmup_type) * (1.0 - warmup_min_ratio)
             } else {
                 let real_step = (iteration - warmup + 1) as f64;
                 let real_total = (total_steps.saturating_sub(warmup)).max(1) as f64;

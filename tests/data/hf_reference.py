@@ -104,11 +104,9 @@ def main():
             model.save_pretrained(saved)
             with safe_open(f"{saved}/model.safetensors", "pt") as f:
                 keys = sorted(f.keys())
-            with open(f"{saved}/config.json") as f:
+            # the old form as written by hand; the new one as transformers saves it
+            with open(f"{d if rope == 'old' else saved}/config.json") as f:
                 config_json = json.load(f)
-            if rope == "old":
-                with open(f"{d}/config.json") as f:
-                    config_json = json.load(f)
             tokens, targets = batch(model.config.vocab_size)
             with torch.no_grad():
                 logits = model(tokens).logits

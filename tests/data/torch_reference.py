@@ -18,6 +18,7 @@ applied update; DynamicLossScaler with hysteresis).
 """
 import json
 import math
+import os
 import struct
 import sys
 
@@ -56,6 +57,8 @@ def write_safetensors(path, tensors):
 
 
 class Llama:
+    """LlamaForCausalLM on `params` (name -> tensor, already in the compute dtype)."""
+
     def __init__(self, config, params):
         self.c = config
         self.p = params
@@ -80,7 +83,7 @@ class Llama:
         return x * cos + rotated * sin
 
     def hidden(self, tokens, dtype):
-        c, p = self.c, {k: v.to(dtype) for k, v in self.p.items()}
+        c, p = self.c, self.p
         heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
         hd = c["hidden_size"] // heads
         b, t = tokens.shape
@@ -102,10 +105,10 @@ class Llama:
             h = self.rms_norm(x, w("post_attention_layernorm.weight"))
             gate = torch.nn.functional.silu(h @ w("mlp.gate_proj.weight").T)
             x = x + (gate * (h @ w("mlp.up_proj.weight").T)) @ w("mlp.down_proj.weight").T
-        return self.rms_norm(x, p["model.norm.weight"]), p
+        return self.rms_norm(x, p["model.norm.weight"])
 
     def loss(self, tokens, targets, dtype):
-        h, p = self.hidden(tokens, dtype)
+        h, p = self.hidden(tokens, dtype), self.p
         head = p["model.embed_tokens.weight"] if self.c.get("tie_word_embeddings") else p["lm_head.weight"]
         logits = h.float() @ head.float().T
         return torch.nn.functional.cross_entropy(
@@ -233,8 +236,6 @@ def main():
         records.append({"loss": sum(losses) / len(losses), "lr": lr, "loss_scale": scale, "skipped": overflow})
         if scaler:
             scaler.update(overflow)
-
-    import os
 
     os.makedirs(f"{d}/final", exist_ok=True)
     write_safetensors(f"{d}/final/model.safetensors", dict(zip(names, params)))
