@@ -823,6 +823,10 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_target(false)
         .init();
+    if let Err(e) = tierzero::checkpoint::crash::check_env() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Config(e)) => {

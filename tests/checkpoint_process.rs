@@ -7,11 +7,11 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tierzero::checkpoint::{save, Checkpoint};
 
-fn tierzero() -> Command {
+pub(crate) fn tierzero() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tierzero"))
 }
 
-fn write_config(dir: &Path, model: serde_json::Value, steps: u64) -> std::path::PathBuf {
+pub(crate) fn write_config(dir: &Path, model: serde_json::Value, steps: u64) -> std::path::PathBuf {
     let config = json!({
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
@@ -31,7 +31,7 @@ fn write_config(dir: &Path, model: serde_json::Value, steps: u64) -> std::path::
 }
 
 /// Every complete checkpoint verifies; returns the step `latest` names.
-fn check_all(root: &Path) -> Option<u64> {
+pub(crate) fn check_all(root: &Path) -> Option<u64> {
     for (step, dir) in save::list(root) {
         let checkpoint = Checkpoint::open(&dir).unwrap_or_else(|e| panic!("step-{step}: {e}"));
         checkpoint.verify().unwrap_or_else(|e| panic!("step-{step}: {e}"));

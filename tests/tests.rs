@@ -3,6 +3,7 @@
 mod adam_torch;
 mod breakdown;
 mod checkpoint;
+mod checkpoint_crash;
 mod checkpoint_process;
 mod cli;
 mod config;

@@ -12,6 +12,8 @@
 //!   human form `tierzero inspect` prints
 //! - `save.rs`: staging directory, parallel slice writes, fsync, rename, `latest`,
 //!   `keep_last`
+//! - `crash.rs`: crash points (`TIERZERO_CRASH_AT`) and a record of a save's
+//!   file-system operations, for the tests that kill a save at each of its steps
 //! - `load.rs`: opening, verifying (per-slice crc32c) and reading element ranges
 //! - `export.rs`: a Hugging Face directory from a checkpoint, one unit at a time
 //!
@@ -19,8 +21,11 @@
 //! writes the manifest last, renames the directory into place and only then replaces
 //! `latest` (write, fsync, rename). A crash at any moment leaves every earlier
 //! checkpoint and `latest` as they were; stale staging directories are removed by name
-//! at the next save.
+//! at the next save. Saving a step that exists (a run resumed from an older checkpoint)
+//! exchanges the two directories atomically (`renameat2(RENAME_EXCHANGE)`), so `step-N`
+//! is whole at every moment.
 
+pub mod crash;
 pub mod export;
 pub mod files;
 pub mod load;

@@ -4,9 +4,12 @@
 //! `.tmp-step-*`, `.old-step-*`), creates `.tmp-step-N` and every state file at its full
 //! length with its header. Every rank then opens the files ([`SliceWriter`]), writes its
 //! slices with positional writes and fsyncs. Rank 0 [`commit`]s: writes the manifest,
-//! fsyncs it and the directory, renames the directory to `step-N`, fsyncs the parent,
-//! replaces `latest` atomically and prunes to `keep_last`.
+//! fsyncs it and the directory, renames the directory to `step-N` (exchanges it with
+//! the old copy when a resumed run saves a step again), fsyncs the parent, replaces
+//! `latest` atomically and prunes to `keep_last`. Every operation goes through [`op`]:
+//! a crash point before it, a record after it (see `crash.rs`).
 
+use super::crash::{self, Op};
 use super::files::StateFile;
 use super::manifest::Manifest;
 use super::{io_err, CheckpointError};
@@ -14,10 +17,70 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+/// One operation of the save of step `step`: crash point `point`, then `run`, then
+/// `done` recorded.
+fn op<T>(
+    point: &'static str,
+    step: u64,
+    done: Op,
+    run: impl FnOnce() -> std::io::Result<T>,
+) -> Result<T, CheckpointError> {
+    crash::point(point, step);
+    let out = run().map_err(io_err(done.path()))?;
+    crash::record(|| done);
+    Ok(out)
+}
+
+/// Writes `text` to a new file `path` and fsyncs it (the manifest, `latest`).
+fn write_synced(
+    path: &Path,
+    text: &[u8],
+    step: u64,
+    points: [&'static str; 2],
+) -> Result<(), CheckpointError> {
+    let file = op(points[0], step, Op::Create(path.into()), || {
+        let file = File::create(path)?;
+        file.write_all_at(text, 0)?;
+        Ok(file)
+    })?;
+    crash::record(|| Op::Write(path.into()));
+    op(points[1], step, Op::Sync(path.into()), || file.sync_all())
+}
+
+/// Atomically swaps two directory entries (renameat2 RENAME_EXCHANGE); `Ok(false)`
+/// where the file system cannot.
+fn exchange(a: &Path, b: &Path) -> std::io::Result<bool> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
+    let (ca, cb) = (c(a)?, c(b)?);
+    // SAFETY: two NUL-terminated paths that outlive the call
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            ca.as_ptr(),
+            libc::AT_FDCWD,
+            cb.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EINVAL) | Some(libc::ENOSYS) | Some(libc::EOPNOTSUPP) => Ok(false),
+        _ => Err(e),
+    }
+}
+
 /// `<output_dir>/checkpoints`.
 pub fn root(output_dir: &Path) -> PathBuf {
     output_dir.join("checkpoints")
 }
+
+/// The prefix of a step moved aside while a step is saved again where the file system
+/// cannot exchange two directories.
+const ASIDE: &str = ".aside-";
 
 fn step_dir_name(step: u64) -> String {
     format!("step-{step}")
@@ -27,8 +90,10 @@ fn staging_dir(root: &Path, step: u64) -> PathBuf {
     root.join(format!(".tmp-{}", step_dir_name(step)))
 }
 
-fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))
+fn sync_dir(dir: &Path, step: u64, point: &'static str) -> Result<(), CheckpointError> {
+    op(point, step, Op::SyncDir(dir.into()), || {
+        File::open(dir)?.sync_all()
+    })
 }
 
 /// The step of a `step-N` directory name.
@@ -41,9 +106,19 @@ pub fn stage(root: &Path, step: u64, files: &[StateFile]) -> Result<PathBuf, Che
     std::fs::create_dir_all(root).map_err(io_err(root))?;
     for entry in std::fs::read_dir(root).map_err(io_err(root))?.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let leftover = [".tmp-step-", ".old-step-"]
+        let leftover = [".tmp-step-", ".old-step-", ".aside-step-"]
             .iter()
             .any(|p| name.strip_prefix(p).and_then(|s| s.parse::<u64>().ok()).is_some());
+        if let Some(step_name) = name.strip_prefix(ASIDE).filter(|n| parse_step(n).is_some()) {
+            if !root.join(step_name).exists() {
+                // a save that could not exchange died between its two renames: this
+                // is the only copy of that step
+                let path = entry.path();
+                tracing::info!("restoring {} left by an interrupted save", path.display());
+                std::fs::rename(&path, root.join(step_name)).map_err(io_err(&path))?;
+                continue;
+            }
+        }
         if leftover {
             let path = entry.path();
             tracing::info!("removing {} left by an interrupted save", path.display());
@@ -51,12 +126,17 @@ pub fn stage(root: &Path, step: u64, files: &[StateFile]) -> Result<PathBuf, Che
         }
     }
     let dir = staging_dir(root, step);
-    std::fs::create_dir(&dir).map_err(io_err(&dir))?;
+    op("stage-dir", step, Op::Create(dir.clone()), || {
+        std::fs::create_dir(&dir)
+    })?;
     for f in files {
         let path = dir.join(f.file_name());
-        let file = File::create(&path).map_err(io_err(&path))?;
-        file.set_len(f.len()).map_err(io_err(&path))?;
-        file.write_all_at(&f.header, 0).map_err(io_err(&path))?;
+        op("stage-file", step, Op::Create(path.clone()), || {
+            let file = File::create(&path)?;
+            file.set_len(f.len())?;
+            file.write_all_at(&f.header, 0)
+        })?;
+        crash::record(|| Op::Write(path));
     }
     Ok(dir)
 }
@@ -64,6 +144,7 @@ pub fn stage(root: &Path, step: u64, files: &[StateFile]) -> Result<PathBuf, Che
 /// A rank's handles on the staged files, for writing its slices.
 pub struct SliceWriter {
     files: Vec<(StateFile, File, PathBuf)>,
+    step: u64,
 }
 
 impl SliceWriter {
@@ -80,21 +161,23 @@ impl SliceWriter {
                 Ok((f.clone(), file, path))
             })
             .collect::<Result<_, CheckpointError>>()?;
-        Ok(SliceWriter { files })
+        Ok(SliceWriter { files, step })
     }
 
     /// Writes `bytes` as elements starting at `elem` of unit `u` in file `file`.
     pub fn write(&self, file: usize, u: usize, elem: usize, bytes: &[u8]) -> Result<(), CheckpointError> {
         let (layout, handle, path) = &self.files[file];
-        handle
-            .write_all_at(bytes, layout.offset(u, elem))
-            .map_err(io_err(path))
+        op("slice-write", self.step, Op::Write(path.clone()), || {
+            handle.write_all_at(bytes, layout.offset(u, elem))
+        })
     }
 
     /// Makes this rank's writes durable.
     pub fn sync(&self) -> Result<(), CheckpointError> {
         for (_, handle, path) in &self.files {
-            handle.sync_data().map_err(io_err(path))?;
+            op("slice-sync", self.step, Op::Sync(path.clone()), || {
+                handle.sync_data()
+            })?;
         }
         Ok(())
     }
@@ -107,35 +190,54 @@ pub fn commit(root: &Path, manifest: &Manifest, keep_last: usize) -> Result<Path
     let staging = staging_dir(root, step);
     let path = staging.join("manifest.json");
     let text = serde_json::to_vec_pretty(manifest).map_err(|e| super::corrupt(&path, e.to_string()))?;
-    {
-        let file = File::create(&path).map_err(io_err(&path))?;
-        file.write_all_at(&text, 0).map_err(io_err(&path))?;
-        file.sync_all().map_err(io_err(&path))?;
-    }
-    sync_dir(&staging)?;
+    write_synced(&path, &text, step, ["manifest-write", "manifest-sync"])?;
+    sync_dir(&staging, step, "staging-sync")?;
     let target = root.join(step_dir_name(step));
-    if target.exists() {
-        // saving a step again (a resumed run): move the old copy aside first
-        let old = root.join(format!(".old-{}", step_dir_name(step)));
-        std::fs::rename(&target, &old).map_err(io_err(&target))?;
-        std::fs::rename(&staging, &target).map_err(io_err(&staging))?;
-        sync_dir(root)?;
-        std::fs::remove_dir_all(&old).map_err(io_err(&old))?;
+    if !target.exists() {
+        op(
+            "rename",
+            step,
+            Op::Rename(staging.clone(), target.clone()),
+            || std::fs::rename(&staging, &target),
+        )?;
+        sync_dir(root, step, "root-sync")?;
     } else {
-        std::fs::rename(&staging, &target).map_err(io_err(&staging))?;
+        // saving a step again (a resumed run): swap the new copy in atomically, so
+        // `step-N` is whole at every moment, then remove the old one
+        let swapped = Op::Exchange(staging.clone(), target.clone());
+        let old = if op("exchange", step, swapped, || exchange(&staging, &target))? {
+            staging
+        } else {
+            // the file system cannot exchange: move the old copy aside first (a
+            // crash in between leaves it as `.aside-step-N`, which `stage` and
+            // `follow_latest` take back)
+            let old = root.join(format!("{ASIDE}{}", step_dir_name(step)));
+            std::fs::rename(&target, &old).map_err(io_err(&target))?;
+            std::fs::rename(&staging, &target).map_err(io_err(&staging))?;
+            old
+        };
+        sync_dir(root, step, "root-sync")?;
+        op("old-remove", step, Op::Remove(old.clone()), || {
+            std::fs::remove_dir_all(&old)
+        })?;
     }
-    sync_dir(root)?;
-    let latest = root.join("latest");
     let tmp = root.join(".latest.tmp");
-    {
-        let file = File::create(&tmp).map_err(io_err(&tmp))?;
-        file.write_all_at(format!("{}\n", step_dir_name(step)).as_bytes(), 0)
-            .map_err(io_err(&tmp))?;
-        file.sync_all().map_err(io_err(&tmp))?;
-    }
-    std::fs::rename(&tmp, &latest).map_err(io_err(&latest))?;
-    sync_dir(root)?;
+    write_synced(
+        &tmp,
+        format!("{}\n", step_dir_name(step)).as_bytes(),
+        step,
+        ["latest-write", "latest-sync"],
+    )?;
+    let latest = root.join("latest");
+    op(
+        "latest-rename",
+        step,
+        Op::Rename(tmp.clone(), latest.clone()),
+        || std::fs::rename(&tmp, &latest),
+    )?;
+    sync_dir(root, step, "latest-root-sync")?;
     prune(root, keep_last.max(1), step)?;
+    crash::point("committed", step);
     Ok(target)
 }
 
@@ -160,8 +262,15 @@ fn prune(root: &Path, keep: usize, current: u64) -> Result<(), CheckpointError> 
             // rename first: a crash mid-delete leaves a `.old-` leftover (removed at
             // the next save), never a `step-N` with files missing
             let doomed = root.join(format!(".old-{}", step_dir_name(step)));
-            std::fs::rename(&path, &doomed).map_err(io_err(&path))?;
-            std::fs::remove_dir_all(&doomed).map_err(io_err(&doomed))?;
+            op(
+                "prune-rename",
+                current,
+                Op::Rename(path.clone(), doomed.clone()),
+                || std::fs::rename(&path, &doomed),
+            )?;
+            op("prune-remove", current, Op::Remove(doomed.clone()), || {
+                std::fs::remove_dir_all(&doomed)
+            })?;
         }
     }
     Ok(())
@@ -199,5 +308,10 @@ pub fn follow_latest(root: &Path) -> Result<PathBuf, CheckpointError> {
             format!("names {name:?}, not a step-N directory"),
         ));
     }
-    Ok(root.join(name))
+    let dir = root.join(name);
+    let aside = root.join(format!("{ASIDE}{name}"));
+    if !dir.exists() && aside.exists() {
+        return Ok(aside);
+    }
+    Ok(dir)
 }

@@ -1,0 +1,285 @@
+//! Crash safety at every step of a save: the process is killed (SIGKILL) just before
+//! each operation of the save/commit sequence in turn and the last good checkpoint must
+//! load and resume every time; and the recorded operations of real saves must make every
+//! write durable (fsync of the file, then of its directory) before the rename that
+//! publishes it.
+
+use crate::checkpoint_process::{check_all, tierzero, write_config};
+use serde_json::json;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use tierzero::checkpoint::crash::{self, Op, Recording};
+use tierzero::checkpoint::save;
+use tierzero::config::{from_json, DeviceFacts};
+use tierzero::zero::trainer::{train, TrainOptions};
+
+/// Copies a directory tree.
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap().flatten() {
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
+/// Names under `root` that start with a dot other than `.latest.tmp` (which the next
+/// commit overwrites).
+fn leftovers(root: &Path) -> Vec<String> {
+    std::fs::read_dir(root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect()
+}
+
+/// Runs `tierzero train` in `dir` resuming from `resume` up to `steps`, with `crash`
+/// set; returns how it ended and its stderr.
+fn train_process(
+    dir: &Path,
+    resume: Option<&str>,
+    steps: u64,
+    crash: Option<&str>,
+) -> (std::process::ExitStatus, String) {
+    let log = dir.join("log.txt");
+    let mut command = tierzero();
+    command.arg("train").arg("-c").arg(dir.join("config.json"));
+    if let Some(resume) = resume {
+        command.args(["--resume", resume]);
+    }
+    command
+        .args(["--set", &format!("train.steps={steps}")])
+        .args(["--set", "train.keep_last=2"])
+        .env_remove(crash::VAR)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    if let Some(crash) = crash {
+        command.env(crash::VAR, crash);
+    }
+    let status = command.status().unwrap();
+    (status, std::fs::read_to_string(&log).unwrap_or_default())
+}
+
+/// One crash case: `scenario` "next" saves step 3 after steps 1 and 2 (a new step,
+/// pruning step 1 with keep_last 2); "again" resumes from step 1 and saves step 2 a
+/// second time (the exchange). Returns whether the kill landed.
+fn crash_case(base: &Path, dir: &Path, scenario: &str, crash: &str) -> bool {
+    std::fs::create_dir_all(dir).unwrap();
+    let model = json!({ "preset": "llama-tiny", "hidden_size": 64, "num_hidden_layers": 2 });
+    write_config(dir, model, 2);
+    copy_tree(&base.join("out"), &dir.join("out"));
+    let root = save::root(&dir.join("out"));
+    let (resume, steps, saved) = match scenario {
+        "next" => ("latest".to_string(), 3, 3),
+        _ => (root.join("step-1").display().to_string(), 2, 2),
+    };
+    let (status, log) = train_process(dir, Some(&resume), steps, Some(crash));
+    let killed = status.signal() == Some(libc::SIGKILL);
+    assert!(
+        killed || status.success(),
+        "{scenario} {crash}: neither killed nor finished ({status}): {log}"
+    );
+    // the last good checkpoint is whole and `latest` names step 2 or the new one
+    let latest = check_all(&root).unwrap_or_else(|| panic!("{scenario} {crash}: no latest"));
+    let published = crash::POINTS
+        .iter()
+        .position(|p| crash.starts_with(&format!("{p}@")))
+        > crash::POINTS.iter().position(|p| *p == "latest-rename");
+    let expected = if published || !killed { saved } else { 2 };
+    assert_eq!(latest, expected, "{scenario} {crash}: latest");
+    // it resumes and the next save cleans up after the crash
+    let (status, log) = train_process(dir, Some("latest"), 4, None);
+    assert!(status.success(), "{scenario} {crash}: resume failed: {log}");
+    assert_eq!(check_all(&root), Some(4), "{scenario} {crash}");
+    assert_eq!(leftovers(&root), Vec::<String>::new(), "{scenario} {crash}");
+    let kept: Vec<u64> = save::list(&root).iter().map(|(s, _)| *s).collect();
+    assert_eq!(kept, vec![3, 4], "{scenario} {crash}: keep_last 2");
+    killed
+}
+
+#[test]
+fn a_kill_at_every_step_of_a_save_keeps_the_last_good_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base");
+    std::fs::create_dir_all(&base).unwrap();
+    let model = json!({ "preset": "llama-tiny", "hidden_size": 64, "num_hidden_layers": 2 });
+    write_config(&base, model, 2);
+    let (status, log) = train_process(&base, None, 2, None);
+    assert!(status.success(), "{log}");
+    let mut cases: Vec<(&str, String)> = Vec::new();
+    for point in crash::POINTS {
+        cases.push(("next", format!("{point}@3")));
+        cases.push(("again", format!("{point}@2")));
+    }
+    // points a save reaches many times: also a later hit
+    for crash in ["stage-file@3:3", "slice-write@3:7", "slice-sync@3:4"] {
+        cases.push(("next", crash.to_string()));
+    }
+    let mut killed: Vec<String> = Vec::new();
+    for (i, (scenario, crash)) in cases.iter().enumerate() {
+        let dir = tmp.path().join(format!("case-{i}"));
+        if crash_case(&base, &dir, scenario, crash) {
+            killed.push(crash.split('@').next().unwrap().to_string());
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    let missed: Vec<&&str> = crash::POINTS
+        .iter()
+        .filter(|p| !killed.iter().any(|k| k == *p))
+        .collect();
+    assert!(missed.is_empty(), "no save reached {missed:?}");
+    println!(
+        "{} crash cases, {} killed at their point",
+        cases.len(),
+        killed.len()
+    );
+}
+
+/// Checks that the recorded operations publish only durable state: every file of a
+/// staging directory synced after its last write and before the rename, the manifest
+/// written after every slice is durable, the staging directory synced before its rename,
+/// the checkpoints directory synced after it and before `latest` moves, `latest`'s new
+/// content synced before its rename and the directory after it, pruning only after.
+/// Returns how many checkpoints were published, or the first rule broken.
+fn check_durable(ops: &[Op], root: &Path) -> Result<usize, String> {
+    let find = |from: usize, to: usize, want: &dyn Fn(&Op) -> bool| (from..to).find(|&i| want(&ops[i]));
+    let last = |to: usize, want: &dyn Fn(&Op) -> bool| (0..to).rev().find(|&i| want(&ops[i]));
+    let ensure = |ok: bool, what: String| if ok { Ok(()) } else { Err(what) };
+    let latest = root.join("latest");
+    let latest_tmp = root.join(".latest.tmp");
+    let mut published = 0;
+    for (r, op) in ops.iter().enumerate() {
+        let (Op::Rename(staging, target) | Op::Exchange(staging, target)) = op else {
+            continue;
+        };
+        if save::parse_step(&target.file_name().unwrap().to_string_lossy()).is_none() {
+            continue;
+        }
+        published += 1;
+        let start = last(r, &|o| *o == Op::Create(staging.clone())).ok_or("staging never created")?;
+        let in_staging = |o: &Op| o.path().parent() == Some(staging.as_path());
+        let files: std::collections::BTreeSet<PathBuf> = ops[start..r]
+            .iter()
+            .filter(|o| matches!(o, Op::Create(_) | Op::Write(_)) && in_staging(o))
+            .map(|o| o.path().to_path_buf())
+            .collect();
+        ensure(files.len() > 1, format!("{}: no files", staging.display()))?;
+        for file in &files {
+            let written = last(r, &|o| *o == Op::Write(file.clone())).unwrap_or(start);
+            ensure(
+                find(written, r, &|o| *o == Op::Sync(file.clone())).is_some(),
+                format!(
+                    "{} not synced between its last write and the rename",
+                    file.display()
+                ),
+            )?;
+        }
+        let manifest = staging.join("manifest.json");
+        let manifest_at = find(start, r, &|o| *o == Op::Create(manifest.clone())).ok_or("no manifest")?;
+        ensure(
+            find(
+                manifest_at,
+                r,
+                &|o| matches!(o, Op::Sync(p) | Op::Write(p) if *p != manifest),
+            )
+            .is_none(),
+            "a slice written or synced after the manifest".into(),
+        )?;
+        let created = last(r, &|o| matches!(o, Op::Create(_)) && in_staging(o)).unwrap_or(start);
+        ensure(
+            find(created, r, &|o| *o == Op::SyncDir(staging.clone())).is_some(),
+            format!("{} not synced before its rename", staging.display()),
+        )?;
+        let moved = find(r, ops.len(), &|o| {
+            *o == Op::Rename(latest_tmp.clone(), latest.clone())
+        })
+        .ok_or("latest not replaced after the rename")?;
+        ensure(
+            find(r, moved, &|o| *o == Op::SyncDir(root.to_path_buf())).is_some(),
+            "checkpoints directory not synced between the rename and latest's".into(),
+        )?;
+        let content = last(moved, &|o| *o == Op::Write(latest_tmp.clone())).ok_or("latest never written")?;
+        ensure(
+            find(content, moved, &|o| *o == Op::Sync(latest_tmp.clone())).is_some(),
+            "latest's new content not synced before its rename".into(),
+        )?;
+        let end = find(
+            moved,
+            ops.len(),
+            &|o| matches!(o, Op::Create(p) if p.parent() == Some(root)),
+        )
+        .unwrap_or(ops.len());
+        let synced = find(moved, end, &|o| *o == Op::SyncDir(root.to_path_buf()))
+            .ok_or("checkpoints directory not synced after latest's rename")?;
+        let pruned = find(
+            moved + 1,
+            end,
+            &|o| matches!(o, Op::Rename(from, _) if from.parent() == Some(root)),
+        );
+        ensure(
+            pruned.is_none_or(|p| p > synced),
+            "pruned before the new latest was durable".into(),
+        )?;
+    }
+    Ok(published)
+}
+
+#[test]
+fn every_save_makes_its_writes_durable_before_publishing_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = |steps: u64| {
+        json!({
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "optimizer": { "type": "AdamW", "params": { "lr": 1e-3 } },
+            "zero_optimization": { "stage": 3, "sub_group_size": 1000, "stage3_param_persistence_threshold": 0 },
+            "model": { "preset": "llama-tiny", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96 },
+            "data": { "synthetic": "markov", "seq_len": 16 },
+            "train": { "steps": steps, "devices": 2, "save_interval": 1, "keep_last": 2, "output_dir": tmp.path().join("out") }
+        })
+    };
+    let root = save::root(&tmp.path().join("out"));
+    let recording = Recording::start(&root);
+    let run = |steps: u64, resume: Option<&Path>| {
+        let plan = from_json(config(steps), &[], DeviceFacts::default())
+            .unwrap()
+            .plan;
+        let options = TrainOptions {
+            save_checkpoints: true,
+            resume,
+            ..TrainOptions::default()
+        };
+        train(&plan, options).unwrap();
+    };
+    // three new steps (the third prunes the first), then step 3 saved again
+    run(3, None);
+    run(3, Some(&root.join("step-2")));
+    let ops = recording.ops();
+    assert_eq!(check_durable(&ops, &root), Ok(4));
+    assert_eq!(ops.iter().filter(|o| matches!(o, Op::Exchange(..))).count(), 1);
+    assert!(ops
+        .iter()
+        .any(|o| matches!(o, Op::Rename(_, to) if to.ends_with(".old-step-1"))));
+    // the checker sees every missing fsync: each directory sync dropped in turn, and
+    // every sync of one file (each rank syncs every file; one suffices) in turn
+    for (i, op) in ops.iter().enumerate() {
+        let without: Vec<Op> = match op {
+            Op::SyncDir(_) => [&ops[..i], &ops[i + 1..]].concat(),
+            Op::Sync(path) => ops
+                .iter()
+                .filter(|o| **o != Op::Sync(path.clone()))
+                .cloned()
+                .collect(),
+            _ => continue,
+        };
+        assert!(
+            check_durable(&without, &root).is_err(),
+            "dropping {op:?} went unnoticed"
+        );
+    }
+}
