@@ -660,6 +660,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 "device_bytes_measured_peak": result.device_peaks,
                 "accelerator": loaded.plan.train.accelerator,
                 "gpu_memory": result.gpu_memory,
+                "cpu_allocator_peak": result.cpu_allocator_peak,
                 "mfu": result.steps.last().map(|m| m.mfu),
                 "host": result.host,
                 "host_bytes_predicted": host_predicted,
@@ -673,9 +674,18 @@ fn run(cli: Cli) -> Result<(), Failure> {
             .with_context(|| format!("writing {}", summary_path.display()))?;
             for (rank, peak) in result.device_peaks.iter().enumerate() {
                 println!(
-                    "rank {rank}: device memory peak {peak} bytes, plan predicted {} ({:+.1}%)",
-                    predicted.total,
-                    100.0 * (*peak as f64 / predicted.total.max(1) as f64 - 1.0)
+                    "rank {rank}: device memory reserved by the engine, peak {peak} bytes, plan predicted {} ({:+.1}%; {} more in compute temporaries)",
+                    predicted.reserved(),
+                    100.0 * (*peak as f64 / predicted.reserved().max(1) as f64 - 1.0),
+                    predicted.transient
+                );
+            }
+            if let Some(peak) = result.cpu_allocator_peak {
+                let ranks = loaded.plan.train.devices as u64;
+                let predicted = ranks * predicted.compute();
+                println!(
+                    "libtorch CPU allocator: peak {peak} bytes in the steps ({ranks} ranks of this process), plan predicted {predicted} for gathered units, activations and temporaries ({:+.1}%)",
+                    100.0 * (peak as f64 / predicted.max(1) as f64 - 1.0)
                 );
             }
             let host = &result.host.steps;

@@ -49,7 +49,7 @@ pub fn run(plan: &Plan, stages: &[u8]) -> Result<MemoryReport, TrainError> {
         });
         rows.push(StageRow {
             stage,
-            predicted_bytes: predict(&p).total,
+            predicted_bytes: predict(&p).reserved(),
             peak_bytes_per_rank: result.device_peaks,
             ratio_to_first: first as f64 / peak.max(1) as f64,
         });

@@ -194,12 +194,13 @@ pub fn plan_table(plan: &Plan) -> String {
         &mut out,
         "device memory per rank",
         format!(
-            "{:.3} GiB (params {:.3}, grads {:.3}, optimizer {:.3}, gathered units + activations {:.3})",
+            "{:.3} GiB (params {:.3}, grads {:.3}, optimizer {:.3}, gathered units + activations {:.3}, compute temporaries {:.3})",
             gib(device.total),
             gib(device.parameters),
             gib(device.gradients),
             gib(device.optimizer),
-            gib(device.working)
+            gib(device.working),
+            gib(device.transient)
         ),
     );
     let host = crate::zero::host_memory::predict_host(plan);

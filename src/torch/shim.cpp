@@ -6,11 +6,14 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
+#include <c10/core/CPUAllocator.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <vector>
 
 namespace {
@@ -28,6 +31,44 @@ c10::DeviceType ready_accelerator() {
   at::globalContext().lazyInitDevice(type);
   return type;
 }
+
+// Counting CPU allocator: libtorch's own CPU allocator underneath, each block prefixed
+// by a 64-byte header holding its size (64 keeps torch's alignment), so the bytes
+// libtorch holds on the CPU are known without a table. Context == data, so
+// raw_allocate/raw_deleter users work as with the default allocator.
+constexpr size_t kHeader = 64;
+std::atomic<int64_t> g_cpu_current{0};
+std::atomic<int64_t> g_cpu_peak{0};
+c10::Allocator* g_cpu_inner = nullptr;
+c10::DeleterFnPtr g_cpu_inner_free = nullptr;
+
+void counting_free(void* data) {
+  if (data == nullptr) return;
+  char* base = static_cast<char*>(data) - kHeader;
+  int64_t size = 0;
+  std::memcpy(&size, base, sizeof size);
+  g_cpu_current.fetch_sub(size, std::memory_order_relaxed);
+  g_cpu_inner_free(base);
+}
+
+struct CountingCpuAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    void* base = g_cpu_inner->raw_allocate(n + kHeader);
+    const int64_t size = static_cast<int64_t>(n);
+    std::memcpy(base, &size, sizeof size);
+    const int64_t now = g_cpu_current.fetch_add(size, std::memory_order_relaxed) + size;
+    int64_t peak = g_cpu_peak.load(std::memory_order_relaxed);
+    while (now > peak && !g_cpu_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    }
+    void* data = static_cast<char*>(base) + kHeader;
+    return {data, data, &counting_free, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &counting_free; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+CountingCpuAllocator g_counting;
 }  // namespace
 
 #define TZ_TRY try {
@@ -103,6 +144,35 @@ int tz_reset_peak(int device_index, char* err, size_t n) {
   TZ_TRY
   ready_accelerator();
   at::accelerator::resetPeakStats(static_cast<c10::DeviceIndex>(device_index));
+  TZ_CATCH
+}
+
+// From now on libtorch's CPU tensors are allocated through the counting allocator
+// (once per process; tensors allocated before keep their own deleter).
+int tz_count_cpu_allocations(char* err, size_t n) {
+  TZ_TRY
+  static std::once_flag once;
+  std::call_once(once, [] {
+    g_cpu_inner = c10::GetCPUAllocator();
+    g_cpu_inner_free = g_cpu_inner->raw_deleter();
+    TORCH_CHECK(g_cpu_inner_free != nullptr, "libtorch's CPU allocator has no raw deleter");
+    c10::SetCPUAllocator(&g_counting, /*priority=*/100);
+  });
+  TZ_CATCH
+}
+
+// Bytes libtorch's CPU tensors hold now and at most since the last reset (counted from
+// tz_count_cpu_allocations on).
+int tz_cpu_memory_stats(int64_t* out2, char* err, size_t n) {
+  TZ_TRY
+  out2[0] = g_cpu_current.load();
+  out2[1] = g_cpu_peak.load();
+  TZ_CATCH
+}
+
+int tz_cpu_reset_peak(char* err, size_t n) {
+  TZ_TRY
+  g_cpu_peak.store(g_cpu_current.load());
   TZ_CATCH
 }
 

@@ -34,6 +34,9 @@ extern "C" {
     ) -> c_int;
     fn tz_memory_stats(device: c_int, out4: *mut i64, err: *mut c_char, n: usize) -> c_int;
     fn tz_reset_peak(device: c_int, err: *mut c_char, n: usize) -> c_int;
+    fn tz_count_cpu_allocations(err: *mut c_char, n: usize) -> c_int;
+    fn tz_cpu_memory_stats(out2: *mut i64, err: *mut c_char, n: usize) -> c_int;
+    fn tz_cpu_reset_peak(err: *mut c_char, n: usize) -> c_int;
 }
 
 /// Runs one bridge call with an error buffer; a non-zero return becomes its message.
@@ -140,6 +143,29 @@ pub fn memory_stats(device: usize) -> Result<MemoryStats, TchError> {
 pub fn reset_peak(device: usize) -> Result<(), TchError> {
     // SAFETY: plain call.
     call(|e, n| unsafe { tz_reset_peak(device as c_int, e, n) })
+}
+
+/// Routes libtorch's CPU allocations through the bridge's counting allocator from now
+/// on (once per process): the CPU counterpart of the caching allocator's statistics,
+/// measured where tensors are made, not from the engine's own reservations.
+pub fn count_cpu_allocations() -> Result<(), TchError> {
+    // SAFETY: plain call.
+    call(|e, n| unsafe { tz_count_cpu_allocations(e, n) })
+}
+
+/// Bytes libtorch's CPU tensors hold: `(now, peak since the last reset)`, counted from
+/// [`count_cpu_allocations`] on (this process, all its ranks).
+pub fn cpu_memory() -> (u64, u64) {
+    let mut out = [0i64; 2];
+    // SAFETY: `out` has the two slots the bridge writes; the call cannot fail.
+    let _ = call(|e, n| unsafe { tz_cpu_memory_stats(out.as_mut_ptr(), e, n) });
+    (out[0].max(0) as u64, out[1].max(0) as u64)
+}
+
+/// Starts a new peak of [`cpu_memory`] at the bytes held now.
+pub fn reset_cpu_peak() {
+    // SAFETY: plain call; it cannot fail.
+    let _ = call(|e, n| unsafe { tz_cpu_reset_peak(e, n) });
 }
 
 /// The address of a contiguous tensor's first element, for CUDA copies and NCCL; the

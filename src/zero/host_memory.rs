@@ -10,7 +10,7 @@
 //! (a compute temporary the device row leaves out, as DeepSpeed's estimator does). Per
 //! process: [`RUNTIME_BYTES`] of code and libraries.
 
-use super::memory::predict;
+use super::memory::{pool_footprint, predict};
 use super::partition::Partition;
 use super::prefetch::MAX_IN_FLIGHT;
 use super::reduce::{CHUNK_LIMIT, DEPTH};
@@ -103,17 +103,9 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     });
     rank.buffers += 4 * (send + send / world as u64);
     if cpu {
-        let c = &plan.model.config;
-        let (vocab, hidden) = (c.vocab_size as u64, c.hidden_size as u64);
+        let hidden = plan.model.config.hidden_size as u64;
         let tokens = (plan.batch.micro_batch_per_gpu * plan.data.seq_len) as u64;
-        // the LM head's backward (`model/head.rs`): the weight gradient in the weight's
-        // kind, a vocabulary slice's fp32 gradient (and fp32 copy of a 16-bit weight),
-        // and a chunk's logits of the slice with their exp and gradient
-        let rows = crate::model::head::slice_rows(vocab as i64, hidden as i64) as u64;
-        let head = elem * vocab * hidden
-            + 4 * rows * hidden * if elem == 4 { 1 } else { 2 }
-            + 3 * 4 * tokens.min(crate::model::head::CHUNK as u64) * rows;
-        let device = predict(plan).working;
+        let device = predict(plan);
         let gathered = if stage == 3 {
             let padded: Vec<u64> = parts.iter().map(|p| p.padded as u64).collect();
             let shards: Vec<u64> = parts.iter().map(|p| p.shard as u64).collect();
@@ -129,7 +121,8 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         // the pools keep what each size of unit needed at once (the device row counts
         // what is gathered at the peak moment); the activations kept for backward
         let activations = 8 * tokens + (parts.len() as u64 - 1) * elem * tokens * hidden;
-        rank.working = device.max(gathered + activations) + head + elem * max_numel;
+        // the compute temporaries (a block's recompute and backward, or the LM head's)
+        rank.working = device.working.max(gathered + activations) + device.transient;
     }
     let ranks = plan.train.devices as u64;
     let mut total = HostBytes {
@@ -144,36 +137,4 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     total.total =
         total.runtime + total.parameters + total.gradients + total.optimizer + total.buffers + total.working;
     total
-}
-
-/// Elements a best-fit pool (`device/pool.rs`: a buffer serves requests down to half its
-/// size) keeps for buffers of these sizes when up to `at_once` of them are out together:
-/// per size class (sizes within 2× of the class's largest), `at_once` of its largest, or
-/// as many as the class has units.
-fn pool_footprint(sizes: &[u64], at_once: usize) -> u64 {
-    let mut sorted = sizes.to_vec();
-    sorted.sort_unstable_by(|a, b| b.cmp(a));
-    let mut total = 0;
-    let mut i = 0;
-    while i < sorted.len() {
-        let largest = sorted[i];
-        let members = sorted[i..].iter().take_while(|&&s| 2 * s >= largest).count();
-        total += members.min(at_once) as u64 * largest;
-        i += members;
-    }
-    total
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_pool_keeps_at_once_buffers_per_size_class() {
-        // two embedding-sized units, four blocks, a tiny norm
-        let sizes = [100, 4, 30, 30, 30, 30, 90];
-        assert_eq!(pool_footprint(&sizes, 3), 2 * 100 + 3 * 30 + 4);
-        assert_eq!(pool_footprint(&sizes, 1), 100 + 30 + 4);
-        assert_eq!(pool_footprint(&[], 3), 0);
-    }
 }

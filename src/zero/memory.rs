@@ -5,8 +5,15 @@
 //! when the optimizer is not offloaded (fp32 gradient partition; 12 bytes per element of
 //! master, exp_avg, exp_avg_sq), gathered units at stage 3 (one at a time, the final
 //! unit together with the tied embedding), and the activations kept between forward and
-//! backward (the token ids and each block's input). Compute temporaries inside a unit are
-//! not counted, as DeepSpeed's estimator does not count them.
+//! backward (the token ids and each block's input). On top of these, what the engine
+//! reserves, come the compute temporaries ([`transient`]): the largest of one block's
+//! recompute and backward (the tensors autograd saves, the gradients flowing back, the
+//! unit's flat gradient), the embedding's backward (its dense weight gradient and the
+//! flat one) and the final unit's loss and backward (fp32 hidden states and
+//! their gradient, one logits chunk with its softmax and gradient, the fp32 weight slice
+//! and its gradient), plus, below stage 3, the copy of the unit in use. These are counted
+//! from the code of `model/` (tensor by tensor) and checked against libtorch's own
+//! allocator (`tests/memory.rs`), not against the engine's reservations.
 
 use super::partition::Partition;
 use super::prefetch::{may_request, schedule, Limits, Phase};
@@ -20,7 +27,97 @@ pub struct DeviceBytes {
     pub optimizer: u64,
     /// Peak of gathered units plus kept activations, at the moment they peak together.
     pub working: u64,
+    /// Compute temporaries at their peak (not reserved by the engine).
+    pub transient: u64,
     pub total: u64,
+}
+
+impl DeviceBytes {
+    /// What the engine itself reserves (everything but the compute temporaries).
+    pub fn reserved(&self) -> u64 {
+        self.total - self.transient
+    }
+
+    /// What the compute holds in torch tensors on a CPU run: gathered units,
+    /// activations and temporaries (the state tiers are the engine's host buffers there).
+    pub fn compute(&self) -> u64 {
+        self.working + self.transient
+    }
+}
+
+/// Compute temporaries at their peak: the largest of a block's recompute-and-backward,
+/// the embedding's backward and the final unit's loss-and-backward, plus below stage 3 the copy of the unit in use
+/// (replicas are copied for each use; at stage 3 the gathered unit is counted in
+/// `working`).
+/// Elements a best-fit pool (`device/pool.rs`: a buffer serves requests down to half its
+/// size) keeps for buffers of these sizes when up to `at_once` of them are out together:
+/// per size class (sizes within 2× of the class's largest), `at_once` of its largest, or
+/// as many as the class has units.
+pub(super) fn pool_footprint(sizes: &[u64], at_once: usize) -> u64 {
+    let mut sorted = sizes.to_vec();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    let mut total = 0;
+    let mut i = 0;
+    while i < sorted.len() {
+        let largest = sorted[i];
+        let members = sorted[i..].iter().take_while(|&&s| 2 * s >= largest).count();
+        total += members.min(at_once) as u64 * largest;
+        i += members;
+    }
+    total
+}
+
+pub fn transient(plan: &Plan) -> u64 {
+    let c = &plan.model.config;
+    let e = plan.precision.bytes() as u64;
+    let tokens = (plan.batch.micro_batch_per_gpu * plan.data.seq_len) as u64;
+    let (h, i, v) = (
+        c.hidden_size as u64,
+        c.intermediate_size as u64,
+        c.vocab_size as u64,
+    );
+    let kv = (c.num_key_value_heads * c.head_dim()) as u64;
+    let heads = c.num_attention_heads as u64;
+    let numels = c.unit_numels();
+    let block_numel = numels.get(1).copied().unwrap_or(0) as u64;
+    // per token, what autograd saves in a block's recompute (blocks.rs): fp32 norm
+    // inputs and outputs, the 16-bit projections, attention's output and
+    // log-sum-exp, the MLP's hidden activations
+    let saved = match c.architecture {
+        crate::model::config::Architecture::Llama => 8 * h + e * (10 * h + 4 * kv + 4 * i) + 4 * heads,
+        crate::model::config::Architecture::Gpt2 => 8 * h + e * (7 * h + 2 * i) + 4 * heads,
+    };
+    // the backward's own: gradients of the widest activations in flight, the flat
+    // parameter gradient and one parameter's full-size gradient being added into it
+    let flowing = e * i.max(3 * h) + 4 * h;
+    let block = tokens * (saved + flowing) + 2 * e * block_numel;
+    // the embedding's backward: its dense weight gradient and the flat gradient it is
+    // copied into (for a large vocabulary, the largest of the three)
+    let embedding = 2 * e * numels[0] as u64 + tokens * e * h;
+    // the head (head.rs, per vocabulary slice): fp32 hidden states and their gradient,
+    // the final norm's graph, the fp32 weight slice, the weight's gradient in its kind,
+    // the final unit's flat gradient,
+    // and in `dlogits` three [chunk, slice] fp32 tensors at once; the slice's fp32
+    // gradient exists from the first chunk's accumulation on, so with one chunk it
+    // meets only two of them
+    let rows = crate::model::head::slice_rows(v as i64, h as i64) as u64;
+    let chunk_tokens = crate::model::head::CHUNK as u64;
+    let logits = 4 * tokens.min(chunk_tokens) * rows;
+    let slice_grad = 4 * rows * h;
+    let weight_fp32 = if e == 4 { 0 } else { 4 * rows * h };
+    let logits_peak = if tokens > chunk_tokens {
+        3 * logits + slice_grad
+    } else {
+        (3 * logits).max(2 * logits + slice_grad)
+    };
+    let last_numel = *numels.last().unwrap_or(&0) as u64;
+    let head = tokens * (8 * h + 4 * h + 2 * e * h) + weight_fp32 + e * v * h + logits_peak + e * last_numel;
+    let in_use = if plan.zero.stage < 3 {
+        e * numels.iter().copied().max().unwrap_or(0) as u64
+    } else {
+        0
+    };
+    block.max(embedding).max(head) + in_use
 }
 
 /// Bytes a rank's device holds at its peak.
@@ -51,7 +148,8 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
         // no gathers: the activations of the whole forward at their peak
         tokens + last as u64 * hidden
     };
-    bytes.total = bytes.parameters + bytes.gradients + bytes.optimizer + bytes.working;
+    bytes.transient = transient(plan);
+    bytes.total = bytes.parameters + bytes.gradients + bytes.optimizer + bytes.working + bytes.transient;
     bytes
 }
 
@@ -183,4 +281,18 @@ fn replay(
         }
     }
     peak
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_keeps_at_once_buffers_per_size_class() {
+        // two embedding-sized units, four blocks, a tiny norm
+        let sizes = [100, 4, 30, 30, 30, 30, 90];
+        assert_eq!(pool_footprint(&sizes, 3), 2 * 100 + 3 * 30 + 4);
+        assert_eq!(pool_footprint(&sizes, 1), 100 + 30 + 4);
+        assert_eq!(pool_footprint(&[], 3), 0);
+    }
 }

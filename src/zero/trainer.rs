@@ -107,6 +107,9 @@ pub struct TrainResult {
     pub device_peaks: Vec<u64>,
     /// On CUDA, torch's allocator statistics of each rank's GPU (peaks over the run).
     pub gpu_memory: Vec<crate::torch::shim::MemoryStats>,
+    /// On the CPU, the most bytes libtorch's CPU tensors held during the steps (all ranks
+    /// of this process; counted by the bridge's allocator, not by the engine).
+    pub cpu_allocator_peak: Option<u64>,
     /// Per unit, the fp32 master weights (unpadded), when collected.
     pub master: Vec<Vec<f32>>,
     pub seconds: f64,
@@ -359,6 +362,11 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
             "collecting the master weights needs every rank in this process; run on one node".into(),
         ));
     }
+    let on_cpu = plan.train.accelerator == crate::config::plan::Accelerator::Cpu;
+    if on_cpu {
+        crate::torch::shim::count_cpu_allocations()
+            .map_err(|source| TrainError::Engine(EngineError::Torch { rank: 0, source }))?;
+    }
     let prepared = Prepared::new(plan, options.resume)?;
     let first_step = prepared.start.first_step();
     if let (Some(c), true) = (prepared.start.checkpoint(), options.write_outputs) {
@@ -595,6 +603,9 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     if let Some(e) = first_error {
         return Err(e);
     }
+    if on_cpu {
+        result.cpu_allocator_peak = Some(crate::torch::shim::cpu_memory().1);
+    }
     if options.collect_master {
         result.master = model
             .units
@@ -724,6 +735,7 @@ fn run_rank(
         let host_start = Usage::now();
         if rank == 0 {
             crate::metrics::host::reset_peak();
+            crate::torch::shim::reset_cpu_peak();
         }
         for step in first_step..plan.train.steps {
             let start = Instant::now();
