@@ -680,6 +680,17 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     predicted.transient
                 );
             }
+            for (rank, stats) in result.gpu_memory.iter().enumerate() {
+                // the state tiers are still host buffers on CUDA (issue 13): what torch's
+                // allocator holds is the compute's share of the prediction
+                println!(
+                    "rank {rank}: torch CUDA allocator peak {} bytes allocated ({} reserved), plan predicted {} for gathered units, activations and temporaries ({:+.1}%)",
+                    stats.peak_allocated,
+                    stats.peak_reserved,
+                    predicted.compute(),
+                    100.0 * (stats.peak_allocated as f64 / predicted.compute().max(1) as f64 - 1.0)
+                );
+            }
             if let Some(peak) = result.cpu_allocator_peak {
                 let ranks = loaded.plan.train.devices as u64;
                 let predicted = ranks * predicted.compute();
