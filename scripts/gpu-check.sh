@@ -5,8 +5,10 @@
 # Run there:   bash scripts/gpu-check.sh target/gpu/tierzero OUT_DIR
 #
 # It links NCCL where the binary looks for it, puts torch's lib/ on LD_LIBRARY_PATH, and
-# runs: bench gpu, bench h2d, the tiny Llama on CPU and on CUDA (stage 3; params and
-# optimizer on cpu, then on nvme) with a loss comparison, the 1B Llama (tokens/s, MFU,
+# runs: the CUDA tests (tests/cuda.rs: copies, NCCL on device memory, NCCL communicators
+# through the store), bench gpu, bench h2d, the tiny Llama on CPU and on CUDA (stage 3;
+# params and optimizer on cpu, then on nvme) with a loss comparison, with two GPUs the
+# tiny Llama over 2 torchrun processes on NCCL against 2 ranks of one process, the 1B Llama (tokens/s, MFU,
 # peak GPU memory), and bench memory on the GPU. Every result lands in OUT_DIR.
 # With PARTS=disk it also measures that machine's disk for the NVMe tier (bench nvme,
 # bench swap), which issue 3's targets need.
@@ -80,6 +82,19 @@ part tiny && for tiers in "cpu cpu" "nvme nvme"; do
   run "tiny-$1-cuda" tiny "tiny-$1-cuda" cuda "$1" "$2"
   compare "tiny-$1-cpu" "tiny-$1-cuda"
 done
+
+# NCCL in training: with two or more GPUs, torchrun starts 2 processes × 1 GPU whose
+# communicators join through the agent's TCPStore (tests/cuda.rs covers the one-GPU join)
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+if part tiny && [ "$GPUS" -ge 2 ]; then
+  run tiny-nccl-2proc $PY -m torch.distributed.run --nproc_per_node 2 --no-python "$BIN" train \
+    --config configs/default.json --devices 1 --set train.accelerator=cuda --set train.steps=40 \
+    --set bf16.enabled=true --set zero_optimization.stage=3 --set train.output_dir="$WORK/tiny-nccl-2proc"
+  run tiny-threads-2 "$BIN" train --config configs/default.json --devices 2 --set train.accelerator=cuda \
+    --set train.steps=40 --set bf16.enabled=true --set zero_optimization.stage=3 \
+    --set train.output_dir="$WORK/tiny-threads-2"
+  compare tiny-threads-2 tiny-nccl-2proc
+fi
 
 big() { # name, config
   "$BIN" train --config "$2" --set data.path=null --set data.synthetic=markov \

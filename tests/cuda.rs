@@ -92,6 +92,53 @@ fn one_rank_nccl_collectives_on_device_memory() {
     assert_eq!(host, [1.5, 2.5]);
 }
 
+/// The communicators a CUDA rank trains with: joined through c10d's TCPStore by name,
+/// each on its own stream and driven from its own lane thread at once (one shared
+/// stream deadlocks here with more ranks); an abort publishes its cause in the store
+/// and later calls fail with it.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it with --ignored"]
+fn nccl_communicators_join_through_the_store_each_on_its_own_stream() {
+    use tierzero::comm::gloo::Store;
+    use tierzero::comm::Collective;
+    require_gpu();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let timeout = std::time::Duration::from_secs(30);
+    let store = Store::connect("127.0.0.1", port, true, timeout).unwrap();
+    let cuda = Arc::new(Cuda::open(0).unwrap());
+    let comms: Vec<Nccl> = ["main", "gather", "reduce"]
+        .iter()
+        .map(|name| Nccl::join(store.clone(), name, cuda.clone(), 0, 1, timeout).unwrap())
+        .collect();
+    std::thread::scope(|s| {
+        for (i, comm) in comms.iter().enumerate() {
+            s.spawn(move || {
+                for round in 0..50 {
+                    let shard: Vec<f32> = (0..4096).map(|x| (x + i + round) as f32).collect();
+                    let mut out = vec![0f32; 4096];
+                    comm.all_gather(&shard, &mut out).unwrap();
+                    assert_eq!(out, shard);
+                    comm.reduce_scatter(&shard, &mut out, ReduceOp::Avg).unwrap();
+                    assert_eq!(out, shard);
+                }
+            });
+        }
+    });
+    comms[1].abort("out of memory");
+    let published = String::from_utf8(store.try_get("tierzero/abort").unwrap().unwrap()).unwrap();
+    assert_eq!(published, "rank 0 stopped: out of memory");
+    let mut one = [1f32];
+    let err = comms[1]
+        .all_reduce(&mut one, ReduceOp::Sum)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("out of memory"), "{err}");
+}
+
 fn tiny(accelerator: &str, param: &str, optimizer: &str, precision: &str, dir: &std::path::Path) -> Plan {
     let config = json!({
         "train_micro_batch_size_per_gpu": 4,

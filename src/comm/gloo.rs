@@ -19,7 +19,8 @@ use torch_sys::C_tensor;
 
 const ERR_LEN: usize = 1024;
 /// Where an aborting rank leaves its reason.
-const ABORT_KEY: &str = "tierzero/abort";
+/// Where a failing rank publishes its cause for every process (Gloo and NCCL alike).
+pub(crate) const ABORT_KEY: &str = "tierzero/abort";
 
 extern "C" {
     fn tz_store_new(

@@ -85,13 +85,15 @@ pub trait Collective: Send + Sync + 'static {
     fn abort(&self, reason: &str);
 }
 
-/// The communicator of a `train` rank: ranks as threads of this process, or ranks in
-/// several processes over c10d's Gloo. Both compute the same bits for two ranks (Gloo
-/// sums three or more in ring order).
+/// The communicator of a `train` rank: ranks as threads of this process, ranks in
+/// several processes over c10d's Gloo, or CUDA ranks in several processes over NCCL.
+/// Local and Gloo compute the same bits for two ranks (Gloo sums three or more in ring
+/// order).
 #[derive(Clone)]
 pub enum Group {
     Local(local::Local),
     Gloo(std::sync::Arc<gloo::Gloo>),
+    Nccl(std::sync::Arc<nccl::Nccl>),
 }
 
 /// Calls the same method on whichever communicator a [`Group`] holds.
@@ -100,6 +102,7 @@ macro_rules! dispatch {
         match $self {
             Group::Local($c) => $call,
             Group::Gloo($c) => $call,
+            Group::Nccl($c) => $call,
         }
     };
 }

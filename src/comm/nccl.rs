@@ -1,21 +1,32 @@
 //! `Nccl`: collectives between GPUs over cudarc's raw NCCL API, on torch-owned memory.
 //!
-//! One communicator per device thread, created from the id the rendezvous shares. The
-//! tensor calls ([`Nccl::all_gather_tensor`] …) run on the device's collective stream,
-//! which first waits for torch's compute stream and which compute then waits for, so
-//! results are ordered without blocking the host. The [`Collective`] impl serves the
-//! engine's host buffers by staging them through device tensors.
+//! One communicator per lane of each rank (main, gather, reduce), each bootstrapped
+//! through c10d's TCPStore ([`Nccl::join`]: rank 0 of the communicator publishes a fresh
+//! unique id under its name, the others read it) and each on a stream of its own (one
+//! stream shared by several communicators deadlocks once they are driven from several
+//! lanes). The tensor calls ([`Nccl::all_gather_tensor`] …) run on that stream, which
+//! first waits for torch's compute stream and which compute then waits for, so results
+//! are ordered without blocking the host. The [`Collective`] impl serves the engine's
+//! host buffers by staging them through device tensors.
+//!
+//! NCCL neither times out nor tells a rank that a peer died: a [`watchdog`] thread per
+//! process aborts its communicators (ncclCommAbort, which unblocks a waiting stream)
+//! when any rank publishes a failure in the store, or when one of its own collectives
+//! makes no progress for the timeout, which it then publishes for the others.
 //!
 //! cudarc looks the library up as `libnccl.so`, which the pip wheel does not ship; the
 //! build links `nccl/libnccl.so` next to the binary, and [`library`] repairs that link
 //! on a machine where it dangles (from the `libnccl.so.2` torch already loaded).
 
+use super::gloo::{Store, ABORT_KEY};
 use super::{rendezvous::ID_BYTES, Collective, CommError, Element, ReduceOp};
 use crate::device::cuda::Cuda;
 use crate::torch::shim;
+use cudarc::driver::CudaStream;
 use cudarc::nccl::{result, sys};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
 /// Ok when NCCL can be loaded; otherwise the reason and the fix.
@@ -94,15 +105,78 @@ struct Comm(sys::ncclComm_t);
 // SAFETY: the handle is only used under the Mutex in `Nccl`, one call at a time.
 unsafe impl Send for Comm {}
 
+/// The store key under which communicator `name`'s unique id is published.
+fn id_key(name: &str) -> String {
+    format!("tierzero/nccl/{name}/id")
+}
+
+/// The unique id of communicator `name`: rank 0 makes it with `make` and publishes it in
+/// the store; every other rank waits for it, at most `timeout`.
+pub fn share_id(
+    store: &Store,
+    name: &str,
+    rank: usize,
+    timeout: Duration,
+    make: impl FnOnce() -> Result<[u8; ID_BYTES], String>,
+) -> Result<[u8; ID_BYTES], String> {
+    let key = id_key(name);
+    if rank == 0 {
+        let id = make()?;
+        store.set(&key, &id)?;
+        return Ok(id);
+    }
+    let start = Instant::now();
+    loop {
+        if let Some(bytes) = store.try_get(&key)? {
+            return bytes.try_into().map_err(|b: Vec<u8>| {
+                format!("{key} holds {} bytes, not an NCCL id of {ID_BYTES}", b.len())
+            });
+        }
+        if let Some(reason) = store.try_get(ABORT_KEY)? {
+            return Err(String::from_utf8_lossy(&reason).into_owned());
+        }
+        if start.elapsed() > timeout {
+            return Err(format!(
+                "rank 0 did not publish the {name} communicator's NCCL id within {timeout:?} (train.rendezvous_timeout)"
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// One rank's NCCL communicator on one GPU.
 pub struct Nccl {
     comm: Mutex<Comm>,
     rank: usize,
     world: usize,
     cuda: Arc<Cuda>,
+    /// This communicator's own stream.
+    stream: Arc<CudaStream>,
+    /// Where failures are published (None for a communicator made without a store).
+    store: Option<Arc<Store>>,
+    /// The collective in flight on the host's behalf, and since when (for the watchdog).
+    busy: Mutex<Option<(Instant, &'static str)>>,
+    failed: Mutex<Option<String>>,
 }
 
 impl Nccl {
+    /// Joins communicator `name` through the store as `rank` of `world` (blocks until
+    /// every rank joins).
+    pub fn join(
+        store: Arc<Store>,
+        name: &str,
+        cuda: Arc<Cuda>,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<Nccl, CommError> {
+        let id = share_id(&store, name, rank, timeout, unique_id)
+            .map_err(|reason| CommError::Aborted { rank, reason })?;
+        let mut nccl = Nccl::init(cuda, &id, world, rank)?;
+        nccl.store = Some(store);
+        Ok(nccl)
+    }
+
     /// Joins the communicator `id` as `rank` of `world` (blocks until all ranks join).
     pub fn init(cuda: Arc<Cuda>, id: &[u8; ID_BYTES], world: usize, rank: usize) -> Result<Nccl, CommError> {
         library().map_err(|reason| CommError::Aborted { rank, reason })?;
@@ -113,6 +187,10 @@ impl Nccl {
         let uid = sys::ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
+        let stream = cuda.context().new_stream().map_err(|e| CommError::Aborted {
+            rank,
+            reason: format!("creating the communicator's stream: {e}"),
+        })?;
         let mut comm = std::ptr::null_mut();
         // SAFETY: `comm` receives the new handle; the id came from ncclGetUniqueId.
         unsafe { result::comm_init_rank(&mut comm, world as i32, uid, rank as i32) }
@@ -122,7 +200,43 @@ impl Nccl {
             rank,
             world,
             cuda,
+            stream,
+            store: None,
+            busy: Mutex::new(None),
+            failed: Mutex::new(None),
         })
+    }
+
+    /// Runs `f` (one host-visible collective) marked as busy for the watchdog; after an
+    /// abort, fails with the published cause.
+    fn watched<T>(&self, op: &'static str, f: impl FnOnce() -> Result<T, CommError>) -> Result<T, CommError> {
+        *self.busy.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), op));
+        let out = f();
+        *self.busy.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let failed = self.failed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match (out, failed) {
+            (Ok(v), None) => Ok(v),
+            (_, Some(reason)) => Err(CommError::Aborted {
+                rank: self.rank,
+                reason,
+            }),
+            (Err(e), None) => Err(e),
+        }
+    }
+
+    /// Aborts the communicator (in-flight work included) with `reason` as the cause its
+    /// calls report from now on.
+    fn abort_with(&self, reason: String) {
+        self.failed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert(reason);
+        let mut comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        if !comm.0.is_null() {
+            // SAFETY: aborting a live communicator, which is then forgotten.
+            let _ = unsafe { result::comm_abort(comm.0) };
+            comm.0 = std::ptr::null_mut();
+        }
     }
 
     /// Queues `f(comm, stream)` on the collective stream, ordered after compute and
@@ -137,7 +251,7 @@ impl Nccl {
             reason,
         };
         let compute = self.cuda.compute_stream().map_err(|e| fail(e.to_string()))?;
-        let stream = &self.cuda.comm;
+        let stream = &self.stream;
         self.cuda
             .order(&compute, stream)
             .map_err(|e| fail(e.to_string()))?;
@@ -283,6 +397,64 @@ impl Nccl {
     }
 }
 
+impl Watched for Nccl {
+    fn busy_since(&self) -> Option<(Instant, &'static str)> {
+        *self.busy.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn stop(&self, reason: &str) {
+        self.abort_with(reason.to_string());
+    }
+}
+
+/// What the [`watchdog`] needs of a communicator.
+pub trait Watched: Send + Sync {
+    /// The host-visible collective in flight and when it started.
+    fn busy_since(&self) -> Option<(Instant, &'static str)>;
+    /// Aborts it with `reason`.
+    fn stop(&self, reason: &str);
+}
+
+/// Watches this process's communicators until they are all dropped: when the store
+/// holds a published failure, every one is aborted with it; when one of them has a
+/// collective in flight for longer than `timeout`, the failure is published (naming
+/// the rank and the collective) and every one is aborted.
+pub fn watchdog(
+    store: Arc<Store>,
+    comms: Vec<(usize, Weak<dyn Watched>)>,
+    timeout: Duration,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let live: Vec<(usize, Arc<dyn Watched>)> = comms
+            .iter()
+            .filter_map(|(r, w)| Some((*r, w.upgrade()?)))
+            .collect();
+        if live.is_empty() {
+            return;
+        }
+        let published = store.try_get(ABORT_KEY).ok().flatten();
+        let reason = published.map(|r| String::from_utf8_lossy(&r).into_owned()).or_else(|| {
+            live.iter().find_map(|(rank, c)| {
+                let (since, op) = c.busy_since()?;
+                (since.elapsed() > timeout).then(|| {
+                    let reason = format!(
+                        "rank {rank}: NCCL {op} made no progress for {timeout:?} (train.rendezvous_timeout): a peer exited or stopped answering"
+                    );
+                    let _ = store.set(ABORT_KEY, reason.as_bytes());
+                    reason
+                })
+            })
+        });
+        if let Some(reason) = reason {
+            for (_, c) in &live {
+                c.stop(&reason);
+            }
+            return;
+        }
+    })
+}
+
 fn red_op(op: ReduceOp) -> sys::ncclRedOp_t {
     match op {
         ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
@@ -300,29 +472,37 @@ impl Collective for Nccl {
     }
 
     fn all_gather<T: Element>(&self, shard: &[T], out: &mut [T]) -> Result<(), CommError> {
-        let s = self.stage(shard)?;
-        let mut o = self.device_out::<T>(out.len())?;
-        self.all_gather_tensor(&s, &mut o)?;
-        self.unstage(&o, out)
+        self.watched("all_gather", || {
+            let s = self.stage(shard)?;
+            let mut o = self.device_out::<T>(out.len())?;
+            self.all_gather_tensor(&s, &mut o)?;
+            self.unstage(&o, out)
+        })
     }
 
     fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError> {
-        let f = self.stage(full)?;
-        let mut o = self.device_out::<T>(out.len())?;
-        self.reduce_scatter_tensor(&f, &mut o, op)?;
-        self.unstage(&o, out)
+        self.watched("reduce_scatter", || {
+            let f = self.stage(full)?;
+            let mut o = self.device_out::<T>(out.len())?;
+            self.reduce_scatter_tensor(&f, &mut o, op)?;
+            self.unstage(&o, out)
+        })
     }
 
     fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<(), CommError> {
-        let mut d = self.stage(data)?;
-        self.all_reduce_tensor(&mut d, op)?;
-        self.unstage(&d, data)
+        self.watched("all_reduce", || {
+            let mut d = self.stage(data)?;
+            self.all_reduce_tensor(&mut d, op)?;
+            self.unstage(&d, data)
+        })
     }
 
     fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<(), CommError> {
-        let mut d = self.stage(data)?;
-        self.broadcast_tensor(&mut d, root)?;
-        self.unstage(&d, data)
+        self.watched("broadcast", || {
+            let mut d = self.stage(data)?;
+            self.broadcast_tensor(&mut d, root)?;
+            self.unstage(&d, data)
+        })
     }
 
     fn barrier(&self) -> Result<(), CommError> {
@@ -330,13 +510,14 @@ impl Collective for Nccl {
         self.all_reduce(&mut one, ReduceOp::Sum)
     }
 
-    fn abort(&self, _reason: &str) {
-        let mut comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
-        if !comm.0.is_null() {
-            // SAFETY: aborting a live communicator, which is then forgotten.
-            let _ = unsafe { result::comm_abort(comm.0) };
-            comm.0 = std::ptr::null_mut();
+    /// Aborts this communicator and publishes the cause, so every other process's
+    /// watchdog aborts its own with it.
+    fn abort(&self, reason: &str) {
+        let reason = format!("rank {} stopped: {reason}", self.rank);
+        if let Some(store) = &self.store {
+            let _ = store.set(ABORT_KEY, reason.as_bytes());
         }
+        self.abort_with(reason);
     }
 }
 
@@ -353,6 +534,124 @@ impl Drop for Nccl {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    fn store_pair() -> (Arc<Store>, impl Fn() -> Arc<Store>) {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let timeout = Duration::from_secs(10);
+        let server = Store::connect("127.0.0.1", port, true, timeout).unwrap();
+        (server, move || {
+            Store::connect("127.0.0.1", port, false, timeout).unwrap()
+        })
+    }
+
+    /// Three ranks, each with its own store connection, share two communicators' ids:
+    /// every rank reads rank 0's id for each name; a rank whose rank 0 never publishes
+    /// is told which id and which timeout; a published failure ends the wait with it.
+    #[test]
+    fn ids_are_shared_per_communicator_through_the_store() {
+        let (server, client) = store_pair();
+        let ids: Vec<Vec<[u8; ID_BYTES]>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..3)
+                .map(|rank| {
+                    let store = client();
+                    s.spawn(move || {
+                        ["main", "gather"]
+                            .map(|name| {
+                                share_id(&store, name, rank, Duration::from_secs(10), unique_id).unwrap()
+                            })
+                            .to_vec()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(ids.iter().all(|r| *r == ids[0]), "every rank reads rank 0's ids");
+        assert_ne!(ids[0][0], ids[0][1], "each communicator has its own id");
+        let late = share_id(&client(), "reduce", 1, Duration::from_millis(200), unique_id).unwrap_err();
+        assert!(
+            late.contains("reduce") && late.contains("train.rendezvous_timeout"),
+            "{late}"
+        );
+        server.set(ABORT_KEY, b"rank 0 stopped: out of memory").unwrap();
+        let told = share_id(&client(), "other", 2, Duration::from_secs(10), unique_id).unwrap_err();
+        assert_eq!(told, "rank 0 stopped: out of memory");
+    }
+
+    struct Fake {
+        busy: Option<(Instant, &'static str)>,
+        stopped: Mutex<Option<String>>,
+    }
+
+    impl Watched for Fake {
+        fn busy_since(&self) -> Option<(Instant, &'static str)> {
+            self.busy
+        }
+        fn stop(&self, reason: &str) {
+            *self.stopped.lock().unwrap() = Some(reason.to_string());
+        }
+    }
+
+    fn fake(busy: Option<(Instant, &'static str)>) -> Arc<Fake> {
+        Arc::new(Fake {
+            busy,
+            stopped: Mutex::new(None),
+        })
+    }
+
+    /// The watchdog (over a real store) stops every communicator with a failure another
+    /// process published; publishes and stops on a collective stuck past the timeout,
+    /// naming the rank and the collective; and ends once the communicators are dropped.
+    #[test]
+    fn the_watchdog_aborts_on_a_published_failure_or_a_stuck_collective() {
+        let (server, client) = store_pair();
+        let weak = |f: &Arc<Fake>| {
+            let w: Weak<dyn Watched> = Arc::downgrade(f) as _;
+            w
+        };
+        // a stuck all_gather on rank 3
+        let (idle, stuck) = (fake(None), fake(Some((Instant::now(), "all_gather"))));
+        let dog = watchdog(
+            client(),
+            vec![(2, weak(&idle)), (3, weak(&stuck))],
+            Duration::from_millis(300),
+        );
+        dog.join().unwrap();
+        let published = String::from_utf8(server.try_get(ABORT_KEY).unwrap().unwrap()).unwrap();
+        assert!(
+            published.starts_with("rank 3: NCCL all_gather made no progress"),
+            "{published}"
+        );
+        for f in [&idle, &stuck] {
+            assert_eq!(f.stopped.lock().unwrap().as_deref(), Some(published.as_str()));
+        }
+        // that failure, as seen by another process's watchdog
+        let other = fake(None);
+        watchdog(client(), vec![(0, weak(&other))], Duration::from_secs(60))
+            .join()
+            .unwrap();
+        assert_eq!(other.stopped.lock().unwrap().as_deref(), Some(published.as_str()));
+        // nothing to watch: the thread ends
+        let (_fresh_server, fresh) = store_pair();
+        let gone = fake(None);
+        let w = weak(&gone);
+        drop(gone);
+        let ended = Arc::new(AtomicBool::new(false));
+        let flag = ended.clone();
+        std::thread::spawn(move || {
+            watchdog(fresh(), vec![(0, w)], Duration::from_secs(60))
+                .join()
+                .unwrap();
+            flag.store(true, Ordering::SeqCst);
+        })
+        .join()
+        .unwrap();
+        assert!(ended.load(Ordering::SeqCst));
+    }
 
     #[test]
     fn the_library_loads_and_makes_ids_without_a_gpu() {

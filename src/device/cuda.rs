@@ -55,12 +55,12 @@ pub fn device_count() -> Result<usize, CudaError> {
     Ok(n.max(0) as usize)
 }
 
-/// One GPU: its context and the streams tierzero queues copies and collectives on.
+/// One GPU: its context and the streams tierzero queues copies on (each NCCL
+/// communicator has a stream of its own, `comm/nccl.rs`).
 pub struct Cuda {
     ctx: Arc<CudaContext>,
     pub h2d: Arc<CudaStream>,
     pub d2h: Arc<CudaStream>,
-    pub comm: Arc<CudaStream>,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -81,7 +81,6 @@ impl Cuda {
         Ok(Cuda {
             h2d: stream()?,
             d2h: stream()?,
-            comm: stream()?,
             ctx: ctx.clone(),
         })
     }

@@ -20,10 +20,12 @@ use super::start::Start;
 use crate::checkpoint::{save, Checkpoint, CheckpointError};
 use crate::comm::gloo::{join_concurrently, Gloo, Store};
 use crate::comm::local::Local;
+use crate::comm::nccl::{watchdog, Nccl, Watched};
 use crate::comm::{Collective, Group};
 use crate::config::plan::{Plan, Tier};
 use crate::data::{DataError, Dataset};
 use crate::device::cpu::CpuDevice;
+use crate::device::cuda::Cuda;
 use crate::metrics::host::{Span, Usage};
 use crate::metrics::monitor::{Monitors, Scalar};
 use crate::metrics::timeline::{Breakdown, Timeline};
@@ -32,6 +34,7 @@ use crate::model::Model;
 use serde::Serialize;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
 use tierzero_offload::nvme::{open_engine, EngineChoice, EngineConfig, IoError};
@@ -694,19 +697,47 @@ fn communicators(plan: &Plan) -> Result<Vec<Comms<Group>>, TrainError> {
     // every rank joins its three communicators in the same order; the ranks of this
     // process join concurrently (each join waits for all ranks), each through its own
     // connection to the store (a client blocks in a wait while Gloo rendezvous)
-    join_concurrently(plan.train.local_ranks(), |rank| {
+    let comms = join_concurrently(plan.train.local_ranks(), |rank| {
         let serves = serve && rank == first;
         let store = Store::connect(&launch.master_addr, launch.master_port, serves, timeout)?;
-        let join = |name: &str| {
-            Gloo::join(store.clone(), name, rank, world, timeout).map(|g| Group::Gloo(std::sync::Arc::new(g)))
+        let join = |name: &str| -> Result<Group, String> {
+            match plan.train.compute_device(rank) {
+                // CUDA ranks: NCCL communicators bootstrapped through the same store
+                tch::Device::Cuda(ordinal) => {
+                    let cuda = Cuda::open(ordinal).map_err(|e| format!("rank {rank}: {e}"))?;
+                    Nccl::join(store.clone(), name, Arc::new(cuda), rank, world, timeout)
+                        .map(|n| Group::Nccl(Arc::new(n)))
+                        .map_err(|e| e.to_string())
+                }
+                _ => Gloo::join(store.clone(), name, rank, world, timeout).map(|g| Group::Gloo(Arc::new(g))),
+            }
         };
-        Ok(Comms {
-            main: join("main")?,
-            gather: join("gather")?,
-            reduce: join("reduce")?,
-        })
+        Ok((
+            Comms {
+                main: join("main")?,
+                gather: join("gather")?,
+                reduce: join("reduce")?,
+            },
+            store,
+        ))
     })
-    .map_err(TrainError::Invalid)
+    .map_err(TrainError::Invalid)?;
+    // NCCL neither times out nor hears of a dead peer: a watchdog per process does
+    let watched: Vec<(usize, std::sync::Weak<dyn Watched>)> = comms
+        .iter()
+        .flat_map(|(c, _)| [&c.main, &c.gather, &c.reduce])
+        .filter_map(|g| match g {
+            Group::Nccl(n) => {
+                let weak: std::sync::Weak<dyn Watched> = Arc::downgrade(n) as _;
+                Some((n.rank(), weak))
+            }
+            _ => None,
+        })
+        .collect();
+    if let (false, Some((_, store))) = (watched.is_empty(), comms.first()) {
+        drop(watchdog(store.clone(), watched, timeout));
+    }
+    Ok(comms.into_iter().map(|(c, _)| c).collect())
 }
 
 fn run_rank(
