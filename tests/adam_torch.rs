@@ -1,6 +1,8 @@
 //! The CPU AdamW has PyTorch's semantics: ten steps against libtorch's own
 //! `torch::optim::AdamW` (decoupled) and `torch::optim::Adam` with weight decay (L2),
-//! driven through tch, agree within 1e-6 relative (plus 1e-7 absolute near zero).
+//! driven through tch, agree within 1e-6 relative (plus 1e-7 absolute near zero); and
+//! so does torch's fused kernel (`_fused_adamw_` / `_fused_adam_` through the bridge),
+//! the update of device-tier optimizer state, master and both moments.
 
 use tch::nn::{self, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
@@ -58,6 +60,12 @@ fn run(mode: WeightDecay) {
     let mut master = init.clone();
     let mut exp_avg = vec![0f32; n];
     let mut exp_avg_sq = vec![0f32; n];
+    // the device tier's: torch's fused kernel on tensors
+    let mut fused = [
+        Tensor::from_slice(&init),
+        Tensor::zeros([n as i64], (Kind::Float, Device::Cpu)),
+        Tensor::zeros([n as i64], (Kind::Float, Device::Cpu)),
+    ];
 
     for step in 1..=10u64 {
         let grad = pseudo_random(n, 100 + step, 0.1);
@@ -75,7 +83,21 @@ fn run(mode: WeightDecay) {
             low: LowPrecisionOut::None,
         };
         adam::step(&hyper.coefficients(step, 1.0), sweep).unwrap();
+        let [p, m, v] = &mut fused;
+        tierzero::torch::shim::fused_adam(p, &Tensor::from_slice(&grad), m, v, step, &hyper).unwrap();
     }
+    let close = |what: &str, ours: &[f32], theirs: &[f32]| {
+        for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs() + 1e-7,
+                "{mode:?} {what}: element {i}: CPU kernel {a} vs fused {b}"
+            );
+        }
+    };
+    let [p, m, v] = &fused;
+    close("master", &master, &Vec::<f32>::try_from(p).unwrap());
+    close("exp_avg", &exp_avg, &Vec::<f32>::try_from(m).unwrap());
+    close("exp_avg_sq", &exp_avg_sq, &Vec::<f32>::try_from(v).unwrap());
     let expected: Vec<f32> = Vec::try_from(&param.detach()).unwrap();
     // torch.allclose semantics: |ours − torch| ≤ rtol·|torch| + atol, with rtol 1e-6 and
     // atol 1e-7 (one fp32 ulp near 1) for parameters that pass through zero

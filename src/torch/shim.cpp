@@ -4,6 +4,8 @@
 // returns -1 with the message in `err` (never throws across the C boundary).
 // Tensors are passed as `at::Tensor*`, the same handles tch uses (torch_api.h).
 #include <ATen/ATen.h>
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
 #include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
 #include <c10/core/CPUAllocator.h>
@@ -144,6 +146,25 @@ int tz_reset_peak(int device_index, char* err, size_t n) {
   TZ_TRY
   ready_accelerator();
   at::accelerator::resetPeakStats(static_cast<c10::DeviceIndex>(device_index));
+  TZ_CATCH
+}
+
+// torch's fused Adam on one fp32 partition, in place: AdamW (decoupled weight decay) when
+// `decoupled`, else Adam with L2 decay; `step` is the 1-based step this update makes
+// (the kernel reads state_steps as the current step: torch.optim increments them before
+// the call).
+int tz_fused_adam(at::Tensor* param, at::Tensor* grad, at::Tensor* exp_avg, at::Tensor* exp_avg_sq,
+                  int64_t step, double lr, double beta1, double beta2, double weight_decay,
+                  double eps, int decoupled, char* err, size_t n) {
+  TZ_TRY
+  auto steps = at::full({}, static_cast<double>(step),
+                        at::TensorOptions().dtype(at::kFloat).device(param->device()));
+  std::vector<at::Tensor> p{*param}, g{*grad}, m{*exp_avg}, v{*exp_avg_sq}, none, t{steps};
+  if (decoupled != 0) {
+    at::_fused_adamw_(p, g, m, v, none, t, lr, beta1, beta2, weight_decay, eps, false, false);
+  } else {
+    at::_fused_adam_(p, g, m, v, none, t, lr, beta1, beta2, weight_decay, eps, false, false);
+  }
   TZ_CATCH
 }
 

@@ -35,6 +35,21 @@ extern "C" {
     fn tz_memory_stats(device: c_int, out4: *mut i64, err: *mut c_char, n: usize) -> c_int;
     fn tz_reset_peak(device: c_int, err: *mut c_char, n: usize) -> c_int;
     fn tz_count_cpu_allocations(err: *mut c_char, n: usize) -> c_int;
+    fn tz_fused_adam(
+        param: *mut C_tensor,
+        grad: *mut C_tensor,
+        exp_avg: *mut C_tensor,
+        exp_avg_sq: *mut C_tensor,
+        step: i64,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        decoupled: c_int,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
     fn tz_cpu_memory_stats(out2: *mut i64, err: *mut c_char, n: usize) -> c_int;
     fn tz_cpu_reset_peak(err: *mut c_char, n: usize) -> c_int;
 }
@@ -143,6 +158,43 @@ pub fn memory_stats(device: usize) -> Result<MemoryStats, TchError> {
 pub fn reset_peak(device: usize) -> Result<(), TchError> {
     // SAFETY: plain call.
     call(|e, n| unsafe { tz_reset_peak(device as c_int, e, n) })
+}
+
+/// torch's fused Adam (`_fused_adamw_`, or `_fused_adam_` for L2 decay) on one fp32
+/// partition on its device, in place; `step` is the 1-based step this update makes.
+pub fn fused_adam(
+    param: &mut Tensor,
+    grad: &Tensor,
+    exp_avg: &mut Tensor,
+    exp_avg_sq: &mut Tensor,
+    step: u64,
+    hyper: &tierzero_offload::adam::AdamHyper,
+) -> Result<(), TchError> {
+    let decoupled = hyper.mode == tierzero_offload::adam::WeightDecay::Decoupled;
+    let (p, g, m, v) = (
+        param.as_mut_ptr(),
+        grad.as_ptr() as *mut C_tensor,
+        exp_avg.as_mut_ptr(),
+        exp_avg_sq.as_mut_ptr(),
+    );
+    // SAFETY: four live tensors owned by the caller; the kernel writes p, m and v only.
+    call(|e, n| unsafe {
+        tz_fused_adam(
+            p,
+            g,
+            m,
+            v,
+            step as i64,
+            f64::from(hyper.lr),
+            f64::from(hyper.beta1),
+            f64::from(hyper.beta2),
+            f64::from(hyper.weight_decay),
+            f64::from(hyper.eps),
+            decoupled as c_int,
+            e,
+            n,
+        )
+    })
 }
 
 /// Routes libtorch's CPU allocations through the bridge's counting allocator from now
