@@ -684,18 +684,18 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 // the state tiers are still host buffers on CUDA (issue 13): what torch's
                 // allocator holds is the compute's share of the prediction
                 println!(
-                    "rank {rank}: torch CUDA allocator peak {} bytes allocated ({} reserved), plan predicted {} for gathered units, activations and temporaries ({:+.1}%)",
+                    "rank {rank}: torch CUDA allocator peak {} bytes allocated ({} reserved), plan predicted {} for gathered units, activations, temporaries and device-tier optimizer state ({:+.1}%)",
                     stats.peak_allocated,
                     stats.peak_reserved,
-                    predicted.compute(),
-                    100.0 * (stats.peak_allocated as f64 / predicted.compute().max(1) as f64 - 1.0)
+                    predicted.in_tensors(),
+                    100.0 * (stats.peak_allocated as f64 / predicted.in_tensors().max(1) as f64 - 1.0)
                 );
             }
             if let Some(peak) = result.cpu_allocator_peak {
                 let ranks = loaded.plan.train.devices as u64;
-                let predicted = ranks * predicted.compute();
+                let predicted = ranks * predicted.in_tensors();
                 println!(
-                    "libtorch CPU allocator: peak {peak} bytes in the steps ({ranks} ranks of this process), plan predicted {predicted} for gathered units, activations and temporaries ({:+.1}%)",
+                    "libtorch CPU allocator: peak {peak} bytes in the steps ({ranks} ranks of this process), plan predicted {predicted} for gathered units, activations, temporaries and device-tier optimizer state ({:+.1}%)",
                     100.0 * (peak as f64 / predicted.max(1) as f64 - 1.0)
                 );
             }

@@ -139,6 +139,60 @@ fn nccl_communicators_join_through_the_store_each_on_its_own_stream() {
     assert!(err.contains("out of memory"), "{err}");
 }
 
+/// Device-tier optimizer state on a GPU is updated by torch's fused AdamW there: ten
+/// steps agree with the CPU AdamW kernel within 1e-6 relative (1e-7 absolute near
+/// zero), master and moments.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it with --ignored"]
+fn fused_adamw_on_the_gpu_follows_the_cpu_kernel() {
+    use tierzero_offload::adam::{self, AdamHyper, GradSlice, LowPrecisionOut, Sweep};
+    require_gpu();
+    let n = 1 << 20;
+    let hyper = AdamHyper::default();
+    let values = |seed: u32, scale: f32| -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 20011) as f32 / 20011.0 * scale - scale / 2.0)
+            .collect()
+    };
+    let init = values(7, 2.0);
+    let (mut master, mut m, mut v) = (init.clone(), vec![0f32; n], vec![0f32; n]);
+    let gpu = Device::Cuda(0);
+    let mut on_gpu = [
+        Tensor::from_slice(&init).to(gpu),
+        Tensor::zeros([n as i64], (Kind::Float, gpu)),
+        Tensor::zeros([n as i64], (Kind::Float, gpu)),
+    ];
+    for step in 1..=10u64 {
+        let grad = values(100 + step as u32, 0.2);
+        let sweep = Sweep {
+            master: &mut master,
+            exp_avg: &mut m,
+            exp_avg_sq: &mut v,
+            grad: GradSlice::F32(&grad),
+            low: LowPrecisionOut::None,
+        };
+        adam::step(&hyper.coefficients(step, 1.0), sweep).unwrap();
+        let [p, em, ev] = &mut on_gpu;
+        tierzero::torch::shim::fused_adam(p, &Tensor::from_slice(&grad).to(gpu), em, ev, step, &hyper)
+            .unwrap();
+    }
+    for (what, ours, theirs) in [
+        ("master", &master, &on_gpu[0]),
+        ("exp_avg", &m, &on_gpu[1]),
+        ("exp_avg_sq", &v, &on_gpu[2]),
+    ] {
+        let theirs = Vec::<f32>::try_from(&theirs.to(Device::Cpu)).unwrap();
+        // torch.allclose semantics, as tests/adam_torch.rs: rtol 1e-6, atol 1e-7
+        let outside = ours
+            .iter()
+            .zip(&theirs)
+            .filter(|(a, b)| (*a - *b).abs() > 1e-6 * b.abs() + 1e-7)
+            .count();
+        println!("{what}: {outside} of {n} elements outside rtol 1e-6 / atol 1e-7");
+        assert_eq!(outside, 0, "{what}");
+    }
+}
+
 fn tiny(accelerator: &str, param: &str, optimizer: &str, precision: &str, dir: &std::path::Path) -> Plan {
     let config = json!({
         "train_micro_batch_size_per_gpu": 4,

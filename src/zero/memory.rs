@@ -38,10 +38,11 @@ impl DeviceBytes {
         self.total - self.transient
     }
 
-    /// What the compute holds in torch tensors on a CPU run: gathered units,
-    /// activations and temporaries (the state tiers are the engine's host buffers there).
-    pub fn compute(&self) -> u64 {
-        self.working + self.transient
+    /// What torch tensors hold: gathered units, activations, temporaries and device-tier
+    /// optimizer state (parameters and gradients of the device tier are still the
+    /// engine's host buffers).
+    pub fn in_tensors(&self) -> u64 {
+        self.working + self.transient + self.optimizer
     }
 }
 

@@ -7,7 +7,7 @@
 use super::context::Tracks;
 use super::error::{EngineError, On};
 use super::gradients::FinalGrad;
-use super::optimizer::{Moments, OptimizerState, Update};
+use super::optimizer::{DeviceState, Moments, OptimizerState, Update};
 use super::params::LowParams;
 use super::rank::RankEngine;
 use super::units::{Destination, NewParams};
@@ -16,7 +16,8 @@ use crate::config::plan::Precision;
 use crate::metrics::timeline::Phase;
 use std::sync::Arc;
 use std::time::Instant;
-use tierzero_offload::adam::{self, Sweep};
+use tch::{Kind, Tensor};
+use tierzero_offload::adam::{self, GradSlice, Sweep};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pipeline::{self, GradIn, PipelineConfig};
 use tierzero_offload::pool::IoBuf;
@@ -53,7 +54,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// without one it runs here. Both compute exactly the same values.
     pub(super) fn optimize<'s, 'e>(
         &mut self,
-        c: adam::Coefficients,
+        step: AdamStep,
         scope: Option<&'s std::thread::Scope<'s, 'e>>,
     ) -> Result<(), EngineError>
     where
@@ -81,7 +82,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 pipeline_read: self.overlap && self.plan.zero.offload_optimizer.pipeline_read,
                 pipeline_write: self.overlap && self.plan.zero.offload_optimizer.pipeline_write,
             },
-            coefficients: c,
+            step,
             tracks: self.tracks.clone(),
         };
         match scope {
@@ -134,8 +135,19 @@ struct OptimizerContext {
     precision: Precision,
     staging: SharedStaging,
     pipeline: PipelineConfig,
-    coefficients: adam::Coefficients,
+    step: AdamStep,
     tracks: Tracks,
+}
+
+/// One optimizer step: the kernels' coefficients, and for torch's fused kernel on the
+/// device the hyper-parameters, the 1-based step and the gradient multiplier.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct AdamStep {
+    pub(super) coefficients: adam::Coefficients,
+    pub(super) hyper: adam::AdamHyper,
+    pub(super) step: u64,
+    /// 1/loss scale × the clipping coefficient.
+    pub(super) grad_scale: f32,
 }
 
 impl pipeline::Observer for Tracks {
@@ -258,7 +270,7 @@ impl OptimizerContext {
                 self.tracks
                     .optimizer
                     .span(Phase::Optimizer, Some(unit), bytes, || {
-                        adam::step(&self.coefficients, sweep)
+                        adam::step(&self.step.coefficients, sweep)
                     })
                     .map_err(|source| EngineError::Adam {
                         rank: self.on.0,
@@ -266,7 +278,22 @@ impl OptimizerContext {
                         source,
                     })?;
             }
-            (Moments::Memory(_), FinalGrad::Stored { .. }) => {
+            (Moments::Device(state), FinalGrad::Here(grad)) => {
+                let bytes = 16 * opt_len as u64;
+                self.tracks
+                    .optimizer
+                    .span(Phase::Optimizer, Some(unit), bytes, || {
+                        device_update(
+                            state,
+                            grad.slice(0..grad.len()),
+                            &self.step,
+                            fresh,
+                            &self.precision,
+                        )
+                    })
+                    .map_err(self.on.torch())?;
+            }
+            (Moments::Memory(_) | Moments::Device(_), FinalGrad::Stored { .. }) => {
                 return Err(EngineError::Invariant {
                     rank: self.on.0,
                     what: "a gradient on NVMe with optimizer state in memory",
@@ -288,7 +315,7 @@ impl OptimizerContext {
                     tier.store,
                     &tier.pool,
                     groups,
-                    &self.coefficients,
+                    &self.step.coefficients,
                     self.pipeline,
                     &self.tracks,
                 )
@@ -302,5 +329,45 @@ impl OptimizerContext {
             }
         }
         Ok(moments)
+    }
+}
+
+/// AdamW on device-tier state: the gradient (scaled as the CPU kernel scales it) to the
+/// state's device, torch's fused kernel there, and the new master in the training
+/// precision back into `fresh`.
+fn device_update(
+    state: &mut DeviceState,
+    grad: GradSlice<'_>,
+    step: &AdamStep,
+    fresh: &mut LowParams,
+    precision: &Precision,
+) -> Result<(), tch::TchError> {
+    let device = state.master.device();
+    let grad = match grad {
+        GradSlice::F32(g) => Tensor::f_from_slice(g)?,
+        GradSlice::Bf16(g) => {
+            crate::torch::tensor_u16(g, Kind::BFloat16, tch::Device::Cpu)?.f_to_kind(Kind::Float)?
+        }
+    };
+    let grad = grad.f_to(device)?.f_mul_scalar(f64::from(step.grad_scale))?;
+    let DeviceState {
+        master,
+        exp_avg,
+        exp_avg_sq,
+    } = state;
+    crate::torch::shim::fused_adam(master, &grad, exp_avg, exp_avg_sq, step.step, &step.hyper)?;
+    match fresh {
+        LowParams::F32(out) => {
+            let (host, n) = (master.f_to(tch::Device::Cpu)?, out.len());
+            host.f_copy_data(out.as_mut_slice(), n)
+        }
+        LowParams::U16(out) => {
+            let kind = match precision {
+                Precision::Fp16(_) => Kind::Half,
+                _ => Kind::BFloat16,
+            };
+            let (host, n) = (master.f_to_kind(kind)?.f_to(tch::Device::Cpu)?, out.len());
+            host.f_copy_data_u8(crate::torch::pod_bytes_mut(out.as_mut_slice()), n)
+        }
     }
 }

@@ -1,13 +1,15 @@
 //! The owner of a rank's optimizer state: fp32 master, exp_avg and exp_avg_sq of each
-//! unit's optimizer partition, in memory or in the NVMe swap store, lent to the optimizer
-//! lane while an update runs; the channel its updates come back on; the applied-step
-//! count.
+//! unit's optimizer partition — tensors on the rank's device (`offload_optimizer: none`;
+//! CPU tensors on a CPU run), slabs of a host arena (`cpu`) or the NVMe swap store — lent
+//! to the optimizer lane while an update runs; the channel its updates come back on; the
+//! applied-step count.
 
 use super::error::{EngineError, On};
 use super::gradients::FinalGrad;
 use super::params::{f32_bytes, f32_bytes_mut};
 use super::units::NewParams;
 use std::ops::Range;
+use tch::{Kind, Tensor};
 use tierzero_offload::arena::{self, Pinning, Slab};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pool::{BufferPool, IoBuf};
@@ -22,6 +24,14 @@ pub(super) struct OptimizerState {
     pub(super) exp_avg_sq: Slab<f32>,
 }
 
+/// fp32 optimizer state of one partition on the rank's device, updated there by torch's
+/// fused AdamW.
+pub(super) struct DeviceState {
+    pub(super) master: Tensor,
+    pub(super) exp_avg: Tensor,
+    pub(super) exp_avg_sq: Tensor,
+}
+
 /// The NVMe tier of optimizer state: the swap store and the pipeline's buffers.
 #[derive(Clone)]
 pub(super) struct NvmeTier<'a> {
@@ -31,6 +41,7 @@ pub(super) struct NvmeTier<'a> {
 
 /// Where a unit's optimizer state is.
 pub(super) enum Moments<'a> {
+    Device(DeviceState),
     Memory(OptimizerState),
     /// In the swap store under (unit, rank, state), streamed through the pipeline.
     Nvme(NvmeTier<'a>),
@@ -57,18 +68,35 @@ pub(super) struct Optimizer<'a> {
 }
 
 impl<'a> Optimizer<'a> {
-    /// The state of every unit's `partitions` entry: on NVMe when `nvme` is given, else
-    /// zeroed slabs of one arena allocated here for the run (a unit's three side by side).
+    /// The state of every unit's `partitions` entry: on NVMe when `nvme` is given, zeroed
+    /// tensors on `device` when given, else zeroed slabs of one arena allocated here for
+    /// the run (a unit's three side by side).
     pub(super) fn new(
         rank: usize,
-        nvme: Option<NvmeTier<'a>>,
+        (nvme, device): (Option<NvmeTier<'a>>, Option<tch::Device>),
         adam_steps: u64,
         partitions: Vec<Range<usize>>,
         pinning: &Pinning,
     ) -> Result<Self, EngineError> {
-        let moments = match &nvme {
-            Some(tier) => partitions.iter().map(|_| Moments::Nvme(tier.clone())).collect(),
-            None => {
+        let moments = match (&nvme, device) {
+            (Some(tier), _) => partitions.iter().map(|_| Moments::Nvme(tier.clone())).collect(),
+            (None, Some(device)) => {
+                let zeros = |len: usize| {
+                    Tensor::f_zeros([len as i64], (Kind::Float, device))
+                        .map_err(|source| EngineError::Torch { rank, source })
+                };
+                partitions
+                    .iter()
+                    .map(|r| {
+                        Ok(Moments::Device(DeviceState {
+                            master: zeros(r.len())?,
+                            exp_avg: zeros(r.len())?,
+                            exp_avg_sq: zeros(r.len())?,
+                        }))
+                    })
+                    .collect::<Result<_, EngineError>>()?
+            }
+            (None, None) => {
                 let lens: Vec<usize> = partitions.iter().flat_map(|r| [r.len(); 3]).collect();
                 let mut slabs = arena::carve::<f32>(&lens, pinning)
                     .map_err(|source| EngineError::Arena {
@@ -116,6 +144,19 @@ impl<'a> Optimizer<'a> {
             (self.key(u, State::ExpAvgSq), exp_avg_sq),
         ];
         match &mut self.moments[u] {
+            Moments::Device(state) => {
+                let on = self.on;
+                for (tensor, values) in [
+                    (&mut state.master, master),
+                    (&mut state.exp_avg, exp_avg),
+                    (&mut state.exp_avg_sq, exp_avg_sq),
+                ] {
+                    tensor
+                        .f_copy_(&Tensor::from_slice(values))
+                        .map_err(|source| EngineError::Torch { rank: on.0, source })?;
+                }
+                Ok(())
+            }
             Moments::Memory(state) => {
                 state.master.copy_from_slice(master);
                 state.exp_avg.copy_from_slice(exp_avg);
@@ -214,6 +255,22 @@ impl<'a> Optimizer<'a> {
         let offset = self.partitions[u].start;
         let local = real.start - offset..real.end - offset;
         match &self.moments[u] {
+            Moments::Device(opt) => {
+                let values = match state {
+                    State::Master => &opt.master,
+                    State::ExpAvg => &opt.exp_avg,
+                    _ => &opt.exp_avg_sq,
+                };
+                let host: Vec<f32> = values
+                    .f_narrow(0, local.start as i64, local.len() as i64)
+                    .and_then(|t| t.f_to(tch::Device::Cpu))
+                    .and_then(|t| Vec::<f32>::try_from(&t))
+                    .map_err(|source| EngineError::Torch {
+                        rank: self.on.0,
+                        source,
+                    })?;
+                sink(real.start, f32_bytes(&host))
+            }
             Moments::Memory(opt) => {
                 let values = match state {
                     State::Master => &opt.master,

@@ -169,7 +169,15 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             optimizer_store.filter(|_| nvme_gradients(plan)),
         )?;
         let adam_steps = start.checkpoint().map_or(0, |c| c.manifest.adam_steps);
-        let mut optimizer = Optimizer::new(rank, optimizer_nvme, adam_steps, partitions.clone(), &pinning)?;
+        // `offload_optimizer: none`: the state is tensors on the rank's device
+        let optimizer_device = (plan.zero.offload_optimizer.tier == Tier::Device).then_some(compute);
+        let mut optimizer = Optimizer::new(
+            rank,
+            (optimizer_nvme, optimizer_device),
+            adam_steps,
+            partitions.clone(),
+            &pinning,
+        )?;
         let mut held = Vec::new();
         for (u, (layout, part)) in model.units.iter().zip(&parts).enumerate() {
             let (part, partition) = (*part, partitions[u].clone());
@@ -310,12 +318,15 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             }
         }
         self.optimizer.adam_steps += 1;
-        let coefficients = plan
-            .optimizer
-            .hyper(lr as f32)
-            .coefficients(self.optimizer.adam_steps, grad_scale as f32);
+        let hyper = plan.optimizer.hyper(lr as f32);
+        let adam_step = super::optimize::AdamStep {
+            coefficients: hyper.coefficients(self.optimizer.adam_steps, grad_scale as f32),
+            hyper,
+            step: self.optimizer.adam_steps,
+            grad_scale: grad_scale as f32,
+        };
         self.install_all()?;
-        self.optimize(coefficients, scope)?;
+        self.optimize(adam_step, scope)?;
         Ok(report)
     }
 
