@@ -31,6 +31,13 @@ fn op<T>(
     Ok(out)
 }
 
+/// Renames `from` to `to` as one operation of the save (crash point `point`).
+fn rename(point: &'static str, step: u64, from: &Path, to: &Path) -> Result<(), CheckpointError> {
+    op(point, step, Op::Rename(from.into(), to.into()), || {
+        std::fs::rename(from, to)
+    })
+}
+
 /// Writes `text` to a new file `path` and fsyncs it (the manifest, `latest`).
 fn write_synced(
     path: &Path,
@@ -194,12 +201,7 @@ pub fn commit(root: &Path, manifest: &Manifest, keep_last: usize) -> Result<Path
     sync_dir(&staging, step, "staging-sync")?;
     let target = root.join(step_dir_name(step));
     if !target.exists() {
-        op(
-            "rename",
-            step,
-            Op::Rename(staging.clone(), target.clone()),
-            || std::fs::rename(&staging, &target),
-        )?;
+        rename("rename", step, &staging, &target)?;
         sync_dir(root, step, "root-sync")?;
     } else {
         // saving a step again (a resumed run): swap the new copy in atomically, so
@@ -229,12 +231,7 @@ pub fn commit(root: &Path, manifest: &Manifest, keep_last: usize) -> Result<Path
         ["latest-write", "latest-sync"],
     )?;
     let latest = root.join("latest");
-    op(
-        "latest-rename",
-        step,
-        Op::Rename(tmp.clone(), latest.clone()),
-        || std::fs::rename(&tmp, &latest),
-    )?;
+    rename("latest-rename", step, &tmp, &latest)?;
     sync_dir(root, step, "latest-root-sync")?;
     prune(root, keep_last.max(1), step)?;
     crash::point("committed", step);
@@ -262,12 +259,7 @@ fn prune(root: &Path, keep: usize, current: u64) -> Result<(), CheckpointError> 
             // rename first: a crash mid-delete leaves a `.old-` leftover (removed at
             // the next save), never a `step-N` with files missing
             let doomed = root.join(format!(".old-{}", step_dir_name(step)));
-            op(
-                "prune-rename",
-                current,
-                Op::Rename(path.clone(), doomed.clone()),
-                || std::fs::rename(&path, &doomed),
-            )?;
+            rename("prune-rename", current, &path, &doomed)?;
             op("prune-remove", current, Op::Remove(doomed.clone()), || {
                 std::fs::remove_dir_all(&doomed)
             })?;
