@@ -237,7 +237,8 @@ enum Bench {
         /// Elements per sub-group (DeepSpeed's sub_group_size).
         #[arg(long, default_value = "10000000", value_parser = parse_count)]
         sub_group_size: u64,
-        /// Buffer sets in flight (offload_optimizer.buffer_count).
+        /// Buffers of one sub-group each, as offload_optimizer.buffer_count counts them
+        /// (DeepSpeed's meaning: 3 make one set of master and moments in flight).
         #[arg(long, default_value_t = 4)]
         buffer_count: usize,
         #[arg(long, default_value = "1M", value_parser = parse_bytes)]

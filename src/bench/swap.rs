@@ -69,8 +69,11 @@ pub fn run(args: &SwapBenchArgs) -> anyhow::Result<SwapReport> {
         .collect();
     let name = format!(".tierzero-bench-swap-{}", std::process::id());
     let store = SwapStore::create(&args.dir, &name, engine.clone(), &specs, args.sub_group_size)?;
-    let pool = pipeline::buffer_pool_for(&store, args.buffer_count, false)?;
-    let twin_pool = pipeline::buffer_pool_for(&store, args.buffer_count, false)?;
+    // buffer_count counts buffers as DeepSpeed (and the engine) count them: one set is
+    // a sub-group's master and both moments
+    let sets = pipeline::sets_for(args.buffer_count, false);
+    let pool = pipeline::buffer_pool_for(&store, sets, false)?;
+    let twin_pool = pipeline::buffer_pool_for(&store, sets, false)?;
     let chunks = store.chunks(specs[0].key)?;
     let groups: Vec<(u32, u32, usize)> = (0..chunks).map(|c| (0, 0, c)).collect();
     let twin_groups: Vec<(u32, u32, usize)> = (0..chunks).map(|c| (1, 0, c)).collect();
@@ -120,7 +123,7 @@ pub fn run(args: &SwapBenchArgs) -> anyhow::Result<SwapReport> {
             LowPrecisionOut::Bf16(&mut low),
         );
         let config = PipelineConfig {
-            sets: args.buffer_count,
+            sets,
             pipeline_read: true,
             pipeline_write: true,
         };
@@ -151,7 +154,7 @@ pub fn run(args: &SwapBenchArgs) -> anyhow::Result<SwapReport> {
 impl SwapReport {
     pub fn human(&self) -> String {
         format!(
-            "swap bench ({} engine, {} params, sub-groups of {}, {} buffer sets)\n  read alone  {:>8.3} s  {:>6.2} GB/s\n  adam alone  {:>8.3} s\n  write alone {:>8.3} s  {:>6.2} GB/s\n  read+write  {:>8.3} s  (both legs at once)\n  pipeline    {:>8.3} s  {:>8.1} Mparams/s\n  ratio_to_bound {:.3} (÷ max of the legs alone)   ratio_to_duplex_bound {:.3} (÷ read+write at once)",
+            "swap bench ({} engine, {} params, sub-groups of {}, {} buffers)\n  read alone  {:>8.3} s  {:>6.2} GB/s\n  adam alone  {:>8.3} s\n  write alone {:>8.3} s  {:>6.2} GB/s\n  read+write  {:>8.3} s  (both legs at once)\n  pipeline    {:>8.3} s  {:>8.1} Mparams/s\n  ratio_to_bound {:.3} (÷ max of the legs alone)   ratio_to_duplex_bound {:.3} (÷ read+write at once)",
             self.engine,
             self.params,
             self.sub_group_size,
