@@ -216,9 +216,16 @@ enum Bench {
     Comm {
         #[arg(long, default_value_t = 2)]
         ranks: usize,
-        /// `local` (ranks as threads) or `gloo` (c10d Gloo over a loopback TCPStore).
+        /// `local` (ranks as threads), `gloo` (c10d Gloo over a loopback TCPStore, ranks
+        /// as threads) or `gloo-processes` (the same between processes of this binary).
         #[arg(long, default_value = "local")]
         backend: String,
+        /// Set on the processes `gloo-processes` starts: this process's rank.
+        #[arg(long, hide = true)]
+        worker_rank: Option<usize>,
+        /// Set on the processes `gloo-processes` starts: the store's port.
+        #[arg(long, hide = true)]
+        master_port: Option<u16>,
         /// Bytes each rank receives per collective (e.g. 64M).
         #[arg(long, default_value = "64M", value_parser = parse_bytes)]
         size: u64,
@@ -554,6 +561,8 @@ fn run(cli: Cli) -> Result<(), Failure> {
             Bench::Comm {
                 ranks,
                 backend,
+                worker_rank,
+                master_port,
                 size,
                 rounds,
                 json,
@@ -562,7 +571,12 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 let backend = match backend.as_str() {
                     "local" => Backend::Local,
                     "gloo" => Backend::Gloo,
-                    other => return Err(anyhow::anyhow!("--backend {other:?}: use local or gloo").into()),
+                    "gloo-processes" => Backend::GlooProcesses,
+                    other => {
+                        return Err(
+                            anyhow::anyhow!("--backend {other:?}: use local, gloo or gloo-processes").into(),
+                        )
+                    }
                 };
                 let args = tierzero::bench::comm::CommBenchArgs {
                     backend,
@@ -570,6 +584,11 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     bytes: size as usize,
                     rounds,
                 };
+                if let (Some(rank), Some(port)) = (worker_rank, master_port) {
+                    // a rank process of `gloo-processes`: rank 0 reports
+                    tierzero::bench::comm::worker(&args, rank, port).map_err(anyhow::Error::from)?;
+                    return Ok(());
+                }
                 let report = tierzero::bench::comm::run(&args).map_err(anyhow::Error::from)?;
                 emit(&report, json, tierzero::bench::comm::CommReport::human)
             }

@@ -1,7 +1,10 @@
 //! `tierzero bench comm`: the collectives against memcpy — `Local` (ranks as threads
-//! reading each other's buffers), or `--backend gloo`: c10d's Gloo over a loopback
-//! TCPStore, the transport processes of one machine use (here its ranks are threads of
-//! this process, each with its own store connection and communicator).
+//! reading each other's buffers), `--backend gloo`: c10d's Gloo over a loopback
+//! TCPStore, the transport processes of one machine use (ranks as threads of this
+//! process, each with its own store connection and communicator), or `--backend
+//! gloo-processes`: the same between real processes (rank 0 here serves the store, ranks
+//! 1.. are processes of this binary; rounds start together at a Gloo barrier and each
+//! rank's times are gathered, the slowest counting).
 //!
 //! Each collective moves a unit-sized buffer between `ranks` threads, as the stage-3
 //! engine does per unit; the limit, measured in the same run, is every rank copying the
@@ -24,6 +27,7 @@ use std::time::Instant;
 pub enum Backend {
     Local,
     Gloo,
+    GlooProcesses,
 }
 
 pub struct CommBenchArgs {
@@ -84,16 +88,100 @@ pub fn run(args: &CommBenchArgs) -> Result<CommReport, CommError> {
     match args.backend {
         Backend::Local => measure(args, Local::group(world)),
         Backend::Gloo => measure(args, gloo_group(world)?),
+        Backend::GlooProcesses => processes(args),
     }
+}
+
+fn free_port() -> Result<u16, CommError> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| CommError::Aborted {
+            rank: 0,
+            reason: format!("no free loopback port: {e}"),
+        })
+}
+
+/// `gloo-processes`: ranks 1.. as processes of this binary (`--worker-rank`), rank 0
+/// here, serving the store.
+fn processes(args: &CommBenchArgs) -> Result<CommReport, CommError> {
+    let world = args.ranks.max(1);
+    let port = free_port()?;
+    let failed = |rank: usize, reason: String| CommError::Aborted { rank, reason };
+    let exe = std::env::current_exe().map_err(|e| failed(0, format!("this binary: {e}")))?;
+    let mut children = Vec::new();
+    for rank in 1..world {
+        let child = std::process::Command::new(&exe)
+            .args(["bench", "comm", "--backend", "gloo-processes"])
+            .args(["--ranks", &world.to_string(), "--size", &args.bytes.to_string()])
+            .args([
+                "--rounds",
+                &args.rounds.to_string(),
+                "--worker-rank",
+                &rank.to_string(),
+            ])
+            .args(["--master-port", &port.to_string()])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| failed(rank, format!("starting {}: {e}", exe.display())))?;
+        children.push((rank, child));
+    }
+    let report = worker(args, 0, port);
+    for (rank, mut child) in children {
+        let status = child.wait().map_err(|e| failed(rank, e.to_string()))?;
+        if !status.success() {
+            return Err(failed(rank, format!("the rank's process ended with {status}")));
+        }
+    }
+    report?.ok_or_else(|| failed(0, "rank 0 made no report".into()))
+}
+
+/// One rank of `gloo-processes` (this process's only rank): joins through the store on
+/// `port`, times each collective from a Gloo barrier, gathers every rank's times; rank 0
+/// returns the report.
+pub fn worker(args: &CommBenchArgs, rank: usize, port: u16) -> Result<Option<CommReport>, CommError> {
+    let world = args.ranks.max(1);
+    let failed = |reason: String| CommError::Aborted { rank, reason };
+    let timeout = std::time::Duration::from_secs(60);
+    let store = Store::connect("127.0.0.1", port, rank == 0, timeout).map_err(failed)?;
+    let comm = Arc::new(Gloo::join(store, "bench", rank, world, timeout).map_err(failed)?);
+    let full = (args.bytes / 4).div_ceil(world) * world;
+    let shard = full / world;
+    let input: Vec<f32> = (0..full).map(|i| (i + rank) as f32 * 1e-3).collect();
+    let (mut out, mut copy) = (vec![0f32; full], vec![0f32; full]);
+    let (mut memcpy, mut gather, mut scatter) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..args.rounds + 1 {
+        let mut times = [0f64; 3];
+        comm.barrier()?;
+        let t = Instant::now();
+        copy.copy_from_slice(&input);
+        times[0] = t.elapsed().as_secs_f64();
+        comm.barrier()?;
+        let t = Instant::now();
+        comm.all_gather(&input[..shard], &mut out)?;
+        times[1] = t.elapsed().as_secs_f64();
+        comm.barrier()?;
+        let t = Instant::now();
+        comm.reduce_scatter(&input, &mut out[..shard], ReduceOp::Avg)?;
+        times[2] = t.elapsed().as_secs_f64();
+        let mut all = vec![0f64; 3 * world];
+        comm.all_gather(&times, &mut all)?;
+        let slowest = |op: usize| all.chunks(3).map(|t| t[op]).fold(0f64, f64::max);
+        // the first round warms caches and page tables
+        if round > 0 {
+            let gbs = |s: f64| (4 * full) as f64 / s / 1e9;
+            memcpy.push(gbs(slowest(0)));
+            gather.push(gbs(slowest(1)));
+            scatter.push(gbs(slowest(2)));
+        }
+    }
+    Ok((rank == 0).then(|| report(args, world, full, memcpy, gather, scatter)))
 }
 
 /// `world` Gloo ranks over a TCPStore on a free loopback port, joined concurrently.
 fn gloo_group(world: usize) -> Result<Vec<Arc<Gloo>>, CommError> {
     let failed = |reason: String| CommError::Aborted { rank: 0, reason };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| failed(format!("no free loopback port: {e}")))?
-        .port();
+    let port = free_port()?;
     let timeout = std::time::Duration::from_secs(60);
     let server = Store::connect("127.0.0.1", port, true, timeout).map_err(failed)?;
     join_concurrently(0..world, |rank| {
@@ -139,8 +227,20 @@ fn measure<C: Collective>(args: &CommBenchArgs, ranks: Vec<C>) -> Result<CommRep
             scatter.push(gbs(reduce_scatter));
         }
     }
+    Ok(report(args, world, full, memcpy, gather, scatter))
+}
+
+/// The report of per-round GB/s: medians, and the collectives ÷ memcpy.
+fn report(
+    args: &CommBenchArgs,
+    world: usize,
+    full: usize,
+    memcpy: Vec<f64>,
+    gather: Vec<f64>,
+    scatter: Vec<f64>,
+) -> CommReport {
     let (memcpy_gbs, all_gather_gbs, reduce_scatter_gbs) = (median(memcpy), median(gather), median(scatter));
-    Ok(CommReport {
+    CommReport {
         backend: args.backend,
         ranks: world,
         bytes: 4 * full,
@@ -150,7 +250,7 @@ fn measure<C: Collective>(args: &CommBenchArgs, ranks: Vec<C>) -> Result<CommRep
         reduce_scatter_gbs,
         all_gather_ratio: all_gather_gbs / memcpy_gbs,
         reduce_scatter_ratio: reduce_scatter_gbs / memcpy_gbs,
-    })
+    }
 }
 
 impl CommReport {
