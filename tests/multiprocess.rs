@@ -239,3 +239,23 @@ fn two_processes_of_two_ranks_train_the_run_of_four_threads() {
         assert!((x - y).abs() <= 1e-6 * x.abs(), "{a:?} vs {b:?}");
     }
 }
+
+/// `bench comm --backend gloo-processes` measures Gloo between two real processes of the
+/// binary: the second rank's process joins through the first's store, both finish, and
+/// the report holds positive rates beside memcpy's.
+#[test]
+fn the_comm_bench_runs_gloo_between_processes() {
+    let out = ok(std::process::Command::new(env!("CARGO_BIN_EXE_tierzero"))
+        .args(args(
+            "bench comm --backend gloo-processes --ranks 2 --size 256K --rounds 2 --json",
+        ))
+        .output()
+        .unwrap());
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["backend"], "GlooProcesses");
+    assert_eq!(report["ranks"], 2);
+    for key in ["memcpy_gbs", "all_gather_gbs", "reduce_scatter_gbs"] {
+        let rate = report[key].as_f64().unwrap();
+        assert!(rate.is_finite() && rate > 0.0, "{key}: {rate}");
+    }
+}
