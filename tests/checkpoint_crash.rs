@@ -45,6 +45,7 @@ fn train_process(
     resume: Option<&str>,
     steps: u64,
     crash: Option<&str>,
+    no_exchange: bool,
 ) -> (std::process::ExitStatus, String) {
     let log = dir.join("log.txt");
     let mut command = tierzero();
@@ -56,6 +57,7 @@ fn train_process(
         .args(["--set", &format!("train.steps={steps}")])
         .args(["--set", "train.keep_last=2"])
         .env_remove(crash::VAR)
+        .env("TIERZERO_CRASH_NO_EXCHANGE", if no_exchange { "1" } else { "0" })
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap());
     if let Some(crash) = crash {
@@ -67,7 +69,9 @@ fn train_process(
 
 /// One crash case: `scenario` "next" saves step 3 after steps 1 and 2 (a new step,
 /// pruning step 1 with keep_last 2); "again" resumes from step 1 and saves step 2 a
-/// second time (the exchange). Returns whether the kill landed.
+/// second time (the exchange); "aside" does the same as a file system without
+/// `RENAME_EXCHANGE` would (two renames, the old copy moved aside first). Returns
+/// whether the kill landed.
 fn crash_case(base: &Path, dir: &Path, scenario: &str, crash: &str) -> bool {
     std::fs::create_dir_all(dir).unwrap();
     let model = json!({ "preset": "llama-tiny", "hidden_size": 64, "num_hidden_layers": 2 });
@@ -78,7 +82,7 @@ fn crash_case(base: &Path, dir: &Path, scenario: &str, crash: &str) -> bool {
         "next" => ("latest".to_string(), 3, 3),
         _ => (root.join("step-1").display().to_string(), 2, 2),
     };
-    let (status, log) = train_process(dir, Some(&resume), steps, Some(crash));
+    let (status, log) = train_process(dir, Some(&resume), steps, Some(crash), scenario == "aside");
     let killed = status.signal() == Some(libc::SIGKILL);
     assert!(
         killed || status.success(),
@@ -93,7 +97,7 @@ fn crash_case(base: &Path, dir: &Path, scenario: &str, crash: &str) -> bool {
     let expected = if published || !killed { saved } else { 2 };
     assert_eq!(latest, expected, "{scenario} {crash}: latest");
     // it resumes and the next save cleans up after the crash
-    let (status, log) = train_process(dir, Some("latest"), 4, None);
+    let (status, log) = train_process(dir, Some("latest"), 4, None, scenario == "aside");
     assert!(status.success(), "{scenario} {crash}: resume failed: {log}");
     assert_eq!(check_all(&root), Some(4), "{scenario} {crash}");
     assert_eq!(leftovers(&root), Vec::<String>::new(), "{scenario} {crash}");
@@ -109,12 +113,16 @@ fn a_kill_at_every_step_of_a_save_keeps_the_last_good_checkpoint() {
     std::fs::create_dir_all(&base).unwrap();
     let model = json!({ "preset": "llama-tiny", "hidden_size": 64, "num_hidden_layers": 2 });
     write_config(&base, model, 2);
-    let (status, log) = train_process(&base, None, 2, None);
+    let (status, log) = train_process(&base, None, 2, None, false);
     assert!(status.success(), "{log}");
     let mut cases: Vec<(&str, String)> = Vec::new();
-    for point in crash::POINTS {
+    let commit = crash::POINTS.iter().position(|p| *p == "manifest-write").unwrap();
+    for (i, point) in crash::POINTS.iter().enumerate() {
         cases.push(("next", format!("{point}@3")));
         cases.push(("again", format!("{point}@2")));
+        if i >= commit {
+            cases.push(("aside", format!("{point}@2")));
+        }
     }
     // points a save reaches many times: also a later hit
     for crash in ["stage-file@3:3", "slice-write@3:7", "slice-sync@3:4"] {
@@ -195,10 +203,30 @@ fn check_durable(ops: &[Op], root: &Path) -> Result<usize, String> {
             find(created, r, &|o| *o == Op::SyncDir(staging.clone())).is_some(),
             format!("{} not synced before its rename", staging.display()),
         )?;
-        let moved = find(r, ops.len(), &|o| {
+        // this save's operations end where the next save stages
+        let save_end = find(
+            r,
+            ops.len(),
+            &|o| matches!(o, Op::Create(p) if p.parent() == Some(root) && p != staging && *p != latest_tmp),
+        )
+        .unwrap_or(ops.len());
+        let moved = find(r, save_end, &|o| {
             *o == Op::Rename(latest_tmp.clone(), latest.clone())
         })
         .ok_or("latest not replaced after the rename")?;
+        ensure(
+            find(start, r, &|o| {
+                *o == Op::Rename(latest_tmp.clone(), latest.clone())
+            })
+            .is_none(),
+            "latest replaced before the checkpoint was published".into(),
+        )?;
+        if let Some(removed) = find(r, moved, &|o| matches!(o, Op::Remove(_))) {
+            ensure(
+                find(r, removed, &|o| *o == Op::SyncDir(root.to_path_buf())).is_some(),
+                "the replaced copy removed before the exchange was durable".into(),
+            )?;
+        }
         ensure(
             find(r, moved, &|o| *o == Op::SyncDir(root.to_path_buf())).is_some(),
             "checkpoints directory not synced between the rename and latest's".into(),
@@ -280,6 +308,25 @@ fn every_save_makes_its_writes_durable_before_publishing_them() {
         assert!(
             check_durable(&without, &root).is_err(),
             "dropping {op:?} went unnoticed"
+        );
+    }
+    // and a reordering: each save's `latest` replaced just before its checkpoint is
+    // published
+    let latest_rename = Op::Rename(root.join(".latest.tmp"), root.join("latest"));
+    for (i, op) in ops.iter().enumerate() {
+        let (Op::Rename(_, to) | Op::Exchange(_, to)) = op else {
+            continue;
+        };
+        if save::parse_step(&to.file_name().unwrap().to_string_lossy()).is_none() {
+            continue;
+        }
+        let moved = (i..ops.len()).find(|&j| ops[j] == latest_rename).unwrap();
+        let mut reordered = ops.clone();
+        let rename = reordered.remove(moved);
+        reordered.insert(i, rename);
+        assert!(
+            check_durable(&reordered, &root).is_err(),
+            "latest moved before {op:?} went unnoticed"
         );
     }
 }

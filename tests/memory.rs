@@ -174,7 +174,7 @@ fn allocator_peak(sets: &[&str]) -> (u64, u64) {
     let config = json!({
         "train_micro_batch_size_per_gpu": 2,
         "bf16": { "enabled": true },
-        "zero_optimization": { "stage": 3, "stage3_param_persistence_threshold": 0 },
+        "zero_optimization": { "stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": { "device": "cpu" } },
         "model": { "preset": "llama-tiny" },
         "data": { "synthetic": "markov", "seq_len": 32 },
         "train": { "steps": 3, "devices": 1, "output_dir": tmp.path().join("out") }
@@ -203,19 +203,20 @@ fn allocator_peak(sets: &[&str]) -> (u64, u64) {
     (summary["cpu_allocator_peak"].as_u64().unwrap(), ranks * compute)
 }
 
-/// The prediction of what torch tensors hold (gathered units, kept activations,
-/// device-tier optimizer state and the compute temporaries: a block's recompute and
-/// backward, the head's logits chunk and fp32 weight gradient, the embedding's gradient,
-/// the copy of a replica in use) against the bytes libtorch's allocator held. Measured
-/// gap over this grid and a wider one (GPT-2 and Llama, stages 0–3, 1–2 ranks, batch
-/// 2–8, sequence 32–256, fp32, tied, a 32000-word vocabulary, a head in two vocabulary
-/// slices): −7% to +5%; tolerance 15%, as the moment of the peak depends on the lanes'
-/// timing (one config measured 757 KB and 837 KB in two runs). Without the temporaries
-/// the prediction was 61–96% low.
+/// The prediction of what torch tensors hold (gathered units, kept activations, the
+/// compute temporaries — a block's recompute and backward, the head's logits chunk and
+/// fp32 weight gradient, the embedding's gradient, the copy of a replica in use — and
+/// device-tier optimizer state) against the bytes libtorch's allocator held. The runs
+/// keep the optimizer state on the host (`cpu`) except two, so the compute's share is
+/// measured on its own. Measured gap over this grid and a wider one (GPT-2 and Llama,
+/// stages 0–3, 1–2 ranks, batch 2–8, sequence 32–256, fp32, tied, a 32000-word
+/// vocabulary, a head in two vocabulary slices): −11% to +15%; tolerance 20%, as the
+/// moment of the peak depends on the lanes' timing (one config measured 757 KB and
+/// 837 KB in two runs). Without the temporaries the prediction was 61–96% low.
 #[test]
 fn prediction_matches_libtorchs_allocator() {
     let cases: &[&[&str]] = &[
-        &["model.preset=gpt2-tiny", "zero_optimization.stage=0"],
+        &["model.preset=gpt2-tiny", "zero_optimization.stage=1"],
         &[
             "model.preset=gpt2-tiny",
             "data.seq_len=256",
@@ -230,6 +231,12 @@ fn prediction_matches_libtorchs_allocator() {
         ],
         &["model.tie_word_embeddings=true", "data.seq_len=128"],
         &["model.vocab_size=32000"],
+        // the optimizer state as tensors on the device (the default tier)
+        &["zero_optimization.offload_optimizer.device=none"],
+        &[
+            "zero_optimization.offload_optimizer.device=none",
+            "zero_optimization.stage=0",
+        ],
     ];
     for sets in cases {
         let (measured, predicted) = allocator_peak(sets);
@@ -250,9 +257,14 @@ fn prediction_matches_libtorchs_allocator() {
 #[test]
 fn the_allocator_peak_rises_with_the_prefetch_bucket() {
     let run = |bucket: &str| {
+        // four blocks of 0.26 M parameters: a unit gathered ahead is ~0.5 MB, well
+        // above the run-to-run spread of the peak
         allocator_peak(&[
             &format!("zero_optimization.stage3_prefetch_bucket_size={bucket}"),
             "gradient_accumulation_steps=2",
+            "model.hidden_size=128",
+            "model.intermediate_size=512",
+            "model.num_hidden_layers=4",
         ])
     };
     let (small, small_predicted) = run("1");

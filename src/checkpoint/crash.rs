@@ -25,6 +25,8 @@ pub const POINTS: &[&str] = &[
     "staging-sync",     // fsync of .tmp-step-N
     "rename",           // .tmp-step-N → step-N
     "exchange",         // saving a step again: .tmp-step-N ⇄ step-N, atomically
+    "aside-rename",     // … where it cannot exchange: step-N → .aside-step-N
+    "aside-publish",    // … then .tmp-step-N → step-N
     "root-sync",        // fsync of the checkpoints directory
     "old-remove",       // removing the replaced copy of step-N
     "latest-write",     // creating and writing .latest.tmp
@@ -73,6 +75,13 @@ fn spec() -> Option<&'static Spec> {
     static SPEC: OnceLock<Option<Spec>> = OnceLock::new();
     SPEC.get_or_init(|| parse(&std::env::var(VAR).ok()?).ok())
         .as_ref()
+}
+
+/// `TIERZERO_CRASH_NO_EXCHANGE=1` makes a save of an existing step take the path of a
+/// file system without `RENAME_EXCHANGE` (two renames), so tests reach it on any disk.
+pub fn no_exchange() -> bool {
+    static SET: OnceLock<bool> = OnceLock::new();
+    *SET.get_or_init(|| std::env::var("TIERZERO_CRASH_NO_EXCHANGE").is_ok_and(|v| v == "1"))
 }
 
 /// Checks `TIERZERO_CRASH_AT` at start-up, so a misspelt point is an error, not a save

@@ -206,16 +206,17 @@ pub fn commit(root: &Path, manifest: &Manifest, keep_last: usize) -> Result<Path
     } else {
         // saving a step again (a resumed run): swap the new copy in atomically, so
         // `step-N` is whole at every moment, then remove the old one
-        let swapped = Op::Exchange(staging.clone(), target.clone());
-        let old = if op("exchange", step, swapped, || exchange(&staging, &target))? {
+        crash::point("exchange", step);
+        let old = if !crash::no_exchange() && exchange(&staging, &target).map_err(io_err(&target))? {
+            crash::record(|| Op::Exchange(staging.clone(), target.clone()));
             staging
         } else {
             // the file system cannot exchange: move the old copy aside first (a
             // crash in between leaves it as `.aside-step-N`, which `stage` and
             // `follow_latest` take back)
             let old = root.join(format!("{ASIDE}{}", step_dir_name(step)));
-            std::fs::rename(&target, &old).map_err(io_err(&target))?;
-            std::fs::rename(&staging, &target).map_err(io_err(&staging))?;
+            rename("aside-rename", step, &target, &old)?;
+            rename("aside-publish", step, &staging, &target)?;
             old
         };
         sync_dir(root, step, "root-sync")?;

@@ -105,6 +105,15 @@ struct Comm(sys::ncclComm_t);
 // SAFETY: the handle is only used under the Mutex in `Nccl`, one call at a time.
 unsafe impl Send for Comm {}
 
+/// The lock that serialises NCCL enqueues on GPU `ordinal` across its communicators.
+fn device_lock(ordinal: usize) -> std::sync::MutexGuard<'static, ()> {
+    static LOCKS: OnceLock<Vec<Mutex<()>>> = OnceLock::new();
+    let locks = LOCKS.get_or_init(|| (0..64).map(|_| Mutex::new(())).collect());
+    locks[ordinal % locks.len()]
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
 /// The store key under which communicator `name`'s unique id is published.
 fn id_key(name: &str) -> String {
     format!("tierzero/nccl/{name}/id")
@@ -255,6 +264,9 @@ impl Nccl {
         self.cuda
             .order(&compute, stream)
             .map_err(|e| fail(e.to_string()))?;
+        // one enqueue at a time per GPU: the lanes drive this device's communicators
+        // from several threads, and NCCL calls are re-entrant, not thread-safe
+        let _device = device_lock(self.cuda.ordinal());
         let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
         if comm.0.is_null() {
             return Err(fail("the communicator was aborted".into()));
@@ -447,9 +459,13 @@ pub fn watchdog(
             })
         });
         if let Some(reason) = reason {
-            for (_, c) in &live {
-                c.stop(&reason);
-            }
+            // each on a thread of its own: one abort stuck behind a blocked call does not
+            // hold back the others
+            std::thread::scope(|s| {
+                for (_, c) in &live {
+                    s.spawn(|| c.stop(&reason));
+                }
+            });
             return;
         }
     })

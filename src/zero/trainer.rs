@@ -712,14 +712,24 @@ fn communicators(plan: &Plan) -> Result<Vec<Comms<Group>>, TrainError> {
                 _ => Gloo::join(store.clone(), name, rank, world, timeout).map(|g| Group::Gloo(Arc::new(g))),
             }
         };
-        Ok((
-            Comms {
+        let joined = (|| {
+            Ok(Comms {
                 main: join("main")?,
                 gather: join("gather")?,
                 reduce: join("reduce")?,
-            },
-            store,
-        ))
+            })
+        })();
+        match joined {
+            Ok(comms) => Ok((comms, store)),
+            Err(e) => {
+                // the other ranks wait for this one's ids or Gloo rendezvous: tell them
+                let _ = store.set(
+                    crate::comm::gloo::ABORT_KEY,
+                    format!("rank {rank}: {e}").as_bytes(),
+                );
+                Err(e)
+            }
+        }
     })
     .map_err(TrainError::Invalid)?;
     // NCCL neither times out nor hears of a dead peer: a watchdog per process does
