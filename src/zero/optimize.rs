@@ -349,7 +349,8 @@ fn device_update(
             crate::torch::tensor_u16(g, Kind::BFloat16, tch::Device::Cpu)?.f_to_kind(Kind::Float)?
         }
     };
-    let grad = grad.f_to(device)?.f_mul_scalar(f64::from(step.grad_scale))?;
+    let mut grad = grad.f_to(device)?;
+    let _ = grad.f_mul_scalar_(f64::from(step.grad_scale))?;
     let DeviceState {
         master,
         exp_avg,
