@@ -409,6 +409,16 @@ fn gathered_16bit_model_is_saved_inside_each_checkpoint() {
             .verify()
             .unwrap();
     }
+    // an export a crash interrupted (its temporary directory inside a published
+    // checkpoint) is removed by the next save
+    let partial = step_dir(&p, 4).join(".hf.tmp");
+    std::fs::create_dir_all(&partial).unwrap();
+    std::fs::write(partial.join("model.safetensors"), b"half").unwrap();
+    let mut longer = p.clone();
+    longer.train.steps = 6;
+    run(&longer, Some(&step_dir(&p, 4)));
+    assert!(!partial.exists());
+    assert!(step_dir(&p, 6).join("hf").join("config.json").exists());
 }
 
 /// A run of 2 ranks × micro-batch 3 resumed on 3 ranks × micro-batch 2 (the same global

@@ -51,7 +51,21 @@ pub fn model_beside(checkpoint: &Path, dtype: SaveDtype) -> Result<std::path::Pa
         std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
     }
     export(checkpoint, &tmp, dtype, 5_000_000_000)?;
+    // durable before it appears: every file, the directory, then the rename
+    for entry in std::fs::read_dir(&tmp).map_err(io(&tmp))?.flatten() {
+        let path = entry.path();
+        std::fs::File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(io(&path))?;
+    }
+    let sync_dir = |dir: &Path| {
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io(dir))
+    };
+    sync_dir(&tmp)?;
     std::fs::rename(&tmp, &out).map_err(io(&out))?;
+    sync_dir(checkpoint)?;
     Ok(out)
 }
 

@@ -132,6 +132,14 @@ pub fn stage(root: &Path, step: u64, files: &[StateFile]) -> Result<PathBuf, Che
             std::fs::remove_dir_all(&path).map_err(io_err(&path))?;
         }
     }
+    // a 16-bit model export a crash interrupted inside a published checkpoint
+    for (_, published) in list(root) {
+        let partial = published.join(".hf.tmp");
+        if partial.exists() {
+            tracing::info!("removing {} left by an interrupted export", partial.display());
+            std::fs::remove_dir_all(&partial).map_err(io_err(&partial))?;
+        }
+    }
     let dir = staging_dir(root, step);
     op("stage-dir", step, Op::Create(dir.clone()), || {
         std::fs::create_dir(&dir)
