@@ -330,3 +330,21 @@ fn every_save_makes_its_writes_durable_before_publishing_them() {
         );
     }
 }
+
+/// A misspelt crash point is refused at start-up, naming the variable and the points,
+/// instead of a save that silently never stops.
+#[test]
+fn a_misspelt_crash_point_is_refused_at_start_up() {
+    let out = tierzero()
+        .args(["plan", "-c", "configs/default.json"])
+        .env(crash::VAR, "renmae@2")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("TIERZERO_CRASH_AT=\"renmae@2\": unknown point \"renmae\"")
+            && text.contains("latest-rename"),
+        "{text}"
+    );
+}
