@@ -868,6 +868,10 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
+    // before any tensor or thread: libtorch's CPU allocations are counted from here on
+    if let Err(e) = tierzero::torch::shim::count_cpu_allocations() {
+        tracing::warn!("libtorch's CPU memory will not be measured: {e}");
+    }
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Config(e)) => {

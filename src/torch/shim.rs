@@ -200,9 +200,20 @@ pub fn fused_adam(
 /// Routes libtorch's CPU allocations through the bridge's counting allocator from now
 /// on (once per process): the CPU counterpart of the caching allocator's statistics,
 /// measured where tensors are made, not from the engine's own reservations.
+/// Call it before any tensor exists and before other threads use torch (the binary does
+/// at start-up): the allocator is swapped without a lock.
 pub fn count_cpu_allocations() -> Result<(), TchError> {
     // SAFETY: plain call.
-    call(|e, n| unsafe { tz_count_cpu_allocations(e, n) })
+    call(|e, n| unsafe { tz_count_cpu_allocations(e, n) })?;
+    COUNTING.store(true, std::sync::atomic::Ordering::SeqCst);
+    Ok(())
+}
+
+static COUNTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether [`count_cpu_allocations`] has run in this process.
+pub fn counting_cpu_allocations() -> bool {
+    COUNTING.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 /// Bytes libtorch's CPU tensors hold: `(now, peak since the last reset)`, counted from

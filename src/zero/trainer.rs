@@ -365,11 +365,10 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
             "collecting the master weights needs every rank in this process; run on one node".into(),
         ));
     }
-    let on_cpu = plan.train.accelerator == crate::config::plan::Accelerator::Cpu;
-    if on_cpu {
-        crate::torch::shim::count_cpu_allocations()
-            .map_err(|source| TrainError::Engine(EngineError::Torch { rank: 0, source }))?;
-    }
+    // libtorch's CPU bytes, where the process counts them (the binary installs the
+    // counting allocator at start-up)
+    let on_cpu = plan.train.accelerator == crate::config::plan::Accelerator::Cpu
+        && crate::torch::shim::counting_cpu_allocations();
     let prepared = Prepared::new(plan, options.resume)?;
     let first_step = prepared.start.first_step();
     if let (Some(c), true) = (prepared.start.checkpoint(), options.write_outputs) {
