@@ -252,6 +252,12 @@ impl<'a> Optimizer<'a> {
         real: Range<usize>,
         sink: &mut Sink<'_>,
     ) -> Result<(), EngineError> {
+        if !State::OPTIMIZER.contains(&state) {
+            return Err(EngineError::Invariant {
+                rank: self.on.0,
+                what: "the optimizer asked for a state it does not hold",
+            });
+        }
         let offset = self.partitions[u].start;
         let local = real.start - offset..real.end - offset;
         match &self.moments[u] {
