@@ -1,6 +1,7 @@
 // tierzero's bridge to libtorch for what tch does not expose: torch's current stream on
-// an accelerator, a non-blocking copy_, autograd::grad with incoming gradients, and the
-// caching allocator's memory statistics. Every function catches C++ exceptions and
+// an accelerator, a non-blocking copy_, autograd::grad with incoming gradients, the
+// caching allocator's memory statistics, a counting CPU allocator (libtorch's CPU bytes
+// measured where tensors are made) and torch's fused Adam/AdamW kernels. Every function catches C++ exceptions and
 // returns -1 with the message in `err` (never throws across the C boundary).
 // Tensors are passed as `at::Tensor*`, the same handles tch uses (torch_api.h).
 #include <ATen/ATen.h>

@@ -1,7 +1,8 @@
 //! The C++ bridge (`shim.cpp`) and every raw-pointer use of tch tensors.
 //!
-//! tch has no stream API, no non-blocking `copy_` and no `autograd::grad` with incoming
-//! gradients; the bridge adds them, plus the caching allocator's memory statistics.
+//! tch has no stream API, no non-blocking `copy_`, no `autograd::grad` with incoming
+//! gradients and no fused Adam; the bridge adds them, plus the caching allocator's
+//! memory statistics and a counting CPU allocator.
 //! Each call returns torch's exception text as an error. Device pointers for NCCL and
 //! CUDA copies come from [`device_ptr`], the only `data_ptr` use in the crate.
 
