@@ -10,7 +10,7 @@
 //! (a compute temporary the device row leaves out, as DeepSpeed's estimator does). Per
 //! process: [`RUNTIME_BYTES`] of code and libraries.
 
-use super::memory::{pool_footprint, predict};
+use super::memory::predict;
 use super::partition::Partition;
 use super::prefetch::MAX_IN_FLIGHT;
 use super::reduce::{CHUNK_LIMIT, DEPTH};
@@ -137,4 +137,36 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     total.total =
         total.runtime + total.parameters + total.gradients + total.optimizer + total.buffers + total.working;
     total
+}
+
+/// Elements a best-fit pool (`device/pool.rs`: a buffer serves requests down to half its
+/// size) keeps for buffers of these sizes when up to `at_once` of them are out together:
+/// per size class (sizes within 2× of the class's largest), `at_once` of its largest, or
+/// as many as the class has units.
+fn pool_footprint(sizes: &[u64], at_once: usize) -> u64 {
+    let mut sorted = sizes.to_vec();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    let mut total = 0;
+    let mut i = 0;
+    while i < sorted.len() {
+        let largest = sorted[i];
+        let members = sorted[i..].iter().take_while(|&&s| 2 * s >= largest).count();
+        total += members.min(at_once) as u64 * largest;
+        i += members;
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_keeps_at_once_buffers_per_size_class() {
+        // two embedding-sized units, four blocks, a tiny norm
+        let sizes = [100, 4, 30, 30, 30, 30, 90];
+        assert_eq!(pool_footprint(&sizes, 3), 2 * 100 + 3 * 30 + 4);
+        assert_eq!(pool_footprint(&sizes, 1), 100 + 30 + 4);
+        assert_eq!(pool_footprint(&[], 3), 0);
+    }
 }

@@ -47,27 +47,9 @@ impl DeviceBytes {
 }
 
 /// Compute temporaries at their peak: the largest of a block's recompute-and-backward,
-/// the embedding's backward and the final unit's loss-and-backward, plus below stage 3 the copy of the unit in use
-/// (replicas are copied for each use; at stage 3 the gathered unit is counted in
-/// `working`).
-/// Elements a best-fit pool (`device/pool.rs`: a buffer serves requests down to half its
-/// size) keeps for buffers of these sizes when up to `at_once` of them are out together:
-/// per size class (sizes within 2× of the class's largest), `at_once` of its largest, or
-/// as many as the class has units.
-pub(super) fn pool_footprint(sizes: &[u64], at_once: usize) -> u64 {
-    let mut sorted = sizes.to_vec();
-    sorted.sort_unstable_by(|a, b| b.cmp(a));
-    let mut total = 0;
-    let mut i = 0;
-    while i < sorted.len() {
-        let largest = sorted[i];
-        let members = sorted[i..].iter().take_while(|&&s| 2 * s >= largest).count();
-        total += members.min(at_once) as u64 * largest;
-        i += members;
-    }
-    total
-}
-
+/// the embedding's backward and the final unit's loss-and-backward, plus below stage 3
+/// the copy of the unit in use (replicas are copied for each use; at stage 3 the
+/// gathered unit is counted in `working`).
 pub fn transient(plan: &Plan) -> u64 {
     let c = &plan.model.config;
     let e = plan.precision.bytes() as u64;
@@ -282,18 +264,4 @@ fn replay(
         }
     }
     peak
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_pool_keeps_at_once_buffers_per_size_class() {
-        // two embedding-sized units, four blocks, a tiny norm
-        let sizes = [100, 4, 30, 30, 30, 30, 90];
-        assert_eq!(pool_footprint(&sizes, 3), 2 * 100 + 3 * 30 + 4);
-        assert_eq!(pool_footprint(&sizes, 1), 100 + 30 + 4);
-        assert_eq!(pool_footprint(&[], 3), 0);
-    }
 }
