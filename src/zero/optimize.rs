@@ -139,15 +139,13 @@ struct OptimizerContext {
     tracks: Tracks,
 }
 
-/// One optimizer step: the kernels' coefficients, and for torch's fused kernel on the
-/// device the hyper-parameters, the 1-based step and the gradient multiplier.
+/// One optimizer step: the kernels' coefficients (the gradient multiplier among them),
+/// and for torch's fused kernel on the device the hyper-parameters and the 1-based step.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct AdamStep {
     pub(super) coefficients: adam::Coefficients,
     pub(super) hyper: adam::AdamHyper,
     pub(super) step: u64,
-    /// 1/loss scale × the clipping coefficient.
-    pub(super) grad_scale: f32,
 }
 
 impl pipeline::Observer for Tracks {
@@ -350,7 +348,7 @@ fn device_update(
         }
     };
     let mut grad = grad.f_to(device)?;
-    let _ = grad.f_mul_scalar_(f64::from(step.grad_scale))?;
+    let _ = grad.f_mul_scalar_(f64::from(step.coefficients.grad_scale))?;
     let DeviceState {
         master,
         exp_avg,

@@ -323,7 +323,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             coefficients: hyper.coefficients(self.optimizer.adam_steps, grad_scale as f32),
             hyper,
             step: self.optimizer.adam_steps,
-            grad_scale: grad_scale as f32,
         };
         self.install_all()?;
         self.optimize(adam_step, scope)?;
