@@ -699,19 +699,23 @@ fn communicators(plan: &Plan) -> Result<Vec<Comms<Group>>, TrainError> {
     let comms = join_concurrently(plan.train.local_ranks(), |rank| {
         let serves = serve && rank == first;
         let store = Store::connect(&launch.master_addr, launch.master_port, serves, timeout)?;
-        let join = |name: &str| -> Result<Group, String> {
-            match plan.train.compute_device(rank) {
-                // CUDA ranks: NCCL communicators bootstrapped through the same store
-                tch::Device::Cuda(ordinal) => {
-                    let cuda = Cuda::open(ordinal).map_err(|e| format!("rank {rank}: {e}"))?;
-                    Nccl::join(store.clone(), name, Arc::new(cuda), rank, world, timeout)
-                        .map(|n| Group::Nccl(Arc::new(n)))
-                        .map_err(|e| e.to_string())
-                }
-                _ => Gloo::join(store.clone(), name, rank, world, timeout).map(|g| Group::Gloo(Arc::new(g))),
-            }
-        };
         let joined = (|| {
+            // CUDA ranks: NCCL communicators bootstrapped through the same store
+            let cuda = match plan.train.compute_device(rank) {
+                tch::Device::Cuda(ordinal) => Some(Arc::new(
+                    Cuda::open(ordinal).map_err(|e| format!("rank {rank}: {e}"))?,
+                )),
+                _ => None,
+            };
+            let join = |name: &str| -> Result<Group, String> {
+                match &cuda {
+                    Some(cuda) => Nccl::join(store.clone(), name, cuda.clone(), rank, world, timeout)
+                        .map(|n| Group::Nccl(Arc::new(n)))
+                        .map_err(|e| e.to_string()),
+                    None => Gloo::join(store.clone(), name, rank, world, timeout)
+                        .map(|g| Group::Gloo(Arc::new(g))),
+                }
+            };
             Ok(Comms {
                 main: join("main")?,
                 gather: join("gather")?,
