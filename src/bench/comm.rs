@@ -14,7 +14,7 @@
 //! per second. Rounds alternate (memcpy, all-gather, reduce-scatter) and the report gives
 //! medians, since these shared machines' memory bandwidth swings between runs.
 
-use crate::comm::gloo::{join_concurrently, Gloo, Store};
+use crate::comm::gloo::{free_loopback_port, join_concurrently, Gloo, Store};
 use crate::comm::local::Local;
 use crate::comm::{Collective, CommError, ReduceOp};
 use serde::Serialize;
@@ -93,13 +93,10 @@ pub fn run(args: &CommBenchArgs) -> Result<CommReport, CommError> {
 }
 
 fn free_port() -> Result<u16, CommError> {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| CommError::Aborted {
-            rank: 0,
-            reason: format!("no free loopback port: {e}"),
-        })
+    free_loopback_port().map_err(|e| CommError::Aborted {
+        rank: 0,
+        reason: format!("no free loopback port: {e}"),
+    })
 }
 
 /// `gloo-processes`: ranks 1.. as processes of this binary (`--worker-rank`), rank 0

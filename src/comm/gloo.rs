@@ -13,7 +13,7 @@
 use super::{Collective, CommError, Element, ReduceOp};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tch::{Device, Tensor};
 use torch_sys::C_tensor;
 
@@ -207,6 +207,30 @@ impl Store {
         buf.truncate(len.min(4096));
         Ok(Some(buf))
     }
+
+    /// Waits for `key` to be set, polling: its value; `Err` with the text a failing
+    /// process left under `stop` meanwhile; `Ok(None)` once `deadline` has passed.
+    pub fn wait_for(&self, key: &str, stop: &str, deadline: Instant) -> Result<Option<Vec<u8>>, String> {
+        loop {
+            if let Some(reason) = self.try_get(stop)? {
+                return Err(String::from_utf8_lossy(&reason).into_owned());
+            }
+            if let Some(value) = self.try_get(key)? {
+                return Ok(Some(value));
+            }
+            if Instant::now() > deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// A free TCP port on the loopback interface, for a store this process serves.
+pub fn free_loopback_port() -> std::io::Result<u16> {
+    std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()
+        .map(|a| a.port())
 }
 
 impl Drop for Store {
@@ -339,7 +363,7 @@ impl Gloo {
     /// process cannot say anything). None when every rank answered.
     fn silent_ranks(&self) -> Option<String> {
         let _ = self.store.set(&format!("tierzero/failed/{}", self.rank), b"1");
-        let start = std::time::Instant::now();
+        let start = Instant::now();
         loop {
             let silent: Vec<String> = (0..self.world)
                 .filter(|r| !matches!(self.store.try_get(&format!("tierzero/failed/{r}")), Ok(Some(_))))
@@ -495,11 +519,7 @@ mod tests {
     use crate::comm::local::Local;
 
     fn free_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
+        free_loopback_port().unwrap()
     }
 
     /// What every collective leaves on each rank.

@@ -134,23 +134,14 @@ pub fn share_id(
         store.set(&key, &id)?;
         return Ok(id);
     }
-    let start = Instant::now();
-    loop {
-        if let Some(bytes) = store.try_get(&key)? {
-            return bytes.try_into().map_err(|b: Vec<u8>| {
-                format!("{key} holds {} bytes, not an NCCL id of {ID_BYTES}", b.len())
-            });
-        }
-        if let Some(reason) = store.try_get(ABORT_KEY)? {
-            return Err(String::from_utf8_lossy(&reason).into_owned());
-        }
-        if start.elapsed() > timeout {
-            return Err(format!(
-                "rank 0 did not publish the {name} communicator's NCCL id within {timeout:?} (train.rendezvous_timeout)"
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let bytes = store.wait_for(&key, ABORT_KEY, Instant::now() + timeout)?.ok_or_else(|| {
+        format!(
+            "rank 0 did not publish the {name} communicator's NCCL id within {timeout:?} (train.rendezvous_timeout)"
+        )
+    })?;
+    bytes
+        .try_into()
+        .map_err(|b: Vec<u8>| format!("{key} holds {} bytes, not an NCCL id of {ID_BYTES}", b.len()))
 }
 
 /// One rank's NCCL communicator on one GPU.
@@ -553,11 +544,7 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     fn store_pair() -> (Arc<Store>, impl Fn() -> Arc<Store>) {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = super::super::gloo::free_loopback_port().unwrap();
         let timeout = Duration::from_secs(10);
         let server = Store::connect("127.0.0.1", port, true, timeout).unwrap();
         (server, move || {

@@ -186,19 +186,14 @@ fn exchange(
         let id = make_id()?;
         store.set("rendezvous/id", &id)?;
     }
-    let id = loop {
-        check_error(store)?;
-        if let Some(id) = store.try_get("rendezvous/id")? {
-            break id;
-        }
-        if Instant::now() > deadline {
-            return Err(format!(
+    let id = store
+        .wait_for("rendezvous/id", ERROR_KEY, deadline)?
+        .ok_or_else(|| {
+            format!(
                 "timed out after {:.0} s waiting for node rank 0's id",
                 timeout.as_secs_f64()
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+            )
+        })?;
     let id: [u8; ID_BYTES] = id
         .try_into()
         .map_err(|v: Vec<u8>| format!("node rank 0 published an id of {} bytes, not {ID_BYTES}", v.len()))?;
