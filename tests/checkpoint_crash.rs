@@ -4,7 +4,7 @@
 //! write durable (fsync of the file, then of its directory) before the rename that
 //! publishes it.
 
-use crate::checkpoint_process::{check_all, tierzero, write_config};
+use crate::checkpoint_process::{check_all, leftovers, tierzero, write_config};
 use serde_json::json;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -25,17 +25,6 @@ fn copy_tree(from: &Path, to: &Path) {
             std::fs::copy(entry.path(), &target).unwrap();
         }
     }
-}
-
-/// Names under `root` that start with a dot other than `.latest.tmp` (which the next
-/// commit overwrites).
-fn leftovers(root: &Path) -> Vec<String> {
-    std::fs::read_dir(root)
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with('.'))
-        .collect()
 }
 
 /// Runs `tierzero train` in `dir` resuming from `resume` up to `steps`, with `crash`
@@ -67,15 +56,21 @@ fn train_process(
     (status, std::fs::read_to_string(&log).unwrap_or_default())
 }
 
+/// `dir/config.json` for the crash cases (a tiny Llama over 2 ranks, the optimizer on
+/// NVMe, a checkpoint every step).
+fn write_case_config(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let model = json!({ "preset": "llama-tiny", "hidden_size": 64, "num_hidden_layers": 2 });
+    write_config(dir, model, 2);
+}
+
 /// One crash case: `scenario` "next" saves step 3 after steps 1 and 2 (a new step,
 /// pruning step 1 with keep_last 2); "again" resumes from step 1 and saves step 2 a
 /// second time (the exchange); "aside" does the same as a file system without
 /// `RENAME_EXCHANGE` would (two renames, the old copy moved aside first). Returns
 /// whether the kill landed.
 fn crash_case(base: &Path, dir: &Path, scenario: &str, crash: &str) -> bool {
-    std::fs::create_dir_all(dir).unwrap();
-    let model = json!({ "preset": "llama-tiny", "hidden_size": 64, "num_hidden_layers": 2 });
-    write_config(dir, model, 2);
+    write_case_config(dir);
     copy_tree(&base.join("out"), &dir.join("out"));
     let root = save::root(&dir.join("out"));
     let (resume, steps, saved) = match scenario {
@@ -110,9 +105,7 @@ fn crash_case(base: &Path, dir: &Path, scenario: &str, crash: &str) -> bool {
 fn a_kill_at_every_step_of_a_save_keeps_the_last_good_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     let base = tmp.path().join("base");
-    std::fs::create_dir_all(&base).unwrap();
-    let model = json!({ "preset": "llama-tiny", "hidden_size": 64, "num_hidden_layers": 2 });
-    write_config(&base, model, 2);
+    write_case_config(&base);
     let (status, log) = train_process(&base, None, 2, None, false);
     assert!(status.success(), "{log}");
     let mut cases: Vec<(&str, String)> = Vec::new();

@@ -42,6 +42,17 @@ pub(crate) fn check_all(root: &Path) -> Option<u64> {
     Some(checkpoint.manifest.step)
 }
 
+/// Names under `root` that start with a dot: what interrupted saves left (staging,
+/// moved-aside and pruned directories, `latest`'s temporary file).
+pub(crate) fn leftovers(root: &Path) -> Vec<String> {
+    std::fs::read_dir(root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect()
+}
+
 #[test]
 fn kill_9_during_saves_never_loses_the_last_good_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
@@ -122,13 +133,8 @@ fn kill_9_during_saves_never_loses_the_last_good_checkpoint() {
         .unwrap();
     assert!(status.success());
     assert_eq!(check_all(&root), Some(last + 2));
-    let leftovers: Vec<String> = std::fs::read_dir(&root)
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with('.'))
-        .collect();
-    assert!(leftovers.is_empty(), "{leftovers:?}");
+    let left = leftovers(&root);
+    assert!(left.is_empty(), "{left:?}");
 }
 
 #[test]
