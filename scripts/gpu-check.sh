@@ -67,13 +67,13 @@ tiny() { # name, accelerator, param tier, optimizer tier
     --set zero_optimization.offload_optimizer.device="$4" \
     --set zero_optimization.offload_optimizer.nvme_path="$WORK/$1/nvme-opt"
 }
-compare() { # cpu run, cuda run
-  $PY - "$WORK/$1/metrics.jsonl" "$WORK/$2/metrics.jsonl" <<'PYEOF' | tee -a "$OUT/summary.txt"
+compare() { # reference run, run compared with it (names under $WORK)
+  $PY - "$WORK/$1/metrics.jsonl" "$WORK/$2/metrics.jsonl" "$1" "$2" <<'PYEOF' | tee -a "$OUT/summary.txt"
 import json, sys
 a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
 b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
 worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
-print(f"   {len(a)} steps: cpu {a[0]:.4f} -> {a[-1]:.4f}, cuda {b[0]:.4f} -> {b[-1]:.4f}, max relative loss difference {worst:.2e} ({'within' if worst < 2e-2 else 'OUTSIDE'} bf16 tolerance 2e-2)")
+print(f"   {len(a)} steps: {sys.argv[3]} {a[0]:.4f} -> {a[-1]:.4f}, {sys.argv[4]} {b[0]:.4f} -> {b[-1]:.4f}, max relative loss difference {worst:.2e} ({'within' if worst < 2e-2 else 'OUTSIDE'} bf16 tolerance 2e-2)")
 PYEOF
 }
 part tiny && for tiers in "cpu cpu" "nvme nvme"; do
