@@ -75,14 +75,14 @@ fn one_rank_nccl_collectives_on_device_memory() {
     for kind in [Kind::Float, Kind::BFloat16] {
         let x = Tensor::arange(1000, (kind, Device::Cuda(0)));
         let mut out = Tensor::zeros([1000], (kind, Device::Cuda(0)));
-        comm.all_gather_tensor(&x, &mut out).unwrap();
+        comm.all_gather_device(&x, &mut out).unwrap();
         assert_eq!(out, x);
         let mut out = Tensor::zeros([1000], (kind, Device::Cuda(0)));
-        comm.reduce_scatter_tensor(&x, &mut out, ReduceOp::Sum).unwrap();
+        comm.reduce_scatter_device(&x, &mut out, ReduceOp::Sum).unwrap();
         assert_eq!(out, x);
         let mut y = x.copy();
-        comm.all_reduce_tensor(&mut y, ReduceOp::Avg).unwrap();
-        comm.broadcast_tensor(&mut y, 0).unwrap();
+        comm.all_reduce_device(&mut y, ReduceOp::Avg).unwrap();
+        comm.broadcast_device(&mut y, 0).unwrap();
         assert_eq!(y, x);
     }
     // the host-buffer Collective stages through the GPU

@@ -303,7 +303,7 @@ pub fn gpu() -> Result<GpuReport, GpuBenchError> {
                 Nccl::init(cuda.clone(), &id, 1, 0).map_err(|e| GpuBenchError::Other(e.to_string()))?;
             let shard = Tensor::f_arange(1024, (Kind::BFloat16, Device::Cuda(0)))?;
             let mut out = Tensor::f_zeros([1024], (Kind::BFloat16, Device::Cuda(0)))?;
-            comm.all_gather_tensor(&shard, &mut out)
+            comm.all_gather_device(&shard, &mut out)
                 .map_err(|e| GpuBenchError::Other(e.to_string()))?;
             shim::synchronize(0)?;
             (format!("{a}.{b}.{c}"), out == shard)

@@ -10,7 +10,9 @@ pub mod launch;
 pub mod local;
 pub mod nccl;
 pub mod rendezvous;
+pub mod tensors;
 
+use tch::Tensor;
 use tierzero_offload::host::Pod;
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
@@ -76,6 +78,11 @@ pub trait Collective: Send + Sync + 'static {
     fn world(&self) -> usize;
     /// `out` (world × shard.len()) receives every rank's `shard`, in rank order.
     fn all_gather<T: Element>(&self, shard: &[T], out: &mut [T]) -> Result<(), CommError>;
+    /// The same on tensors on the rank's device (`out` contiguous, world × shard's
+    /// elements): through host memory unless the communicator reads device memory.
+    fn all_gather_tensor(&self, shard: &Tensor, out: &Tensor) -> Result<(), CommError> {
+        tensors::all_gather(self, shard, out)
+    }
     /// Reduces `full` (world × out.len()) across ranks; this rank keeps its slice.
     fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError>;
     fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<(), CommError>;
@@ -118,6 +125,10 @@ impl Collective for Group {
 
     fn all_gather<T: Element>(&self, shard: &[T], out: &mut [T]) -> Result<(), CommError> {
         dispatch!(self, c => c.all_gather(shard, out))
+    }
+
+    fn all_gather_tensor(&self, shard: &Tensor, out: &Tensor) -> Result<(), CommError> {
+        dispatch!(self, c => c.all_gather_tensor(shard, out))
     }
 
     fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError> {

@@ -279,7 +279,7 @@ impl Nccl {
     }
 
     /// `out` (world × shard) receives every rank's `shard` in rank order.
-    pub fn all_gather_tensor(&self, shard: &Tensor, out: &mut Tensor) -> Result<(), CommError> {
+    pub fn all_gather_device(&self, shard: &Tensor, out: &mut Tensor) -> Result<(), CommError> {
         let n = shard.numel();
         self.check(
             "all_gather",
@@ -294,7 +294,7 @@ impl Nccl {
     }
 
     /// Reduces `full` (world × out) across ranks; this rank keeps its slice in `out`.
-    pub fn reduce_scatter_tensor(
+    pub fn reduce_scatter_device(
         &self,
         full: &Tensor,
         out: &mut Tensor,
@@ -313,7 +313,7 @@ impl Nccl {
         })
     }
 
-    pub fn all_reduce_tensor(&self, data: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
+    pub fn all_reduce_device(&self, data: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
         let (n, dtype, ptr) = (data.numel(), self.dtype(data)?, self.ptr(data)?);
         // SAFETY: in place on a live contiguous device tensor.
         self.run("all_reduce", |c, s| unsafe {
@@ -321,7 +321,7 @@ impl Nccl {
         })
     }
 
-    pub fn broadcast_tensor(&self, data: &mut Tensor, root: usize) -> Result<(), CommError> {
+    pub fn broadcast_device(&self, data: &mut Tensor, root: usize) -> Result<(), CommError> {
         let (n, dtype, ptr) = (data.numel(), self.dtype(data)?, self.ptr(data)?);
         // SAFETY: in place on a live contiguous device tensor.
         self.run("broadcast", |c, s| unsafe {
@@ -482,16 +482,21 @@ impl Collective for Nccl {
         self.watched("all_gather", || {
             let s = self.stage(shard)?;
             let mut o = self.device_out::<T>(out.len())?;
-            self.all_gather_tensor(&s, &mut o)?;
+            self.all_gather_device(&s, &mut o)?;
             self.unstage(&o, out)
         })
+    }
+
+    /// Device tensors straight to NCCL on this communicator's stream.
+    fn all_gather_tensor(&self, shard: &Tensor, out: &Tensor) -> Result<(), CommError> {
+        self.watched("all_gather", || self.all_gather_device(shard, &mut out.shallow_clone()))
     }
 
     fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         self.watched("reduce_scatter", || {
             let f = self.stage(full)?;
             let mut o = self.device_out::<T>(out.len())?;
-            self.reduce_scatter_tensor(&f, &mut o, op)?;
+            self.reduce_scatter_device(&f, &mut o, op)?;
             self.unstage(&o, out)
         })
     }
@@ -499,7 +504,7 @@ impl Collective for Nccl {
     fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         self.watched("all_reduce", || {
             let mut d = self.stage(data)?;
-            self.all_reduce_tensor(&mut d, op)?;
+            self.all_reduce_device(&mut d, op)?;
             self.unstage(&d, data)
         })
     }
@@ -507,7 +512,7 @@ impl Collective for Nccl {
     fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<(), CommError> {
         self.watched("broadcast", || {
             let mut d = self.stage(data)?;
-            self.broadcast_tensor(&mut d, root)?;
+            self.broadcast_device(&mut d, root)?;
             self.unstage(&d, data)
         })
     }

@@ -139,3 +139,58 @@ pub unsafe fn host_bytes_mut(t: &Tensor, bytes: usize) -> Result<&mut [u8], TchE
     // SAFETY: contiguous host memory of at least `bytes` bytes; the caller's contract.
     Ok(unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<u8>(), bytes) })
 }
+
+/// The first `len` elements of a contiguous CPU tensor as a shared slice of `T`.
+///
+/// # Safety
+/// As [`host_slice_mut`], except that other readers may share the elements; nothing may
+/// write them for the slice's lifetime.
+pub unsafe fn host_slice<T: tierzero_offload::host::Pod>(t: &Tensor, len: usize) -> Result<&[T], TchError> {
+    // SAFETY: the caller's contract; the slice is only read.
+    unsafe { host_slice_mut(t, len) }.map(|s| &*s)
+}
+
+/// Copies host `bytes` into the first elements of `dst`, a contiguous tensor on any
+/// device whose elements the caller owns for the call (from pageable memory the copy to
+/// a GPU is synchronous, so `bytes` is free again on return).
+pub fn copy_from_host(dst: &Tensor, bytes: &[u8]) -> Result<(), TchError> {
+    let kind = dst.f_kind()?;
+    let n = bytes.len() / kind.elt_size_in_bytes();
+    if dst.device() == Device::Cpu {
+        // SAFETY: the caller owns these elements of `dst` for the call.
+        unsafe { host_bytes_mut(dst, bytes.len()) }?.copy_from_slice(bytes);
+        return Ok(());
+    }
+    // SAFETY: the view of `bytes` lives only within this call, while they are borrowed,
+    // and is only read.
+    let src = unsafe { Tensor::f_from_blob(bytes.as_ptr(), &[n as i64], &[1], kind, Device::Cpu) }?;
+    dst.f_narrow(0, 0, n as i64)?.f_copy_(&src)
+}
+
+/// Copies the first `out.len()` bytes' worth of elements of `t` (any device) into `out`.
+pub fn copy_to_host(t: &Tensor, out: &mut [u8]) -> Result<(), TchError> {
+    let n = out.len() / t.f_kind()?.elt_size_in_bytes();
+    let host = onto(t.f_narrow(0, 0, n as i64)?, Device::Cpu)?.f_contiguous()?;
+    host.f_copy_data_u8(out, n)
+}
+
+/// A tensor several threads hold at once (a stored parameter shard the lanes gather
+/// from). Through `&Shared` it is only shallow-cloned; its owner writes it only while
+/// no other thread reads it (`Units::update_target` says when).
+pub struct Shared(Tensor);
+
+// SAFETY: libtorch tensor handles may be shared between threads (their reference
+// counts are atomic and `&Shared` gives out only new handles); writes and reads of the
+// storage are ordered by its owner, as above.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    pub fn new(t: Tensor) -> Shared {
+        Shared(t)
+    }
+
+    /// A handle for reading (a shallow clone: the same storage).
+    pub fn tensor(&self) -> Tensor {
+        self.0.shallow_clone()
+    }
+}

@@ -95,7 +95,9 @@ pub fn transient(plan: &Plan) -> u64 {
     };
     let last_numel = *numels.last().unwrap_or(&0) as u64;
     let head = tokens * (8 * h + 4 * h + 2 * e * h) + weight_fp32 + e * v * h + logits_peak + e * last_numel;
-    let in_use = if plan.zero.stage < 3 {
+    // a replica off the device is copied there for each use (on the device it is used
+    // in place)
+    let in_use = if plan.zero.stage < 3 && plan.zero.offload_param.tier != Tier::Device {
         e * numels.iter().copied().max().unwrap_or(0) as u64
     } else {
         0
@@ -115,6 +117,10 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
     for p in &parts {
         if plan.zero.offload_param.tier == Tier::Device {
             bytes.parameters += elem * if stage == 3 { p.shard } else { p.padded } as u64;
+            if matches!(stage, 1 | 2) && world > 1 {
+                // the new partition, all-gathered from there into the replica
+                bytes.parameters += elem * p.shard as u64;
+            }
         }
         if plan.zero.offload_optimizer.tier == Tier::Device {
             bytes.gradients += 4 * if stage >= 2 { opt_len(p) } else { p.padded as u64 };

@@ -12,7 +12,7 @@ use super::params::LowParams;
 use super::rank::RankEngine;
 use super::units::{Destination, NewParams};
 use crate::comm::Collective;
-use crate::config::plan::Precision;
+use crate::config::plan::{Precision, Tier};
 use crate::metrics::timeline::Phase;
 use std::sync::Arc;
 use std::time::Instant;
@@ -65,11 +65,13 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         self.grads.all_here()?;
         self.grads.store_missing(&self.tracks.compute)?;
         let mut jobs = Vec::with_capacity(self.units.len());
+        let device_optimizer = self.plan.zero.offload_optimizer.tier == Tier::Device;
         for u in 0..self.units.len() {
+            let len = self.optimizer.partition(u).len();
             jobs.push(OptimizerJob {
                 unit: u,
                 grad: self.grads.lend_to_optimizer(u)?,
-                destination: self.units.destination(u, self.optimizer.partition(u).len()),
+                destination: self.units.destination(u, len, device_optimizer)?,
                 moments: self.optimizer.lend(u),
             });
         }
@@ -185,9 +187,13 @@ impl OptimizerContext {
             destination,
         } = job;
         match destination {
-            Destination::Memory(mut fresh) => {
-                let moments = self.update(unit, moments, &grad, &mut fresh)?;
-                Ok((unit, NewParams::Memory(fresh), moments, grad))
+            Destination::Host(mut fresh) => {
+                let moments = self.update(unit, moments, &grad, Fresh::Host(&mut fresh))?;
+                Ok((unit, NewParams::Host(fresh), moments, grad))
+            }
+            Destination::Device(fresh) => {
+                let moments = self.update(unit, moments, &grad, Fresh::Device(&fresh))?;
+                Ok((unit, NewParams::Device(fresh), moments, grad))
             }
             Destination::Nvme(store) => {
                 let moments = self.update_to_nvme(unit, moments, &grad, store)?;
@@ -215,7 +221,7 @@ impl OptimizerContext {
             },
         };
         staging.values.resize(grad.len());
-        let moments = self.update(unit, moments, grad, &mut staging.values)?;
+        let moments = self.update(unit, moments, grad, Fresh::Host(&mut staging.values))?;
         let key = TensorKey {
             unit: unit as u32,
             rank: self.on.0 as u32,
@@ -238,16 +244,18 @@ impl OptimizerContext {
         Ok(moments)
     }
 
-    /// AdamW on one partition: in memory, or streamed through the NVMe pipeline; the
-    /// new low-precision values into `fresh`.
+    /// AdamW on one partition: in memory, on the device, or streamed through the NVMe
+    /// pipeline; the new low-precision values into `fresh`.
     fn update<'a>(
         &self,
         unit: usize,
         mut moments: Moments<'a>,
         grad: &FinalGrad,
-        fresh: &mut LowParams,
+        fresh: Fresh<'_>,
     ) -> Result<Moments<'a>, EngineError> {
         let opt_len = fresh.len();
+        let invariant = |what| EngineError::Invariant { rank: self.on.0, what };
+        let device_params = "parameters on the device updated from optimizer state off it";
         match (&mut moments, grad) {
             (
                 Moments::Memory(OptimizerState {
@@ -257,6 +265,9 @@ impl OptimizerContext {
                 }),
                 FinalGrad::Here(grad),
             ) => {
+                let Fresh::Host(fresh) = fresh else {
+                    return Err(invariant(device_params));
+                };
                 let sweep = Sweep {
                     master: &mut master[..],
                     exp_avg: &mut exp_avg[..],
@@ -292,12 +303,12 @@ impl OptimizerContext {
                     .map_err(self.on.torch())?;
             }
             (Moments::Memory(_) | Moments::Device(_), FinalGrad::Stored { .. }) => {
-                return Err(EngineError::Invariant {
-                    rank: self.on.0,
-                    what: "a gradient on NVMe with optimizer state in memory",
-                })
+                return Err(invariant("a gradient on NVMe with optimizer state in memory"))
             }
             (Moments::Nvme(tier), grad) => {
+                let Fresh::Host(fresh) = fresh else {
+                    return Err(invariant(device_params));
+                };
                 let grad = match grad {
                     FinalGrad::Here(g) => GradIn::Host(g.slice(0..g.len())),
                     &FinalGrad::Stored { len, bf16 } => GradIn::Stored { len, bf16 },
@@ -319,25 +330,37 @@ impl OptimizerContext {
                 )
                 .map_err(self.on.io())?;
             }
-            (Moments::Lent, _) => {
-                return Err(EngineError::Invariant {
-                    rank: self.on.0,
-                    what: "an optimizer job was given state already lent",
-                })
-            }
+            (Moments::Lent, _) => return Err(invariant("an optimizer job was given state already lent")),
         }
         Ok(moments)
     }
 }
 
+/// Where one update writes the new low-precision partition.
+enum Fresh<'f> {
+    Host(&'f mut LowParams),
+    /// A tensor of the compute kind on the device.
+    Device(&'f Tensor),
+}
+
+impl Fresh<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Fresh::Host(p) => p.len(),
+            Fresh::Device(t) => t.numel(),
+        }
+    }
+}
+
 /// AdamW on device-tier state: the gradient (scaled as the CPU kernel scales it) to the
 /// state's device, torch's fused kernel there, and the new master in the training
-/// precision back into `fresh`.
+/// precision into `fresh`: on the device when the parameters live there, else copied back
+/// to host memory.
 fn device_update(
     state: &mut DeviceState,
     grad: GradSlice<'_>,
     step: &AdamStep,
-    fresh: &mut LowParams,
+    fresh: Fresh<'_>,
     precision: &Precision,
 ) -> Result<(), tch::TchError> {
     let device = state.master.device();
@@ -355,16 +378,17 @@ fn device_update(
         exp_avg_sq,
     } = state;
     crate::torch::shim::fused_adam(master, &grad, exp_avg, exp_avg_sq, step.step, &step.hyper)?;
+    let kind = crate::torch::compute_kind(precision);
+    let fresh = match fresh {
+        Fresh::Host(fresh) => fresh,
+        Fresh::Device(out) => return out.shallow_clone().f_copy_(&master.f_to_kind(kind)?),
+    };
     match fresh {
         LowParams::F32(out) => {
             let (host, n) = (master.f_to(tch::Device::Cpu)?, out.len());
             host.f_copy_data(out.as_mut_slice(), n)
         }
         LowParams::U16(out) => {
-            let kind = match precision {
-                Precision::Fp16(_) => Kind::Half,
-                _ => Kind::BFloat16,
-            };
             let (host, n) = (master.f_to_kind(kind)?.f_to(tch::Device::Cpu)?, out.len());
             host.f_copy_data_u8(crate::torch::pod_bytes_mut(out.as_mut_slice()), n)
         }

@@ -1,6 +1,7 @@
 //! A unit's low-precision parameters as stored, and where they live between uses.
 
 use crate::config::plan::Precision;
+use crate::torch::Shared;
 use std::sync::Arc;
 use tierzero_offload::adam::LowPrecisionOut;
 use tierzero_offload::convert::{f32_to_bf16, f32_to_f16};
@@ -94,12 +95,17 @@ impl LowParams {
 }
 
 /// Where a unit's stored parameters (this rank's shard at stage 3, else the padded
-/// replica) live between uses. Moved only by the parameters' owner (`units.rs`).
+/// replica) live between uses. Moved only by the parameters' owner (`units.rs`); the
+/// lanes read them shared. An update replaces those in host memory (a lane may still
+/// hold the old ones) and writes those on the device in place, when no reader is left
+/// (`Units::update_target`).
 #[derive(Clone)]
 pub enum Params<'a> {
-    /// In memory (the host tier, or device memory on CPU devices), shared with the lanes
-    /// that read it: an update replaces it, it is never written in place.
-    Memory(Arc<LowParams>),
+    /// On the rank's device (`offload_param: none`): a 1-D tensor of the compute kind —
+    /// a CPU tensor on CPU devices, GPU memory on a CUDA rank.
+    Device(Arc<Shared>),
+    /// In host memory (`offload_param: cpu`).
+    Host(Arc<LowParams>),
     /// In the NVMe parameter store (`offload_param: nvme`), under (unit, rank, `Param`).
     Nvme(&'a SwapStore),
 }

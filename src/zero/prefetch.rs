@@ -1,7 +1,8 @@
-//! Stage-3 prefetch on lanes: each unit's shard goes to device staging on the h2d lane
-//! (from host memory, or read from NVMe), the gather lane waits for that copy and
-//! all-gathers the staging shard into a pooled unit buffer, and the compute thread waits
-//! for the gather's event before it computes, while later units are fetched.
+//! Stage-3 prefetch on lanes: a shard on the device is all-gathered from where it lives;
+//! a shard in host memory or on NVMe first goes to device staging on the h2d lane, and
+//! the gather lane waits for that copy. The gather lane all-gathers into a pooled unit
+//! buffer on the device, and the compute thread waits for the gather's event before it
+//! computes, while later units are fetched.
 //!
 //! Per micro-batch, the order in which units are fetched is fixed and the same on every
 //! rank ([`schedule`]). The compute thread asks for units ahead of time, as many as fit
@@ -111,8 +112,16 @@ pub enum DroppedWait {
 pub struct GatherBuffers {
     units: Pool<Tensor>,
     staging: Pool<Tensor>,
-    /// The NVMe read's bounce buffer (the h2d lane runs one job at a time).
-    scratch: Arc<Mutex<Option<IoBuf>>>,
+    /// The h2d lane's bounce buffers (it runs one job at a time).
+    scratch: Arc<Mutex<Scratch>>,
+}
+
+/// The h2d lane's host buffers: the NVMe read's aligned bounce buffer, and on a GPU the
+/// host copy of a shard read from NVMe before it goes to the device.
+#[derive(Default)]
+struct Scratch {
+    io: Option<IoBuf>,
+    host: Vec<u8>,
 }
 
 impl GatherBuffers {
@@ -120,7 +129,7 @@ impl GatherBuffers {
         GatherBuffers {
             units: Pool::new(mode),
             staging: Pool::new(mode),
-            scratch: Arc::new(Mutex::new(None)),
+            scratch: Arc::new(Mutex::new(Scratch::default())),
         }
     }
 
@@ -258,54 +267,56 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
         }
     }
 
-    /// Queues unit `unit`'s fetch: shard → staging on the h2d lane, then the all-gather
-    /// into a unit buffer on the gather lane.
+    /// Queues unit `unit`'s fetch: a shard on the device straight to the gather lane;
+    /// else shard → staging on the h2d lane (with one rank, straight into the unit
+    /// buffer), then the all-gather into a unit buffer on the gather lane.
     fn issue(&mut self, unit: usize, shard: Source<'env>, hold: Reservation) -> Result<(), EngineError> {
         let f = self.fetcher.clone();
         let part = f.parts[unit];
         let torch_err = |source| EngineError::Torch { rank: f.rank, source };
-        // host buffers: on CPU devices they are the device memory; a CUDA rank copies the
-        // gathered unit to its GPU when it computes (device-side gathers are NCCL's, later)
-        let make = |n| tensor_buffer(n, f.kind, tch::Device::Cpu);
+        let make = |n| tensor_buffer(n, f.kind, f.compute);
         let buffer = self.buffers.units.take(part.padded, make).map_err(torch_err)?;
-        if part.world == 1 {
-            // one rank: the shard is the whole unit, read straight into the unit buffer;
-            // the gather has nothing to do and compute waits for the copy
-            let copied = {
+        let gathered = match shard {
+            Source::Device(stored) => {
+                let (f, out) = (f.clone(), buffer.shallow_clone());
+                // the lane's handle keeps the shard from reuse until the gather is done
+                self.lanes
+                    .gather
+                    .submit(move || f.gather(unit, &stored.tensor(), &out).map_err(|e| e.to_string()))
+            }
+            shard if part.world == 1 => {
+                // one rank: the shard is the whole unit, copied straight into the unit
+                // buffer; the gather has nothing to do and compute waits for the copy
                 let (f, out, scratch) = (f.clone(), buffer.shallow_clone(), self.buffers.scratch.clone());
                 self.lanes.h2d.submit(move || {
                     f.to_staging(unit, shard, &out, &scratch)
                         .map_err(|e| e.to_string())
                 })
-            };
-            self.in_flight.push_back(InFlight {
-                unit,
-                buffer,
-                gathered: copied,
-                hold,
-            });
-            return Ok(());
-        }
-        let staging = self.buffers.staging.take(part.shard, make).map_err(torch_err)?;
-        let copied = {
-            let (f, staging, scratch) = (f.clone(), staging.shallow_clone(), self.buffers.scratch.clone());
-            self.lanes.h2d.submit(move || {
-                f.to_staging(unit, shard, &staging, &scratch)
-                    .map_err(|e| e.to_string())
-            })
+            }
+            shard => {
+                let staging = self.buffers.staging.take(part.shard, make).map_err(torch_err)?;
+                let copied = {
+                    let (f, staging, scratch) = (f.clone(), staging.shallow_clone(), self.buffers.scratch.clone());
+                    self.lanes.h2d.submit(move || {
+                        f.to_staging(unit, shard, &staging, &scratch)
+                            .map_err(|e| e.to_string())
+                    })
+                };
+                self.lanes.gather.wait(&copied);
+                let gathered = {
+                    let (f, staging, out) = (f.clone(), staging.shallow_clone(), buffer.shallow_clone());
+                    self.lanes
+                        .gather
+                        .submit(move || f.gather(unit, &staging, &out).map_err(|e| e.to_string()))
+                };
+                let staging_until = match f.dropped {
+                    DroppedWait::StagingUntilGather => Event::done(),
+                    _ => gathered.clone(),
+                };
+                self.buffers.staging.release(staging, staging_until);
+                gathered
+            }
         };
-        self.lanes.gather.wait(&copied);
-        let gathered = {
-            let (f, staging, out) = (f.clone(), staging.shallow_clone(), buffer.shallow_clone());
-            self.lanes
-                .gather
-                .submit(move || f.gather(unit, &staging, &out).map_err(|e| e.to_string()))
-        };
-        let staging_until = match f.dropped {
-            DroppedWait::StagingUntilGather => Event::done(),
-            _ => gathered.clone(),
-        };
-        self.buffers.staging.release(staging, staging_until);
         self.in_flight.push_back(InFlight {
             unit,
             buffer,
@@ -348,10 +359,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
             rank: self.fetcher.rank,
             source,
         };
-        let mut view = fetch.buffer.f_narrow(0, 0, numel as i64).map_err(torch_err)?;
-        if self.fetcher.compute != tch::Device::Cpu {
-            view = view.f_to(self.fetcher.compute).map_err(torch_err)?;
-        }
+        let view = fetch.buffer.f_narrow(0, 0, numel as i64).map_err(torch_err)?;
         if !self.persistent[expected] {
             self.in_use += numel;
             self.using.push(fetch.buffer);
@@ -385,68 +393,80 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
 }
 
 impl<C: Collective> Fetcher<C> {
-    /// The h2d lane's job: the shard into device staging (on CPU devices a memcpy, or
-    /// the NVMe read straight into it).
+    /// The h2d lane's job: a shard in host memory or on NVMe into device staging (on
+    /// CPU devices a memcpy, or the NVMe read straight into it; on a GPU through host
+    /// memory).
     fn to_staging(
         &self,
         unit: usize,
         shard: Source<'_>,
         staging: &Tensor,
-        scratch: &Mutex<Option<IoBuf>>,
+        scratch: &Mutex<Scratch>,
     ) -> Result<(), EngineError> {
-        let len = self.parts[unit].shard;
-        let elem = self.precision.bytes();
+        let bytes = self.parts[unit].shard * self.precision.bytes();
         let torch_err = |source| EngineError::Torch {
             rank: self.rank,
             source,
         };
-        // SAFETY: the staging buffer is this fetch's alone until the gather lane's event
-        // (the pool releases it only then); its element size is the precision's.
-        let out: &mut [u8] = unsafe { torch::host_bytes_mut(staging, len * elem) }.map_err(torch_err)?;
+        let mut scratch = scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Scratch { io, host } = &mut *scratch;
+        let on_host = staging.device() == tch::Device::Cpu;
+        let out: &mut [u8] = if on_host {
+            // SAFETY: the staging buffer is this fetch's alone until the gather lane's
+            // event (the pool releases it only then); its element size is the precision's.
+            unsafe { torch::host_bytes_mut(staging, bytes) }.map_err(torch_err)?
+        } else {
+            host.resize(bytes, 0);
+            host.as_mut_slice()
+        };
         match shard {
-            Source::Memory(params) => {
-                let bytes = params.as_bytes();
+            Source::Host(params) => {
                 self.h2d_track
-                    .span(TimedPhase::H2d, Some(unit), bytes.len() as u64, || {
-                        out.copy_from_slice(&bytes[..len * elem]);
+                    .span(TimedPhase::H2d, Some(unit), bytes as u64, || {
+                        out.copy_from_slice(&params.as_bytes()[..bytes]);
                     });
-                Ok(())
             }
             Source::Nvme(store) => {
-                let mut slot = scratch.lock().unwrap_or_else(|e| e.into_inner());
-                let buf =
-                    self.h2d_track
-                        .span(TimedPhase::NvmeRead, Some(unit), (len * elem) as u64, || {
-                            read_param_bytes(store, (self.rank, unit, elem), out, slot.take())
-                        })?;
-                *slot = Some(buf);
-                Ok(())
+                let buf = self
+                    .h2d_track
+                    .span(TimedPhase::NvmeRead, Some(unit), bytes as u64, || {
+                        read_param_bytes(store, (self.rank, unit, self.precision.bytes()), out, io.take())
+                    })?;
+                *io = Some(buf);
+            }
+            Source::Device(_) => {
+                return Err(EngineError::Invariant {
+                    rank: self.rank,
+                    what: "a device shard sent through host staging",
+                })
             }
         }
+        if !on_host {
+            self.h2d_track
+                .span(TimedPhase::H2d, Some(unit), bytes as u64, || {
+                    torch::copy_from_host(staging, host)
+                })
+                .map_err(torch_err)?;
+        }
+        Ok(())
     }
 
-    /// The gather lane's job: every rank's staging shard into the unit buffer.
-    fn gather(&self, unit: usize, staging: &Tensor, out: &Tensor) -> Result<(), EngineError> {
+    /// The gather lane's job: every rank's shard into the unit buffer, on the device.
+    fn gather(&self, unit: usize, shard: &Tensor, out: &Tensor) -> Result<(), EngineError> {
         let part = self.parts[unit];
         let torch_err = |source| EngineError::Torch {
             rank: self.rank,
             source,
         };
         let start = Instant::now();
-        // SAFETY: the staging buffer is read only by this job until its event (the h2d
-        // lane's write finished before it: the gather lane waited for it); the unit buffer
-        // is written only here and read by compute after this job's event.
-        unsafe {
-            if self.precision.bytes() == 4 {
-                let shard = torch::host_slice_mut::<f32>(staging, part.shard).map_err(torch_err)?;
-                let full = torch::host_slice_mut::<f32>(out, part.padded).map_err(torch_err)?;
-                self.comm.all_gather(shard, full)?;
-            } else {
-                let shard = torch::host_slice_mut::<u16>(staging, part.shard).map_err(torch_err)?;
-                let full = torch::host_slice_mut::<u16>(out, part.padded).map_err(torch_err)?;
-                self.comm.all_gather(shard, full)?;
-            }
-        }
+        // the pool's buffers may be larger than this unit
+        let shard = shard.f_narrow(0, 0, part.shard as i64).map_err(torch_err)?;
+        let full = out.f_narrow(0, 0, part.padded as i64).map_err(torch_err)?;
+        // the shard is read only by this job until its event (a staging shard was written
+        // by the h2d lane before: the gather lane waited for it; a stored shard is never
+        // written in place); the unit buffer is written only here and read by compute
+        // after this job's event
+        self.comm.all_gather_tensor(&shard, &full)?;
         let bytes = (part.padded * self.precision.bytes()) as u64;
         self.gather_track
             .record(TimedPhase::AllGather, Some(unit), start, bytes);

@@ -33,7 +33,7 @@ use super::partition::Partition;
 use super::prefetch::{self, FetchLanes, Fetcher, Prefetcher};
 use super::reduce::Reducer;
 use super::schedule::{learning_rate, LossScaler};
-use super::units::Units;
+use super::units::{Home, Units};
 use crate::comm::{Collective, ReduceOp};
 use crate::config::plan::{Plan, Precision, Tier};
 use crate::data::Dataset;
@@ -133,10 +133,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             (Tier::Nvme, None) => return Err(missing("optimizer on nvme without a swap store")),
             _ => None,
         };
-        let param_nvme = match (plan.zero.offload_param.tier, param_store) {
-            (Tier::Nvme, Some(store)) => Some(store),
+        let param_home = match (plan.zero.offload_param.tier, param_store) {
+            (Tier::Nvme, Some(store)) => Home::Nvme(store),
             (Tier::Nvme, None) => return Err(missing("parameters on nvme without a swap store")),
-            _ => None,
+            (Tier::Cpu, _) => Home::Host,
+            (Tier::Device, _) => Home::Device,
         };
         let compute = plan.train.compute_device(rank);
         let mut units = Units::new(
@@ -145,7 +146,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             plan.precision,
             (model.kind, compute),
             plan.zero.param_persistence_threshold,
-            lanes.mode,
+            (param_home, lanes.mode),
         );
         let parts: Vec<Partition> = model
             .units
@@ -222,7 +223,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             optimizer.init(u, master, &exp_avg, &exp_avg_sq)?;
             // what of this unit sits on the device for the whole run
             if plan.zero.offload_param.tier == Tier::Device {
-                let bytes = (params.len() * plan.precision.bytes()) as u64;
+                // stages 1-2 gather each update from a partition of its own (`units.rs`)
+                let gathered_from = if matches!(stage, 1 | 2) && world > 1 { part.shard } else { 0 };
+                let bytes = ((params.len() + gathered_from) * plan.precision.bytes()) as u64;
                 held.push(device.reserve(bytes, &format!("parameters of unit {u}"))?);
             }
             if plan.zero.offload_optimizer.tier == Tier::Device {
@@ -231,7 +234,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 let state_bytes = 12 * partition.len() as u64;
                 held.push(device.reserve(state_bytes, &format!("optimizer state of unit {u}"))?);
             }
-            units.push(part, params, param_nvme)?;
+            units.push(part, params)?;
         }
         let mut scaler = LossScaler::new(match &plan.precision {
             Precision::Fp16(s) => Some(s),

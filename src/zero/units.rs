@@ -1,6 +1,6 @@
-//! The owner of a rank's low-precision parameters: each unit's residency (memory or
-//! NVMe), the gathered form of persistent units, and the buffers reused between
-//! updates. Residency changes only here: at start-up ([`Units::push`]) and when an
+//! The owner of a rank's low-precision parameters: each unit's residency (a tensor on
+//! the rank's device, host memory or NVMe), the gathered form of persistent units, and
+//! the buffers reused between updates. Residency changes only here: at start-up ([`Units::push`]) and when an
 //! update is installed ([`Units::install`]).
 
 use super::error::{EngineError, On};
@@ -12,12 +12,20 @@ use crate::config::plan::Precision;
 use crate::device::cpu::Reservation;
 use crate::device::lanes::Mode;
 use crate::metrics::timeline::{Phase, Track};
-use crate::torch;
+use crate::torch::{self, Shared};
 use std::sync::Arc;
 use std::time::Instant;
 use tch::Tensor;
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pool::IoBuf;
+
+/// Where every unit's stored parameters live (`offload_param`).
+#[derive(Clone, Copy)]
+pub(super) enum Home<'a> {
+    Device,
+    Host,
+    Nvme(&'a SwapStore),
+}
 
 /// One unit's parameters on this rank.
 struct Unit<'a> {
@@ -27,14 +35,19 @@ struct Unit<'a> {
     /// Stage-3 units at or below the persistence threshold keep their gathered form
     /// (with the device memory it holds) until their next update.
     persistent: Option<(Tensor, Reservation)>,
-    /// A buffer the unit no longer needs, for the next update's new partition.
+    /// A host buffer the unit no longer needs, for the next update's new partition.
     spare: Option<LowParams>,
+    /// Stages 1–2 with several ranks and the replica on the device: the new partition,
+    /// all-gathered from here into the replica in place (made at the first update).
+    partition: Option<Tensor>,
 }
 
 /// Where the optimizer writes a unit's new low-precision partition.
 pub(super) enum Destination<'a> {
-    /// Into this buffer, installed by [`Units::install`] when the update arrives.
-    Memory(LowParams),
+    /// Into this host buffer, installed by [`Units::install`] when the update arrives.
+    Host(LowParams),
+    /// Into this tensor on the device (parameters and optimizer state both there).
+    Device(Tensor),
     /// Into the NVMe parameter store, from the optimizer lane's staging buffer.
     Nvme(&'a SwapStore),
 }
@@ -42,7 +55,8 @@ pub(super) enum Destination<'a> {
 /// A unit's new low-precision partition: in a buffer to install, or already written to
 /// the NVMe parameter store by the optimizer lane.
 pub(super) enum NewParams {
-    Memory(LowParams),
+    Host(LowParams),
+    Device(Tensor),
     Written,
 }
 
@@ -54,6 +68,7 @@ pub(super) struct Units<'a> {
     kind: tch::Kind,
     compute: tch::Device,
     persistence_threshold: usize,
+    home: Home<'a>,
     /// Stage-3 gather buffers, reused across micro-batches (lent to the prefetcher).
     gather_buffers: Option<GatherBuffers>,
 }
@@ -65,7 +80,7 @@ impl<'a> Units<'a> {
         precision: Precision,
         (kind, compute): (tch::Kind, tch::Device),
         persistence_threshold: usize,
-        mode: Mode,
+        (home, mode): (Home<'a>, Mode),
     ) -> Units<'a> {
         Units {
             units: Vec::new(),
@@ -75,34 +90,34 @@ impl<'a> Units<'a> {
             kind,
             compute,
             persistence_threshold,
+            home,
             gather_buffers: Some(GatherBuffers::new(mode)),
         }
     }
 
-    /// Adds the next unit with its initial stored parameters, written to the NVMe
-    /// parameter store when `nvme` is given.
-    pub(super) fn push(
-        &mut self,
-        part: Partition,
-        initial: LowParams,
-        nvme: Option<&'a SwapStore>,
-    ) -> Result<(), EngineError> {
+    /// Adds the next unit with its initial stored parameters, put on its home tier.
+    pub(super) fn push(&mut self, part: Partition, initial: LowParams) -> Result<(), EngineError> {
         let u = self.units.len();
-        let params = match nvme {
-            Some(store) => {
+        let params = match self.home {
+            Home::Nvme(store) => {
                 let scratch = IoBuf::new(store.chunk_bytes(initial.elem_bytes())).map_err(self.on.alloc())?;
                 store
                     .write_tensor(self.key(u), initial.as_bytes(), scratch)
                     .map_err(self.on.io())?;
                 Params::Nvme(store)
             }
-            None => Params::Memory(Arc::new(initial)),
+            Home::Host => Params::Host(Arc::new(initial)),
+            Home::Device => {
+                let tensor = self.upload(&initial, initial.len()).map_err(self.on.torch())?;
+                Params::Device(Arc::new(Shared::new(tensor)))
+            }
         };
         self.units.push(Unit {
             part,
             params,
             persistent: None,
             spare: None,
+            partition: None,
         });
         Ok(())
     }
@@ -164,10 +179,16 @@ impl<'a> Units<'a> {
         }
     }
 
-    /// This rank's stored parameters of unit `u`, read from NVMe when they live there.
+    /// This rank's stored parameters of unit `u` in host memory: copied from the device
+    /// or read from NVMe when they live there.
     pub(super) fn stored(&self, u: usize, track: &Track) -> Result<LowParams, EngineError> {
         match &self.units[u].params {
-            Params::Memory(params) => Ok(LowParams::clone(params)),
+            Params::Host(params) => Ok(LowParams::clone(params)),
+            Params::Device(tensor) => {
+                let mut params = LowParams::zeros(self.stored_len(u), &self.precision);
+                torch::copy_to_host(&tensor.tensor(), params.bytes_mut()).map_err(self.on.torch())?;
+                Ok(params)
+            }
             Params::Nvme(store) => {
                 let len = self.stored_len(u);
                 let bytes = (len * self.precision.bytes()) as u64;
@@ -178,7 +199,8 @@ impl<'a> Units<'a> {
         }
     }
 
-    /// Calls `f` with this rank's stored parameters of unit `u` (no copy in memory).
+    /// Calls `f` with this rank's stored parameters of unit `u` in host memory (no copy
+    /// when they live there).
     pub(super) fn with_stored<T>(
         &self,
         u: usize,
@@ -186,56 +208,125 @@ impl<'a> Units<'a> {
         f: impl FnOnce(&LowParams) -> Result<T, EngineError>,
     ) -> Result<T, EngineError> {
         match &self.units[u].params {
-            Params::Memory(params) => f(params),
-            Params::Nvme(_) => f(&self.stored(u, track)?),
+            Params::Host(params) => f(params),
+            Params::Device(_) | Params::Nvme(_) => f(&self.stored(u, track)?),
         }
     }
 
-    /// Unit `u`'s whole parameters (a padded buffer) as a tensor of the compute kind.
-    pub(super) fn tensor_of(&self, full: &LowParams, u: usize, track: &Track) -> Result<Tensor, EngineError> {
-        let numel = self.units[u].part.numel;
-        let bytes = (numel * full.elem_bytes()) as u64;
-        track
-            .span(Phase::H2d, Some(u), bytes, || match full {
-                LowParams::F32(v) => torch::tensor_f32(&v[..numel], self.compute),
-                LowParams::U16(v) => torch::tensor_u16(&v[..numel], self.kind, self.compute),
-            })
-            .map_err(self.on.torch())
+    /// The first `len` elements of host `params` as a tensor of the compute kind on the
+    /// device.
+    fn upload(&self, params: &LowParams, len: usize) -> Result<Tensor, tch::TchError> {
+        match params {
+            LowParams::F32(v) => torch::tensor_f32(&v[..len], self.compute),
+            LowParams::U16(v) => torch::tensor_u16(&v[..len], self.kind, self.compute),
+        }
     }
 
-    /// The replica of unit `u` (stages 0–2) as a tensor; in memory without a clone.
+    /// The replica of unit `u` (stages 0–2) as a tensor: a view of it on the device, else
+    /// copied there.
     pub(super) fn replica(&self, u: usize, track: &Track) -> Result<Tensor, EngineError> {
-        self.with_stored(u, track, |params| self.tensor_of(params, u, track))
+        let numel = self.units[u].part.numel;
+        if let Params::Device(tensor) = &self.units[u].params {
+            return tensor.tensor().f_narrow(0, 0, numel as i64).map_err(self.on.torch());
+        }
+        self.with_stored(u, track, |params| {
+            let bytes = (numel * params.elem_bytes()) as u64;
+            track
+                .span(Phase::H2d, Some(u), bytes, || self.upload(params, numel))
+                .map_err(self.on.torch())
+        })
     }
 
-    /// Stage 3 without the prefetch lanes: every rank's shard of unit `u` gathered here.
+    /// Stage 3 without the prefetch lanes: every rank's shard of unit `u` gathered here,
+    /// on the device.
     pub(super) fn gather_now<C: Collective>(
         &self,
         u: usize,
         comm: &C,
         track: &Track,
     ) -> Result<Tensor, EngineError> {
-        let shard = self.stored(u, track)?;
-        let mut full = LowParams::zeros(self.units[u].part.padded, &self.precision);
-        all_gather_into(comm, &shard, &mut full, track)?;
-        self.tensor_of(&full, u, track)
+        let part = self.units[u].part;
+        let shard = match &self.units[u].params {
+            Params::Device(tensor) => tensor.tensor(),
+            _ => {
+                let stored = self.stored(u, track)?;
+                let bytes = stored.as_bytes().len() as u64;
+                track
+                    .span(Phase::H2d, Some(u), bytes, || self.upload(&stored, part.shard))
+                    .map_err(self.on.torch())?
+            }
+        };
+        let full = self.device_tensor(part.padded).map_err(self.on.torch())?;
+        gather_tensor(comm, &shard, &full, track)?;
+        full.f_narrow(0, 0, part.numel as i64).map_err(self.on.torch())
     }
 
-    /// Where the optimizer writes unit `u`'s new partition of `len` elements: a spare
-    /// buffer when one of that length is left, or straight to NVMe.
-    pub(super) fn destination(&mut self, u: usize, len: usize) -> Destination<'a> {
-        let unit = &mut self.units[u];
-        match (&unit.params, unit.spare.take()) {
-            (Params::Nvme(store), _) => Destination::Nvme(store),
-            (Params::Memory(_), Some(p)) if p.len() == len => Destination::Memory(p),
-            (Params::Memory(_), _) => Destination::Memory(LowParams::zeros(len, &self.precision)),
+    fn device_tensor(&self, len: usize) -> Result<Tensor, tch::TchError> {
+        Tensor::f_empty([len as i64], (self.kind, self.compute))
+    }
+
+    /// Whether unit `u`'s new partition is all-gathered into its replica (stages 1–2 with
+    /// several ranks) rather than being all this rank stores.
+    fn gathers_updates(&self, u: usize) -> bool {
+        matches!(self.stage, 1 | 2) && self.units[u].part.world > 1
+    }
+
+    /// Where the new partition of `len` elements of a unit stored on the device is
+    /// written: the stored tensor itself, updated in place (its shard at stage 3, the
+    /// whole replica at stage 0 or with one rank), or the partition the stage 1–2 gather
+    /// reads from.
+    ///
+    /// In place is safe because every reader of a unit's stored parameters — compute's
+    /// views and the gather lane — starts only after the unit's update is installed
+    /// (`install_through` precedes each fetch and each prefetch request), and the
+    /// readers of the previous step are done before the optimizer is handed its
+    /// destinations (the prefetch lanes are drained at the end of the micro-batches;
+    /// on a GPU compute's stream orders the rest).
+    fn update_target(&mut self, u: usize, len: usize) -> Result<Tensor, EngineError> {
+        if self.gathers_updates(u) {
+            if self.units[u].partition.is_none() {
+                let partition = Tensor::f_empty([len as i64], (self.kind, self.compute)).map_err(self.on.torch())?;
+                self.units[u].partition = Some(partition);
+            }
+            if let Some(partition) = &self.units[u].partition {
+                return partition.f_narrow(0, 0, len as i64).map_err(self.on.torch());
+            }
+        }
+        match &self.units[u].params {
+            Params::Device(stored) => stored.tensor().f_narrow(0, 0, len as i64).map_err(self.on.torch()),
+            Params::Host(_) | Params::Nvme(_) => Err(EngineError::Invariant {
+                rank: self.on.0,
+                what: "a device update target for parameters off the device",
+            }),
         }
     }
 
-    /// The new parameters of unit `u` to where they live: all-gathered into the replica
-    /// (stages 1–2) or kept in memory; parameters on NVMe were written by the optimizer
-    /// lane already. The persistent gathered copy is dropped either way. Buffers the unit
-    /// no longer needs become its spares for the next update.
+    /// Where the optimizer writes unit `u`'s new partition of `len` elements: straight to
+    /// NVMe; into a device tensor when the parameters and the optimizer state
+    /// (`device_optimizer`) are both on the device; else into a host buffer. Spare
+    /// buffers of that length are reused.
+    pub(super) fn destination(
+        &mut self,
+        u: usize,
+        len: usize,
+        device_optimizer: bool,
+    ) -> Result<Destination<'a>, EngineError> {
+        Ok(match &self.units[u].params {
+            Params::Nvme(store) => Destination::Nvme(store),
+            Params::Device(_) if device_optimizer => Destination::Device(self.update_target(u, len)?),
+            Params::Device(_) | Params::Host(_) => match self.units[u].spare.take() {
+                Some(p) if p.len() == len => Destination::Host(p),
+                _ => Destination::Host(LowParams::zeros(len, &self.precision)),
+            },
+        })
+    }
+
+    /// The new parameters of unit `u` to where they live: on the device written in place
+    /// and all-gathered into the replica (stages 1–2), in host memory all-gathered into
+    /// the replica (stages 1–2) or kept as the unit's stored parameters; parameters on
+    /// NVMe were written by the optimizer lane already. The persistent gathered copy is
+    /// dropped either way. Host buffers the unit no longer needs become its spares for the
+    /// next update.
     pub(super) fn install<C: Collective>(
         &mut self,
         u: usize,
@@ -244,18 +335,52 @@ impl<'a> Units<'a> {
         track: &Track,
     ) -> Result<(), EngineError> {
         self.units[u].persistent = None;
-        let fresh = match fresh {
-            NewParams::Written => return Ok(()),
-            NewParams::Memory(fresh) => fresh,
+        let written = match (fresh, &self.units[u].params) {
+            (NewParams::Written, _) => return Ok(()),
+            (NewParams::Host(fresh), Params::Device(_)) => {
+                // the CPU optimizer's output to the device
+                let target = self.update_target(u, fresh.len())?;
+                let bytes = fresh.as_bytes();
+                track
+                    .span(Phase::H2d, Some(u), bytes.len() as u64, || {
+                        torch::copy_from_host(&target, bytes)
+                    })
+                    .map_err(self.on.torch())?;
+                self.units[u].spare = Some(fresh);
+                target
+            }
+            (NewParams::Device(written), Params::Device(_)) => written,
+            (NewParams::Host(fresh), _) => return self.install_in_host(u, fresh, comm, track),
+            (NewParams::Device(_), _) => {
+                return Err(EngineError::Invariant {
+                    rank: self.on.0,
+                    what: "a device update for parameters off the device",
+                })
+            }
         };
+        if let (true, Params::Device(stored)) = (self.gathers_updates(u), &self.units[u].params) {
+            gather_tensor(comm, &written, &stored.tensor(), track)?;
+        }
+        Ok(())
+    }
+
+    /// The new partition in host memory becomes the unit's shard (stages 0 and 3) or is
+    /// all-gathered into its replica (stages 1–2).
+    fn install_in_host<C: Collective>(
+        &mut self,
+        u: usize,
+        fresh: LowParams,
+        comm: &C,
+        track: &Track,
+    ) -> Result<(), EngineError> {
         let params = match self.stage {
             3 | 0 => fresh,
             _ => {
                 let padded = self.units[u].part.padded;
                 // the old replica (stages 1-2 keep it in memory) is the gather's output
                 let previous = match &mut self.units[u].params {
-                    Params::Memory(old) => Some(std::mem::take(old)),
-                    Params::Nvme(_) => None,
+                    Params::Host(old) => Some(std::mem::take(old)),
+                    Params::Device(_) | Params::Nvme(_) => None,
                 };
                 let mut full = match previous.map(Arc::try_unwrap) {
                     Some(Ok(old)) if old.len() == padded => old,
@@ -263,15 +388,15 @@ impl<'a> Units<'a> {
                 };
                 if let Err(e) = all_gather_into(comm, &fresh, &mut full, track) {
                     // the buffer goes back so the unit is never left empty (the run stops)
-                    self.units[u].params = Params::Memory(Arc::new(full));
+                    self.units[u].params = Params::Host(Arc::new(full));
                     return Err(e);
                 }
                 self.units[u].spare = Some(fresh);
                 full
             }
         };
-        let previous = std::mem::replace(&mut self.units[u].params, Params::Memory(Arc::new(params)));
-        if let (Params::Memory(old), 3 | 0) = (previous, self.stage) {
+        let previous = std::mem::replace(&mut self.units[u].params, Params::Host(Arc::new(params)));
+        if let (Params::Host(old), 3 | 0) = (previous, self.stage) {
             // a lane may still hold the old shard: then it is dropped, not reused
             self.units[u].spare = Arc::try_unwrap(old).ok();
         }
@@ -283,8 +408,8 @@ impl<'a> Units<'a> {
         self.units
             .iter()
             .map(|u| match &u.params {
-                Params::Memory(p) => p.as_bytes().len(),
-                Params::Nvme(_) => 0,
+                Params::Host(p) => p.as_bytes().len(),
+                Params::Device(_) | Params::Nvme(_) => 0,
             })
             .sum()
     }
@@ -321,6 +446,15 @@ fn all_gather_into<C: Collective>(
             })
         }
     }
+    track.record(Phase::AllGather, None, start, bytes);
+    Ok(())
+}
+
+/// Every rank's `shard` tensor into `full` (its padded length, same kind) on the device.
+fn gather_tensor<C: Collective>(comm: &C, shard: &Tensor, full: &Tensor, track: &Track) -> Result<(), EngineError> {
+    let start = Instant::now();
+    comm.all_gather_tensor(shard, full)?;
+    let bytes = (full.numel() * full.kind().elt_size_in_bytes()) as u64;
     track.record(Phase::AllGather, None, start, bytes);
     Ok(())
 }

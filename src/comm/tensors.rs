@@ -1,0 +1,61 @@
+//! Collectives on tensors for communicators that move host memory (`Local`, `Gloo`):
+//! CPU tensors — device memory on CPU devices — are read and written in place through
+//! host views of their storage; tensors on another device go through host memory, one
+//! copy each way (NCCL takes device tensors directly instead).
+
+use super::{CommError, Collective, Element};
+use crate::torch;
+use tch::{Device, Tensor};
+
+/// `out` (world × shard's elements, same kind) receives every rank's `shard` in rank
+/// order, through host memory.
+pub fn all_gather<C: Collective + ?Sized>(comm: &C, shard: &Tensor, out: &Tensor) -> Result<(), CommError> {
+    let fail = |message: String| CommError::Shape {
+        rank: comm.rank(),
+        op: "all_gather",
+        message,
+    };
+    let torch_err = |e: tch::TchError| fail(e.to_string());
+    if shard.kind() != out.kind() || out.numel() != shard.numel() * comm.world() {
+        return Err(fail(format!(
+            "shard of {} {:?}, output of {} {:?}, world {}",
+            shard.numel(),
+            shard.kind(),
+            out.numel(),
+            out.kind(),
+            comm.world()
+        )));
+    }
+    if shard.device() != Device::Cpu || out.device() != Device::Cpu {
+        let host_shard = shard.f_to(Device::Cpu).map_err(torch_err)?.f_contiguous().map_err(torch_err)?;
+        let host_out = Tensor::f_empty([out.numel() as i64], (out.kind(), Device::Cpu)).map_err(torch_err)?;
+        all_gather(comm, &host_shard, &host_out)?;
+        let mut out = out.shallow_clone();
+        return out.f_copy_(&host_out.f_view_as(&out).map_err(torch_err)?).map_err(torch_err);
+    }
+    match shard.kind().elt_size_in_bytes() {
+        4 => gather_as::<f32, C>(comm, shard, out),
+        8 => gather_as::<f64, C>(comm, shard, out),
+        2 => gather_as::<u16, C>(comm, shard, out),
+        _ => Err(fail(format!("no all-gather of {:?}", shard.kind()))),
+    }
+}
+
+/// The all-gather on host views of two CPU tensors, as `T`s of their element size.
+fn gather_as<T: Element, C: Collective + ?Sized>(comm: &C, shard: &Tensor, out: &Tensor) -> Result<(), CommError> {
+    let torch_err = |e: tch::TchError| CommError::Shape {
+        rank: comm.rank(),
+        op: "all_gather",
+        message: e.to_string(),
+    };
+    // SAFETY: `shard` is only read here (its owner does not write it while a collective
+    // reads it); `out` is the caller's until the collective returns (the lanes' contract:
+    // a gathered buffer is read only after the gather's event).
+    let (shard, out) = unsafe {
+        (
+            torch::host_slice::<T>(shard, shard.numel()).map_err(torch_err)?,
+            torch::host_slice_mut::<T>(out, out.numel()).map_err(torch_err)?,
+        )
+    };
+    comm.all_gather(shard, out)
+}
