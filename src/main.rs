@@ -701,10 +701,10 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 );
             }
             for (rank, stats) in result.gpu_memory.iter().enumerate() {
-                // the state tiers are still host buffers on CUDA (issue 13): what torch's
-                // allocator holds is the compute's share of the prediction
+                // gradient accumulators are host arenas: what torch's allocator holds is
+                // the prediction's tensors (`DeviceBytes::in_tensors`)
                 println!(
-                    "rank {rank}: torch CUDA allocator peak {} bytes allocated ({} reserved), plan predicted {} for gathered units, activations, temporaries and device-tier optimizer state ({:+.1}%)",
+                    "rank {rank}: torch CUDA allocator peak {} bytes allocated ({} reserved), plan predicted {} for device-tier parameters and optimizer state, gathered units, activations and temporaries ({:+.1}%)",
                     stats.peak_allocated,
                     stats.peak_reserved,
                     predicted.in_tensors(),
@@ -715,7 +715,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 let ranks = loaded.plan.train.devices as u64;
                 let predicted = ranks * predicted.in_tensors();
                 println!(
-                    "libtorch CPU allocator: peak {peak} bytes in the steps ({ranks} ranks of this process), plan predicted {predicted} for gathered units, activations, temporaries and device-tier optimizer state ({:+.1}%)",
+                    "libtorch CPU allocator: peak {peak} bytes in the steps ({ranks} ranks of this process), plan predicted {predicted} for device-tier parameters and optimizer state, gathered units, activations and temporaries ({:+.1}%)",
                     100.0 * (peak as f64 / predicted.max(1) as f64 - 1.0)
                 );
             }

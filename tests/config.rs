@@ -524,3 +524,30 @@ fn zero_buckets_take_deepspeeds_meaning() {
     assert_eq!(loaded.plan.zero.param_persistence_threshold, 0);
     assert!(error_of(base(), &["zero_optimization.reduce_bucket_size=0"]).contains("must be positive"));
 }
+
+/// `communication_data_type` as DeepSpeed reads it: case-insensitive "fp32", "fp16" or
+/// "bf16"; left out, the training precision; anything else names the key and the values.
+#[test]
+fn communication_data_type_takes_deepspeeds_values_and_default() {
+    use tierzero::config::plan::Wire;
+    let wire = |precision: Option<&str>, value: Option<&str>| {
+        let mut v = base();
+        if let Some(p) = precision {
+            v[p] = json!({ "enabled": true });
+        }
+        if let Some(value) = value {
+            v["communication_data_type"] = json!(value);
+        }
+        load(v).map(|l| l.plan.communication)
+    };
+    assert_eq!(wire(None, None).unwrap(), Wire::Fp32);
+    assert_eq!(wire(Some("bf16"), None).unwrap(), Wire::Bf16);
+    assert_eq!(wire(Some("fp16"), None).unwrap(), Wire::Fp16);
+    assert_eq!(wire(Some("bf16"), Some("FP32")).unwrap(), Wire::Fp32);
+    assert_eq!(wire(None, Some("bf16")).unwrap(), Wire::Bf16);
+    let e = wire(None, Some("int8")).unwrap_err().to_string();
+    assert!(
+        e.contains("communication_data_type") && e.contains("\"bf16\""),
+        "{e}"
+    );
+}

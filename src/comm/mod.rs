@@ -85,6 +85,11 @@ pub trait Collective: Send + Sync + 'static {
     }
     /// Reduces `full` (world × out.len()) across ranks; this rank keeps its slice.
     fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError>;
+    /// The same on tensors on the rank's device (`full` and `out` contiguous, of one
+    /// kind): through host memory unless the communicator reads device memory.
+    fn reduce_scatter_tensor(&self, full: &Tensor, out: &Tensor, op: ReduceOp) -> Result<(), CommError> {
+        tensors::reduce_scatter(self, full, out, op)
+    }
     fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<(), CommError>;
     fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<(), CommError>;
     fn barrier(&self) -> Result<(), CommError>;
@@ -133,6 +138,10 @@ impl Collective for Group {
 
     fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         dispatch!(self, c => c.reduce_scatter(full, out, op))
+    }
+
+    fn reduce_scatter_tensor(&self, full: &Tensor, out: &Tensor, op: ReduceOp) -> Result<(), CommError> {
+        dispatch!(self, c => c.reduce_scatter_tensor(full, out, op))
     }
 
     fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<(), CommError> {

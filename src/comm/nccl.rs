@@ -489,7 +489,9 @@ impl Collective for Nccl {
 
     /// Device tensors straight to NCCL on this communicator's stream.
     fn all_gather_tensor(&self, shard: &Tensor, out: &Tensor) -> Result<(), CommError> {
-        self.watched("all_gather", || self.all_gather_device(shard, &mut out.shallow_clone()))
+        self.watched("all_gather", || {
+            self.all_gather_device(shard, &mut out.shallow_clone())
+        })
     }
 
     fn reduce_scatter<T: Element>(&self, full: &[T], out: &mut [T], op: ReduceOp) -> Result<(), CommError> {
@@ -498,6 +500,12 @@ impl Collective for Nccl {
             let mut o = self.device_out::<T>(out.len())?;
             self.reduce_scatter_device(&f, &mut o, op)?;
             self.unstage(&o, out)
+        })
+    }
+
+    fn reduce_scatter_tensor(&self, full: &Tensor, out: &Tensor, op: ReduceOp) -> Result<(), CommError> {
+        self.watched("reduce_scatter", || {
+            self.reduce_scatter_device(full, &mut out.shallow_clone(), op)
         })
     }
 

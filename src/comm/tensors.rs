@@ -1,11 +1,13 @@
 //! Collectives on tensors for communicators that move host memory (`Local`, `Gloo`):
 //! CPU tensors — device memory on CPU devices — are read and written in place through
 //! host views of their storage; tensors on another device go through host memory, one
-//! copy each way (NCCL takes device tensors directly instead).
+//! copy each way (NCCL takes device tensors directly instead). 16-bit values are reduced
+//! in fp32 and rounded once to their kind (NCCL sums them in their own kind).
 
-use super::{CommError, Collective, Element};
+use super::{Collective, CommError, Element, ReduceOp};
 use crate::torch;
 use tch::{Device, Tensor};
+use tierzero_offload::convert::{f32_to_bf16, f32_to_f16};
 
 /// `out` (world × shard's elements, same kind) receives every rank's `shard` in rank
 /// order, through host memory.
@@ -27,11 +29,17 @@ pub fn all_gather<C: Collective + ?Sized>(comm: &C, shard: &Tensor, out: &Tensor
         )));
     }
     if shard.device() != Device::Cpu || out.device() != Device::Cpu {
-        let host_shard = shard.f_to(Device::Cpu).map_err(torch_err)?.f_contiguous().map_err(torch_err)?;
+        let host_shard = shard
+            .f_to(Device::Cpu)
+            .map_err(torch_err)?
+            .f_contiguous()
+            .map_err(torch_err)?;
         let host_out = Tensor::f_empty([out.numel() as i64], (out.kind(), Device::Cpu)).map_err(torch_err)?;
         all_gather(comm, &host_shard, &host_out)?;
         let mut out = out.shallow_clone();
-        return out.f_copy_(&host_out.f_view_as(&out).map_err(torch_err)?).map_err(torch_err);
+        return out
+            .f_copy_(&host_out.f_view_as(&out).map_err(torch_err)?)
+            .map_err(torch_err);
     }
     match shard.kind().elt_size_in_bytes() {
         4 => gather_as::<f32, C>(comm, shard, out),
@@ -42,7 +50,11 @@ pub fn all_gather<C: Collective + ?Sized>(comm: &C, shard: &Tensor, out: &Tensor
 }
 
 /// The all-gather on host views of two CPU tensors, as `T`s of their element size.
-fn gather_as<T: Element, C: Collective + ?Sized>(comm: &C, shard: &Tensor, out: &Tensor) -> Result<(), CommError> {
+fn gather_as<T: Element, C: Collective + ?Sized>(
+    comm: &C,
+    shard: &Tensor,
+    out: &Tensor,
+) -> Result<(), CommError> {
     let torch_err = |e: tch::TchError| CommError::Shape {
         rank: comm.rank(),
         op: "all_gather",
@@ -58,4 +70,75 @@ fn gather_as<T: Element, C: Collective + ?Sized>(comm: &C, shard: &Tensor, out: 
         )
     };
     comm.all_gather(shard, out)
+}
+
+/// Reduces `full` (world × out's elements, same kind) across ranks; this rank's slice
+/// into `out`, through host memory.
+pub fn reduce_scatter<C: Collective + ?Sized>(
+    comm: &C,
+    full: &Tensor,
+    out: &Tensor,
+    op: ReduceOp,
+) -> Result<(), CommError> {
+    let fail = |message: String| CommError::Shape {
+        rank: comm.rank(),
+        op: "reduce_scatter",
+        message,
+    };
+    let torch_err = |e: tch::TchError| fail(e.to_string());
+    if full.kind() != out.kind() || full.numel() != out.numel() * comm.world() {
+        return Err(fail(format!(
+            "input of {} {:?}, output of {} {:?}, world {}",
+            full.numel(),
+            full.kind(),
+            out.numel(),
+            out.kind(),
+            comm.world()
+        )));
+    }
+    let on_host = full.device() == Device::Cpu && out.device() == Device::Cpu;
+    match full.kind() {
+        tch::Kind::Float if on_host => reduce_as::<f32, C>(comm, full, out, op),
+        tch::Kind::Double if on_host => reduce_as::<f64, C>(comm, full, out, op),
+        _ => {
+            // fp32 copies in host memory (16-bit values widened), the result rounded once
+            // into `out`'s kind
+            let mut full32 = vec![0f32; full.numel()];
+            torch::copy_to_f32(full, &mut full32).map_err(torch_err)?;
+            let mut out32 = vec![0f32; out.numel()];
+            comm.reduce_scatter(&full32, &mut out32, op)?;
+            let rounded: Vec<u16> = match out.kind() {
+                tch::Kind::Float => {
+                    return torch::copy_from_host(out, torch::pod_bytes(&out32)).map_err(torch_err)
+                }
+                tch::Kind::BFloat16 => out32.iter().map(|&x| f32_to_bf16(x)).collect(),
+                tch::Kind::Half => out32.iter().map(|&x| f32_to_f16(x)).collect(),
+                other => return Err(fail(format!("no reduce-scatter of {other:?}"))),
+            };
+            torch::copy_from_host(out, torch::pod_bytes(&rounded)).map_err(torch_err)
+        }
+    }
+}
+
+/// The reduce-scatter on host views of two CPU tensors of `T`.
+fn reduce_as<T: Element, C: Collective + ?Sized>(
+    comm: &C,
+    full: &Tensor,
+    out: &Tensor,
+    op: ReduceOp,
+) -> Result<(), CommError> {
+    let torch_err = |e: tch::TchError| CommError::Shape {
+        rank: comm.rank(),
+        op: "reduce_scatter",
+        message: e.to_string(),
+    };
+    // SAFETY: as in `gather_as`: `full` is only read, `out` is the caller's until the
+    // collective returns.
+    let (full, out) = unsafe {
+        (
+            torch::host_slice::<T>(full, full.numel()).map_err(torch_err)?,
+            torch::host_slice_mut::<T>(out, out.numel()).map_err(torch_err)?,
+        )
+    };
+    comm.reduce_scatter(full, out, op)
 }

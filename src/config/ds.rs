@@ -17,6 +17,8 @@ pub struct DsConfig {
     pub train_micro_batch_size_per_gpu: Option<Num>,
     pub gradient_accumulation_steps: Option<Num>,
     pub gradient_clipping: Option<Num>,
+    /// The element type gradients are reduced in: "fp32", "fp16" or "bf16".
+    pub communication_data_type: Option<String>,
     pub steps_per_print: Option<Num>,
     pub wall_clock_breakdown: Option<bool>,
     pub optimizer: Option<OptimizerSection>,

@@ -19,7 +19,6 @@ const DEEPSPEED_UNACTED_TOP: &[&str] = &[
     "comet",
     "comms_config",
     "comms_logger",
-    "communication_data_type",
     "compression_training",
     "curriculum_learning",
     "data_efficiency",

@@ -30,6 +30,42 @@ impl Tier {
     }
 }
 
+/// The element type of gradients between ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Wire {
+    Fp32,
+    Bf16,
+    Fp16,
+}
+
+impl Wire {
+    pub fn name(self) -> &'static str {
+        match self {
+            Wire::Fp32 => "fp32",
+            Wire::Bf16 => "bf16",
+            Wire::Fp16 => "fp16",
+        }
+    }
+
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            Wire::Fp32 => tch::Kind::Float,
+            Wire::Bf16 => tch::Kind::BFloat16,
+            Wire::Fp16 => tch::Kind::Half,
+        }
+    }
+
+    /// DeepSpeed's default: gradients travel in the training precision.
+    pub fn of(precision: &Precision) -> Wire {
+        match precision {
+            Precision::Fp32 => Wire::Fp32,
+            Precision::Bf16 => Wire::Bf16,
+            Precision::Fp16(_) => Wire::Fp16,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 #[serde(tag = "type", rename_all = "lowercase")]
 pub enum Precision {
@@ -244,6 +280,9 @@ pub struct Plan {
     pub scheduler: Scheduler,
     /// Clip the global gradient norm to this; 0 = off.
     pub gradient_clipping: f64,
+    /// What gradients travel as between ranks (`communication_data_type`; DeepSpeed's
+    /// default: the training precision).
+    pub communication: Wire,
     pub steps_per_print: u64,
     pub wall_clock_breakdown: bool,
     /// Directories of DeepSpeed's monitors (`<output_path>/<job_name>`), when enabled.

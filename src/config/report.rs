@@ -151,6 +151,11 @@ pub fn plan_table(plan: &Plan) -> String {
             "off".into()
         },
     );
+    row(
+        &mut out,
+        "communication_data_type",
+        format!("{} (gradients between ranks)", plan.communication.name()),
+    );
     row(&mut out, "data", format!("{:?}", plan.data.source));
     let launch = &plan.train.launch;
     let nodes = if launch.nnodes > 1 {

@@ -99,6 +99,24 @@ impl Plan {
                 "use 0 to disable clipping",
             ));
         }
+        let communication = match ds
+            .communication_data_type
+            .as_deref()
+            .map(str::to_lowercase)
+            .as_deref()
+        {
+            None => Wire::of(&precision),
+            Some("fp32") => Wire::Fp32,
+            Some("bf16") => Wire::Bf16,
+            Some("fp16") => Wire::Fp16,
+            Some(other) => {
+                return Err(ConfigError::invalid(
+                    "communication_data_type",
+                    format!("is {other:?}; DeepSpeed's values are \"fp16\", \"bf16\" and \"fp32\""),
+                    "use one of them, or leave the key out to reduce in the training precision",
+                ))
+            }
+        };
         let zero = super::resolve_zero::build_zero(
             ds.zero_optimization.clone().unwrap_or_default(),
             &model.config,
@@ -112,6 +130,7 @@ impl Plan {
             optimizer,
             scheduler,
             gradient_clipping,
+            communication,
             steps_per_print: count("steps_per_print", ds.steps_per_print, 10)? as u64,
             wall_clock_breakdown: ds.wall_clock_breakdown.unwrap_or(false),
             monitors: Monitors {

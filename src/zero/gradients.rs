@@ -10,6 +10,7 @@ use super::grads::Grads;
 use super::partition::Partition;
 use super::reduce::{reduce_into, ChunkBuffers, Reducer, Target, CHUNK_LIMIT, DEPTH};
 use crate::comm::{Collective, ReduceOp};
+use crate::config::plan::Wire;
 use crate::metrics::timeline::Track;
 use std::ops::Range;
 use tch::Tensor;
@@ -80,6 +81,8 @@ pub(super) struct Gradients<'a, C: Collective> {
     reducer: Option<Reducer<'a, C>>,
     /// The chunk buffers of reductions on this thread, reused across units and steps.
     chunk_buffers: ChunkBuffers,
+    /// What gradients travel as between ranks.
+    wire: Wire,
 }
 
 impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
@@ -87,7 +90,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// reduction in flight, else in one arena (and at stage 1 the partition copies in
     /// another), allocated here once for the run.
     pub(super) fn new(
-        (stage, rank, bf16): (u8, usize, bool),
+        (stage, rank, bf16, wire): (u8, usize, bool, Wire),
         parts: Vec<Partition>,
         partitions: Vec<Range<usize>>,
         pinning: &Pinning,
@@ -137,7 +140,8 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             rank,
             bf16,
             reducer: None,
-            chunk_buffers: ChunkBuffers::default(),
+            chunk_buffers: ChunkBuffers::new(wire.kind()),
+            wire,
         })
     }
 
@@ -231,7 +235,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
 
     /// Returns the chunk buffers for a reduce lane to use.
     pub(super) fn lend_chunk_buffers(&mut self) -> ChunkBuffers {
-        std::mem::take(&mut self.chunk_buffers)
+        std::mem::replace(&mut self.chunk_buffers, ChunkBuffers::new(self.wire.kind()))
     }
 
     /// Adds a unit's flat gradient (numel elements, the compute kind) into its
@@ -317,15 +321,25 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         Ok(())
     }
 
-    /// Stages 0–1: every replica's gradient averaged over the ranks (once per step).
+    /// Stages 0–1: every replica's gradient averaged over the ranks (once per step). A
+    /// 16-bit communication type is applied by rounding the values to it before and
+    /// after the fp32 all-reduce (what travelling in it does, summed in fp32).
     pub(super) fn all_reduce_replicas(&mut self, comm: &C) -> Result<(), EngineError> {
         if self.stage >= 2 {
             return Ok(());
         }
-        let rank = self.rank;
+        let (rank, wire, world) = (self.rank, self.wire, comm.world());
         for u in 0..self.accumulators.len() {
             match self.here(u)? {
-                Grads::F32(g) => comm.all_reduce(g, ReduceOp::Avg)?,
+                Grads::F32(g) => {
+                    if world > 1 {
+                        round_through(wire, g);
+                    }
+                    comm.all_reduce(g, ReduceOp::Avg)?;
+                    if world > 1 {
+                        round_through(wire, g);
+                    }
+                }
                 Grads::Bf16(_) => {
                     return Err(EngineError::Invariant {
                         rank,
@@ -462,5 +476,16 @@ fn accumulator_len(stage: u8, part: &Partition, partition: &Range<usize>) -> usi
         partition.len()
     } else {
         part.padded
+    }
+}
+
+/// Rounds `values` to `wire`'s precision in place (round to nearest even; fp16 overflows
+/// to infinity as it would on the wire).
+fn round_through(wire: Wire, values: &mut [f32]) {
+    use tierzero_offload::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+    match wire {
+        Wire::Fp32 => {}
+        Wire::Bf16 => values.iter_mut().for_each(|x| *x = bf16_to_f32(f32_to_bf16(*x))),
+        Wire::Fp16 => values.iter_mut().for_each(|x| *x = f16_to_f32(f32_to_f16(*x))),
     }
 }

@@ -15,7 +15,7 @@ use super::partition::Partition;
 use super::prefetch::MAX_IN_FLIGHT;
 use super::reduce::{CHUNK_LIMIT, DEPTH};
 use super::trainer::SWAP_CHUNK_LIMIT;
-use crate::config::plan::{Accelerator, Plan, Tier};
+use crate::config::plan::{Accelerator, Plan, Tier, Wire};
 use serde::Serialize;
 
 /// Resident bytes of a training process before its state: the binary, libtorch and its
@@ -59,13 +59,22 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     let nvme_grads = super::rank::nvme_gradients(plan);
     let mut rank = HostBytes::default();
     for p in &parts {
-        if in_host(plan.zero.offload_param.tier) {
-            // stages 0/3: the partition and its spare; 1/2: the replica and a partition
+        let param_tier = plan.zero.offload_param.tier;
+        if in_host(param_tier) {
             rank.parameters += elem
-                * match stage {
-                    1 | 2 => p.padded as u64 + opt_len(p),
+                * match (param_tier, stage) {
+                    // tensors updated in place; stages 1-2 gather from a partition
+                    (Tier::Device, 1 | 2) if world > 1 => p.padded as u64 + opt_len(p),
+                    (Tier::Device, _) => kept(p),
+                    // host buffers replaced by an update: stages 0/3 the partition and
+                    // its spare, 1/2 the replica and a partition
+                    (_, 1 | 2) => p.padded as u64 + opt_len(p),
                     _ => 2 * kept(p),
                 };
+        }
+        if param_tier == Tier::Device && plan.zero.offload_optimizer.tier != Tier::Device {
+            // the host buffer the CPU optimizer writes the new partition into
+            rank.parameters += elem * opt_len(p);
         }
         if !nvme_grads {
             rank.gradients += grad_elem * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
@@ -95,13 +104,24 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         // the optimizer lane's staging partition, its bounce buffer and the h2d lane's
         rank.buffers += elem * max_opt + 2 * aligned(elem * swap_chunk);
     }
-    let shard_max = parts.iter().map(|p| p.shard).max().unwrap_or(0) as u64;
-    let send = (CHUNK_LIMIT as u64).min(if stage >= 2 {
-        world as u64 * shard_max
-    } else {
-        max_numel
-    });
-    rank.buffers += 4 * (send + send / world as u64);
+    // the gradient reduction's host buffers (`reduce.rs`; its device buckets are in the
+    // device row's temporaries)
+    if stage >= 2 && world > 1 {
+        let bucket = super::memory::reduce_bucket_elements(plan, &parts);
+        let reduced = bucket / world as u64;
+        let wire16 = plan.communication != Wire::Fp32;
+        if wire16 || !cpu {
+            // the reduced stretch as fp32 for the accumulator
+            rank.buffers += 4 * reduced;
+        }
+        if wire16 && cpu {
+            // 16-bit values reduced in fp32 in host memory (`comm/tensors.rs`)
+            rank.buffers += 4 * bucket + 6 * reduced;
+        }
+    } else if elem != 4 || !cpu {
+        // a stretch of the gradient as fp32 for the accumulator
+        rank.buffers += 4 * (CHUNK_LIMIT as u64).min(max_numel);
+    }
     if cpu {
         let hidden = plan.model.config.hidden_size as u64;
         let tokens = (plan.batch.micro_batch_per_gpu * plan.data.seq_len) as u64;
@@ -109,7 +129,8 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         let gathered = if stage == 3 {
             let padded: Vec<u64> = parts.iter().map(|p| p.padded as u64).collect();
             let shards: Vec<u64> = parts.iter().map(|p| p.shard as u64).collect();
-            let staging = if world > 1 {
+            // shards on the device are gathered from where they are
+            let staging = if world > 1 && plan.zero.offload_param.tier != Tier::Device {
                 pool_footprint(&shards, MAX_IN_FLIGHT)
             } else {
                 0

@@ -38,18 +38,18 @@ impl DeviceBytes {
         self.total - self.transient
     }
 
-    /// What torch tensors hold: gathered units, activations, temporaries and device-tier
-    /// optimizer state (parameters and gradients of the device tier are still the
-    /// engine's host buffers).
+    /// What torch tensors hold: device-tier parameters, gathered units, activations,
+    /// temporaries, reduction buckets and device-tier optimizer state (gradient
+    /// accumulators are the engine's host arenas).
     pub fn in_tensors(&self) -> u64 {
-        self.working + self.transient + self.optimizer
+        self.parameters + self.working + self.transient + self.optimizer
     }
 }
 
 /// Compute temporaries at their peak: the largest of a block's recompute-and-backward,
 /// the embedding's backward and the final unit's loss-and-backward, plus below stage 3
-/// the copy of the unit in use (replicas are copied for each use; at stage 3 the
-/// gathered unit is counted in `working`).
+/// the copy of the unit in use when replicas live off the device (a replica on the
+/// device is used in place; at stage 3 the gathered unit is counted in `working`).
 pub fn transient(plan: &Plan) -> u64 {
     let c = &plan.model.config;
     let e = plan.precision.bytes() as u64;
@@ -105,6 +105,28 @@ pub fn transient(plan: &Plan) -> u64 {
     block.max(embedding).max(head) + in_use
 }
 
+/// Elements of the gradient reduction's bucket (`reduce.rs`): stages 2–3 with several
+/// ranks reduce-scatter every rank's stretches of a chunk of the largest shard.
+pub fn reduce_bucket_elements(plan: &Plan, parts: &[Partition]) -> u64 {
+    let world = plan.world_size;
+    if plan.zero.stage < 2 || world < 2 {
+        return 0;
+    }
+    parts
+        .iter()
+        .map(|p| (super::reduce::CHUNK_LIMIT / world).max(1).min(p.shard) * world)
+        .max()
+        .unwrap_or(0) as u64
+}
+
+/// The gradient reduction's device buffers, kept from the first step on: the bucket and
+/// this rank's reduced stretch, in the communication type.
+fn reduce_buckets(plan: &Plan, parts: &[Partition]) -> u64 {
+    let bucket = reduce_bucket_elements(plan, parts);
+    let wire = plan.communication.kind().elt_size_in_bytes() as u64;
+    wire * (bucket + bucket / plan.world_size as u64)
+}
+
 /// Bytes a rank's device holds at its peak.
 pub fn predict(plan: &Plan) -> DeviceBytes {
     let world = plan.world_size;
@@ -137,7 +159,9 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
         // no gathers: the activations of the whole forward at their peak
         tokens + last as u64 * hidden
     };
-    bytes.transient = transient(plan);
+    // the reduction's buckets are counted with the temporaries: the engine's own
+    // reservation counter does not track them
+    bytes.transient = transient(plan) + reduce_buckets(plan, &parts);
     bytes.total = bytes.parameters + bytes.gradients + bytes.optimizer + bytes.working + bytes.transient;
     bytes
 }

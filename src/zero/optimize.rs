@@ -254,7 +254,10 @@ impl OptimizerContext {
         fresh: Fresh<'_>,
     ) -> Result<Moments<'a>, EngineError> {
         let opt_len = fresh.len();
-        let invariant = |what| EngineError::Invariant { rank: self.on.0, what };
+        let invariant = |what| EngineError::Invariant {
+            rank: self.on.0,
+            what,
+        };
         let device_params = "parameters on the device updated from optimizer state off it";
         match (&mut moments, grad) {
             (

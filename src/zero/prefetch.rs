@@ -296,7 +296,8 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
             shard => {
                 let staging = self.buffers.staging.take(part.shard, make).map_err(torch_err)?;
                 let copied = {
-                    let (f, staging, scratch) = (f.clone(), staging.shallow_clone(), self.buffers.scratch.clone());
+                    let (f, staging, scratch) =
+                        (f.clone(), staging.shallow_clone(), self.buffers.scratch.clone());
                     self.lanes.h2d.submit(move || {
                         f.to_staging(unit, shard, &staging, &scratch)
                             .map_err(|e| e.to_string())

@@ -163,7 +163,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let pinning = host_pinning(plan, compute, rank)?;
         let bf16_grads = bf16_gradients(plan);
         let grads = Gradients::new(
-            (stage, rank, bf16_grads),
+            (stage, rank, bf16_grads, plan.communication),
             parts.clone(),
             partitions.clone(),
             &pinning,
@@ -224,7 +224,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             // what of this unit sits on the device for the whole run
             if plan.zero.offload_param.tier == Tier::Device {
                 // stages 1-2 gather each update from a partition of its own (`units.rs`)
-                let gathered_from = if matches!(stage, 1 | 2) && world > 1 { part.shard } else { 0 };
+                let gathered_from = if matches!(stage, 1 | 2) && world > 1 {
+                    part.shard
+                } else {
+                    0
+                };
                 let bytes = ((params.len() + gathered_from) * plan.precision.bytes()) as u64;
                 held.push(device.reserve(bytes, &format!("parameters of unit {u}"))?);
             }

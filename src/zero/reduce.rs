@@ -1,14 +1,16 @@
 //! Gradient reduction, chunk by chunk, on the compute thread or the reduce lane
 //! (`overlap_comm`, stages 2 and 3).
 //!
-//! A unit's flat gradient (a tensor of the compute kind) is never copied whole into host
-//! memory: it is reduced in chunks of at most [`CHUNK_LIMIT`] fp32 elements. Each chunk
-//! gathers the same stretch of every rank's shard (so the reduce-scatter of the chunk
-//! leaves this rank its own stretch), reduce-scatters it (mean) and adds the result into
-//! the unit's accumulator at that stretch's offset. Every element is reduced exactly as
-//! a whole-gradient reduce-scatter reduces it (sums in rank order), so results are
-//! bit-identical to it, while the host holds two chunk buffers instead of a full gradient
-//! and a shard per unit in flight.
+//! A unit's flat gradient (a tensor of the compute kind on the rank's device) is reduced
+//! on the device in chunks of at most [`CHUNK_LIMIT`] elements. Each chunk gathers the
+//! same stretch of every rank's shard into a device bucket in the communication type
+//! (`communication_data_type`: the training precision unless the config says otherwise),
+//! so the reduce-scatter of the bucket leaves this rank its own stretch; only that
+//! reduced stretch leaves the device (to fp32 in host memory) and is added into the
+//! unit's accumulator at the stretch's offset. Every element is reduced exactly as a
+//! whole-gradient reduce-scatter reduces it (sums in rank order on `Local`), so results
+//! are bit-identical to it, while the device holds one bucket instead of a second full
+//! gradient, and the host one reduced stretch.
 //!
 //! On the reduce lane the gradient tensor and the unit's accumulator move into the job
 //! and the accumulator comes back with its event (never reachable from two places);
@@ -26,19 +28,66 @@ use crate::torch;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 /// Gradients in flight on the lane at most.
 pub const DEPTH: usize = 2;
 
-/// fp32 elements of one chunk (all ranks' stretches together): 16 MiB.
+/// Elements of one chunk (all ranks' stretches together): 16 MiB in fp32.
 pub const CHUNK_LIMIT: usize = 1 << 22;
 
-/// The two host buffers of a chunked reduction, reused across units and steps.
-#[derive(Default)]
+/// The buffers of a chunked reduction, reused across units and steps: on the device the
+/// bucket (every rank's stretches) and this rank's reduced stretch, and in host memory
+/// the fp32 copy added into the accumulator where the device's buffer cannot be read
+/// in place (a GPU, a 16-bit communication type, a 16-bit gradient).
 pub struct ChunkBuffers {
-    send: Vec<f32>,
-    recv: Vec<f32>,
+    /// What gradients travel as between ranks.
+    wire: Kind,
+    bucket: Option<Tensor>,
+    reduced: Option<Tensor>,
+    host: Vec<f32>,
+}
+
+impl ChunkBuffers {
+    pub fn new(wire: Kind) -> ChunkBuffers {
+        ChunkBuffers {
+            wire,
+            bucket: None,
+            reduced: None,
+            host: Vec::new(),
+        }
+    }
+}
+
+/// The first `len` elements of the buffer in `slot`, which is made (or remade larger)
+/// with `kind` on `device` when it does not fit: buffers grow to the largest chunk in
+/// the first step, then stay.
+fn slot_view(
+    slot: &mut Option<Tensor>,
+    len: usize,
+    kind: Kind,
+    device: tch::Device,
+) -> Result<Tensor, tch::TchError> {
+    let fits = |t: &Tensor| t.numel() >= len && t.kind() == kind && t.device() == device;
+    let buffer = match slot.take() {
+        Some(t) if fits(&t) => t,
+        _ => Tensor::f_empty([len as i64], (kind, device))?,
+    };
+    let view = buffer.f_narrow(0, 0, len as i64);
+    *slot = Some(buffer);
+    view
+}
+
+/// `t`'s values as fp32 in host memory: its own storage when it is an fp32 CPU tensor
+/// (device memory on CPU devices), else copied into `host`.
+fn host_f32<'b>(t: &'b Tensor, host: &'b mut Vec<f32>) -> Result<&'b [f32], tch::TchError> {
+    if t.device() == tch::Device::Cpu && t.kind() == Kind::Float {
+        // SAFETY: the chunk buffer is this reduction's alone while the slice is read.
+        return unsafe { torch::host_slice::<f32>(t, t.numel()) };
+    }
+    host.resize(t.numel(), 0.0);
+    torch::copy_to_f32(t, host)?;
+    Ok(host)
 }
 
 /// Where a gradient goes: reduce-scattered into this rank's shard (stages 2–3), or added
@@ -50,8 +99,10 @@ pub enum Target {
 }
 
 /// Reduces unit `unit`'s flat gradient `grad` (its first elements; the rest of the
-/// padded unit counts as zeros) into `acc`, in chunks of at most `chunk` elements (all ranks'
-/// stretches together), on the calling thread.
+/// padded unit counts as zeros) into `acc`, in chunks of at most `chunk` elements (all
+/// ranks' stretches together), on the calling thread. Gradients travel in the buffers'
+/// communication type between ranks; with one rank, or into a replica, nothing travels
+/// and they stay fp32.
 #[allow(clippy::too_many_arguments)]
 pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
     comm: &C,
@@ -70,6 +121,7 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
         Target::Shard => (part.world, part.shard),
         Target::Replica => (1, part.padded),
     };
+    let device = grad.device();
     let step = (chunk / pieces).max(1);
     // the gradient covers the unit's first `numel` elements (a tied head's gradient only
     // the embedding's); the rest, and the padding, reduce as zeros
@@ -77,32 +129,63 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
     let mut start = 0;
     while start < length {
         let k = step.min(length - start);
-        buffers.send.resize(pieces * k, 0.0);
+        if pieces == 1 {
+            // nothing travels (a replica, or one rank): the stretch straight from the
+            // gradient, zeros past its end
+            let real = start.min(numel)..(start + k).min(numel);
+            let copy_start = Instant::now();
+            let view = grad
+                .f_narrow(0, real.start as i64, real.len() as i64)
+                .map_err(torch_err)?;
+            let values = if real.len() == k {
+                host_f32(&view, &mut buffers.host).map_err(torch_err)?
+            } else {
+                let host = &mut buffers.host;
+                host.resize(k, 0.0);
+                if !real.is_empty() {
+                    torch::copy_to_f32(&view, &mut host[..real.len()]).map_err(torch_err)?;
+                }
+                host[real.len()..].fill(0.0);
+                &host[..]
+            };
+            track.record(Phase::D2h, Some(unit), copy_start, 4 * k as u64);
+            acc.add(start, values, track)?;
+            start += k;
+            continue;
+        }
+        let wire = buffers.wire;
+        let bucket = slot_view(&mut buffers.bucket, pieces * k, wire, device).map_err(torch_err)?;
         let copy_start = Instant::now();
         for p in 0..pieces {
             // this chunk's stretch of piece p, within the real elements
             let from = p * length + start;
             let real = from.min(numel)..(from + k).min(numel);
-            let out = &mut buffers.send[p * k..(p + 1) * k];
-            if !real.is_empty() {
-                let view = grad
-                    .f_narrow(0, real.start as i64, real.len() as i64)
-                    .map_err(torch_err)?;
-                torch::copy_to_f32(&view, &mut out[..real.len()]).map_err(torch_err)?;
-            }
-            out[real.len()..].fill(0.0);
+            let stretch = bucket.f_narrow(0, (p * k) as i64, k as i64).map_err(torch_err)?;
+            let copy = || -> Result<(), tch::TchError> {
+                if !real.is_empty() {
+                    let source = grad.f_narrow(0, real.start as i64, real.len() as i64)?;
+                    stretch.f_narrow(0, 0, real.len() as i64)?.f_copy_(&source)?;
+                }
+                if real.len() < k {
+                    let _ = stretch
+                        .f_narrow(0, real.len() as i64, (k - real.len()) as i64)?
+                        .f_fill_(0.0)?;
+                }
+                Ok(())
+            };
+            copy().map_err(torch_err)?;
         }
-        track.record(Phase::D2h, Some(unit), copy_start, 4 * (pieces * k) as u64);
-        match target {
-            Target::Shard => {
-                let reduce_start = Instant::now();
-                buffers.recv.resize(k, 0.0);
-                comm.reduce_scatter(&buffers.send, &mut buffers.recv, ReduceOp::Avg)?;
-                track.record(Phase::Reduce, Some(unit), reduce_start, 4 * (pieces * k) as u64);
-                acc.add(start, &buffers.recv, track)?;
-            }
-            Target::Replica => acc.add(start, &buffers.send, track)?,
-        }
+        let bytes = (wire.elt_size_in_bytes() * pieces * k) as u64;
+        track.record(Phase::D2h, Some(unit), copy_start, bytes);
+        let reduce_start = Instant::now();
+        let reduced = slot_view(&mut buffers.reduced, k, wire, device).map_err(torch_err)?;
+        comm.reduce_scatter_tensor(&bucket, &reduced, ReduceOp::Avg)?;
+        track.record(Phase::Reduce, Some(unit), reduce_start, bytes);
+        acc.add(
+            start,
+            host_f32(&reduced, &mut buffers.host).map_err(torch_err)?,
+            track,
+        )?;
         start += k;
     }
     Ok(())
@@ -126,6 +209,7 @@ pub struct Reducer<'env, C: Collective> {
     in_flight: VecDeque<InFlight<'env>>,
     /// Used by one job at a time (the lane runs them in order).
     buffers: Arc<Mutex<ChunkBuffers>>,
+    wire: Kind,
 }
 
 impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
@@ -135,6 +219,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
             comm,
             track,
             in_flight: VecDeque::new(),
+            wire: buffers.wire,
             buffers: Arc::new(Mutex::new(buffers)),
         }
     }
@@ -228,9 +313,10 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
         for job in &self.in_flight {
             let _ = job.done.synchronize();
         }
+        let wire = self.wire;
         let buffers =
             Arc::try_unwrap(self.buffers).map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()));
-        buffers.unwrap_or_default()
+        buffers.unwrap_or_else(|_| ChunkBuffers::new(wire))
     }
 }
 
@@ -267,7 +353,7 @@ mod tests {
                             let mut outcomes = Vec::new();
                             for chunk in [world, 7 * world, 64 * world, usize::MAX] {
                                 let mut acc = Grads::from_f32(&start).unwrap();
-                                let mut buffers = ChunkBuffers::default();
+                                let mut buffers = ChunkBuffers::new(Kind::Float);
                                 let track = Track::disabled();
                                 reduce_into(
                                     &comm,
@@ -332,7 +418,7 @@ mod tests {
                         let mut expected = vec![0f32; part.shard];
                         comm.reduce_scatter(&full, &mut expected, ReduceOp::Avg).unwrap();
                         let mut acc = Grads::zeros(part.shard, false).unwrap();
-                        let (mut buffers, track) = (ChunkBuffers::default(), Track::disabled());
+                        let (mut buffers, track) = (ChunkBuffers::new(Kind::Float), Track::disabled());
                         let grad = Tensor::from_slice(&values);
                         reduce_into(
                             &comm,

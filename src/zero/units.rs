@@ -227,7 +227,10 @@ impl<'a> Units<'a> {
     pub(super) fn replica(&self, u: usize, track: &Track) -> Result<Tensor, EngineError> {
         let numel = self.units[u].part.numel;
         if let Params::Device(tensor) = &self.units[u].params {
-            return tensor.tensor().f_narrow(0, 0, numel as i64).map_err(self.on.torch());
+            return tensor
+                .tensor()
+                .f_narrow(0, 0, numel as i64)
+                .map_err(self.on.torch());
         }
         self.with_stored(u, track, |params| {
             let bytes = (numel * params.elem_bytes()) as u64;
@@ -285,7 +288,8 @@ impl<'a> Units<'a> {
     fn update_target(&mut self, u: usize, len: usize) -> Result<Tensor, EngineError> {
         if self.gathers_updates(u) {
             if self.units[u].partition.is_none() {
-                let partition = Tensor::f_empty([len as i64], (self.kind, self.compute)).map_err(self.on.torch())?;
+                let partition =
+                    Tensor::f_empty([len as i64], (self.kind, self.compute)).map_err(self.on.torch())?;
                 self.units[u].partition = Some(partition);
             }
             if let Some(partition) = &self.units[u].partition {
@@ -293,7 +297,10 @@ impl<'a> Units<'a> {
             }
         }
         match &self.units[u].params {
-            Params::Device(stored) => stored.tensor().f_narrow(0, 0, len as i64).map_err(self.on.torch()),
+            Params::Device(stored) => stored
+                .tensor()
+                .f_narrow(0, 0, len as i64)
+                .map_err(self.on.torch()),
             Params::Host(_) | Params::Nvme(_) => Err(EngineError::Invariant {
                 rank: self.on.0,
                 what: "a device update target for parameters off the device",
@@ -451,7 +458,12 @@ fn all_gather_into<C: Collective>(
 }
 
 /// Every rank's `shard` tensor into `full` (its padded length, same kind) on the device.
-fn gather_tensor<C: Collective>(comm: &C, shard: &Tensor, full: &Tensor, track: &Track) -> Result<(), EngineError> {
+fn gather_tensor<C: Collective>(
+    comm: &C,
+    shard: &Tensor,
+    full: &Tensor,
+    track: &Track,
+) -> Result<(), EngineError> {
     let start = Instant::now();
     comm.all_gather_tensor(shard, full)?;
     let bytes = (full.numel() * full.kind().elt_size_in_bytes()) as u64;
