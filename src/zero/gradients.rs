@@ -77,8 +77,10 @@ pub(super) struct Gradients<'a, C: Collective> {
     rank: usize,
     /// Accumulate in bf16 (see `rank::bf16_gradients`).
     bf16: bool,
-    /// The reduce lane of the step in progress, when gradients are reduced off-thread.
+    /// The collectives lane of the step in progress, when gradients are reduced there.
     reducer: Option<Reducer<'a, C>>,
+    /// Whether the compute thread goes on while a reduction runs (`overlap_comm`).
+    overlap: bool,
     /// The chunk buffers of reductions on this thread, reused across units and steps.
     chunk_buffers: ChunkBuffers,
     /// What gradients travel as between ranks.
@@ -140,6 +142,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             rank,
             bf16,
             reducer: None,
+            overlap: false,
             chunk_buffers: ChunkBuffers::new(wire.kind()),
             wire,
         })
@@ -218,9 +221,11 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         };
     }
 
-    /// Reduces through `reducer` (the reduce lane) until [`Self::stop_reducing`].
-    pub(super) fn reduce_on(&mut self, reducer: Reducer<'a, C>) {
+    /// Reduces through `reducer` (the collectives lane) until [`Self::stop_reducing`];
+    /// without `overlap` each reduction is waited for.
+    pub(super) fn reduce_on(&mut self, reducer: Reducer<'a, C>, overlap: bool) {
         self.reducer = Some(reducer);
+        self.overlap = overlap;
     }
 
     /// Takes every accumulator back from the reduce lane and ends it; its chunk buffers
@@ -263,7 +268,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             if let Some(reducer) = self.reducer.as_mut() {
                 reducer.send(u, grad.shallow_clone(), part, acc)?;
             }
-            return self.absorb(false);
+            return self.absorb(!self.overlap);
         }
         let target = if self.stage >= 2 {
             Target::Shard

@@ -157,10 +157,11 @@ pub struct Fetcher<C: Collective> {
     pub dropped: DroppedWait,
 }
 
-/// The two lanes a fetch runs on.
+/// The two lanes a fetch runs on: the gather lane is the step's collectives lane,
+/// shared with the gradient reduction (`rank.rs`).
 pub struct FetchLanes<'env> {
     pub h2d: Lane<'env>,
-    pub gather: Lane<'env>,
+    pub gather: Arc<Lane<'env>>,
 }
 
 /// A fetch issued to the lanes and not yet taken by the compute thread.

@@ -74,6 +74,10 @@ pub struct RankEngine<'a, C: Collective> {
     pub(super) tracks: Tracks,
     pub(super) overlap: bool,
     lanes: LaneOptions,
+    /// The step's collectives lane while micro-batches run (stages 2–3): the one thread
+    /// that issues this rank's gathers and reduce-scatters, in the order the compute
+    /// thread submits them, which is the same on every rank.
+    collectives: Option<Arc<Lane<'a>>>,
     /// The optimizer lane's buffers for writing parameters to NVMe, kept between steps.
     pub(super) param_staging: super::optimize::SharedStaging,
     /// Where this rank computes (CPU, or its GPU).
@@ -265,6 +269,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             tracks: Tracks::new(timeline, rank),
             overlap,
             lanes,
+            collectives: None,
             param_staging: Default::default(),
             compute,
         })
@@ -336,8 +341,15 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         Ok(report)
     }
 
-    /// Every micro-batch of the step, with the reduce lane when gradients are
-    /// reduce-scattered per unit and `overlap_comm` asks for it. Returns the loss.
+    /// Every micro-batch of the step. At stages 2–3 one collectives lane issues every
+    /// all-gather (stage 3) and reduce-scatter of the step in the order the compute
+    /// thread submits them — the schedule's, identical on every rank, which is what
+    /// keeps NCCL's communicators from deadlocking each other; with `overlap_comm` off
+    /// the compute thread waits for each reduction. Returns the loss.
+    ///
+    /// The compute thread's own collectives come before (stages 1–2 gathering an
+    /// installed update: every unit is installed in the first micro-batch's forward,
+    /// before any reduction of the step) or after the lane (the step's all-reduces).
     fn micro_batches(&mut self, step: u64, loss_scale: f64) -> Result<f64, EngineError> {
         let plan = self.plan;
         let world = self.comm.world();
@@ -352,24 +364,32 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             engine.grads.absorb(true)?;
             Ok(loss)
         };
-        if self.stage() < 2 || !self.overlap || !plan.zero.overlap_comm {
+        if self.stage() < 2 || !self.overlap {
             return run(self);
         }
-        let abort = self.reduce_comm.clone();
+        let aborts = [self.reduce_comm.clone(), self.gather_comm.clone()];
         let (rank, mode) = (self.rank, self.lanes.mode);
         std::thread::scope(|scope| {
-            let lane = Lane::start(scope, rank, "reduce", mode);
+            let lane = Arc::new(Lane::start(scope, rank, "collectives", mode));
             let buffers = self.grads.lend_chunk_buffers();
-            self.grads.reduce_on(Reducer::new(
-                lane,
-                self.reduce_comm.clone(),
-                self.tracks.reduce.clone(),
-                buffers,
-            ));
+            self.grads.reduce_on(
+                Reducer::new(
+                    lane.clone(),
+                    self.reduce_comm.clone(),
+                    self.tracks.reduce.clone(),
+                    buffers,
+                ),
+                plan.zero.overlap_comm,
+            );
+            self.collectives = Some(lane);
             let result = run(self);
             if let Err(e) = &result {
-                abort.abort(&e.to_string());
+                for comm in &aborts {
+                    comm.abort(&e.to_string());
+                }
             }
+            // every handle on the lane goes before the scope joins its thread
+            self.collectives = None;
             let stopped = self.grads.stop_reducing();
             let loss = result?;
             stopped.map(|()| loss)
@@ -442,10 +462,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         };
         let buffers = self.units.lend_gather_buffers(self.lanes.mode);
         let (gather_comm, mode, rank) = (self.gather_comm.clone(), self.lanes.mode, self.rank);
+        let collectives = self.collectives.clone();
         std::thread::scope(|scope| {
             let lanes = FetchLanes {
                 h2d: Lane::start(scope, rank, "h2d", mode),
-                gather: Lane::start(scope, rank, "gather", mode),
+                gather: collectives.unwrap_or_else(|| Arc::new(Lane::start(scope, rank, "gather", mode))),
             };
             let mut prefetcher = Prefetcher::new(
                 order,

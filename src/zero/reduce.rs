@@ -203,7 +203,8 @@ struct InFlight<'s> {
 
 /// The compute thread's end of the reduce lane.
 pub struct Reducer<'env, C: Collective> {
-    lane: Lane<'env>,
+    /// The step's collectives lane (shared with the stage-3 gathers).
+    lane: Arc<Lane<'env>>,
     comm: C,
     track: Track,
     in_flight: VecDeque<InFlight<'env>>,
@@ -213,7 +214,7 @@ pub struct Reducer<'env, C: Collective> {
 }
 
 impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
-    pub fn new(lane: Lane<'env>, comm: C, track: Track, buffers: ChunkBuffers) -> Self {
+    pub fn new(lane: Arc<Lane<'env>>, comm: C, track: Track, buffers: ChunkBuffers) -> Self {
         Reducer {
             lane,
             comm,
