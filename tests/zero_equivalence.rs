@@ -228,6 +228,48 @@ fn gradients_travel_in_the_communication_data_type() {
     }
 }
 
+/// One thread per rank issues every collective, in the same order on every rank (what
+/// keeps NCCL's communicators from deadlocking one another): with every rank's three
+/// communicators made one, where `Local` fails a collective issued out of the ranks'
+/// common order or while another of the same rank waits, the engine computes the bits of
+/// its three-communicator run — stages 2 and 3, two and three ranks, prefetching and
+/// not, `overlap_comm` on and off, persistent units with a tied head, parameters on NVMe.
+/// (With the stage-3 gathers on a lane of their own beside the reduce lane, as before,
+/// this fails with "a communicator's collectives must come from one thread".)
+#[test]
+fn every_collective_is_issued_from_one_thread_in_one_order() {
+    let dir = disk_dir();
+    let cases = [
+        (2, 3u8, "none", true, 50_000_000, false),
+        (3, 3, "nvme", true, 50_000_000, false),
+        (2, 3, "cpu", false, 50_000_000, false),
+        (2, 3, "none", true, 0, false),
+        (2, 3, "none", true, 50_000_000, true),
+        (2, 2, "none", true, 50_000_000, false),
+        (3, 2, "none", false, 50_000_000, false),
+    ];
+    for (world, stage, param, overlap_comm, bucket, persistent) in cases {
+        let mut p = plan(world, stage, param, "cpu", 2, dir.path(), "fp32");
+        p.zero.overlap_comm = overlap_comm;
+        p.zero.prefetch_bucket_size = bucket;
+        if persistent {
+            p.zero.param_persistence_threshold = 4000;
+            p.model.config.tie_word_embeddings = true;
+        }
+        let run = |one_communicator| {
+            let options = TrainOptions {
+                collect_master: true,
+                lanes: Some(CHECKED),
+                one_communicator,
+                ..TrainOptions::default()
+            };
+            train(&p, options).unwrap().master
+        };
+        let what = format!("world {world} stage {stage} param {param} overlap_comm {overlap_comm} bucket {bucket} persistent {persistent}");
+        assert!(run(true) == run(false), "{what}");
+    }
+}
+
 /// `pin_memory` locks the gradient and optimizer arenas in RAM (best effort: the limit is
 /// RLIMIT_MEMLOCK): it changes where the state lives, never what the run computes.
 #[test]

@@ -22,16 +22,18 @@
 use super::{Collective, CommError, Element, ReduceOp};
 use std::sync::{Arc, Condvar, Mutex};
 
-/// One rank's posted input: an address and a length in bytes.
+/// One rank's posted input: the collective, an address and a length in bytes.
 #[derive(Clone, Copy, Default)]
 struct Posted {
+    op: &'static str,
     address: usize,
     bytes: usize,
 }
 
 impl Posted {
-    fn of<T>(data: &[T]) -> Posted {
+    fn of<T>(op: &'static str, data: &[T]) -> Posted {
         Posted {
+            op,
             address: data.as_ptr() as usize,
             bytes: std::mem::size_of_val(data),
         }
@@ -41,6 +43,8 @@ impl Posted {
 #[derive(Default)]
 struct Round {
     posted: Vec<Posted>,
+    /// Which ranks have posted in this round.
+    filled: Vec<bool>,
     arrived: usize,
     /// All ranks have posted: peers may read (until `finished` reaches the world).
     open: bool,
@@ -89,6 +93,7 @@ impl Local {
             world,
             round: Mutex::new(Round {
                 posted: vec![Posted::default(); world],
+                filled: vec![false; world],
                 ..Round::default()
             }),
             changed: Condvar::new(),
@@ -120,6 +125,10 @@ impl Local {
     /// all have posted, and returns after every rank has read. The caller must not touch
     /// `input`'s memory until this returns (it takes the address, not a borrow, so an
     /// in-place collective can write its own buffer afterwards).
+    ///
+    /// As NCCL requires, every rank issues the same collectives in the same order, one
+    /// at a time per communicator: a round where ranks issued different collectives, or
+    /// a rank issuing a second one while its first waits, fails naming them.
     fn round<R>(&self, input: Posted, read: impl FnOnce(&Peers<'_>) -> R) -> Result<R, CommError> {
         let hub = &self.hub;
         let mut round = hub.round.lock().unwrap_or_else(|e| e.into_inner());
@@ -130,7 +139,18 @@ impl Local {
         if let Some(reason) = &round.aborted {
             return Err(self.aborted(reason));
         }
+        if round.filled[self.rank] {
+            let first = round.posted[self.rank].op;
+            return Err(self.shape(
+                input.op,
+                format!(
+                    "rank {} issued it while its {first} waits on the same communicator: a communicator's collectives must come from one thread",
+                    self.rank
+                ),
+            ));
+        }
         round.posted[self.rank] = input;
+        round.filled[self.rank] = true;
         round.arrived += 1;
         let generation = round.generation;
         if round.arrived == hub.world {
@@ -142,19 +162,31 @@ impl Local {
                 // nobody can read this round: withdraw and fail
                 round.arrived -= 1;
                 round.posted[self.rank] = Posted::default();
+                round.filled[self.rank] = false;
                 return Err(self.aborted(&reason));
             }
             round = hub.changed.wait(round).unwrap_or_else(|e| e.into_inner());
         }
         let posted = round.posted.clone();
         drop(round);
-        let result = read(&Peers { posted: &posted });
+        let other = posted.iter().position(|p| p.op != input.op);
+        let result = match other {
+            None => Ok(read(&Peers { posted: &posted })),
+            Some(r) => Err(self.shape(
+                input.op,
+                format!(
+                    "rank {r} issued {} where rank {} issued {}: the ranks' collectives are out of order",
+                    posted[r].op, self.rank, input.op
+                ),
+            )),
+        };
         let mut round = hub.round.lock().unwrap_or_else(|e| e.into_inner());
         round.finished += 1;
         if round.finished == hub.world {
             round.open = false;
             round.arrived = 0;
             round.finished = 0;
+            round.filled.iter_mut().for_each(|f| *f = false);
             round.generation += 1;
             hub.changed.notify_all();
         }
@@ -162,7 +194,7 @@ impl Local {
         while round.generation == generation {
             round = hub.changed.wait(round).unwrap_or_else(|e| e.into_inner());
         }
-        Ok(result)
+        result
     }
 
     /// The rank whose posted length differs from `want` bytes, if any.
@@ -214,7 +246,7 @@ impl Collective for Local {
         if out.len() != n * world {
             return Err(self.shape("all_gather", format!("output {} != world × shard {n}", out.len())));
         }
-        self.round(Posted::of(shard), |peers| {
+        self.round(Posted::of("all_gather", shard), |peers| {
             if let Some((r, bytes)) = self.mismatch(peers, std::mem::size_of_val(shard)) {
                 return Err(self.shape(
                     "all_gather",
@@ -240,7 +272,7 @@ impl Collective for Local {
                 format!("input {} != world × output {n}", full.len()),
             ));
         }
-        self.round(Posted::of(full), |peers| {
+        self.round(Posted::of("reduce_scatter", full), |peers| {
             if let Some((r, bytes)) = self.mismatch(peers, std::mem::size_of_val(full)) {
                 return Err(self.shape(
                     "reduce_scatter",
@@ -258,7 +290,7 @@ impl Collective for Local {
     fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         let world = self.hub.world;
         let mut result = vec![T::default(); data.len()];
-        self.round(Posted::of(data), |peers| {
+        self.round(Posted::of("all_reduce", data), |peers| {
             if let Some((r, bytes)) = self.mismatch(peers, std::mem::size_of_val(&result[..])) {
                 return Err(self.shape(
                     "all_reduce",
@@ -284,7 +316,7 @@ impl Collective for Local {
         let want = std::mem::size_of_val(data);
         // only the root's input is read; every other rank writes its own buffer
         let rank = self.rank;
-        self.round(Posted::of(data), |peers| {
+        self.round(Posted::of("broadcast", data), |peers| {
             let sent = peers.posted[root].bytes;
             if sent != want {
                 return Err(self.shape(
@@ -302,7 +334,8 @@ impl Collective for Local {
     }
 
     fn barrier(&self) -> Result<(), CommError> {
-        self.round(Posted::default(), |_| ())
+        let none: &[u8] = &[];
+        self.round(Posted::of("barrier", none), |_| ())
     }
 
     fn abort(&self, reason: &str) {
@@ -323,6 +356,52 @@ mod tests {
             let handles: Vec<_> = ranks.into_iter().map(|c| s.spawn(|| body(c))).collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         })
+    }
+
+    /// Ranks that issue different collectives in one round fail, naming both: the
+    /// order NCCL needs, checked on every `Local` run.
+    #[test]
+    fn collectives_out_of_order_fail_naming_both() {
+        let errors = run(2, |c| {
+            let mut out = [0f32; 2];
+            if c.rank() == 0 {
+                c.all_gather(&[1f32], &mut out).unwrap_err().to_string()
+            } else {
+                // the same bytes, another collective
+                c.reduce_scatter(&[1f32, 2.0], &mut out[..1], ReduceOp::Sum)
+                    .unwrap_err()
+                    .to_string()
+            }
+        });
+        for e in errors {
+            assert!(
+                e.contains("out of order") && e.contains("all_gather") && e.contains("reduce_scatter"),
+                "{e}"
+            );
+        }
+    }
+
+    /// A second collective of one rank on a communicator while its first waits (two
+    /// threads issuing) fails at once, naming the rule.
+    #[test]
+    fn two_threads_of_one_rank_on_one_communicator_fail() {
+        let ranks = Local::group(2);
+        let rank0 = ranks[0].clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                let (c, tx) = (rank0.clone(), tx.clone());
+                s.spawn(move || {
+                    let _ = tx.send(c.barrier());
+                });
+            }
+            // rank 1 never comes: the first result is the second issuer's error
+            let first = rx.recv().unwrap().unwrap_err().to_string();
+            assert!(first.contains("one thread"), "{first}");
+            rank0.abort("test over");
+            let second = rx.recv().unwrap().unwrap_err().to_string();
+            assert!(second.contains("test over"), "{second}");
+        });
     }
 
     #[test]

@@ -77,6 +77,10 @@ pub struct TrainOptions<'a> {
     /// How the ranks' lanes run; None: as the environment says (`TIERZERO_CHECKED_LANES=1`
     /// checks them, see `Mode::from_env`), plain otherwise.
     pub lanes: Option<LaneOptions>,
+    /// Ranks in one process share one communicator for everything (tests: `Local` fails
+    /// any collective issued out of the ranks' common order or two at once by one rank,
+    /// so a run that passes issues them as NCCL needs, from one thread per rank).
+    pub one_communicator: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -437,7 +441,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     let trace = options.trace || plan.train.trace;
     let timeline = Timeline::new(trace);
     let (tx, rx) = crossbeam_channel::unbounded::<RankMessage>();
-    let comms = communicators(plan)?;
+    let comms = communicators(plan, options.one_communicator)?;
     let mut result = TrainResult {
         loss_floor,
         ..TrainResult::default()
@@ -657,8 +661,19 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     Ok(result)
 }
 
-/// Three `Local` groups for `world` ranks, as each rank's communicators.
-fn local_comms(world: usize) -> Vec<Comms<Local>> {
+/// Three `Local` groups for `world` ranks, as each rank's communicators (or one group
+/// serving as all three, with `one`).
+fn local_comms(world: usize, one: bool) -> Vec<Comms<Local>> {
+    if one {
+        return Local::group(world)
+            .into_iter()
+            .map(|c| Comms {
+                main: c.clone(),
+                gather: c.clone(),
+                reduce: c,
+            })
+            .collect();
+    }
     let mut groups = [Local::group(world), Local::group(world), Local::group(world)].map(Vec::into_iter);
     (0..world)
         .filter_map(|_| {
@@ -673,11 +688,11 @@ fn local_comms(world: usize) -> Vec<Comms<Local>> {
 
 /// This process's ranks' communicators: `Local` in one process, Gloo over c10d's store
 /// across several.
-fn communicators(plan: &Plan) -> Result<Vec<Comms<Group>>, TrainError> {
+fn communicators(plan: &Plan, one: bool) -> Result<Vec<Comms<Group>>, TrainError> {
     let world = plan.world_size;
     let launch = &plan.train.launch;
     if launch.nnodes == 1 {
-        let comms = local_comms(world)
+        let comms = local_comms(world, one)
             .into_iter()
             .map(|c| Comms {
                 main: Group::Local(c.main),
@@ -850,7 +865,7 @@ pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
     let prepared = Prepared::new(plan, None)?;
     let world = plan.world_size;
     let losses: Vec<Result<f64, TrainError>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = local_comms(world)
+        let handles: Vec<_> = local_comms(world, false)
             .into_iter()
             .map(|comms| {
                 let context = prepared.context(plan, None, true, LaneOptions::from_env());
