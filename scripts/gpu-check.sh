@@ -76,7 +76,8 @@ worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
 print(f"   {len(a)} steps: {sys.argv[3]} {a[0]:.4f} -> {a[-1]:.4f}, {sys.argv[4]} {b[0]:.4f} -> {b[-1]:.4f}, max relative loss difference {worst:.2e} ({'within' if worst < 2e-2 else 'OUTSIDE'} bf16 tolerance 2e-2)")
 PYEOF
 }
-part tiny && for tiers in "cpu cpu" "nvme nvme"; do
+# "none none": parameters, gathers, gradient buckets and AdamW on the GPU
+part tiny && for tiers in "none none" "cpu cpu" "nvme nvme"; do
   set -- $tiers
   run "tiny-$1-cpu" tiny "tiny-$1-cpu" cpu "$1" "$2"
   run "tiny-$1-cuda" tiny "tiny-$1-cuda" cuda "$1" "$2"
@@ -84,7 +85,9 @@ part tiny && for tiers in "cpu cpu" "nvme nvme"; do
 done
 
 # NCCL in training: with two or more GPUs, torchrun starts 2 processes × 1 GPU whose
-# communicators join through the agent's TCPStore (tests/cuda.rs covers the one-GPU join)
+# communicators join through the agent's TCPStore, and one process's 2 CUDA ranks join
+# theirs through a loopback store; both against 2 CPU ranks (tests/cuda.rs covers the
+# one-GPU join)
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 if part tiny && [ "$GPUS" -ge 2 ]; then
   run tiny-nccl-2proc $PY -m torch.distributed.run --nproc_per_node 2 --no-python "$BIN" train \
@@ -94,6 +97,10 @@ if part tiny && [ "$GPUS" -ge 2 ]; then
     --set train.steps=40 --set bf16.enabled=true --set zero_optimization.stage=3 \
     --set train.output_dir="$WORK/tiny-threads-2"
   compare tiny-threads-2 tiny-nccl-2proc
+  run tiny-cpu-threads-2 "$BIN" train --config configs/default.json --devices 2 \
+    --set train.steps=40 --set bf16.enabled=true --set zero_optimization.stage=3 \
+    --set train.output_dir="$WORK/tiny-cpu-threads-2"
+  compare tiny-cpu-threads-2 tiny-threads-2
 fi
 
 big() { # name, config

@@ -270,6 +270,27 @@ fn every_collective_is_issued_from_one_thread_in_one_order() {
     }
 }
 
+/// The ranks of one process wired as CUDA ranks are (a c10d store served on a loopback
+/// port, communicators joined through it; Gloo here where a GPU would use NCCL) train the
+/// bits of `Local`: two ranks sum in the same order.
+#[test]
+fn ranks_of_one_process_through_a_loopback_store_train_the_bits_of_local() {
+    let dir = disk_dir();
+    for stage in [1u8, 3] {
+        let p = plan(2, stage, "none", "cpu", 2, dir.path(), "fp32");
+        let run = |c10d_in_process| {
+            let options = TrainOptions {
+                collect_master: true,
+                lanes: Some(CHECKED),
+                c10d_in_process,
+                ..TrainOptions::default()
+            };
+            train(&p, options).unwrap().master
+        };
+        assert!(run(true) == run(false), "stage {stage}");
+    }
+}
+
 /// `pin_memory` locks the gradient and optimizer arenas in RAM (best effort: the limit is
 /// RLIMIT_MEMLOCK): it changes where the state lives, never what the run computes.
 #[test]

@@ -81,6 +81,9 @@ pub struct TrainOptions<'a> {
     /// any collective issued out of the ranks' common order or two at once by one rank,
     /// so a run that passes issues them as NCCL needs, from one thread per rank).
     pub one_communicator: bool,
+    /// Ranks in one process talk through c10d as CUDA ranks do (a store served here on a
+    /// loopback port; Gloo for CPU ranks): tests of that path without a GPU.
+    pub c10d_in_process: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -441,7 +444,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     let trace = options.trace || plan.train.trace;
     let timeline = Timeline::new(trace);
     let (tx, rx) = crossbeam_channel::unbounded::<RankMessage>();
-    let comms = communicators(plan, options.one_communicator)?;
+    let comms = communicators(plan, options.one_communicator, options.c10d_in_process)?;
     let mut result = TrainResult {
         loss_floor,
         ..TrainResult::default()
@@ -686,12 +689,16 @@ fn local_comms(world: usize, one: bool) -> Vec<Comms<Local>> {
         .collect()
 }
 
-/// This process's ranks' communicators: `Local` in one process, Gloo over c10d's store
-/// across several.
-fn communicators(plan: &Plan, one: bool) -> Result<Vec<Comms<Group>>, TrainError> {
+/// This process's ranks' communicators: `Local` for CPU ranks in one process, Gloo over
+/// c10d's store for CPU ranks across several; NCCL for CUDA ranks, through the same
+/// store across processes, or through one served here on a loopback port when the
+/// ranks are threads of this process (so gathers and reductions run GPU to GPU, and an
+/// abort reaches every rank through the watchdog).
+fn communicators(plan: &Plan, one: bool, c10d: bool) -> Result<Vec<Comms<Group>>, TrainError> {
     let world = plan.world_size;
     let launch = &plan.train.launch;
-    if launch.nnodes == 1 {
+    let cuda_ranks = plan.train.accelerator == crate::config::plan::Accelerator::Cuda && world > 1;
+    if launch.nnodes == 1 && !cuda_ranks && !c10d {
         let comms = local_comms(world, one)
             .into_iter()
             .map(|c| Comms {
@@ -705,15 +712,25 @@ fn communicators(plan: &Plan, one: bool) -> Result<Vec<Comms<Group>>, TrainError
     // several processes: c10d's TCPStore on the master address — torchrun's agent serves
     // it when it says so, else node 0 does — and Gloo communicators over it
     let timeout = std::time::Duration::from_secs(launch.timeout_s);
-    let agent = std::env::var("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Ok("True");
-    let serve = !agent && launch.node_rank == 0;
+    let (address, port, serve) = if launch.nnodes == 1 {
+        let port = crate::comm::gloo::free_loopback_port()
+            .map_err(|e| TrainError::Invalid(format!("no free loopback port for the ranks' store: {e}")))?;
+        ("127.0.0.1".to_string(), port, true)
+    } else {
+        let agent = std::env::var("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Ok("True");
+        (
+            launch.master_addr.clone(),
+            launch.master_port,
+            !agent && launch.node_rank == 0,
+        )
+    };
     let first = plan.train.local_ranks().start;
     // every rank joins its three communicators in the same order; the ranks of this
     // process join concurrently (each join waits for all ranks), each through its own
     // connection to the store (a client blocks in a wait while Gloo rendezvous)
     let comms = join_concurrently(plan.train.local_ranks(), |rank| {
         let serves = serve && rank == first;
-        let store = Store::connect(&launch.master_addr, launch.master_port, serves, timeout)?;
+        let store = Store::connect(&address, port, serves, timeout)?;
         let joined = (|| {
             // CUDA ranks: NCCL communicators bootstrapped through the same store
             let cuda = match plan.train.compute_device(rank) {
