@@ -291,6 +291,22 @@ fn ranks_of_one_process_through_a_loopback_store_train_the_bits_of_local() {
     }
 }
 
+/// `reduce_bucket_size` (DeepSpeed: elements reduced at a time) sets the reduction's
+/// chunk — every rank's stretches together — and changes no bit of the run; the plan's
+/// device prediction follows the bucket down.
+#[test]
+fn reduce_bucket_size_chunks_the_reduction_without_changing_a_bit() {
+    let dir = disk_dir();
+    for stage in [2u8, 3] {
+        let mut p = plan(3, stage, "none", "cpu", 2, dir.path(), "fp32");
+        let whole = master(&p);
+        let predicted = tierzero::zero::memory::predict(&p).transient;
+        p.zero.reduce_bucket_size = 96;
+        assert!(master(&p) == whole, "stage {stage}");
+        assert!(tierzero::zero::memory::predict(&p).transient < predicted, "stage {stage}");
+    }
+}
+
 /// `pin_memory` locks the gradient and optimizer arenas in RAM (best effort: the limit is
 /// RLIMIT_MEMLOCK): it changes where the state lives, never what the run computes.
 #[test]

@@ -40,7 +40,6 @@ pub const NOT_YET_ACTED: &[&str] = &[
     "zero_optimization.contiguous_gradients",
     "zero_optimization.reduce_scatter",
     "zero_optimization.allgather_partitions",
-    "zero_optimization.reduce_bucket_size",
     "zero_optimization.allgather_bucket_size",
     "zero_optimization.stage3_max_reuse_distance",
     "zero_optimization.offload_param.pin_memory",

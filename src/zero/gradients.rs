@@ -8,7 +8,7 @@ use super::error::{EngineError, On};
 use super::grad_store::{Acc, GradStream};
 use super::grads::Grads;
 use super::partition::Partition;
-use super::reduce::{reduce_into, ChunkBuffers, Reducer, Target, CHUNK_LIMIT, DEPTH};
+use super::reduce::{reduce_into, ChunkBuffers, Reducer, Target, DEPTH};
 use crate::comm::{Collective, ReduceOp};
 use crate::config::plan::Wire;
 use crate::metrics::timeline::Track;
@@ -85,6 +85,8 @@ pub(super) struct Gradients<'a, C: Collective> {
     chunk_buffers: ChunkBuffers,
     /// What gradients travel as between ranks.
     wire: Wire,
+    /// Elements reduced at a time (`reduce::chunk_elements`).
+    chunk: usize,
 }
 
 impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
@@ -92,7 +94,8 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// reduction in flight, else in one arena (and at stage 1 the partition copies in
     /// another), allocated here once for the run.
     pub(super) fn new(
-        (stage, rank, bf16, wire): (u8, usize, bool, Wire),
+        (stage, rank, bf16): (u8, usize, bool),
+        (wire, chunk): (Wire, usize),
         parts: Vec<Partition>,
         partitions: Vec<Range<usize>>,
         pinning: &Pinning,
@@ -143,8 +146,9 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             bf16,
             reducer: None,
             overlap: false,
-            chunk_buffers: ChunkBuffers::new(wire.kind()),
+            chunk_buffers: ChunkBuffers::new(wire.kind(), chunk),
             wire,
+            chunk,
         })
     }
 
@@ -240,7 +244,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
 
     /// Returns the chunk buffers for a reduce lane to use.
     pub(super) fn lend_chunk_buffers(&mut self) -> ChunkBuffers {
-        std::mem::replace(&mut self.chunk_buffers, ChunkBuffers::new(self.wire.kind()))
+        std::mem::replace(&mut self.chunk_buffers, ChunkBuffers::new(self.wire.kind(), self.chunk))
     }
 
     /// Adds a unit's flat gradient (numel elements, the compute kind) into its
@@ -285,7 +289,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             &mut acc,
             &mut self.chunk_buffers,
             track,
-            CHUNK_LIMIT,
+            self.chunk,
         )
         .and_then(|()| acc.finish(track));
         self.settle(u, acc, result.is_ok());

@@ -13,7 +13,7 @@
 use super::memory::predict;
 use super::partition::Partition;
 use super::prefetch::MAX_IN_FLIGHT;
-use super::reduce::{CHUNK_LIMIT, DEPTH};
+use super::reduce::{chunk_elements, DEPTH};
 use super::trainer::SWAP_CHUNK_LIMIT;
 use crate::config::plan::{Accelerator, Plan, Tier, Wire};
 use serde::Serialize;
@@ -120,7 +120,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         }
     } else if elem != 4 || !cpu {
         // a stretch of the gradient as fp32 for the accumulator
-        rank.buffers += 4 * (CHUNK_LIMIT as u64).min(max_numel);
+        rank.buffers += 4 * (chunk_elements(plan) as u64).min(max_numel);
     }
     if cpu {
         let hidden = plan.model.config.hidden_size as u64;

@@ -114,7 +114,7 @@ pub fn reduce_bucket_elements(plan: &Plan, parts: &[Partition]) -> u64 {
     }
     parts
         .iter()
-        .map(|p| (super::reduce::CHUNK_LIMIT / world).max(1).min(p.shard) * world)
+        .map(|p| (super::reduce::chunk_elements(plan) / world).max(1).min(p.shard) * world)
         .max()
         .unwrap_or(0) as u64
 }

@@ -167,7 +167,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let pinning = host_pinning(plan, compute, rank)?;
         let bf16_grads = bf16_gradients(plan);
         let grads = Gradients::new(
-            (stage, rank, bf16_grads, plan.communication),
+            (stage, rank, bf16_grads),
+            (plan.communication, super::reduce::chunk_elements(plan)),
             parts.clone(),
             partitions.clone(),
             &pinning,

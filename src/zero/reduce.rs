@@ -2,7 +2,7 @@
 //! (`overlap_comm`, stages 2 and 3).
 //!
 //! A unit's flat gradient (a tensor of the compute kind on the rank's device) is reduced
-//! on the device in chunks of at most [`CHUNK_LIMIT`] elements. Each chunk gathers the
+//! on the device in chunks of `reduce_bucket_size` elements, at most [`CHUNK_LIMIT`]. Each chunk gathers the
 //! same stretch of every rank's shard into a device bucket in the communication type
 //! (`communication_data_type`: the training precision unless the config says otherwise),
 //! so the reduce-scatter of the bucket leaves this rank its own stretch; only that
@@ -33,8 +33,14 @@ use tch::{Kind, Tensor};
 /// Gradients in flight on the lane at most.
 pub const DEPTH: usize = 2;
 
-/// Elements of one chunk (all ranks' stretches together): 16 MiB in fp32.
+/// Elements of one chunk (all ranks' stretches together) at most: 16 MiB in fp32.
 pub const CHUNK_LIMIT: usize = 1 << 22;
+
+/// Elements of one chunk: DeepSpeed's `reduce_bucket_size` ("elements reduced at a
+/// time"), at most [`CHUNK_LIMIT`] (its default 5e8 would hold 2 GB in fp32).
+pub fn chunk_elements(plan: &crate::config::Plan) -> usize {
+    plan.zero.reduce_bucket_size.clamp(1, CHUNK_LIMIT)
+}
 
 /// The buffers of a chunked reduction, reused across units and steps: on the device the
 /// bucket (every rank's stretches) and this rank's reduced stretch, and in host memory
@@ -43,15 +49,18 @@ pub const CHUNK_LIMIT: usize = 1 << 22;
 pub struct ChunkBuffers {
     /// What gradients travel as between ranks.
     wire: Kind,
+    /// Elements of a chunk ([`chunk_elements`]).
+    chunk: usize,
     bucket: Option<Tensor>,
     reduced: Option<Tensor>,
     host: Vec<f32>,
 }
 
 impl ChunkBuffers {
-    pub fn new(wire: Kind) -> ChunkBuffers {
+    pub fn new(wire: Kind, chunk: usize) -> ChunkBuffers {
         ChunkBuffers {
             wire,
+            chunk,
             bucket: None,
             reduced: None,
             host: Vec::new(),
@@ -210,7 +219,8 @@ pub struct Reducer<'env, C: Collective> {
     in_flight: VecDeque<InFlight<'env>>,
     /// Used by one job at a time (the lane runs them in order).
     buffers: Arc<Mutex<ChunkBuffers>>,
-    wire: Kind,
+    /// The buffers' communication type and chunk, to make new ones if they are lost.
+    shape: (Kind, usize),
 }
 
 impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
@@ -220,7 +230,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
             comm,
             track,
             in_flight: VecDeque::new(),
-            wire: buffers.wire,
+            shape: (buffers.wire, buffers.chunk),
             buffers: Arc::new(Mutex::new(buffers)),
         }
     }
@@ -262,6 +272,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
         let done = self.lane.submit(move || {
             let mut acc = acc;
             let mut buffers = buffers.lock().unwrap_or_else(|e| e.into_inner());
+            let chunk = buffers.chunk;
             let result = reduce_into(
                 &comm,
                 Target::Shard,
@@ -271,7 +282,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
                 &mut acc,
                 &mut buffers,
                 &track,
-                CHUNK_LIMIT,
+                chunk,
             )
             .and_then(|()| acc.finish(&track));
             let message = result.as_ref().err().map(|e| e.to_string());
@@ -314,10 +325,10 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
         for job in &self.in_flight {
             let _ = job.done.synchronize();
         }
-        let wire = self.wire;
+        let (wire, chunk) = self.shape;
         let buffers =
             Arc::try_unwrap(self.buffers).map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()));
-        buffers.unwrap_or_else(|_| ChunkBuffers::new(wire))
+        buffers.unwrap_or_else(|_| ChunkBuffers::new(wire, chunk))
     }
 }
 
@@ -354,7 +365,7 @@ mod tests {
                             let mut outcomes = Vec::new();
                             for chunk in [world, 7 * world, 64 * world, usize::MAX] {
                                 let mut acc = Grads::from_f32(&start).unwrap();
-                                let mut buffers = ChunkBuffers::new(Kind::Float);
+                                let mut buffers = ChunkBuffers::new(Kind::Float, CHUNK_LIMIT);
                                 let track = Track::disabled();
                                 reduce_into(
                                     &comm,
@@ -419,7 +430,7 @@ mod tests {
                         let mut expected = vec![0f32; part.shard];
                         comm.reduce_scatter(&full, &mut expected, ReduceOp::Avg).unwrap();
                         let mut acc = Grads::zeros(part.shard, false).unwrap();
-                        let (mut buffers, track) = (ChunkBuffers::new(Kind::Float), Track::disabled());
+                        let (mut buffers, track) = (ChunkBuffers::new(Kind::Float, CHUNK_LIMIT), Track::disabled());
                         let grad = Tensor::from_slice(&values);
                         reduce_into(
                             &comm,
