@@ -303,7 +303,10 @@ fn reduce_bucket_size_chunks_the_reduction_without_changing_a_bit() {
         let predicted = tierzero::zero::memory::predict(&p).transient;
         p.zero.reduce_bucket_size = 96;
         assert!(master(&p) == whole, "stage {stage}");
-        assert!(tierzero::zero::memory::predict(&p).transient < predicted, "stage {stage}");
+        assert!(
+            tierzero::zero::memory::predict(&p).transient < predicted,
+            "stage {stage}"
+        );
     }
 }
 

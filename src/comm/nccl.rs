@@ -250,14 +250,15 @@ impl Nccl {
             rank: self.rank,
             reason,
         };
+        // one enqueue at a time per GPU, the stream ordering included: NCCL calls are
+        // re-entrant, not thread-safe, and the chain compute → collective → compute must
+        // not interleave with another thread's
+        let _device = device_lock(self.cuda.ordinal());
         let compute = self.cuda.compute_stream().map_err(|e| fail(e.to_string()))?;
         let stream = &self.stream;
         self.cuda
             .order(&compute, stream)
             .map_err(|e| fail(e.to_string()))?;
-        // one enqueue at a time per GPU: the lanes drive this device's communicators
-        // from several threads, and NCCL calls are re-entrant, not thread-safe
-        let _device = device_lock(self.cuda.ordinal());
         let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
         if comm.0.is_null() {
             return Err(fail("the communicator was aborted".into()));

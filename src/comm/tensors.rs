@@ -28,6 +28,13 @@ pub fn all_gather<C: Collective + ?Sized>(comm: &C, shard: &Tensor, out: &Tensor
             comm.world()
         )));
     }
+    if comm.world() == 1 {
+        // nothing to exchange: a copy on the device
+        return out
+            .shallow_clone()
+            .f_copy_(&shard.f_view_as(out).map_err(torch_err)?)
+            .map_err(torch_err);
+    }
     if shard.device() != Device::Cpu || out.device() != Device::Cpu {
         let host_shard = shard
             .f_to(Device::Cpu)
@@ -100,24 +107,34 @@ pub fn reduce_scatter<C: Collective + ?Sized>(
     match full.kind() {
         tch::Kind::Float if on_host => reduce_as::<f32, C>(comm, full, out, op),
         tch::Kind::Double if on_host => reduce_as::<f64, C>(comm, full, out, op),
-        _ => {
+        _ => WIDE.with(|wide| {
             // fp32 copies in host memory (16-bit values widened), the result rounded once
             // into `out`'s kind
-            let mut full32 = vec![0f32; full.numel()];
-            torch::copy_to_f32(full, &mut full32).map_err(torch_err)?;
-            let mut out32 = vec![0f32; out.numel()];
-            comm.reduce_scatter(&full32, &mut out32, op)?;
-            let rounded: Vec<u16> = match out.kind() {
+            let (full32, out32, rounded) = &mut *wide.borrow_mut();
+            full32.resize(full.numel(), 0.0);
+            out32.resize(out.numel(), 0.0);
+            torch::widen_to_f32(full, full32).map_err(torch_err)?;
+            comm.reduce_scatter(full32, out32, op)?;
+            let round: fn(f32) -> u16 = match out.kind() {
                 tch::Kind::Float => {
-                    return torch::copy_from_host(out, torch::pod_bytes(&out32)).map_err(torch_err)
+                    return torch::copy_from_host(out, torch::pod_bytes(out32)).map_err(torch_err)
                 }
-                tch::Kind::BFloat16 => out32.iter().map(|&x| f32_to_bf16(x)).collect(),
-                tch::Kind::Half => out32.iter().map(|&x| f32_to_f16(x)).collect(),
+                tch::Kind::BFloat16 => f32_to_bf16,
+                tch::Kind::Half => f32_to_f16,
                 other => return Err(fail(format!("no reduce-scatter of {other:?}"))),
             };
-            torch::copy_from_host(out, torch::pod_bytes(&rounded)).map_err(torch_err)
-        }
+            rounded.clear();
+            rounded.extend(out32.iter().map(|&x| round(x)));
+            torch::copy_from_host(out, torch::pod_bytes(rounded)).map_err(torch_err)
+        }),
     }
+}
+
+thread_local! {
+    /// The fp32 input and output and the rounded result of a 16-bit reduction, kept per
+    /// thread (the collectives lane calls one at a time) so that a step does not
+    /// allocate a chunk's worth for each call.
+    static WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<u16>)> = Default::default();
 }
 
 /// The reduce-scatter on host views of two CPU tensors of `T`.

@@ -80,6 +80,27 @@ pub fn copy_to_f32(t: &Tensor, out: &mut [f32]) -> Result<(), TchError> {
     t.f_copy_data_u8(pod_bytes_mut(out), numel)
 }
 
+/// Copies a 1-D tensor into `out` as fp32 like [`copy_to_f32`], widening a contiguous
+/// 16-bit CPU tensor in place of a temporary fp32 tensor.
+pub fn widen_to_f32(t: &Tensor, out: &mut [f32]) -> Result<(), TchError> {
+    use tierzero_offload::convert::{bf16_to_f32, f16_to_f32};
+    let widen: fn(u16) -> f32 = match t.f_kind()? {
+        Kind::BFloat16 => bf16_to_f32,
+        Kind::Half => f16_to_f32,
+        _ => return copy_to_f32(t, out),
+    };
+    if t.device() != Device::Cpu || !t.is_contiguous() || t.numel() != out.len() {
+        return copy_to_f32(t, out);
+    }
+    // SAFETY: a contiguous CPU tensor of 2-byte elements, only read; the caller does not
+    // write it meanwhile.
+    let bits = unsafe { host_slice::<u16>(t, out.len()) }?;
+    for (o, &b) in out.iter_mut().zip(bits) {
+        *o = widen(b);
+    }
+    Ok(())
+}
+
 /// Adds a tensor (any float kind) into `out` as fp32.
 pub fn add_to_f32(t: &Tensor, out: &mut [f32]) -> Result<(), TchError> {
     let mut tmp = vec![0f32; out.len()];

@@ -244,7 +244,10 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
 
     /// Returns the chunk buffers for a reduce lane to use.
     pub(super) fn lend_chunk_buffers(&mut self) -> ChunkBuffers {
-        std::mem::replace(&mut self.chunk_buffers, ChunkBuffers::new(self.wire.kind(), self.chunk))
+        std::mem::replace(
+            &mut self.chunk_buffers,
+            ChunkBuffers::new(self.wire.kind(), self.chunk),
+        )
     }
 
     /// Adds a unit's flat gradient (numel elements, the compute kind) into its

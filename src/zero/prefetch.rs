@@ -465,9 +465,9 @@ impl<C: Collective> Fetcher<C> {
         let shard = shard.f_narrow(0, 0, part.shard as i64).map_err(torch_err)?;
         let full = out.f_narrow(0, 0, part.padded as i64).map_err(torch_err)?;
         // the shard is read only by this job until its event (a staging shard was written
-        // by the h2d lane before: the gather lane waited for it; a stored shard is never
-        // written in place); the unit buffer is written only here and read by compute
-        // after this job's event
+        // by the h2d lane before: the gather lane waited for it; a stored shard is written
+        // only by its update, installed before the fetch was requested); the unit buffer
+        // is written only here and read by compute after this job's event
         self.comm.all_gather_tensor(&shard, &full)?;
         let bytes = (part.padded * self.precision.bytes()) as u64;
         self.gather_track

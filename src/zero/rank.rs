@@ -383,16 +383,23 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 plan.zero.overlap_comm,
             );
             self.collectives = Some(lane);
-            let result = run(self);
-            if let Err(e) = &result {
+            // a panic must not leave a handle on the lane: the scope would wait for its
+            // thread forever instead of letting the panic reach the trainer
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(self)));
+            let failure = match &result {
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(_) => Some(format!("rank {rank} panicked")),
+                Ok(Ok(_)) => None,
+            };
+            if let Some(reason) = failure {
                 for comm in &aborts {
-                    comm.abort(&e.to_string());
+                    comm.abort(&reason);
                 }
             }
             // every handle on the lane goes before the scope joins its thread
             self.collectives = None;
             let stopped = self.grads.stop_reducing();
-            let loss = result?;
+            let loss = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
             stopped.map(|()| loss)
         })
     }
@@ -462,12 +469,20 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             persistence_threshold: threshold,
         };
         let buffers = self.units.lend_gather_buffers(self.lanes.mode);
-        let (gather_comm, mode, rank) = (self.gather_comm.clone(), self.lanes.mode, self.rank);
-        let collectives = self.collectives.clone();
+        let comms = [self.gather_comm.clone(), self.reduce_comm.clone()];
+        let (mode, rank) = (self.lanes.mode, self.rank);
+        // the step's collectives lane (`micro_batches`): a lane of their own would issue
+        // gathers from a second thread
+        let Some(collectives) = self.collectives.clone() else {
+            return Err(EngineError::Invariant {
+                rank,
+                what: "stage-3 prefetch outside the step's collectives lane",
+            });
+        };
         std::thread::scope(|scope| {
             let lanes = FetchLanes {
                 h2d: Lane::start(scope, rank, "h2d", mode),
-                gather: collectives.unwrap_or_else(|| Arc::new(Lane::start(scope, rank, "gather", mode))),
+                gather: collectives,
             };
             let mut prefetcher = Prefetcher::new(
                 order,
@@ -481,7 +496,10 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             );
             let result = body(self, Some(&mut prefetcher));
             if let Err(e) = &result {
-                gather_comm.abort(&e.to_string());
+                // the lane may hold reductions too: no job on it may wait forever
+                for comm in &comms {
+                    comm.abort(&e.to_string());
+                }
             }
             self.units.return_gather_buffers(prefetcher.finish());
             result

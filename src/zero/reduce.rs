@@ -95,7 +95,7 @@ fn host_f32<'b>(t: &'b Tensor, host: &'b mut Vec<f32>) -> Result<&'b [f32], tch:
         return unsafe { torch::host_slice::<f32>(t, t.numel()) };
     }
     host.resize(t.numel(), 0.0);
-    torch::copy_to_f32(t, host)?;
+    torch::widen_to_f32(t, host)?;
     Ok(host)
 }
 
@@ -430,7 +430,8 @@ mod tests {
                         let mut expected = vec![0f32; part.shard];
                         comm.reduce_scatter(&full, &mut expected, ReduceOp::Avg).unwrap();
                         let mut acc = Grads::zeros(part.shard, false).unwrap();
-                        let (mut buffers, track) = (ChunkBuffers::new(Kind::Float, CHUNK_LIMIT), Track::disabled());
+                        let (mut buffers, track) =
+                            (ChunkBuffers::new(Kind::Float, CHUNK_LIMIT), Track::disabled());
                         let grad = Tensor::from_slice(&values);
                         reduce_into(
                             &comm,
