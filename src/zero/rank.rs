@@ -630,10 +630,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             Tier::Device => 0,
             _ => self.grads.bytes(),
         };
-        let params = match zero.offload_param.tier {
-            Tier::Cpu => self.units.memory_bytes(),
-            _ => 0,
-        };
+        let params = self.units.memory_bytes();
         TierBytes {
             device: self.device.take_window_peak(),
             host: (params + optimizer + grads) as u64,

@@ -410,13 +410,18 @@ impl<'a> Units<'a> {
         Ok(())
     }
 
-    /// Host bytes of parameters kept in memory.
+    /// Host bytes of parameters: those kept in host memory, and the host buffers the
+    /// CPU optimizer writes new partitions into.
     pub(super) fn memory_bytes(&self) -> usize {
         self.units
             .iter()
-            .map(|u| match &u.params {
-                Params::Host(p) => p.as_bytes().len(),
-                Params::Device(_) | Params::Nvme(_) => 0,
+            .map(|u| {
+                let spare = u.spare.as_ref().map_or(0, |p| p.as_bytes().len());
+                spare
+                    + match &u.params {
+                        Params::Host(p) => p.as_bytes().len(),
+                        Params::Device(_) | Params::Nvme(_) => 0,
+                    }
             })
             .sum()
     }
