@@ -86,15 +86,17 @@ fn master_with(plan: &Plan, blocking_optimizer: bool) -> Vec<Vec<f32>> {
     result.master
 }
 
-/// The largest max |Δ| / max |w| over the units.
-fn max_relative(got: &[Vec<f32>], expected: &[Vec<f32>]) -> f32 {
-    got.iter()
-        .zip(expected)
-        .map(|(a, b)| {
-            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-            a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
-        })
-        .fold(0f32, f32::max)
+/// The master weights of a run whose ranks' communicators are one (`one_communicator`)
+/// or joined through a c10d store in this process (`c10d_in_process`).
+fn master_wired(plan: &Plan, one_communicator: bool, c10d_in_process: bool) -> Vec<Vec<f32>> {
+    let options = TrainOptions {
+        collect_master: true,
+        lanes: Some(CHECKED),
+        one_communicator,
+        c10d_in_process,
+        ..TrainOptions::default()
+    };
+    train(plan, options).unwrap().master
 }
 
 fn assert_close(what: &str, got: &[Vec<f32>], expected: &[Vec<f32>], tolerance: f32) {
@@ -217,8 +219,8 @@ fn gradients_travel_in_the_communication_data_type() {
         let in_fp32 = master(&p);
         assert!(in_bf16 != in_fp32, "stage {stage}: the wire changed nothing");
         let (fp32_gap, bf16_gap) = (
-            max_relative(&in_fp32, &reference),
-            max_relative(&in_bf16, &reference),
+            super::checkpoint::max_rel_diff(&in_fp32, &reference),
+            super::checkpoint::max_rel_diff(&in_bf16, &reference),
         );
         println!("stage {stage}: fp32 wire {fp32_gap:e}, bf16 wire {bf16_gap:e}");
         assert!(
@@ -256,17 +258,11 @@ fn every_collective_is_issued_from_one_thread_in_one_order() {
             p.zero.param_persistence_threshold = 4000;
             p.model.config.tie_word_embeddings = true;
         }
-        let run = |one_communicator| {
-            let options = TrainOptions {
-                collect_master: true,
-                lanes: Some(CHECKED),
-                one_communicator,
-                ..TrainOptions::default()
-            };
-            train(&p, options).unwrap().master
-        };
         let what = format!("world {world} stage {stage} param {param} overlap_comm {overlap_comm} bucket {bucket} persistent {persistent}");
-        assert!(run(true) == run(false), "{what}");
+        assert!(
+            master_wired(&p, true, false) == master_wired(&p, false, false),
+            "{what}"
+        );
     }
 }
 
@@ -278,16 +274,10 @@ fn ranks_of_one_process_through_a_loopback_store_train_the_bits_of_local() {
     let dir = disk_dir();
     for stage in [1u8, 3] {
         let p = plan(2, stage, "none", "cpu", 2, dir.path(), "fp32");
-        let run = |c10d_in_process| {
-            let options = TrainOptions {
-                collect_master: true,
-                lanes: Some(CHECKED),
-                c10d_in_process,
-                ..TrainOptions::default()
-            };
-            train(&p, options).unwrap().master
-        };
-        assert!(run(true) == run(false), "stage {stage}");
+        assert!(
+            master_wired(&p, false, true) == master_wired(&p, false, false),
+            "stage {stage}"
+        );
     }
 }
 

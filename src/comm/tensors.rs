@@ -12,22 +12,9 @@ use tierzero_offload::convert::{f32_to_bf16, f32_to_f16};
 /// `out` (world × shard's elements, same kind) receives every rank's `shard` in rank
 /// order, through host memory.
 pub fn all_gather<C: Collective + ?Sized>(comm: &C, shard: &Tensor, out: &Tensor) -> Result<(), CommError> {
-    let fail = |message: String| CommError::Shape {
-        rank: comm.rank(),
-        op: "all_gather",
-        message,
-    };
+    let fail = failure(comm.rank(), "all_gather");
     let torch_err = |e: tch::TchError| fail(e.to_string());
-    if shard.kind() != out.kind() || out.numel() != shard.numel() * comm.world() {
-        return Err(fail(format!(
-            "shard of {} {:?}, output of {} {:?}, world {}",
-            shard.numel(),
-            shard.kind(),
-            out.numel(),
-            out.kind(),
-            comm.world()
-        )));
-    }
+    check_sizes(comm, "all_gather", shard, out)?;
     if comm.world() == 1 {
         // nothing to exchange: a copy on the device
         return out
@@ -56,26 +43,65 @@ pub fn all_gather<C: Collective + ?Sized>(comm: &C, shard: &Tensor, out: &Tensor
     }
 }
 
-/// The all-gather on host views of two CPU tensors, as `T`s of their element size.
+/// The error of collective `op` on `rank`, with a message.
+fn failure(rank: usize, op: &'static str) -> impl Fn(String) -> CommError {
+    move |message| CommError::Shape { rank, op, message }
+}
+
+/// Checks that `whole` holds world × `piece`'s elements, of the same kind.
+fn check_sizes<C: Collective + ?Sized>(
+    comm: &C,
+    op: &'static str,
+    piece: &Tensor,
+    whole: &Tensor,
+) -> Result<(), CommError> {
+    if piece.kind() == whole.kind() && whole.numel() == piece.numel() * comm.world() {
+        return Ok(());
+    }
+    Err(failure(comm.rank(), op)(format!(
+        "this rank's piece has {} {:?}, the whole {} {:?}, world {}",
+        piece.numel(),
+        piece.kind(),
+        whole.numel(),
+        whole.kind(),
+        comm.world()
+    )))
+}
+
+/// Host views of two CPU tensors as `T`s of their element size: `input` to read, `out`
+/// to write.
+///
+/// # Safety
+/// `input` is only read for the views' lifetime (its owner does not write it while a
+/// collective reads it); `out` is the caller's alone until the collective returns (the
+/// lanes' contract: a gathered or reduced buffer is read only after its job's event).
+// A tensor handle shares its storage, so the mutable view comes from a shared handle;
+// exclusivity is the caller's contract (as for `torch::host_slice_mut`).
+#[allow(clippy::mut_from_ref)]
+unsafe fn host_views<'t, T: Element>(
+    rank: usize,
+    op: &'static str,
+    input: &'t Tensor,
+    out: &'t Tensor,
+) -> Result<(&'t [T], &'t mut [T]), CommError> {
+    let torch_err = |e: tch::TchError| failure(rank, op)(e.to_string());
+    // SAFETY: the caller's contract above.
+    unsafe {
+        Ok((
+            torch::host_slice::<T>(input, input.numel()).map_err(torch_err)?,
+            torch::host_slice_mut::<T>(out, out.numel()).map_err(torch_err)?,
+        ))
+    }
+}
+
+/// The all-gather on host views of two CPU tensors.
 fn gather_as<T: Element, C: Collective + ?Sized>(
     comm: &C,
     shard: &Tensor,
     out: &Tensor,
 ) -> Result<(), CommError> {
-    let torch_err = |e: tch::TchError| CommError::Shape {
-        rank: comm.rank(),
-        op: "all_gather",
-        message: e.to_string(),
-    };
-    // SAFETY: `shard` is only read here (its owner does not write it while a collective
-    // reads it); `out` is the caller's until the collective returns (the lanes' contract:
-    // a gathered buffer is read only after the gather's event).
-    let (shard, out) = unsafe {
-        (
-            torch::host_slice::<T>(shard, shard.numel()).map_err(torch_err)?,
-            torch::host_slice_mut::<T>(out, out.numel()).map_err(torch_err)?,
-        )
-    };
+    // SAFETY: the shard is only read; the output is this collective's (see `host_views`).
+    let (shard, out) = unsafe { host_views::<T>(comm.rank(), "all_gather", shard, out) }?;
     comm.all_gather(shard, out)
 }
 
@@ -87,22 +113,9 @@ pub fn reduce_scatter<C: Collective + ?Sized>(
     out: &Tensor,
     op: ReduceOp,
 ) -> Result<(), CommError> {
-    let fail = |message: String| CommError::Shape {
-        rank: comm.rank(),
-        op: "reduce_scatter",
-        message,
-    };
+    let fail = failure(comm.rank(), "reduce_scatter");
     let torch_err = |e: tch::TchError| fail(e.to_string());
-    if full.kind() != out.kind() || full.numel() != out.numel() * comm.world() {
-        return Err(fail(format!(
-            "input of {} {:?}, output of {} {:?}, world {}",
-            full.numel(),
-            full.kind(),
-            out.numel(),
-            out.kind(),
-            comm.world()
-        )));
-    }
+    check_sizes(comm, "reduce_scatter", out, full)?;
     let on_host = full.device() == Device::Cpu && out.device() == Device::Cpu;
     match full.kind() {
         tch::Kind::Float if on_host => reduce_as::<f32, C>(comm, full, out, op),
@@ -137,25 +150,14 @@ thread_local! {
     static WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<u16>)> = Default::default();
 }
 
-/// The reduce-scatter on host views of two CPU tensors of `T`.
+/// The reduce-scatter on host views of two CPU tensors.
 fn reduce_as<T: Element, C: Collective + ?Sized>(
     comm: &C,
     full: &Tensor,
     out: &Tensor,
     op: ReduceOp,
 ) -> Result<(), CommError> {
-    let torch_err = |e: tch::TchError| CommError::Shape {
-        rank: comm.rank(),
-        op: "reduce_scatter",
-        message: e.to_string(),
-    };
-    // SAFETY: as in `gather_as`: `full` is only read, `out` is the caller's until the
-    // collective returns.
-    let (full, out) = unsafe {
-        (
-            torch::host_slice::<T>(full, full.numel()).map_err(torch_err)?,
-            torch::host_slice_mut::<T>(out, out.numel()).map_err(torch_err)?,
-        )
-    };
+    // SAFETY: the input is only read; the output is this collective's (see `host_views`).
+    let (full, out) = unsafe { host_views::<T>(comm.rank(), "reduce_scatter", full, out) }?;
     comm.reduce_scatter(full, out, op)
 }
