@@ -196,14 +196,15 @@ pub fn copy_to_host(t: &Tensor, out: &mut [u8]) -> Result<(), TchError> {
 }
 
 /// A tensor several threads hold at once (a stored parameter shard the lanes gather
-/// from). Through `&Shared` it is only shallow-cloned; its owner writes it only while
-/// no other thread reads it (`Units::update_target` says when).
+/// from): cloning gives another handle on the same storage, which its owner writes only
+/// while no other thread reads it (`Units::update_target` says when).
 pub struct Shared(Tensor);
 
-// SAFETY: libtorch tensor handles may be shared between threads (their reference
-// counts are atomic and `&Shared` gives out only new handles); writes and reads of the
-// storage are ordered by its owner, as above.
-unsafe impl Sync for Shared {}
+impl Clone for Shared {
+    fn clone(&self) -> Shared {
+        Shared(self.0.shallow_clone())
+    }
+}
 
 impl Shared {
     pub fn new(t: Tensor) -> Shared {

@@ -85,8 +85,6 @@ pub(super) struct Gradients<'a, C: Collective> {
     chunk_buffers: ChunkBuffers,
     /// What gradients travel as between ranks.
     wire: Wire,
-    /// Elements reduced at a time (`reduce::chunk_elements`).
-    chunk: usize,
 }
 
 impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
@@ -148,7 +146,6 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             overlap: false,
             chunk_buffers: ChunkBuffers::new(wire.kind(), chunk),
             wire,
-            chunk,
         })
     }
 
@@ -244,10 +241,8 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
 
     /// Returns the chunk buffers for a reduce lane to use.
     pub(super) fn lend_chunk_buffers(&mut self) -> ChunkBuffers {
-        std::mem::replace(
-            &mut self.chunk_buffers,
-            ChunkBuffers::new(self.wire.kind(), self.chunk),
-        )
+        let fresh = self.chunk_buffers.fresh();
+        std::mem::replace(&mut self.chunk_buffers, fresh)
     }
 
     /// Adds a unit's flat gradient (numel elements, the compute kind) into its
@@ -283,6 +278,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             Target::Replica
         };
         let mut acc = self.lend(u, "compute")?;
+        let chunk = self.chunk_buffers.chunk();
         let result = reduce_into(
             comm,
             target,
@@ -292,7 +288,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             &mut acc,
             &mut self.chunk_buffers,
             track,
-            self.chunk,
+            chunk,
         )
         .and_then(|()| acc.finish(track));
         self.settle(u, acc, result.is_ok());

@@ -64,7 +64,9 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
             rank.parameters += elem
                 * match (param_tier, stage) {
                     // tensors updated in place; stages 1-2 gather from a partition
-                    (Tier::Device, 1 | 2) if world > 1 => p.padded as u64 + opt_len(p),
+                    (Tier::Device, _) if super::units::gathers_updates(stage, world) => {
+                        p.padded as u64 + opt_len(p)
+                    }
                     (Tier::Device, _) => kept(p),
                     // host buffers replaced by an update: stages 0/3 the partition and
                     // its spare, 1/2 the replica and a partition
@@ -106,8 +108,8 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     }
     // the gradient reduction's host buffers (`reduce.rs`; its device buckets are in the
     // device row's temporaries)
-    if stage >= 2 && world > 1 {
-        let bucket = super::memory::reduce_bucket_elements(plan, &parts);
+    let bucket = super::memory::reduce_bucket_elements(plan, &parts);
+    if bucket > 0 {
         let reduced = bucket / world as u64;
         let wire16 = plan.communication != Wire::Fp32;
         if wire16 || !cpu {

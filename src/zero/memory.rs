@@ -139,7 +139,7 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
     for p in &parts {
         if plan.zero.offload_param.tier == Tier::Device {
             bytes.parameters += elem * if stage == 3 { p.shard } else { p.padded } as u64;
-            if matches!(stage, 1 | 2) && world > 1 {
+            if super::units::gathers_updates(stage, world) {
                 // the new partition, all-gathered from there into the replica
                 bytes.parameters += elem * p.shard as u64;
             }

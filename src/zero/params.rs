@@ -103,7 +103,7 @@ impl LowParams {
 pub enum Params<'a> {
     /// On the rank's device (`offload_param: none`): a 1-D tensor of the compute kind —
     /// a CPU tensor on CPU devices, GPU memory on a CUDA rank.
-    Device(Arc<Shared>),
+    Device(Shared),
     /// In host memory (`offload_param: cpu`).
     Host(Arc<LowParams>),
     /// In the NVMe parameter store (`offload_param: nvme`), under (unit, rank, `Param`).

@@ -280,7 +280,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
         let gathered = match shard {
             Source::Device(stored) => {
                 let (f, out) = (f.clone(), buffer.shallow_clone());
-                // the lane's handle keeps the shard from reuse until the gather is done
+                // the job holds its own handle on the stored shard
                 self.lanes
                     .gather
                     .submit(move || f.gather(unit, &stored.tensor(), &out).map_err(|e| e.to_string()))

@@ -229,7 +229,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             // what of this unit sits on the device for the whole run
             if plan.zero.offload_param.tier == Tier::Device {
                 // stages 1-2 gather each update from a partition of its own (`units.rs`)
-                let gathered_from = if matches!(stage, 1 | 2) && world > 1 {
+                let gathered_from = if super::units::gathers_updates(stage, world) {
                     part.shard
                 } else {
                     0

@@ -66,6 +66,16 @@ impl ChunkBuffers {
             host: Vec::new(),
         }
     }
+
+    /// New buffers of the same communication type and chunk (none allocated yet).
+    pub fn fresh(&self) -> ChunkBuffers {
+        ChunkBuffers::new(self.wire, self.chunk)
+    }
+
+    /// Elements of a chunk.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
 }
 
 /// The first `len` elements of the buffer in `slot`, which is made (or remade larger)
@@ -91,7 +101,8 @@ fn slot_view(
 /// (device memory on CPU devices), else copied into `host`.
 fn host_f32<'b>(t: &'b Tensor, host: &'b mut Vec<f32>) -> Result<&'b [f32], tch::TchError> {
     if t.device() == tch::Device::Cpu && t.kind() == Kind::Float {
-        // SAFETY: the chunk buffer is this reduction's alone while the slice is read.
+        // SAFETY: only read while the slice lives: a chunk buffer of this reduction, or
+        // the gradient, which nothing writes once backward produced it.
         return unsafe { torch::host_slice::<f32>(t, t.numel()) };
     }
     host.resize(t.numel(), 0.0);
@@ -152,7 +163,7 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
                 let host = &mut buffers.host;
                 host.resize(k, 0.0);
                 if !real.is_empty() {
-                    torch::copy_to_f32(&view, &mut host[..real.len()]).map_err(torch_err)?;
+                    torch::widen_to_f32(&view, &mut host[..real.len()]).map_err(torch_err)?;
                 }
                 host[real.len()..].fill(0.0);
                 &host[..]
@@ -219,8 +230,6 @@ pub struct Reducer<'env, C: Collective> {
     in_flight: VecDeque<InFlight<'env>>,
     /// Used by one job at a time (the lane runs them in order).
     buffers: Arc<Mutex<ChunkBuffers>>,
-    /// The buffers' communication type and chunk, to make new ones if they are lost.
-    shape: (Kind, usize),
 }
 
 impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
@@ -230,7 +239,6 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
             comm,
             track,
             in_flight: VecDeque::new(),
-            shape: (buffers.wire, buffers.chunk),
             buffers: Arc::new(Mutex::new(buffers)),
         }
     }
@@ -272,7 +280,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
         let done = self.lane.submit(move || {
             let mut acc = acc;
             let mut buffers = buffers.lock().unwrap_or_else(|e| e.into_inner());
-            let chunk = buffers.chunk;
+            let chunk = buffers.chunk();
             let result = reduce_into(
                 &comm,
                 Target::Shard,
@@ -325,10 +333,11 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
         for job in &self.in_flight {
             let _ = job.done.synchronize();
         }
-        let (wire, chunk) = self.shape;
-        let buffers =
-            Arc::try_unwrap(self.buffers).map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()));
-        buffers.unwrap_or_else(|_| ChunkBuffers::new(wire, chunk))
+        match Arc::try_unwrap(self.buffers) {
+            Ok(buffers) => buffers.into_inner().unwrap_or_else(|e| e.into_inner()),
+            // a job still holds them: new ones of the same shape
+            Err(shared) => shared.lock().unwrap_or_else(|e| e.into_inner()).fresh(),
+        }
     }
 }
 

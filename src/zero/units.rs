@@ -109,7 +109,7 @@ impl<'a> Units<'a> {
             Home::Host => Params::Host(Arc::new(initial)),
             Home::Device => {
                 let tensor = self.upload(&initial, initial.len()).map_err(self.on.torch())?;
-                Params::Device(Arc::new(Shared::new(tensor)))
+                Params::Device(Shared::new(tensor))
             }
         };
         self.units.push(Unit {
@@ -268,10 +268,8 @@ impl<'a> Units<'a> {
         Tensor::f_empty([len as i64], (self.kind, self.compute))
     }
 
-    /// Whether unit `u`'s new partition is all-gathered into its replica (stages 1–2 with
-    /// several ranks) rather than being all this rank stores.
     fn gathers_updates(&self, u: usize) -> bool {
-        matches!(self.stage, 1 | 2) && self.units[u].part.world > 1
+        gathers_updates(self.stage, self.units[u].part.world)
     }
 
     /// Where the new partition of `len` elements of a unit stored on the device is
@@ -286,26 +284,23 @@ impl<'a> Units<'a> {
     /// destinations (the prefetch lanes are drained at the end of the micro-batches;
     /// on a GPU compute's stream orders the rest).
     fn update_target(&mut self, u: usize, len: usize) -> Result<Tensor, EngineError> {
-        if self.gathers_updates(u) {
-            if self.units[u].partition.is_none() {
-                let partition =
-                    Tensor::f_empty([len as i64], (self.kind, self.compute)).map_err(self.on.torch())?;
-                self.units[u].partition = Some(partition);
+        let target = match (&self.units[u].partition, &self.units[u].params) {
+            (Some(partition), _) => partition.shallow_clone(),
+            (None, _) if self.gathers_updates(u) => {
+                // made at the first update, kept for the run
+                let partition = self.device_tensor(len).map_err(self.on.torch())?;
+                self.units[u].partition = Some(partition.shallow_clone());
+                partition
             }
-            if let Some(partition) = &self.units[u].partition {
-                return partition.f_narrow(0, 0, len as i64).map_err(self.on.torch());
+            (None, Params::Device(stored)) => stored.tensor(),
+            (None, Params::Host(_) | Params::Nvme(_)) => {
+                return Err(EngineError::Invariant {
+                    rank: self.on.0,
+                    what: "a device update target for parameters off the device",
+                })
             }
-        }
-        match &self.units[u].params {
-            Params::Device(stored) => stored
-                .tensor()
-                .f_narrow(0, 0, len as i64)
-                .map_err(self.on.torch()),
-            Params::Host(_) | Params::Nvme(_) => Err(EngineError::Invariant {
-                rank: self.on.0,
-                what: "a device update target for parameters off the device",
-            }),
-        }
+        };
+        target.f_narrow(0, 0, len as i64).map_err(self.on.torch())
     }
 
     /// Where the optimizer writes unit `u`'s new partition of `len` elements: straight to
@@ -460,6 +455,13 @@ fn all_gather_into<C: Collective>(
     }
     track.record(Phase::AllGather, None, start, bytes);
     Ok(())
+}
+
+/// Whether a unit's new partition is all-gathered into its replica from a partition of
+/// its own (stages 1–2 with several ranks) rather than being all a rank stores: the
+/// engine, its reservations and the plan's predictions all follow this rule.
+pub(super) fn gathers_updates(stage: u8, world: usize) -> bool {
+    matches!(stage, 1 | 2) && world > 1
 }
 
 /// Every rank's `shard` tensor into `full` (its padded length, same kind) on the device.
