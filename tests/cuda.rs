@@ -41,7 +41,7 @@ fn pinned_copies_round_trip_on_the_copy_streams_with_timed_events() {
     let dev = Tensor::zeros([n as i64], (Kind::Uint8, Device::Cuda(0)));
     let addr = tierzero::torch::shim::device_ptr(&dev).unwrap();
     // torch zeroed `dev` on its own stream: our copy stream waits for that first
-    let compute = cuda.compute_stream().unwrap();
+    let compute = cuda.current_stream().unwrap().cuda;
     cuda.order(&compute, &cuda.h2d).unwrap();
     let (start, end) = (cuda.timed_event().unwrap(), cuda.timed_event().unwrap());
     start.record(&cuda.h2d).unwrap();
@@ -98,7 +98,7 @@ fn one_rank_nccl_collectives_on_device_memory() {
 /// and later calls fail with it.
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it with --ignored"]
-fn nccl_communicators_join_through_the_store_each_on_its_own_stream() {
+fn nccl_communicators_join_through_the_store_and_share_the_collectives_stream() {
     use tierzero::comm::gloo::Store;
     use tierzero::comm::Collective;
     require_gpu();
@@ -137,6 +137,44 @@ fn nccl_communicators_join_through_the_store_each_on_its_own_stream() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("out of memory"), "{err}");
+}
+
+/// A lane on a GPU queues its jobs on its own torch pool stream, after the compute
+/// queued before submission; compute waits for the job on its stream (the host goes
+/// on), and the host wait returns once the device ran it.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it with --ignored"]
+fn a_lane_on_its_gpu_stream_is_ordered_against_compute_by_events() {
+    use tierzero::device::cuda::CudaStreams;
+    use tierzero::device::lanes::{Lane, Mode, Streams};
+    require_gpu();
+    let cuda = Cuda::shared(0).unwrap();
+    let streams: Arc<dyn Streams> = Arc::new(CudaStreams(cuda.clone()));
+    let n = 16 << 20;
+    let src = Tensor::ones([n], (Kind::Float, Device::Cuda(0)));
+    let mut dst = Tensor::full([n], 7.0, (Kind::Float, Device::Cuda(0)));
+    // queued on compute before the job: the lane must see it
+    let _ = dst.fill_(0.0);
+    std::thread::scope(|s| {
+        let lane = Lane::start_on(s, 0, "h2d", Mode::Plain, Some(streams.clone()));
+        let (a, b, c) = (src.shallow_clone(), dst.shallow_clone(), cuda.clone());
+        let done = lane.submit(move || {
+            let on_lane = c.current_stream().unwrap().same(&c.lane_stream("h2d").unwrap());
+            if !on_lane {
+                return Err("the job is not on the lane's stream".into());
+            }
+            let mut b = b;
+            for _ in 0..50 {
+                let _ = b.f_add_(&a).map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        });
+        done.order_compute().unwrap();
+        let sum = dst.sum(Kind::Double).double_value(&[]);
+        assert_eq!(sum, 50.0 * n as f64);
+        done.synchronize().unwrap();
+        assert!(done.query());
+    });
 }
 
 /// Device-tier optimizer state on a GPU is updated by torch's fused AdamW there: ten

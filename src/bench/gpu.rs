@@ -317,7 +317,7 @@ pub fn gpu() -> Result<GpuReport, GpuBenchError> {
         memory_free_gb: free as f64 / 1e9,
         torch_cuda_available,
         bf16_matmul_tflops: bf16 / 1e12,
-        current_stream: format!("{stream:p}"),
+        current_stream: format!("{:p}", stream.raw),
         pinned_h2d_gb_s: r.h2d,
         pinned_d2h_gb_s: r.d2h,
         pinned_round_trip_ok,

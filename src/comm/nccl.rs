@@ -2,12 +2,15 @@
 //!
 //! One communicator per lane of each rank (main, gather, reduce), each bootstrapped
 //! through c10d's TCPStore ([`Nccl::join`]: rank 0 of the communicator publishes a fresh
-//! unique id under its name, the others read it) and each on a stream of its own (one
-//! stream shared by several communicators deadlocks once they are driven from several
-//! lanes). The tensor calls ([`Nccl::all_gather_tensor`] …) run on that stream, which
-//! first waits for torch's compute stream and which compute then waits for, so results
-//! are ordered without blocking the host. The [`Collective`] impl serves the engine's
-//! host buffers by staging them through device tensors.
+//! unique id under its name, the others read it). Every communicator of a GPU queues on
+//! one stream, the GPU's collectives lane stream (`device/cuda.rs`): the collectives of
+//! a rank are then one sequence on the device, in the order the rank issued them, which
+//! is the same on every rank — two communicators' kernels in flight on two streams
+//! could wait for each other across ranks. Called from the collectives lane (whose
+//! current stream that is, ordered after compute by the lane), a collective just
+//! queues; called from another thread, the stream first waits for that thread's current
+//! stream, which then waits for the collective. The [`Collective`] impl serves the
+//! engine's host buffers by staging them through device tensors.
 //!
 //! NCCL neither times out nor tells a rank that a peer died: a [`watchdog`] thread per
 //! process aborts its communicators (ncclCommAbort, which unblocks a waiting stream)
@@ -20,9 +23,8 @@
 
 use super::gloo::{Store, ABORT_KEY};
 use super::{rendezvous::ID_BYTES, Collective, CommError, Element, ReduceOp};
-use crate::device::cuda::Cuda;
+use crate::device::cuda::{Cuda, LaneStream};
 use crate::torch::shim;
-use cudarc::driver::CudaStream;
 use cudarc::nccl::{result, sys};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -150,8 +152,8 @@ pub struct Nccl {
     rank: usize,
     world: usize,
     cuda: Arc<Cuda>,
-    /// This communicator's own stream.
-    stream: Arc<CudaStream>,
+    /// The GPU's collectives stream, shared by its communicators.
+    stream: Arc<LaneStream>,
     /// Where failures are published (None for a communicator made without a store).
     store: Option<Arc<Store>>,
     /// The collective in flight on the host's behalf, and since when (for the watchdog).
@@ -187,9 +189,9 @@ impl Nccl {
         let uid = sys::ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
-        let stream = cuda.context().new_stream().map_err(|e| CommError::Aborted {
+        let stream = cuda.lane_stream("collectives").map_err(|e| CommError::Aborted {
             rank,
-            reason: format!("creating the communicator's stream: {e}"),
+            reason: format!("the collectives stream: {e}"),
         })?;
         let mut comm = std::ptr::null_mut();
         // SAFETY: `comm` receives the new handle; the id came from ncclGetUniqueId.
@@ -239,8 +241,8 @@ impl Nccl {
         }
     }
 
-    /// Queues `f(comm, stream)` on the collective stream, ordered after compute and
-    /// before compute's next work.
+    /// Queues `f(comm, stream)` on the collectives stream, ordered after the calling
+    /// thread's current stream and before its next work when that is another stream.
     fn run(
         &self,
         op: &'static str,
@@ -254,17 +256,26 @@ impl Nccl {
         // re-entrant, not thread-safe, and the chain compute → collective → compute must
         // not interleave with another thread's
         let _device = device_lock(self.cuda.ordinal());
-        let compute = self.cuda.compute_stream().map_err(|e| fail(e.to_string()))?;
-        let stream = &self.stream;
-        self.cuda
-            .order(&compute, stream)
-            .map_err(|e| fail(e.to_string()))?;
+        let current = self.cuda.current_stream().map_err(|e| fail(e.to_string()))?;
+        // on the collectives lane the stream is already ordered after compute
+        let other = !current.same(&self.stream);
+        let stream = &self.stream.cuda;
+        if other {
+            self.cuda
+                .order(&current.cuda, stream)
+                .map_err(|e| fail(e.to_string()))?;
+        }
         let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
         if comm.0.is_null() {
             return Err(fail("the communicator was aborted".into()));
         }
         f(comm.0, stream.cu_stream() as sys::cudaStream_t).map_err(nccl_err(self.rank, op))?;
-        self.cuda.order(stream, &compute).map_err(|e| fail(e.to_string()))
+        if other {
+            self.cuda
+                .order(stream, &current.cuda)
+                .map_err(|e| fail(e.to_string()))?;
+        }
+        Ok(())
     }
 
     fn check(&self, op: &'static str, ok: bool, message: String) -> Result<(), CommError> {

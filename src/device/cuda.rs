@@ -7,13 +7,21 @@
 //! collectives get their own non-blocking streams, ordered against compute by events.
 //! cudarc retains the primary context, the one torch uses, so pointers are shared.
 //!
+//! Lanes run on streams from torch's pool, one per lane name and GPU, shared by every
+//! user in the process ([`Cuda::shared`]): the collectives lane's stream is also the
+//! one each NCCL communicator of that GPU queues on, so a rank's collectives are one
+//! sequence on the device. [`CudaStreams`] gives them to the lanes (`lanes.rs`) with
+//! cudarc events as their marks.
+//!
 //! Host memory the copy engines read is allocated by the offload crate (page-aligned)
 //! and registered here ([`Pinner`], `cuMemHostRegister`), never allocated write-combined:
 //! the CPU optimizer reads the same memory at full speed.
 
-use crate::torch::shim;
+use super::lanes::{DeviceMark, Mark, Stream, Streams};
+use crate::torch::shim::{self, TorchStream};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DriverError};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 use tierzero_offload::pool::HostRegister;
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
@@ -61,6 +69,8 @@ pub struct Cuda {
     ctx: Arc<CudaContext>,
     pub h2d: Arc<CudaStream>,
     pub d2h: Arc<CudaStream>,
+    /// The lanes' streams, by lane name (made on first use).
+    lanes: Mutex<Vec<(&'static str, Arc<LaneStream>)>>,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -82,7 +92,59 @@ impl Cuda {
             h2d: stream()?,
             d2h: stream()?,
             ctx: ctx.clone(),
+            lanes: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The process's handle on GPU `ordinal`, opened once: every user (a rank's lanes,
+    /// its NCCL communicators, the pinned-memory registration) gets the same streams.
+    pub fn shared(ordinal: usize) -> Result<Arc<Cuda>, CudaError> {
+        static OPENED: Mutex<Vec<(usize, Arc<Cuda>)>> = Mutex::new(Vec::new());
+        let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, cuda)) = opened.iter().find(|(o, _)| *o == ordinal) {
+            return Ok(cuda.clone());
+        }
+        let cuda = Arc::new(Cuda::open(ordinal)?);
+        opened.push((ordinal, cuda.clone()));
+        Ok(cuda)
+    }
+
+    /// The stream lane `name` runs on: one of torch's pool streams (non-blocking: ordered
+    /// against compute only by events), the same one at every call.
+    pub fn lane_stream(&self, name: &'static str) -> Result<Arc<LaneStream>, CudaError> {
+        let mut lanes = self.lanes.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, stream)) = lanes.iter().find(|(n, _)| *n == name) {
+            return Ok(stream.clone());
+        }
+        // the collectives a step waits on go first when both are ready
+        let high = name == "collectives";
+        let torch = shim::stream_from_pool(self.ordinal(), high).map_err(|e| CudaError::Driver {
+            op: "torch pool stream".into(),
+            message: e.to_string(),
+        })?;
+        let stream = Arc::new(self.wrap(torch));
+        lanes.push((name, stream.clone()));
+        Ok(stream)
+    }
+
+    /// Torch's current stream of the calling thread.
+    pub fn current_stream(&self) -> Result<LaneStream, CudaError> {
+        let torch = shim::current_stream(self.ordinal()).map_err(|e| CudaError::Driver {
+            op: "torch current stream".into(),
+            message: e.to_string(),
+        })?;
+        Ok(self.wrap(torch))
+    }
+
+    fn wrap(&self, torch: TorchStream) -> LaneStream {
+        // SAFETY: torch's streams belong to the primary context, which `ctx` retains, and
+        // torch keeps them for the whole process.
+        let cuda = unsafe { self.ctx.wrap_borrowed_stream(torch.raw as sys::CUstream) };
+        LaneStream {
+            ordinal: self.ordinal(),
+            torch,
+            cuda,
+        }
     }
 
     pub fn ordinal(&self) -> usize {
@@ -110,17 +172,6 @@ impl Cuda {
         self.ctx
             .compute_capability()
             .map_err(CudaError::driver("compute capability"))
-    }
-
-    /// Torch's current stream on this device, where compute runs (borrowed, not owned).
-    pub fn compute_stream(&self) -> Result<Arc<CudaStream>, CudaError> {
-        let raw = shim::current_stream(self.ordinal()).map_err(|e| CudaError::Driver {
-            op: "torch current stream".into(),
-            message: e.to_string(),
-        })?;
-        // SAFETY: torch's stream belongs to the primary context, which `ctx` retains;
-        // torch keeps its streams alive for the whole process.
-        Ok(unsafe { self.ctx.wrap_borrowed_stream(raw as sys::CUstream) })
     }
 
     /// An event that records timing (for the step breakdown).
@@ -175,6 +226,95 @@ impl Cuda {
         stream
             .alloc_zeros::<u8>(bytes)
             .map_err(CudaError::driver("device allocation"))
+    }
+}
+
+/// A stream of torch's on one GPU, as torch and as cudarc see it.
+pub struct LaneStream {
+    ordinal: usize,
+    torch: TorchStream,
+    pub cuda: Arc<CudaStream>,
+}
+
+impl LaneStream {
+    /// Whether both name the same stream.
+    pub fn same(&self, other: &LaneStream) -> bool {
+        self.torch.raw == other.torch.raw
+    }
+}
+
+impl Stream for LaneStream {
+    fn enter(&self) -> Result<(), String> {
+        shim::set_current_stream(self.ordinal, self.torch).map_err(|e| e.to_string())?;
+        // the driver calls of this thread (events, NCCL) go to the same context
+        self.cuda
+            .context()
+            .bind_to_thread()
+            .map_err(|e| format!("bind context: {e}"))
+    }
+
+    fn mark(&self) -> Result<Mark, String> {
+        let event = self
+            .cuda
+            .record_event(None)
+            .map_err(|e| format!("cuEventRecord: {e}"))?;
+        Ok(Arc::new(CudaMark(event)))
+    }
+
+    fn wait(&self, mark: &Mark) -> Result<(), String> {
+        let Some(CudaMark(event)) = mark.as_any().downcast_ref::<CudaMark>() else {
+            return Err("a mark of another device kind".into());
+        };
+        self.cuda
+            .wait(event)
+            .map_err(|e| format!("cuStreamWaitEvent: {e}"))
+    }
+}
+
+/// A lane mark: a cudarc event (timing disabled).
+pub struct CudaMark(CudaEvent);
+
+// SAFETY: a CUDA event may be recorded, queried and waited on from any thread of the
+// process once its context is bound there, which cudarc does on each call.
+unsafe impl Send for CudaMark {}
+unsafe impl Sync for CudaMark {}
+
+impl DeviceMark for CudaMark {
+    fn query(&self) -> bool {
+        // an error means the device will not get there: the host wait reports it
+        self.0.try_is_complete().unwrap_or(true)
+    }
+
+    /// Polls rather than spins (an event's host wait spins a core otherwise, which the
+    /// CPU optimizer needs).
+    fn synchronize(&self) -> Result<(), String> {
+        let mut pause = Duration::from_micros(5);
+        while !self
+            .0
+            .try_is_complete()
+            .map_err(|e| format!("waiting for the GPU: {e}"))?
+        {
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_micros(200));
+        }
+        Ok(())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// A rank's streams on one GPU, for its lanes.
+pub struct CudaStreams(pub Arc<Cuda>);
+
+impl Streams for CudaStreams {
+    fn current(&self) -> Result<Arc<dyn Stream>, String> {
+        Ok(Arc::new(self.0.current_stream().map_err(|e| e.to_string())?))
+    }
+
+    fn lane(&self, name: &'static str) -> Result<Arc<dyn Stream>, String> {
+        Ok(self.0.lane_stream(name).map_err(|e| e.to_string())?)
     }
 }
 

@@ -13,6 +13,15 @@
 //! [`Keep`] holds buffers until their event fires (`keep_until`, what FSDP2 and
 //! ProcessGroupNCCL do instead of `record_stream`).
 //!
+//! On a GPU each lane also has a device stream ([`Streams`], the CUDA layer's torch pool
+//! streams): its worker makes the stream torch's current one, so a job *queues* device
+//! work and returns, and the job's event carries a device mark recorded after it. Every
+//! job's stream first waits for the compute work the issuing thread had queued when it
+//! submitted the job, so a lane sees what compute wrote before, as on CPU where compute
+//! is synchronous; compute waits for a lane's result with [`Event::order_compute`]
+//! (device-side on a GPU, a host wait on CPU). The engine's ordering is thus the same
+//! code on both, and what CPU tests check about it holds on the GPU.
+//!
 //! **Checked mode** makes a missing wait visible: every lane job starts after a random
 //! delay, so work that is not ordered by an event really runs late, and pools NaN-fill
 //! every buffer the moment it becomes reusable (see `pool.rs`), so code that reads a
@@ -21,8 +30,45 @@
 
 use crossbeam_channel::{Receiver, Sender};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
+
+/// A point in a device stream's queue (a CUDA event): done once the device has run
+/// everything queued on the stream before it.
+pub trait DeviceMark: Send + Sync {
+    /// Whether the device has got there (an error of the device's counts as done: the
+    /// host wait reports it).
+    fn query(&self) -> bool;
+    /// Blocks the calling thread until the device has got there.
+    fn synchronize(&self) -> Result<(), String>;
+    /// For the device's streams to recognise their own marks.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+pub type Mark = Arc<dyn DeviceMark>;
+
+/// A device stream (a CUDA stream).
+pub trait Stream: Send + Sync {
+    /// Makes this stream the calling thread's current one for torch (a lane's worker
+    /// calls it before its first job).
+    fn enter(&self) -> Result<(), String>;
+    /// A mark of what is queued on the stream so far.
+    fn mark(&self) -> Result<Mark, String>;
+    /// Later work on this stream waits for `mark` (the calling thread goes on).
+    fn wait(&self, mark: &Mark) -> Result<(), String>;
+}
+
+/// A rank's device streams: its lanes' and compute's. CPU devices have none (their work
+/// is done when the call returns).
+pub trait Streams: Send + Sync {
+    /// Torch's current stream on the calling thread (compute, on the issuing thread).
+    fn current(&self) -> Result<Arc<dyn Stream>, String>;
+    /// The stream of lane `name` (the same one at every call).
+    fn lane(&self, name: &'static str) -> Result<Arc<dyn Stream>, String>;
+}
+
+/// A job's device side: the mark recorded after it, once its worker has run it.
+type Slot = Arc<OnceLock<Mark>>;
 
 /// Why lane work did not complete.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
@@ -88,6 +134,8 @@ pub struct Event {
     lane: &'static str,
     seq: u64,
     progress: Arc<Progress>,
+    /// On a device: the job's mark, and the streams compute waits on.
+    device: Option<(Slot, Arc<dyn Streams>)>,
 }
 
 impl std::fmt::Debug for Event {
@@ -107,14 +155,23 @@ impl Event {
                 done: Mutex::new(Finished::default()),
                 changed: Condvar::new(),
             }),
+            device: None,
         }
     }
 
-    /// Whether the lane has finished the work before this event (a failed lane's events
-    /// count as fired: nothing more will touch their buffers).
+    /// Whether the lane has finished the work before this event, on the device too (a
+    /// failed lane's events count as fired: nothing more will touch their buffers).
     pub fn query(&self) -> bool {
-        let done = self.progress.done.lock().unwrap_or_else(|e| e.into_inner());
-        done.seq >= self.seq || done.failed.is_some() || done.stopped
+        let ran = {
+            let done = self.progress.done.lock().unwrap_or_else(|e| e.into_inner());
+            done.seq >= self.seq || done.failed.is_some() || done.stopped
+        };
+        ran && self.mark().is_none_or(|m| m.query())
+    }
+
+    /// The device mark of the event's job, once its worker has run it.
+    fn mark(&self) -> Option<&Mark> {
+        self.device.as_ref().and_then(|(slot, _)| slot.get())
     }
 
     /// The event's outcome if it has fired, without blocking.
@@ -122,18 +179,44 @@ impl Event {
         self.query().then(|| self.synchronize())
     }
 
-    /// Blocks the calling thread until the event fires; the lane's failure if it failed.
+    /// Blocks the calling thread until the event fires (on a device: until the device has
+    /// run the job's work); the lane's failure if it failed.
     pub fn synchronize(&self) -> Result<(), LaneError> {
+        self.ran()?;
+        match self.mark() {
+            Some(mark) => mark.synchronize().map_err(|message| self.failed(message)),
+            None => Ok(()),
+        }
+    }
+
+    /// Orders the calling thread's later compute after the event: on a device its
+    /// current stream waits for the job's mark (the thread goes on once the job is
+    /// queued); on CPU the thread waits for the job.
+    pub fn order_compute(&self) -> Result<(), LaneError> {
+        self.ran()?;
+        match (&self.device, self.mark()) {
+            (Some((_, streams)), Some(mark)) => streams
+                .current()
+                .and_then(|compute| compute.wait(mark))
+                .map_err(|message| self.failed(message)),
+            _ => Ok(()),
+        }
+    }
+
+    fn failed(&self, message: String) -> LaneError {
+        LaneError::Failed {
+            rank: self.rank,
+            lane: self.lane,
+            message,
+        }
+    }
+
+    /// Blocks until the lane's worker has run the job (queued it, on a device).
+    fn ran(&self) -> Result<(), LaneError> {
         let mut done = self.progress.done.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             match &done.failed {
-                Some((at, message)) if *at <= self.seq => {
-                    return Err(LaneError::Failed {
-                        rank: self.rank,
-                        lane: self.lane,
-                        message: message.clone(),
-                    })
-                }
+                Some((at, message)) if *at <= self.seq => return Err(self.failed(message.clone())),
                 _ if done.seq >= self.seq => return Ok(()),
                 Some(_) => {}
                 None => {}
@@ -160,8 +243,19 @@ pub struct Lane<'env> {
     rank: usize,
     name: &'static str,
     jobs: Option<Sender<Job<'env>>>,
+    /// Serialises submissions, so sequence numbers follow queue order; holds the last
+    /// job's device slot.
+    submitting: Mutex<Option<Slot>>,
     submitted: AtomicU64,
     progress: Arc<Progress>,
+    device: Option<OnDevice>,
+}
+
+/// A lane's device side: its stream and the rank's streams.
+#[derive(Clone)]
+struct OnDevice {
+    stream: Result<Arc<dyn Stream>, String>,
+    streams: Arc<dyn Streams>,
 }
 
 impl<'env> Lane<'env> {
@@ -172,6 +266,22 @@ impl<'env> Lane<'env> {
         name: &'static str,
         mode: Mode,
     ) -> Lane<'env> {
+        Lane::start_on(scope, rank, name, mode, None)
+    }
+
+    /// [`Lane::start`] on a device with `streams` (None: CPU devices): the lane's jobs
+    /// queue their device work on the lane's stream.
+    pub fn start_on<'scope>(
+        scope: &'scope std::thread::Scope<'scope, 'env>,
+        rank: usize,
+        name: &'static str,
+        mode: Mode,
+        streams: Option<Arc<dyn Streams>>,
+    ) -> Lane<'env> {
+        let device = streams.map(|streams| OnDevice {
+            stream: streams.lane(name),
+            streams,
+        });
         let (jobs, queue) = crossbeam_channel::unbounded::<Job<'env>>();
         let progress = Arc::new(Progress {
             done: Mutex::new(Finished::default()),
@@ -181,13 +291,24 @@ impl<'env> Lane<'env> {
         let salt = name.bytes().fold(rank as u64 + 1, |h, b| {
             h.wrapping_mul(31).wrapping_add(u64::from(b))
         });
-        scope.spawn(move || serve(queue, worker, mode, salt));
+        let enter = device.as_ref().map(|d| d.stream.clone());
+        scope.spawn(move || {
+            // torch queues this thread's device work on the lane's stream; if that fails,
+            // every job fails with the reason
+            let entered = match enter {
+                Some(stream) => stream.and_then(|s| s.enter()),
+                None => Ok(()),
+            };
+            serve(queue, worker, mode, salt, entered)
+        });
         Lane {
             rank,
             name,
             jobs: Some(jobs),
+            submitting: Mutex::new(None),
             submitted: AtomicU64::new(0),
             progress,
+            device,
         }
     }
 
@@ -196,35 +317,67 @@ impl<'env> Lane<'env> {
     }
 
     /// Queues `job` after everything submitted before; returns the event of its end.
+    /// On a device the job's stream first waits for the compute work queued so far on
+    /// the calling thread, and the event's mark follows the device work the job queued.
     pub fn submit(&self, job: impl FnOnce() -> Result<(), String> + Send + 'env) -> Event {
+        let mut last = self.submitting.lock().unwrap_or_else(|e| e.into_inner());
+        let (job, slot): (Job<'env>, Option<Slot>) = match &self.device {
+            None => (Box::new(job), None),
+            Some(device) => {
+                let slot = Slot::default();
+                // taken here, on the issuing thread: what compute had queued at submission
+                let after = device.streams.current().and_then(|compute| compute.mark());
+                let (stream, filled) = (device.stream.clone(), slot.clone());
+                let on_device = move || {
+                    let stream = stream?;
+                    stream.wait(&after?)?;
+                    let outcome = job();
+                    // a mark even after a failure: whatever the job queued is covered
+                    let _ = filled.set(stream.mark()?);
+                    outcome
+                };
+                (Box::new(on_device), Some(slot))
+            }
+        };
         let seq = self.submitted.fetch_add(1, Ordering::SeqCst) + 1;
         if let Some(jobs) = &self.jobs {
             // a closed queue means the worker is gone: the event reports it as stopped
-            let _ = jobs.send(Box::new(job));
+            let _ = jobs.send(job);
         }
-        self.event(seq)
+        *last = slot.clone();
+        self.event(seq, slot)
     }
 
     /// The event of everything submitted so far.
     pub fn record(&self) -> Event {
-        self.event(self.submitted.load(Ordering::SeqCst))
+        let last = self.submitting.lock().unwrap_or_else(|e| e.into_inner());
+        self.event(self.submitted.load(Ordering::SeqCst), last.clone())
     }
 
-    /// Orders this lane's later work after `event` (the issuing thread goes on).
+    /// Orders this lane's later work after `event` (the issuing thread goes on; on a
+    /// device the lane's stream waits for the event's mark).
     pub fn wait(&self, event: &Event) -> Event {
         if event.synchronize_now().is_some_and(|r| r.is_ok()) {
             return self.record();
         }
         let event = event.clone();
-        self.submit(move || event.synchronize().map_err(|e| e.to_string()))
+        let stream = self.device.as_ref().map(|d| d.stream.clone());
+        self.submit(move || {
+            event.ran().map_err(|e| e.to_string())?;
+            match (stream, event.mark()) {
+                (Some(stream), Some(mark)) => stream?.wait(mark),
+                _ => Ok(()),
+            }
+        })
     }
 
-    fn event(&self, seq: u64) -> Event {
+    fn event(&self, seq: u64, slot: Option<Slot>) -> Event {
         Event {
             rank: self.rank,
             lane: self.name,
             seq,
             progress: self.progress.clone(),
+            device: slot.zip(self.device.as_ref().map(|d| d.streams.clone())),
         }
     }
 }
@@ -238,7 +391,13 @@ impl Drop for Lane<'_> {
 
 /// The worker: runs jobs in order; after a failure it skips the rest (their events
 /// report the failure), as a CUDA stream in an error state does.
-fn serve(queue: Receiver<Job<'_>>, progress: Arc<Progress>, mode: Mode, salt: u64) {
+fn serve(
+    queue: Receiver<Job<'_>>,
+    progress: Arc<Progress>,
+    mode: Mode,
+    salt: u64,
+    entered: Result<(), String>,
+) {
     let mut rng = match mode {
         Mode::Checked { seed, .. } => seed ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
         Mode::Plain => 0,
@@ -247,6 +406,8 @@ fn serve(queue: Receiver<Job<'_>>, progress: Arc<Progress>, mode: Mode, salt: u6
         let failed = progress.done.lock().map_or(true, |d| d.failed.is_some());
         let outcome = if failed {
             Ok(())
+        } else if let Err(message) = &entered {
+            Err(format!("its device stream: {message}"))
         } else {
             if let Mode::Checked { max_delay_us, .. } = mode {
                 // xorshift64: a reproducible delay per job
@@ -314,6 +475,7 @@ impl Drop for Keep {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
+    use std::time::Instant;
 
     #[test]
     fn jobs_run_in_order_and_events_fire_after_their_job() {
@@ -411,6 +573,151 @@ mod tests {
             gate_tx.send(()).unwrap();
             event.synchronize().unwrap();
             assert_eq!((keep.collect(), dropped.load(Ordering::SeqCst)), (0, 1));
+        });
+    }
+
+    /// Device streams that log what the lanes ask of them; a mark is done once the test
+    /// says the "device" got there.
+    #[derive(Default)]
+    struct Logged {
+        log: Mutex<Vec<String>>,
+        marks: Mutex<Vec<Arc<LoggedMark>>>,
+    }
+
+    struct LoggedStream {
+        name: String,
+        device: Arc<Logged>,
+    }
+
+    struct LoggedMark {
+        name: String,
+        done: std::sync::atomic::AtomicBool,
+    }
+
+    impl Logged {
+        fn note(&self, line: String) {
+            self.log.lock().unwrap().push(line);
+        }
+        fn lines(&self) -> Vec<String> {
+            self.log.lock().unwrap().clone()
+        }
+        /// The device runs everything queued so far.
+        fn finish_all(&self) {
+            for m in self.marks.lock().unwrap().iter() {
+                m.done.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+
+    impl DeviceMark for LoggedMark {
+        fn query(&self) -> bool {
+            self.done.load(Ordering::SeqCst)
+        }
+        fn synchronize(&self) -> Result<(), String> {
+            while !self.query() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(())
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    fn name_of(mark: &Mark) -> String {
+        mark.as_any().downcast_ref::<LoggedMark>().unwrap().name.clone()
+    }
+
+    impl Stream for LoggedStream {
+        fn enter(&self) -> Result<(), String> {
+            self.device.note(format!("{} entered", self.name));
+            Ok(())
+        }
+        fn mark(&self) -> Result<Mark, String> {
+            let mut marks = self.device.marks.lock().unwrap();
+            let mark = Arc::new(LoggedMark {
+                name: format!("{}#{}", self.name, marks.len()),
+                done: Default::default(),
+            });
+            marks.push(mark.clone());
+            drop(marks);
+            self.device.note(format!("mark {}", mark.name));
+            Ok(mark)
+        }
+        fn wait(&self, mark: &Mark) -> Result<(), String> {
+            self.device.note(format!("{} waits {}", self.name, name_of(mark)));
+            Ok(())
+        }
+    }
+
+    impl Streams for Arc<Logged> {
+        fn current(&self) -> Result<Arc<dyn Stream>, String> {
+            Ok(Arc::new(LoggedStream {
+                name: "compute".into(),
+                device: self.clone(),
+            }))
+        }
+        fn lane(&self, name: &'static str) -> Result<Arc<dyn Stream>, String> {
+            Ok(Arc::new(LoggedStream {
+                name: name.into(),
+                device: self.clone(),
+            }))
+        }
+    }
+
+    /// On a device a job's stream waits for the compute queued before its submission,
+    /// its event fires when the device has run it (not when the job returned), compute
+    /// waits for it on its stream without blocking, and another lane waits on its own
+    /// stream.
+    #[test]
+    fn on_a_device_lanes_order_by_marks_and_events_fire_with_the_device() {
+        let device = Arc::new(Logged::default());
+        let streams: Arc<dyn Streams> = Arc::new(device.clone());
+        std::thread::scope(|s| {
+            let h2d = Lane::start_on(s, 0, "h2d", Mode::Plain, Some(streams.clone()));
+            let gather = Lane::start_on(s, 0, "gather", Mode::Plain, Some(streams.clone()));
+            let log = device.clone();
+            let copied = h2d.submit(move || {
+                log.note("copy queued".into());
+                Ok(())
+            });
+            // the job has run (queued its copy) but the device has not run it
+            let queued = Instant::now();
+            while device.lines().last().map(String::as_str) != Some("mark h2d#1") {
+                assert!(queued.elapsed() < Duration::from_secs(10), "{:?}", device.lines());
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert!(!copied.query());
+            let waited = gather.wait(&copied);
+            copied.order_compute().unwrap();
+            waited.ran().unwrap();
+            let lines = device.lines();
+            for (before, after) in [
+                ("mark compute#0", "h2d waits compute#0"),
+                ("h2d waits compute#0", "copy queued"),
+                ("copy queued", "mark h2d#1"),
+                ("mark h2d#1", "gather waits h2d#1"),
+                ("mark h2d#1", "compute waits h2d#1"),
+            ] {
+                let at = |line| {
+                    lines
+                        .iter()
+                        .position(|l| l == line)
+                        .unwrap_or_else(|| panic!("{line}: {lines:?}"))
+                };
+                assert!(at(before) < at(after), "{before} before {after}: {lines:?}");
+            }
+            assert!(lines.contains(&"h2d entered".to_string()));
+            // the host wait returns only once the device got there
+            let finisher = device.clone();
+            let finish = s.spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                finisher.finish_all();
+            });
+            let start = Instant::now();
+            copied.synchronize().unwrap();
+            assert!(copied.query() && start.elapsed() >= Duration::from_millis(10));
+            finish.join().unwrap();
         });
     }
 }

@@ -10,6 +10,7 @@
 #include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <atomic>
@@ -89,11 +90,37 @@ extern "C" {
 
 // The raw handle (cudaStream_t on CUDA) of the current stream of accelerator
 // `device_index`. A null handle is the legacy default stream, a valid value.
-int tz_current_stream(int device_index, void** out, char* err, size_t n) {
+// `id` receives torch's id of the stream (for tz_set_current_stream).
+int tz_current_stream(int device_index, void** out, int64_t* id, char* err, size_t n) {
   TZ_TRY
   ready_accelerator();
   c10::Stream s = at::accelerator::getCurrentStream(static_cast<c10::DeviceIndex>(device_index));
   *out = reinterpret_cast<void*>(s.native_handle());
+  *id = s.id();
+  TZ_CATCH
+}
+
+// A stream from torch's pool on accelerator `device_index` (non-blocking with respect to
+// the legacy default stream; torch owns it for the whole process): its raw handle and id.
+int tz_stream_from_pool(int device_index, int high_priority, void** out, int64_t* id, char* err,
+                        size_t n) {
+  TZ_TRY
+  c10::DeviceType type = ready_accelerator();
+  c10::impl::VirtualGuardImpl guard(type);
+  c10::Stream s = guard.getStreamFromGlobalPool(
+      c10::Device(type, static_cast<c10::DeviceIndex>(device_index)), high_priority != 0);
+  *out = reinterpret_cast<void*>(s.native_handle());
+  *id = s.id();
+  TZ_CATCH
+}
+
+// Makes stream `id` of accelerator `device_index` the calling thread's current stream
+// there (thread-local: torch queues this thread's work for that device on it).
+int tz_set_current_stream(int device_index, int64_t id, char* err, size_t n) {
+  TZ_TRY
+  c10::DeviceType type = ready_accelerator();
+  at::accelerator::setCurrentStream(
+      c10::Stream::unpack3(id, static_cast<c10::DeviceIndex>(device_index), type));
   TZ_CATCH
 }
 

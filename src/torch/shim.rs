@@ -13,7 +13,22 @@ use torch_sys::C_tensor;
 const ERR_LEN: usize = 1024;
 
 extern "C" {
-    fn tz_current_stream(device: c_int, out: *mut *mut c_void, err: *mut c_char, n: usize) -> c_int;
+    fn tz_current_stream(
+        device: c_int,
+        out: *mut *mut c_void,
+        id: *mut i64,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
+    fn tz_stream_from_pool(
+        device: c_int,
+        high_priority: c_int,
+        out: *mut *mut c_void,
+        id: *mut i64,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
+    fn tz_set_current_stream(device: c_int, id: i64, err: *mut c_char, n: usize) -> c_int;
     fn tz_synchronize(device: c_int, err: *mut c_char, n: usize) -> c_int;
     fn tz_copy(
         dst: *mut C_tensor,
@@ -67,13 +82,42 @@ fn call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), TchError> {
     Err(TchError::Torch(first))
 }
 
-/// The raw handle of torch's current stream on accelerator `device` (a `cudaStream_t`
-/// on CUDA; null is the legacy default stream). An error where there is no accelerator.
-pub fn current_stream(device: usize) -> Result<*mut c_void, TchError> {
-    let mut out = std::ptr::null_mut();
-    // SAFETY: `out` is a valid place for one pointer.
-    call(|e, n| unsafe { tz_current_stream(device as c_int, &mut out, e, n) })?;
-    Ok(out)
+/// A stream of torch's: its raw handle (a `cudaStream_t` on CUDA; null is the legacy
+/// default stream) and torch's id for it (to make it current on a thread).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TorchStream {
+    pub raw: *mut c_void,
+    pub id: i64,
+}
+
+// SAFETY: a stream handle names a queue of the driver's, usable from any thread.
+unsafe impl Send for TorchStream {}
+unsafe impl Sync for TorchStream {}
+
+/// Torch's current stream on accelerator `device` for the calling thread. An error where
+/// there is no accelerator.
+pub fn current_stream(device: usize) -> Result<TorchStream, TchError> {
+    let (mut raw, mut id) = (std::ptr::null_mut(), 0i64);
+    // SAFETY: `raw` and `id` are valid places for one value each.
+    call(|e, n| unsafe { tz_current_stream(device as c_int, &mut raw, &mut id, e, n) })?;
+    Ok(TorchStream { raw, id })
+}
+
+/// A stream from torch's pool on accelerator `device` (torch keeps it for the process).
+pub fn stream_from_pool(device: usize, high_priority: bool) -> Result<TorchStream, TchError> {
+    let (mut raw, mut id) = (std::ptr::null_mut(), 0i64);
+    // SAFETY: as in `current_stream`.
+    call(|e, n| unsafe {
+        tz_stream_from_pool(device as c_int, high_priority as c_int, &mut raw, &mut id, e, n)
+    })?;
+    Ok(TorchStream { raw, id })
+}
+
+/// Makes `stream` the calling thread's current stream on accelerator `device`: torch
+/// queues this thread's work for that device there from now on.
+pub fn set_current_stream(device: usize, stream: TorchStream) -> Result<(), TchError> {
+    // SAFETY: plain call; torch checks the id.
+    call(|e, n| unsafe { tz_set_current_stream(device as c_int, stream.id, e, n) })
 }
 
 /// Waits for every queued operation on accelerator `device`.

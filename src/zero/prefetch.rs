@@ -336,7 +336,10 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
         source: &mut dyn FnMut(usize) -> Result<Source<'env>, EngineError>,
     ) -> Result<(Tensor, Reservation), EngineError> {
         // the compute thread is done with the previous unit, except the final one while
-        // the tied embedding joins it (on CPU compute is synchronous: its work is done)
+        // the tied embedding joins it (on CPU compute is synchronous: its work is done; on
+        // a GPU its kernels may still read it, but the next lane job to write the buffer
+        // first waits for the compute queued before it was submitted, and compute's own
+        // later use is in stream order)
         if self.schedule.get(self.received).map(|s| s.1) != Some(Phase::Tied) {
             self.in_use = 0;
             for buffer in self.using.drain(..) {
@@ -352,7 +355,8 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
         }
         if self.fetcher.dropped != DroppedWait::ComputeOnGather {
             let start = Instant::now();
-            fetch.gathered.synchronize()?;
+            // on a GPU compute's stream waits for the gather; the thread goes on
+            fetch.gathered.order_compute()?;
             self.track.waited(TimedPhase::AllGather, Some(expected), start);
         }
         self.received += 1;
@@ -410,9 +414,18 @@ impl<C: Collective> Fetcher<C> {
             rank: self.rank,
             source,
         };
+        let on_host = staging.device() == tch::Device::Cpu;
+        if let (Source::Host(params), false) = (&shard, on_host) {
+            // a GPU: straight from the shard's host memory
+            return self
+                .h2d_track
+                .span(TimedPhase::H2d, Some(unit), bytes as u64, || {
+                    torch::copy_from_host(staging, &params.as_bytes()[..bytes])
+                })
+                .map_err(torch_err);
+        }
         let mut scratch = scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Scratch { io, host } = &mut *scratch;
-        let on_host = staging.device() == tch::Device::Cpu;
         let out: &mut [u8] = if on_host {
             // SAFETY: the staging buffer is this fetch's alone until the gather lane's
             // event (the pool releases it only then); its element size is the precision's.

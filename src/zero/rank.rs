@@ -38,7 +38,8 @@ use crate::comm::{Collective, ReduceOp};
 use crate::config::plan::{Plan, Precision, Tier};
 use crate::data::Dataset;
 use crate::device::cpu::{CpuDevice, Reservation};
-use crate::device::lanes::Lane;
+use crate::device::cuda::{Cuda, CudaStreams};
+use crate::device::lanes::{Lane, Streams};
 use crate::metrics::timeline::Phase;
 use crate::metrics::trace::TierBytes;
 use crate::model::layout::UnitKind;
@@ -82,6 +83,9 @@ pub struct RankEngine<'a, C: Collective> {
     pub(super) param_staging: super::optimize::SharedStaging,
     /// Where this rank computes (CPU, or its GPU).
     compute: tch::Device,
+    /// Its GPU's streams for the lanes (None on CPU, where lane work is done when its job
+    /// returns).
+    streams: Option<Arc<dyn Streams>>,
 }
 
 impl<'a, C: Collective + Clone> RankEngine<'a, C> {
@@ -273,6 +277,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             collectives: None,
             param_staging: Default::default(),
             compute,
+            streams: device_streams(compute, rank)?,
         })
     }
 
@@ -369,9 +374,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             return run(self);
         }
         let aborts = [self.reduce_comm.clone(), self.gather_comm.clone()];
-        let (rank, mode) = (self.rank, self.lanes.mode);
+        let (rank, mode, streams) = (self.rank, self.lanes.mode, self.streams.clone());
         std::thread::scope(|scope| {
-            let lane = Arc::new(Lane::start(scope, rank, "collectives", mode));
+            let lane = Arc::new(Lane::start_on(scope, rank, "collectives", mode, streams));
             let buffers = self.grads.lend_chunk_buffers();
             self.grads.reduce_on(
                 Reducer::new(
@@ -481,7 +486,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         };
         std::thread::scope(|scope| {
             let lanes = FetchLanes {
-                h2d: Lane::start(scope, rank, "h2d", mode),
+                h2d: Lane::start_on(scope, rank, "h2d", mode, self.streams.clone()),
                 gather: collectives,
             };
             let mut prefetcher = Prefetcher::new(
@@ -695,13 +700,23 @@ fn host_pinning(plan: &Plan, compute: tch::Device, rank: usize) -> Result<Pinnin
     }
     let register = match compute {
         tch::Device::Cuda(ordinal) => {
-            let cuda = crate::device::cuda::Cuda::open(ordinal)
-                .map_err(|source| EngineError::Cuda { rank, source })?;
+            let cuda = Cuda::shared(ordinal).map_err(|source| EngineError::Cuda { rank, source })?;
             Some(Arc::new(cuda.pinner()) as Arc<dyn tierzero_offload::pool::HostRegister>)
         }
         _ => None,
     };
     Ok(Pinning { lock: true, register })
+}
+
+/// A CUDA rank's streams for its lanes (torch pool streams of its GPU); none on CPU.
+fn device_streams(compute: tch::Device, rank: usize) -> Result<Option<Arc<dyn Streams>>, EngineError> {
+    match compute {
+        tch::Device::Cuda(ordinal) => {
+            let cuda = Cuda::shared(ordinal).map_err(|source| EngineError::Cuda { rank, source })?;
+            Ok(Some(Arc::new(CudaStreams(cuda))))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// Whether gradient partitions live in the optimizer's swap store on NVMe (stages 2–3

@@ -734,9 +734,9 @@ fn communicators(plan: &Plan, one: bool, c10d: bool) -> Result<Vec<Comms<Group>>
         let joined = (|| {
             // CUDA ranks: NCCL communicators bootstrapped through the same store
             let cuda = match plan.train.compute_device(rank) {
-                tch::Device::Cuda(ordinal) => Some(Arc::new(
-                    Cuda::open(ordinal).map_err(|e| format!("rank {rank}: {e}"))?,
-                )),
+                tch::Device::Cuda(ordinal) => {
+                    Some(Cuda::shared(ordinal).map_err(|e| format!("rank {rank}: {e}"))?)
+                }
                 _ => None,
             };
             let join = |name: &str| -> Result<Group, String> {
