@@ -5,8 +5,9 @@
 # Run there:   bash scripts/gpu-check.sh target/gpu/tierzero OUT_DIR
 #
 # It links NCCL where the binary looks for it, puts torch's lib/ on LD_LIBRARY_PATH, and
-# runs: the CUDA tests (tests/cuda.rs: copies, NCCL on device memory, NCCL communicators
-# through the store), bench gpu, bench h2d, the tiny Llama on CPU and on CUDA (stage 3;
+# runs: the CUDA tests (tests/cuda.rs: copies, a lane on its torch pool stream ordered
+# against compute by events, NCCL on device memory, NCCL communicators through the store
+# sharing the collectives stream), bench gpu, bench h2d, the tiny Llama on CPU and on CUDA (stage 3;
 # params and optimizer on cpu, then on nvme) with a loss comparison, with two GPUs the
 # tiny Llama over 2 torchrun processes on NCCL against 2 ranks of one process, the 1B Llama (tokens/s, MFU,
 # peak GPU memory), and bench memory on the GPU. Every result lands in OUT_DIR.

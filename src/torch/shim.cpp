@@ -124,6 +124,15 @@ int tz_set_current_stream(int device_index, int64_t id, char* err, size_t n) {
   TZ_CATCH
 }
 
+// A new uninitialised byte tensor of `bytes` bytes in pinned host memory (torch's
+// pinned allocator, which knows when its async copies are done).
+int tz_pinned_bytes(int64_t bytes, at::Tensor** out, char* err, size_t n) {
+  TZ_TRY
+  ready_accelerator();
+  *out = new at::Tensor(at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
+  TZ_CATCH
+}
+
 // Waits for all work on accelerator `device_index`.
 int tz_synchronize(int device_index, char* err, size_t n) {
   TZ_TRY

@@ -29,6 +29,7 @@ extern "C" {
         n: usize,
     ) -> c_int;
     fn tz_set_current_stream(device: c_int, id: i64, err: *mut c_char, n: usize) -> c_int;
+    fn tz_pinned_bytes(bytes: i64, out: *mut *mut C_tensor, err: *mut c_char, n: usize) -> c_int;
     fn tz_synchronize(device: c_int, err: *mut c_char, n: usize) -> c_int;
     fn tz_copy(
         dst: *mut C_tensor,
@@ -118,6 +119,16 @@ pub fn stream_from_pool(device: usize, high_priority: bool) -> Result<TorchStrea
 pub fn set_current_stream(device: usize, stream: TorchStream) -> Result<(), TchError> {
     // SAFETY: plain call; torch checks the id.
     call(|e, n| unsafe { tz_set_current_stream(device as c_int, stream.id, e, n) })
+}
+
+/// `bytes` uninitialised bytes of pinned host memory, as a byte tensor (an error where
+/// there is no accelerator).
+pub fn pinned_bytes(bytes: usize) -> Result<Tensor, TchError> {
+    let mut out = std::ptr::null_mut();
+    // SAFETY: `out` receives one new tensor handle on success, which the Tensor owns.
+    call(|e, n| unsafe { tz_pinned_bytes(bytes as i64, &mut out, e, n) })?;
+    // SAFETY: a fresh handle from the bridge.
+    Ok(unsafe { Tensor::from_ptr(out) })
 }
 
 /// Waits for every queued operation on accelerator `device`.
@@ -357,6 +368,16 @@ mod tests {
         if !tch::Cuda::is_available() {
             for e in [
                 current_stream(0).map(|_| ()).unwrap_err(),
+                stream_from_pool(0, false).map(|_| ()).unwrap_err(),
+                set_current_stream(
+                    0,
+                    TorchStream {
+                        raw: std::ptr::null_mut(),
+                        id: 0,
+                    },
+                )
+                .unwrap_err(),
+                pinned_bytes(16).map(|_| ()).unwrap_err(),
                 synchronize(0).unwrap_err(),
                 memory_stats(0).map(|_| ()).unwrap_err(),
             ] {

@@ -23,7 +23,7 @@ use super::partition::Partition;
 use crate::comm::Collective;
 use crate::config::plan::Precision;
 use crate::device::cpu::{CpuDevice, Reservation};
-use crate::device::lanes::{Event, Lane, Mode};
+use crate::device::lanes::{Event, Lane, LaneError, Mark, Mode, Streams};
 use crate::device::pool::{tensor_buffer, Pool};
 use crate::metrics::timeline::{Phase as TimedPhase, Track};
 use crate::torch;
@@ -116,12 +116,43 @@ pub struct GatherBuffers {
     scratch: Arc<Mutex<Scratch>>,
 }
 
-/// The h2d lane's host buffers: the NVMe read's aligned bounce buffer, and on a GPU the
-/// host copy of a shard read from NVMe before it goes to the device.
+/// The h2d lane's host buffers: the NVMe read's aligned bounce buffer, and on a GPU two
+/// pinned buffers a shard read from NVMe goes through on its way to the device.
 #[derive(Default)]
 struct Scratch {
     io: Option<IoBuf>,
-    host: Vec<u8>,
+    pinned: [Pinned; 2],
+    next: usize,
+}
+
+/// A pinned host buffer (torch's pinned allocator) and the mark of the asynchronous copy
+/// that last read it: it is written again only after that mark (`keep_until`).
+#[derive(Default)]
+struct Pinned {
+    buffer: Option<Tensor>,
+    read_until: Option<Mark>,
+}
+
+impl Pinned {
+    /// At least `bytes` pinned bytes, free of the copy that read them last.
+    fn ready(&mut self, bytes: usize, rank: usize) -> Result<&Tensor, EngineError> {
+        if let Some(mark) = self.read_until.take() {
+            mark.synchronize().map_err(|message| LaneError::Failed {
+                rank,
+                lane: "h2d",
+                message,
+            })?;
+        }
+        if self.buffer.as_ref().is_none_or(|b| b.numel() < bytes) {
+            let fresh =
+                torch::shim::pinned_bytes(bytes).map_err(|source| EngineError::Torch { rank, source })?;
+            self.buffer = Some(fresh);
+        }
+        self.buffer.as_ref().ok_or(EngineError::Invariant {
+            rank,
+            what: "a pinned buffer just made",
+        })
+    }
 }
 
 impl GatherBuffers {
@@ -155,6 +186,8 @@ pub struct Fetcher<C: Collective> {
     pub gather_track: Track,
     pub h2d_track: Track,
     pub dropped: DroppedWait,
+    /// The GPU's streams (None on CPU devices).
+    pub streams: Option<Arc<dyn Streams>>,
 }
 
 /// The two lanes a fetch runs on: the gather lane is the step's collectives lane,
@@ -415,55 +448,76 @@ impl<C: Collective> Fetcher<C> {
             source,
         };
         let on_host = staging.device() == tch::Device::Cpu;
-        if let (Source::Host(params), false) = (&shard, on_host) {
-            // a GPU: straight from the shard's host memory
-            return self
-                .h2d_track
-                .span(TimedPhase::H2d, Some(unit), bytes as u64, || {
-                    torch::copy_from_host(staging, &params.as_bytes()[..bytes])
-                })
-                .map_err(torch_err);
-        }
+        let elem = self.precision.bytes();
         let mut scratch = scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Scratch { io, host } = &mut *scratch;
-        let out: &mut [u8] = if on_host {
-            // SAFETY: the staging buffer is this fetch's alone until the gather lane's
-            // event (the pool releases it only then); its element size is the precision's.
-            unsafe { torch::host_bytes_mut(staging, bytes) }.map_err(torch_err)?
-        } else {
-            host.resize(bytes, 0);
-            host.as_mut_slice()
+        let Scratch { io, pinned, next } = &mut *scratch;
+        let mut read = |store, out: &mut [u8]| -> Result<(), EngineError> {
+            let buf = self
+                .h2d_track
+                .span(TimedPhase::NvmeRead, Some(unit), bytes as u64, || {
+                    read_param_bytes(store, (self.rank, unit, elem), out, io.take())
+                })?;
+            *io = Some(buf);
+            Ok(())
         };
-        match shard {
-            Source::Host(params) => {
-                self.h2d_track
-                    .span(TimedPhase::H2d, Some(unit), bytes as u64, || {
-                        out.copy_from_slice(&params.as_bytes()[..bytes]);
-                    });
-            }
-            Source::Nvme(store) => {
-                let buf = self
-                    .h2d_track
-                    .span(TimedPhase::NvmeRead, Some(unit), bytes as u64, || {
-                        read_param_bytes(store, (self.rank, unit, self.precision.bytes()), out, io.take())
-                    })?;
-                *io = Some(buf);
-            }
-            Source::Device(_) => {
-                return Err(EngineError::Invariant {
-                    rank: self.rank,
-                    what: "a device shard sent through host staging",
-                })
-            }
-        }
-        if !on_host {
+        let h2d = |f: &mut dyn FnMut() -> Result<(), tch::TchError>| {
             self.h2d_track
-                .span(TimedPhase::H2d, Some(unit), bytes as u64, || {
-                    torch::copy_from_host(staging, host)
-                })
-                .map_err(torch_err)?;
+                .span(TimedPhase::H2d, Some(unit), bytes as u64, f)
+                .map_err(torch_err)
+        };
+        match (shard, on_host) {
+            (Source::Device(_), _) => Err(EngineError::Invariant {
+                rank: self.rank,
+                what: "a device shard sent through host staging",
+            }),
+            (shard, true) => {
+                // SAFETY: the staging buffer is this fetch's alone until the gather lane's
+                // event (the pool releases it only then); its element size is the precision's.
+                let out = unsafe { torch::host_bytes_mut(staging, bytes) }.map_err(torch_err)?;
+                match shard {
+                    Source::Nvme(store) => read(store, out),
+                    Source::Host(params) => {
+                        out.copy_from_slice(&params.as_bytes()[..bytes]);
+                        Ok(())
+                    }
+                    Source::Device(_) => Ok(()),
+                }
+            }
+            // a GPU: straight from the shard's host memory (pageable: the copy is done
+            // when the call returns)
+            (Source::Host(params), false) => {
+                h2d(&mut || torch::copy_from_host(staging, &params.as_bytes()[..bytes]))
+            }
+            (Source::Nvme(store), false) => {
+                // through a pinned buffer, asynchronously on the lane's stream; the two
+                // buffers alternate, so the next shard's read overlaps this copy
+                let slot = &mut pinned[*next];
+                *next = 1 - *next;
+                let buffer = slot.ready(bytes, self.rank)?.shallow_clone();
+                // SAFETY: the buffer's last copy is done (`ready`) and only this job
+                // writes it until the copy queued below
+                read(
+                    store,
+                    unsafe { torch::host_bytes_mut(&buffer, bytes) }.map_err(torch_err)?,
+                )?;
+                let streams = self.streams.as_ref();
+                h2d(&mut || {
+                    let src = buffer.f_narrow(0, 0, bytes as i64)?.f_view_dtype(self.kind)?;
+                    let mut dst = staging.f_narrow(0, 0, (bytes / elem) as i64)?;
+                    torch::shim::copy_(&mut dst, &src, streams.is_some())
+                })?;
+                if let Some(streams) = streams {
+                    // the buffer is written again only after the copy has read it
+                    let mark = streams.current().and_then(|s| s.mark());
+                    slot.read_until = Some(mark.map_err(|message| LaneError::Failed {
+                        rank: self.rank,
+                        lane: "h2d",
+                        message,
+                    })?);
+                }
+                Ok(())
+            }
         }
-        Ok(())
     }
 
     /// The gather lane's job: every rank's shard into the unit buffer, on the device.

@@ -467,6 +467,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             gather_track: self.tracks.prefetch.clone(),
             h2d_track: self.tracks.h2d.clone(),
             dropped: self.lanes.dropped,
+            streams: self.streams.clone(),
         };
         let limits = prefetch::Limits {
             bucket: self.plan.zero.prefetch_bucket_size,
