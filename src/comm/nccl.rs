@@ -15,7 +15,9 @@
 //! NCCL neither times out nor tells a rank that a peer died: a [`watchdog`] thread per
 //! process aborts its communicators (ncclCommAbort, which unblocks a waiting stream)
 //! when any rank publishes a failure in the store, or when one of its own collectives
-//! makes no progress for the timeout, which it then publishes for the others.
+//! makes no progress for the timeout (on the host, or on the device: an event recorded
+//! after each collective tells when its kernel finished), which it then publishes for
+//! the others.
 //!
 //! cudarc looks the library up as `libnccl.so`, which the pip wheel does not ship; the
 //! build links `nccl/libnccl.so` next to the binary, and [`library`] repairs that link
@@ -25,7 +27,9 @@ use super::gloo::{Store, ABORT_KEY};
 use super::{rendezvous::ID_BYTES, Collective, CommError, Element, ReduceOp};
 use crate::device::cuda::{Cuda, LaneStream};
 use crate::torch::shim;
+use cudarc::driver::CudaEvent;
 use cudarc::nccl::{result, sys};
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -158,6 +162,9 @@ pub struct Nccl {
     store: Option<Arc<Store>>,
     /// The collective in flight on the host's behalf, and since when (for the watchdog).
     busy: Mutex<Option<(Instant, &'static str)>>,
+    /// Collectives queued on the device and not known to be done: when each was queued,
+    /// and the event recorded after it (so the watchdog sees a kernel that hangs).
+    queued: Mutex<VecDeque<(Instant, &'static str, CudaEvent)>>,
     failed: Mutex<Option<String>>,
 }
 
@@ -205,6 +212,7 @@ impl Nccl {
             stream,
             store: None,
             busy: Mutex::new(None),
+            queued: Mutex::new(VecDeque::new()),
             failed: Mutex::new(None),
         })
     }
@@ -270,6 +278,13 @@ impl Nccl {
             return Err(fail("the communicator was aborted".into()));
         }
         f(comm.0, stream.cu_stream() as sys::cudaStream_t).map_err(nccl_err(self.rank, op))?;
+        let done = stream
+            .record_event(None)
+            .map_err(|e| fail(format!("recording {op}'s event: {e}")))?;
+        let mut queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+        prune(&mut queued);
+        queued.push_back((Instant::now(), op, done));
+        drop(queued);
         if other {
             self.cuda
                 .order(stream, &current.cuda)
@@ -413,12 +428,30 @@ impl Nccl {
 }
 
 impl Watched for Nccl {
+    /// The oldest collective not done: one the host is still enqueueing, or the first
+    /// queued one whose event has not fired on the device.
     fn busy_since(&self) -> Option<(Instant, &'static str)> {
-        *self.busy.lock().unwrap_or_else(|e| e.into_inner())
+        let host = *self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let mut queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = self.cuda.context().bind_to_thread();
+        prune(&mut queued);
+        let device = queued.front().map(|(since, op, _)| (*since, *op));
+        host.into_iter().chain(device).min_by_key(|(since, _)| *since)
     }
 
     fn stop(&self, reason: &str) {
         self.abort_with(reason.to_string());
+    }
+}
+
+/// Drops the queued collectives the device has finished, oldest first (an event that
+/// cannot be queried counts as done: the host's wait reports the error).
+fn prune(queued: &mut VecDeque<(Instant, &'static str, CudaEvent)>) {
+    while queued
+        .front()
+        .is_some_and(|(_, _, done)| done.try_is_complete().unwrap_or(true))
+    {
+        queued.pop_front();
     }
 }
 

@@ -274,11 +274,6 @@ impl Stream for LaneStream {
 /// A lane mark: a cudarc event (timing disabled).
 pub struct CudaMark(CudaEvent);
 
-// SAFETY: a CUDA event may be recorded, queried and waited on from any thread of the
-// process once its context is bound there, which cudarc does on each call.
-unsafe impl Send for CudaMark {}
-unsafe impl Sync for CudaMark {}
-
 impl DeviceMark for CudaMark {
     fn query(&self) -> bool {
         // an error means the device will not get there: the host wait reports it
