@@ -93,9 +93,9 @@ fn one_rank_nccl_collectives_on_device_memory() {
 }
 
 /// The communicators a CUDA rank trains with: joined through c10d's TCPStore by name,
-/// each on its own stream and driven from its own lane thread at once (one shared
-/// stream deadlocks here with more ranks); an abort publishes its cause in the store
-/// and later calls fail with it.
+/// all queueing on the GPU's collectives stream, driven in turn from one thread as the
+/// engine's collectives lane drives them (the one order every rank shares); an abort
+/// publishes its cause in the store and later calls fail with it.
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it with --ignored"]
 fn nccl_communicators_join_through_the_store_and_share_the_collectives_stream() {
@@ -109,15 +109,15 @@ fn nccl_communicators_join_through_the_store_and_share_the_collectives_stream() 
         .port();
     let timeout = std::time::Duration::from_secs(30);
     let store = Store::connect("127.0.0.1", port, true, timeout).unwrap();
-    let cuda = Arc::new(Cuda::open(0).unwrap());
+    let cuda = Cuda::shared(0).unwrap();
     let comms: Vec<Nccl> = ["main", "gather", "reduce"]
         .iter()
         .map(|name| Nccl::join(store.clone(), name, cuda.clone(), 0, 1, timeout).unwrap())
         .collect();
     std::thread::scope(|s| {
-        for (i, comm) in comms.iter().enumerate() {
-            s.spawn(move || {
-                for round in 0..50 {
+        s.spawn(|| {
+            for round in 0..50 {
+                for (i, comm) in comms.iter().enumerate() {
                     let shard: Vec<f32> = (0..4096).map(|x| (x + i + round) as f32).collect();
                     let mut out = vec![0f32; 4096];
                     comm.all_gather(&shard, &mut out).unwrap();
@@ -125,8 +125,8 @@ fn nccl_communicators_join_through_the_store_and_share_the_collectives_stream() 
                     comm.reduce_scatter(&shard, &mut out, ReduceOp::Avg).unwrap();
                     assert_eq!(out, shard);
                 }
-            });
-        }
+            }
+        });
     });
     comms[1].abort("out of memory");
     let published = String::from_utf8(store.try_get("tierzero/abort").unwrap().unwrap()).unwrap();

@@ -157,7 +157,7 @@ pub struct Nccl {
     world: usize,
     cuda: Arc<Cuda>,
     /// The GPU's collectives stream, shared by its communicators.
-    stream: Arc<LaneStream>,
+    stream: LaneStream,
     /// Where failures are published (None for a communicator made without a store).
     store: Option<Arc<Store>>,
     /// The collective in flight on the host's behalf, and since when (for the watchdog).

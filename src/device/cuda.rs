@@ -3,12 +3,12 @@
 //! The binary starts on machines with no driver: every entry first checks that
 //! `libcuda` can be loaded ([`driver`]) and returns [`CudaError::NoDriver`] otherwise,
 //! because cudarc panics when it cannot find the library. Compute runs on torch's
-//! current stream (borrowed through the bridge); host→device, device→host and
-//! collectives get their own non-blocking streams, ordered against compute by events.
+//! current stream (borrowed through the bridge); the lanes (host→device copies,
+//! collectives) run on streams of torch's pool, ordered against compute by events.
 //! cudarc retains the primary context, the one torch uses, so pointers are shared.
 //!
-//! Lanes run on streams from torch's pool, one per lane name and GPU, shared by every
-//! user in the process ([`Cuda::shared`]): the collectives lane's stream is also the
+//! Lane streams are one per lane name and GPU in the process ([`Cuda::lane_stream`],
+//! whichever handle asks): the collectives lane's stream is also the
 //! one each NCCL communicator of that GPU queues on, so a rank's collectives are one
 //! sequence on the device. [`CudaStreams`] gives them to the lanes (`lanes.rs`) with
 //! cudarc events as their marks.
@@ -63,14 +63,12 @@ pub fn device_count() -> Result<usize, CudaError> {
     Ok(n.max(0) as usize)
 }
 
-/// One GPU: its context and the streams tierzero queues copies on (each NCCL
-/// communicator has a stream of its own, `comm/nccl.rs`).
+/// One GPU: its context, and two streams of its own for the copy benchmarks (`bench
+/// gpu`); the lanes' streams come from [`Cuda::lane_stream`].
 pub struct Cuda {
     ctx: Arc<CudaContext>,
     pub h2d: Arc<CudaStream>,
     pub d2h: Arc<CudaStream>,
-    /// The lanes' streams, by lane name (made on first use).
-    lanes: Mutex<Vec<(&'static str, Arc<LaneStream>)>>,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -92,7 +90,6 @@ impl Cuda {
             h2d: stream()?,
             d2h: stream()?,
             ctx: ctx.clone(),
-            lanes: Mutex::new(Vec::new()),
         })
     }
 
@@ -110,11 +107,14 @@ impl Cuda {
     }
 
     /// The stream lane `name` runs on: one of torch's pool streams (non-blocking: ordered
-    /// against compute only by events), the same one at every call.
-    pub fn lane_stream(&self, name: &'static str) -> Result<Arc<LaneStream>, CudaError> {
-        let mut lanes = self.lanes.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, stream)) = lanes.iter().find(|(n, _)| *n == name) {
-            return Ok(stream.clone());
+    /// against compute only by events), the same one for this GPU and name at every call
+    /// in the process, whichever handle asks.
+    pub fn lane_stream(&self, name: &'static str) -> Result<LaneStream, CudaError> {
+        static LANES: Mutex<Vec<((usize, &'static str), TorchStream)>> = Mutex::new(Vec::new());
+        let mut lanes = LANES.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (self.ordinal(), name);
+        if let Some((_, torch)) = lanes.iter().find(|(k, _)| *k == key) {
+            return Ok(self.wrap(*torch));
         }
         // the collectives a step waits on go first when both are ready
         let high = name == "collectives";
@@ -122,9 +122,8 @@ impl Cuda {
             op: "torch pool stream".into(),
             message: e.to_string(),
         })?;
-        let stream = Arc::new(self.wrap(torch));
-        lanes.push((name, stream.clone()));
-        Ok(stream)
+        lanes.push((key, torch));
+        Ok(self.wrap(torch))
     }
 
     /// Torch's current stream of the calling thread.
@@ -276,13 +275,15 @@ pub struct CudaMark(CudaEvent);
 
 impl DeviceMark for CudaMark {
     fn query(&self) -> bool {
-        // an error means the device will not get there: the host wait reports it
-        self.0.try_is_complete().unwrap_or(true)
+        // an error is not done: the host wait reports it
+        let _ = self.0.context().bind_to_thread();
+        self.0.try_is_complete().unwrap_or(false)
     }
 
     /// Polls rather than spins (an event's host wait spins a core otherwise, which the
     /// CPU optimizer needs).
     fn synchronize(&self) -> Result<(), String> {
+        let _ = self.0.context().bind_to_thread();
         let mut pause = Duration::from_micros(5);
         while !self
             .0
@@ -309,7 +310,7 @@ impl Streams for CudaStreams {
     }
 
     fn lane(&self, name: &'static str) -> Result<Arc<dyn Stream>, String> {
-        Ok(self.0.lane_stream(name).map_err(|e| e.to_string())?)
+        Ok(Arc::new(self.0.lane_stream(name).map_err(|e| e.to_string())?))
     }
 }
 

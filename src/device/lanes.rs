@@ -182,11 +182,11 @@ impl Event {
     /// Blocks the calling thread until the event fires (on a device: until the device has
     /// run the job's work); the lane's failure if it failed.
     pub fn synchronize(&self) -> Result<(), LaneError> {
-        self.ran()?;
-        match self.mark() {
-            Some(mark) => mark.synchronize().map_err(|message| self.failed(message)),
-            None => Ok(()),
-        }
+        let ran = self.ran();
+        // a failed job's mark too: what it queued before failing may still run
+        let on_device = self.mark().map_or(Ok(()), |mark| mark.synchronize());
+        ran?;
+        on_device.map_err(|message| self.failed(message))
     }
 
     /// Orders the calling thread's later compute after the event: on a device its

@@ -8,9 +8,9 @@
 //! rank ([`schedule`]). The compute thread asks for units ahead of time, as many as fit
 //! in `stage3_prefetch_bucket_size` elements and `stage3_max_live_parameters` (at least
 //! the one it needs now), at most [`MAX_IN_FLIGHT`] ahead, and takes them in order. The
-//! gather lane has its own communicator, so its collectives never interleave with the
-//! reduce lane's; since every rank issues the same collectives in the same order on each
-//! lane, lanes cannot deadlock each other. DeepSpeed's PartitionedParameterCoordinator
+//! gather lane is the step's collectives lane, which also runs the reductions: every
+//! rank issues the same collectives in the same order from one thread (on a GPU, on
+//! one stream), so they cannot deadlock each other. DeepSpeed's PartitionedParameterCoordinator
 //! plays this role with a CUDA stream per direction; FSDP2 with its all-gather stream.
 //!
 //! Buffers come from pools that stop allocating after the first step: unit buffers are
@@ -483,23 +483,21 @@ impl<C: Collective> Fetcher<C> {
                     Source::Device(_) => Ok(()),
                 }
             }
-            // a GPU: straight from the shard's host memory (pageable: the copy is done
-            // when the call returns)
-            (Source::Host(params), false) => {
-                h2d(&mut || torch::copy_from_host(staging, &params.as_bytes()[..bytes]))
-            }
-            (Source::Nvme(store), false) => {
-                // through a pinned buffer, asynchronously on the lane's stream; the two
-                // buffers alternate, so the next shard's read overlaps this copy
+            (shard, false) => {
+                // a GPU: through a pinned buffer, copied asynchronously on the lane's
+                // stream; the two buffers alternate, so the next shard's read overlaps
+                // this copy
                 let slot = &mut pinned[*next];
                 *next = 1 - *next;
                 let buffer = slot.ready(bytes, self.rank)?.shallow_clone();
                 // SAFETY: the buffer's last copy is done (`ready`) and only this job
                 // writes it until the copy queued below
-                read(
-                    store,
-                    unsafe { torch::host_bytes_mut(&buffer, bytes) }.map_err(torch_err)?,
-                )?;
+                let out = unsafe { torch::host_bytes_mut(&buffer, bytes) }.map_err(torch_err)?;
+                match shard {
+                    Source::Nvme(store) => read(store, out)?,
+                    Source::Host(params) => out.copy_from_slice(&params.as_bytes()[..bytes]),
+                    Source::Device(_) => {}
+                }
                 let streams = self.streams.as_ref();
                 h2d(&mut || {
                     let src = buffer.f_narrow(0, 0, bytes as i64)?.f_view_dtype(self.kind)?;

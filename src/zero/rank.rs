@@ -93,12 +93,17 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         On(self.rank).torch()
     }
 
-    /// Waits for the GPU's queued work, so a compute span ends when the kernels did
-    /// (torch launches asynchronously); nothing to wait for on CPU.
+    /// Waits for the compute stream's queued work, so a compute span ends when the
+    /// kernels did (torch launches asynchronously); the lanes' streams go on. Nothing to
+    /// wait for on CPU.
     fn settle(&self) -> Result<(), TchError> {
-        match self.compute {
-            tch::Device::Cuda(d) => torch::shim::synchronize(d),
-            _ => Ok(()),
+        match &self.streams {
+            Some(streams) => streams
+                .current()
+                .and_then(|compute| compute.mark())
+                .and_then(|mark| mark.synchronize())
+                .map_err(TchError::Torch),
+            None => Ok(()),
         }
     }
 

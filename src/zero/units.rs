@@ -282,7 +282,11 @@ impl<'a> Units<'a> {
     /// (`install_through` precedes each fetch and each prefetch request), and the
     /// readers of the previous step are done before the optimizer is handed its
     /// destinations (the prefetch lanes are drained at the end of the micro-batches;
-    /// on a GPU compute's stream orders the rest).
+    /// on a GPU compute's stream orders the rest). On a GPU this rests on the optimizer
+    /// thread and the compute thread both queueing on torch's legacy default stream (one
+    /// stream per device for all threads): the mark a gather's job waits for, recorded on
+    /// that stream at its submission, covers the update's kernels. Giving either thread
+    /// a stream of its own would need a mark after each update for `install` to wait on.
     fn update_target(&mut self, u: usize, len: usize) -> Result<Tensor, EngineError> {
         let target = match (&self.units[u].partition, &self.units[u].params) {
             (Some(partition), _) => partition.shallow_clone(),
