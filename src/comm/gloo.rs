@@ -33,6 +33,7 @@ extern "C" {
         n: usize,
     ) -> c_int;
     fn tz_store_free(store: *mut c_void);
+    fn tz_store_port(store: *mut c_void, out: *mut u16, err: *mut c_char, n: usize) -> c_int;
     fn tz_store_set(
         store: *mut c_void,
         key: *const c_char,
@@ -163,6 +164,20 @@ impl Store {
             format!("cannot {role} the c10d store at {host}:{port}: {e}")
         })?;
         Ok(Arc::new(Store { raw }))
+    }
+
+    /// Serves a store on a port of the loopback interface that the system picks (no
+    /// window between choosing the port and binding it); [`Store::port`] tells which.
+    pub fn serve_loopback(timeout: Duration) -> Result<Arc<Store>, String> {
+        Store::connect("127.0.0.1", 0, true, timeout)
+    }
+
+    /// The port this store serves or reaches.
+    pub fn port(&self) -> Result<u16, String> {
+        let mut out = 0u16;
+        // SAFETY: valid handle and out-pointer.
+        call(|e, n| unsafe { tz_store_port(self.raw, &mut out, e, n) })?;
+        Ok(out)
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), String> {
@@ -518,10 +533,6 @@ mod tests {
     use super::*;
     use crate::comm::local::Local;
 
-    fn free_port() -> u16 {
-        free_loopback_port().unwrap()
-    }
-
     /// What every collective leaves on each rank.
     type Outcome = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f64>, Vec<u16>);
 
@@ -546,9 +557,11 @@ mod tests {
     /// Two ranks over a real TCPStore and ProcessGroupGloo compute `Local`'s bits.
     #[test]
     fn two_gloo_ranks_compute_the_bits_of_local() {
-        let port = free_port();
         let timeout = Duration::from_secs(30);
-        let server = Store::connect("127.0.0.1", port, true, timeout).unwrap();
+        // served on a port the system picks; the client reaches it by the port it reports
+        let server = Store::serve_loopback(timeout).unwrap();
+        let port = server.port().unwrap();
+        assert_ne!(port, 0);
         let gloo: Vec<Outcome> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..2)
                 .map(|rank| {
@@ -574,9 +587,8 @@ mod tests {
 
     #[test]
     fn an_abort_fails_later_collectives_with_its_reason_and_publishes_it() {
-        let port = free_port();
         let timeout = Duration::from_secs(30);
-        let store = Store::connect("127.0.0.1", port, true, timeout).unwrap();
+        let store = Store::serve_loopback(timeout).unwrap();
         let solo = Arc::new(Gloo::join(store.clone(), "solo", 0, 1, timeout).unwrap());
         solo.barrier().unwrap();
         solo.abort("the disk is full");

@@ -602,9 +602,9 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     fn store_pair() -> (Arc<Store>, impl Fn() -> Arc<Store>) {
-        let port = super::super::gloo::free_loopback_port().unwrap();
         let timeout = Duration::from_secs(10);
-        let server = Store::connect("127.0.0.1", port, true, timeout).unwrap();
+        let server = Store::serve_loopback(timeout).unwrap();
+        let port = server.port().unwrap();
         (server, move || {
             Store::connect("127.0.0.1", port, false, timeout).unwrap()
         })

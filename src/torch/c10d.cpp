@@ -69,6 +69,16 @@ int tz_store_new(const char* host, uint16_t port, int is_server, int64_t timeout
 
 void tz_store_free(void* store) { delete static_cast<Store*>(store); }
 
+// The port a TCPStore serves or reaches (the one the system chose for a server made with
+// port 0).
+int tz_store_port(void* store, uint16_t* out, char* err, size_t n) {
+  TZ_TRY
+  auto* tcp = dynamic_cast<c10d::TCPStore*>(static_cast<Store*>(store)->store.get());
+  if (tcp == nullptr) throw std::runtime_error("not a TCPStore");
+  *out = tcp->getPort();
+  TZ_CATCH
+}
+
 // key := value (bytes).
 int tz_store_set(void* store, const char* key, const uint8_t* value, size_t len, char* err, size_t n) {
   TZ_TRY

@@ -712,25 +712,35 @@ fn communicators(plan: &Plan, one: bool, c10d: bool) -> Result<Vec<Comms<Group>>
     // several processes: c10d's TCPStore on the master address — torchrun's agent serves
     // it when it says so, else node 0 does — and Gloo communicators over it
     let timeout = std::time::Duration::from_secs(launch.timeout_s);
-    let (address, port, serve) = if launch.nnodes == 1 {
-        let port = crate::comm::gloo::free_loopback_port()
-            .map_err(|e| TrainError::Invalid(format!("no free loopback port for the ranks' store: {e}")))?;
-        ("127.0.0.1".to_string(), port, true)
+    // the ranks of one process: a store served here on a loopback port the system picks
+    let (address, served) = if launch.nnodes == 1 {
+        let server = Store::serve_loopback(timeout).map_err(|e| {
+            TrainError::Invalid(format!("serving the ranks' store on the loopback interface: {e}"))
+        })?;
+        ("127.0.0.1".to_string(), Some(server))
     } else {
         let agent = std::env::var("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Ok("True");
-        (
-            launch.master_addr.clone(),
-            launch.master_port,
-            !agent && launch.node_rank == 0,
-        )
+        let serve = !agent && launch.node_rank == 0;
+        let server = serve
+            .then(|| Store::connect(&launch.master_addr, launch.master_port, true, timeout))
+            .transpose()
+            .map_err(TrainError::Invalid)?;
+        (launch.master_addr.clone(), server)
+    };
+    let port = match &served {
+        Some(server) => server.port().map_err(TrainError::Invalid)?,
+        None => launch.master_port,
     };
     let first = plan.train.local_ranks().start;
     // every rank joins its three communicators in the same order; the ranks of this
     // process join concurrently (each join waits for all ranks), each through its own
-    // connection to the store (a client blocks in a wait while Gloo rendezvous)
+    // connection to the store (a client blocks in a wait while Gloo rendezvous); the
+    // first uses the server's own
     let comms = join_concurrently(plan.train.local_ranks(), |rank| {
-        let serves = serve && rank == first;
-        let store = Store::connect(&address, port, serves, timeout)?;
+        let store = match (&served, rank == first) {
+            (Some(server), true) => server.clone(),
+            _ => Store::connect(&address, port, false, timeout)?,
+        };
         let joined = (|| {
             // CUDA ranks: NCCL communicators bootstrapped through the same store
             let cuda = match plan.train.compute_device(rank) {
