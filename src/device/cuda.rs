@@ -268,6 +268,12 @@ impl Stream for LaneStream {
             .wait(event)
             .map_err(|e| format!("cuStreamWaitEvent: {e}"))
     }
+
+    /// A spinning kernel (torch's `at::cuda::sleep`) on the thread's current stream,
+    /// which is this one on its lane's worker; ~1 GHz clocks assumed.
+    fn delay(&self, micros: u64) -> Result<(), String> {
+        shim::device_sleep(micros.saturating_mul(1000)).map_err(|e| e.to_string())
+    }
 }
 
 /// A lane mark: a cudarc event (timing disabled).

@@ -56,6 +56,9 @@ pub trait Stream: Send + Sync {
     fn mark(&self) -> Result<Mark, String>;
     /// Later work on this stream waits for `mark` (the calling thread goes on).
     fn wait(&self, mark: &Mark) -> Result<(), String>;
+    /// Queues device work that takes about `micros` microseconds (checked mode: a lane's
+    /// job starts late on the device as it does on the host).
+    fn delay(&self, micros: u64) -> Result<(), String>;
 }
 
 /// A rank's device streams: its lanes' and compute's. CPU devices have none (their work
@@ -249,6 +252,9 @@ pub struct Lane<'env> {
     submitted: AtomicU64,
     progress: Arc<Progress>,
     device: Option<OnDevice>,
+    mode: Mode,
+    /// Mixed into checked mode's random delays (the lane's name and rank).
+    salt: u64,
 }
 
 /// A lane's device side: its stream and the rank's streams.
@@ -309,6 +315,8 @@ impl<'env> Lane<'env> {
             submitted: AtomicU64::new(0),
             progress,
             device,
+            mode,
+            salt,
         }
     }
 
@@ -321,6 +329,7 @@ impl<'env> Lane<'env> {
     /// the calling thread, and the event's mark follows the device work the job queued.
     pub fn submit(&self, job: impl FnOnce() -> Result<(), String> + Send + 'env) -> Event {
         let mut last = self.submitting.lock().unwrap_or_else(|e| e.into_inner());
+        let seq = self.submitted.fetch_add(1, Ordering::SeqCst) + 1;
         let (job, slot): (Job<'env>, Option<Slot>) = match &self.device {
             None => (Box::new(job), None),
             Some(device) => {
@@ -328,9 +337,19 @@ impl<'env> Lane<'env> {
                 // taken here, on the issuing thread: what compute had queued at submission
                 let after = device.streams.current().and_then(|compute| compute.mark());
                 let (stream, filled) = (device.stream.clone(), slot.clone());
+                // checked mode on a device: the job's device work starts late too
+                let delay = match self.mode {
+                    Mode::Checked { seed, max_delay_us } => {
+                        Some(shuffle(seed ^ self.salt ^ seq) % max_delay_us.max(1))
+                    }
+                    Mode::Plain => None,
+                };
                 let on_device = move || {
                     let stream = stream?;
                     stream.wait(&after?)?;
+                    if let Some(micros) = delay {
+                        stream.delay(micros)?;
+                    }
                     let outcome = job();
                     // a mark even after a failure: whatever the job queued is covered
                     let _ = filled.set(stream.mark()?);
@@ -339,7 +358,6 @@ impl<'env> Lane<'env> {
                 (Box::new(on_device), Some(slot))
             }
         };
-        let seq = self.submitted.fetch_add(1, Ordering::SeqCst) + 1;
         if let Some(jobs) = &self.jobs {
             // a closed queue means the worker is gone: the event reports it as stopped
             let _ = jobs.send(job);
@@ -410,10 +428,8 @@ fn serve(
             Err(format!("its device stream: {message}"))
         } else {
             if let Mode::Checked { max_delay_us, .. } = mode {
-                // xorshift64: a reproducible delay per job
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
+                // a reproducible delay per job
+                rng = shuffle(rng);
                 std::thread::sleep(Duration::from_micros(rng % max_delay_us.max(1)));
             }
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).unwrap_or_else(|panic| {
@@ -435,6 +451,15 @@ fn serve(
     let mut done = progress.done.lock().unwrap_or_else(|e| e.into_inner());
     done.stopped = true;
     progress.changed.notify_all();
+}
+
+/// One xorshift64 step: checked mode's reproducible random delays.
+fn shuffle(mut x: u64) -> u64 {
+    x |= 1;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    x
 }
 
 /// Buffers held until the events of their last uses fire (`keep_until`).
@@ -648,6 +673,10 @@ mod tests {
             self.device.note(format!("{} waits {}", self.name, name_of(mark)));
             Ok(())
         }
+        fn delay(&self, _micros: u64) -> Result<(), String> {
+            self.device.note(format!("{} delayed", self.name));
+            Ok(())
+        }
     }
 
     impl Streams for Arc<Logged> {
@@ -665,8 +694,9 @@ mod tests {
         }
     }
 
-    /// On a device a job's stream waits for the compute queued before its submission,
-    /// its event fires when the device has run it (not when the job returned), compute
+    /// On a device a job's stream waits for the compute queued before its submission
+    /// (then, checked, for a delay of device work), its event fires when the device has
+    /// run it (not when the job returned), compute
     /// waits for it on its stream without blocking, and another lane waits on its own
     /// stream.
     #[test]
@@ -674,7 +704,11 @@ mod tests {
         let device = Arc::new(Logged::default());
         let streams: Arc<dyn Streams> = Arc::new(device.clone());
         std::thread::scope(|s| {
-            let h2d = Lane::start_on(s, 0, "h2d", Mode::Plain, Some(streams.clone()));
+            let checked = Mode::Checked {
+                seed: 5,
+                max_delay_us: 10,
+            };
+            let h2d = Lane::start_on(s, 0, "h2d", checked, Some(streams.clone()));
             let gather = Lane::start_on(s, 0, "gather", Mode::Plain, Some(streams.clone()));
             let log = device.clone();
             let copied = h2d.submit(move || {
@@ -690,7 +724,8 @@ mod tests {
             let lines = device.lines();
             for (before, after) in [
                 ("mark compute#0", "h2d waits compute#0"),
-                ("h2d waits compute#0", "copy queued"),
+                ("h2d waits compute#0", "h2d delayed"),
+                ("h2d delayed", "copy queued"),
                 ("copy queued", "mark h2d#1"),
                 ("mark h2d#1", "gather waits h2d#1"),
                 ("mark h2d#1", "compute waits h2d#1"),

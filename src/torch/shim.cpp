@@ -13,6 +13,8 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <dlfcn.h>
+
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -130,6 +132,20 @@ int tz_pinned_bytes(int64_t bytes, at::Tensor** out, char* err, size_t n) {
   TZ_TRY
   ready_accelerator();
   *out = new at::Tensor(at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
+  TZ_CATCH
+}
+
+// Queues a kernel that spins for `cycles` GPU clock cycles on the calling thread's current
+// stream: torch's at::cuda::sleep, looked up at run time (libtorch_cuda is loaded only
+// with a CUDA build of torch; an error otherwise).
+int tz_device_sleep(int64_t cycles, char* err, size_t n) {
+  TZ_TRY
+  using SleepFn = void (*)(int64_t);
+  static SleepFn sleep_fn = reinterpret_cast<SleepFn>(dlsym(RTLD_DEFAULT, "_ZN2at4cuda5sleepEl"));
+  if (sleep_fn == nullptr) {
+    throw std::runtime_error("at::cuda::sleep is not loaded (a CPU build of torch)");
+  }
+  sleep_fn(cycles);
   TZ_CATCH
 }
 

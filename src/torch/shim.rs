@@ -30,6 +30,7 @@ extern "C" {
     ) -> c_int;
     fn tz_set_current_stream(device: c_int, id: i64, err: *mut c_char, n: usize) -> c_int;
     fn tz_pinned_bytes(bytes: i64, out: *mut *mut C_tensor, err: *mut c_char, n: usize) -> c_int;
+    fn tz_device_sleep(cycles: i64, err: *mut c_char, n: usize) -> c_int;
     fn tz_synchronize(device: c_int, err: *mut c_char, n: usize) -> c_int;
     fn tz_copy(
         dst: *mut C_tensor,
@@ -129,6 +130,13 @@ pub fn pinned_bytes(bytes: usize) -> Result<Tensor, TchError> {
     call(|e, n| unsafe { tz_pinned_bytes(bytes as i64, &mut out, e, n) })?;
     // SAFETY: a fresh handle from the bridge.
     Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// Queues a kernel that spins for `cycles` GPU clock cycles on the calling thread's
+/// current CUDA stream (checked mode's device delays); an error without CUDA torch.
+pub fn device_sleep(cycles: u64) -> Result<(), TchError> {
+    // SAFETY: plain call.
+    call(|e, n| unsafe { tz_device_sleep(cycles.min(i64::MAX as u64) as i64, e, n) })
 }
 
 /// Waits for every queued operation on accelerator `device`.
@@ -378,6 +386,7 @@ mod tests {
                 )
                 .unwrap_err(),
                 pinned_bytes(16).map(|_| ()).unwrap_err(),
+                device_sleep(1000).unwrap_err(),
                 synchronize(0).unwrap_err(),
                 memory_stats(0).map(|_| ()).unwrap_err(),
             ] {
