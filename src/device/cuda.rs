@@ -269,10 +269,10 @@ impl Stream for LaneStream {
             .map_err(|e| format!("cuStreamWaitEvent: {e}"))
     }
 
-    /// A spinning kernel (torch's `at::cuda::sleep`) on the thread's current stream,
-    /// which is this one on its lane's worker; ~1 GHz clocks assumed.
+    /// A spinning kernel (torch's `at::cuda::sleep`) on the thread's current stream of
+    /// this GPU, which is this one on its lane's worker; ~1.5 GHz clocks assumed.
     fn delay(&self, micros: u64) -> Result<(), String> {
-        shim::device_sleep(micros.saturating_mul(1000)).map_err(|e| e.to_string())
+        shim::device_sleep(self.ordinal, micros.saturating_mul(1500)).map_err(|e| e.to_string())
     }
 }
 

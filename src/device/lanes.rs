@@ -36,8 +36,8 @@ use std::time::Duration;
 /// A point in a device stream's queue (a CUDA event): done once the device has run
 /// everything queued on the stream before it.
 pub trait DeviceMark: Send + Sync {
-    /// Whether the device has got there (an error of the device's counts as done: the
-    /// host wait reports it).
+    /// Whether the device has got there (an error of the device's counts as not there:
+    /// the host wait reports it).
     fn query(&self) -> bool;
     /// Blocks the calling thread until the device has got there.
     fn synchronize(&self) -> Result<(), String>;
@@ -162,12 +162,13 @@ impl Event {
         }
     }
 
-    /// Whether the lane has finished the work before this event, on the device too (a
-    /// failed lane's events count as fired: nothing more will touch their buffers).
+    /// Whether the lane has finished the work before this event, on the device too (after
+    /// a failure, once the skipped jobs' marks say the device is done with what was
+    /// queued: nothing more will touch their buffers).
     pub fn query(&self) -> bool {
         let ran = {
             let done = self.progress.done.lock().unwrap_or_else(|e| e.into_inner());
-            done.seq >= self.seq || done.failed.is_some() || done.stopped
+            done.seq >= self.seq || done.stopped
         };
         ran && self.mark().is_none_or(|m| m.query())
     }
@@ -218,11 +219,12 @@ impl Event {
     fn ran(&self) -> Result<(), LaneError> {
         let mut done = self.progress.done.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            match &done.failed {
-                Some((at, message)) if *at <= self.seq => return Err(self.failed(message.clone())),
-                _ if done.seq >= self.seq => return Ok(()),
-                Some(_) => {}
-                None => {}
+            // after a failure the later jobs are skipped quickly: their marks are set
+            if done.seq >= self.seq {
+                return match &done.failed {
+                    Some((at, message)) if *at <= self.seq => Err(self.failed(message.clone())),
+                    _ => Ok(()),
+                };
             }
             if done.stopped {
                 return Err(LaneError::Stopped {
@@ -239,7 +241,9 @@ impl Event {
     }
 }
 
-type Job<'env> = Box<dyn FnOnce() -> Result<(), String> + Send + 'env>;
+/// A job, called with `true` to run it, or `false` to skip it after an earlier failure
+/// (on a device it still marks its stream, so waits on it cover what was queued before).
+type Job<'env> = Box<dyn FnOnce(bool) -> Result<(), String> + Send + 'env>;
 
 /// One FIFO lane of a rank (h2d, d2h, gather, reduce): a worker thread of `scope`.
 pub struct Lane<'env> {
@@ -329,9 +333,10 @@ impl<'env> Lane<'env> {
     /// the calling thread, and the event's mark follows the device work the job queued.
     pub fn submit(&self, job: impl FnOnce() -> Result<(), String> + Send + 'env) -> Event {
         let mut last = self.submitting.lock().unwrap_or_else(|e| e.into_inner());
-        let seq = self.submitted.fetch_add(1, Ordering::SeqCst) + 1;
+        // counted only when queued (below): a submission that fails half way leaves no gap
+        let seq = self.submitted.load(Ordering::SeqCst) + 1;
         let (job, slot): (Job<'env>, Option<Slot>) = match &self.device {
-            None => (Box::new(job), None),
+            None => (Box::new(move |run: bool| if run { job() } else { Ok(()) }), None),
             Some(device) => {
                 let slot = Slot::default();
                 // taken here, on the issuing thread: what compute had queued at submission
@@ -344,13 +349,17 @@ impl<'env> Lane<'env> {
                     }
                     Mode::Plain => None,
                 };
-                let on_device = move || {
+                let on_device = move |run: bool| {
                     let stream = stream?;
-                    stream.wait(&after?)?;
-                    if let Some(micros) = delay {
-                        stream.delay(micros)?;
-                    }
-                    let outcome = job();
+                    let outcome = if run {
+                        stream.wait(&after?)?;
+                        if let Some(micros) = delay {
+                            stream.delay(micros)?;
+                        }
+                        job()
+                    } else {
+                        Ok(())
+                    };
                     // a mark even after a failure: whatever the job queued is covered
                     let _ = filled.set(stream.mark()?);
                     outcome
@@ -358,6 +367,7 @@ impl<'env> Lane<'env> {
                 (Box::new(on_device), Some(slot))
             }
         };
+        self.submitted.store(seq, Ordering::SeqCst);
         if let Some(jobs) = &self.jobs {
             // a closed queue means the worker is gone: the event reports it as stopped
             let _ = jobs.send(job);
@@ -423,8 +433,11 @@ fn serve(
     for job in queue {
         let failed = progress.done.lock().map_or(true, |d| d.failed.is_some());
         let outcome = if failed {
+            // skipped, its event reports the failure
+            let _ = job(false);
             Ok(())
         } else if let Err(message) = &entered {
+            let _ = job(false);
             Err(format!("its device stream: {message}"))
         } else {
             if let Mode::Checked { max_delay_us, .. } = mode {
@@ -432,7 +445,7 @@ fn serve(
                 rng = shuffle(rng);
                 std::thread::sleep(Duration::from_micros(rng % max_delay_us.max(1)));
             }
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).unwrap_or_else(|panic| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(true))).unwrap_or_else(|panic| {
                 Err(panic
                     .downcast_ref::<&str>()
                     .map(|s| s.to_string())
@@ -749,6 +762,44 @@ mod tests {
             copied.synchronize().unwrap();
             assert!(copied.query() && start.elapsed() >= Duration::from_millis(10));
             finish.join().unwrap();
+        });
+    }
+
+    /// After a failure on a device, later jobs are skipped but still mark the stream, and
+    /// their events wait for the device before reporting the failure: a buffer a failed
+    /// or earlier job queued work on is not reused while that work may run.
+    #[test]
+    fn on_a_device_a_failure_still_waits_for_what_was_queued() {
+        let device = Arc::new(Logged::default());
+        let streams: Arc<dyn Streams> = Arc::new(device.clone());
+        std::thread::scope(|s| {
+            let lane = Lane::start_on(s, 3, "collectives", Mode::Plain, Some(streams.clone()));
+            let log = device.clone();
+            let bad = lane.submit(move || {
+                log.note("collective queued".into());
+                Err("the peer is gone".into())
+            });
+            let skipped = lane.submit(|| panic!("must not run"));
+            let last = lane.record();
+            // the worker has skipped it (and marked its stream)
+            assert!(skipped.ran().is_err());
+            for e in [&bad, &skipped, &last] {
+                assert!(!e.query(), "the device has not run what was queued");
+            }
+            device.finish_all();
+            for e in [bad, skipped, last] {
+                assert!(e.query());
+                let message = e.synchronize().unwrap_err().to_string();
+                assert_eq!(message, "rank 3: collectives lane: the peer is gone");
+            }
+            assert_eq!(
+                device
+                    .lines()
+                    .iter()
+                    .filter(|l| l.starts_with("mark collectives"))
+                    .count(),
+                2
+            );
         });
     }
 }

@@ -136,16 +136,19 @@ int tz_pinned_bytes(int64_t bytes, at::Tensor** out, char* err, size_t n) {
 }
 
 // Queues a kernel that spins for `cycles` GPU clock cycles on the calling thread's current
-// stream: torch's at::cuda::sleep, looked up at run time (libtorch_cuda is loaded only
+// stream of device `device_index`: torch's at::cuda::sleep, looked up at run time (libtorch_cuda is loaded only
 // with a CUDA build of torch; an error otherwise).
-int tz_device_sleep(int64_t cycles, char* err, size_t n) {
+int tz_device_sleep(int device_index, int64_t cycles, char* err, size_t n) {
   TZ_TRY
   using SleepFn = void (*)(int64_t);
   static SleepFn sleep_fn = reinterpret_cast<SleepFn>(dlsym(RTLD_DEFAULT, "_ZN2at4cuda5sleepEl"));
   if (sleep_fn == nullptr) {
     throw std::runtime_error("at::cuda::sleep is not loaded (a CPU build of torch)");
   }
+  // it launches on the current device's current stream: make that device current
+  c10::DeviceIndex previous = at::accelerator::exchangeDevice(static_cast<c10::DeviceIndex>(device_index));
   sleep_fn(cycles);
+  at::accelerator::maybeExchangeDevice(previous);
   TZ_CATCH
 }
 

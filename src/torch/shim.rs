@@ -30,7 +30,7 @@ extern "C" {
     ) -> c_int;
     fn tz_set_current_stream(device: c_int, id: i64, err: *mut c_char, n: usize) -> c_int;
     fn tz_pinned_bytes(bytes: i64, out: *mut *mut C_tensor, err: *mut c_char, n: usize) -> c_int;
-    fn tz_device_sleep(cycles: i64, err: *mut c_char, n: usize) -> c_int;
+    fn tz_device_sleep(device: c_int, cycles: i64, err: *mut c_char, n: usize) -> c_int;
     fn tz_synchronize(device: c_int, err: *mut c_char, n: usize) -> c_int;
     fn tz_copy(
         dst: *mut C_tensor,
@@ -133,10 +133,12 @@ pub fn pinned_bytes(bytes: usize) -> Result<Tensor, TchError> {
 }
 
 /// Queues a kernel that spins for `cycles` GPU clock cycles on the calling thread's
-/// current CUDA stream (checked mode's device delays); an error without CUDA torch.
-pub fn device_sleep(cycles: u64) -> Result<(), TchError> {
+/// current stream on CUDA device `device` (checked mode's device delays); an error
+/// without CUDA torch.
+pub fn device_sleep(device: usize, cycles: u64) -> Result<(), TchError> {
+    let cycles = cycles.min(i64::MAX as u64) as i64;
     // SAFETY: plain call.
-    call(|e, n| unsafe { tz_device_sleep(cycles.min(i64::MAX as u64) as i64, e, n) })
+    call(|e, n| unsafe { tz_device_sleep(device as c_int, cycles, e, n) })
 }
 
 /// Waits for every queued operation on accelerator `device`.
@@ -386,7 +388,7 @@ mod tests {
                 )
                 .unwrap_err(),
                 pinned_bytes(16).map(|_| ()).unwrap_err(),
-                device_sleep(1000).unwrap_err(),
+                device_sleep(0, 1000).unwrap_err(),
                 synchronize(0).unwrap_err(),
                 memory_stats(0).map(|_| ()).unwrap_err(),
             ] {

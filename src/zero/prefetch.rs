@@ -137,11 +137,17 @@ impl Pinned {
     /// At least `bytes` pinned bytes, free of the copy that read them last.
     fn ready(&mut self, bytes: usize, rank: usize) -> Result<&Tensor, EngineError> {
         if let Some(mark) = self.read_until.take() {
-            mark.synchronize().map_err(|message| LaneError::Failed {
-                rank,
-                lane: "h2d",
-                message,
-            })?;
+            if let Err(message) = mark.synchronize() {
+                // the copy may still read it: left to torch's pinned allocator, which
+                // reuses the block only after the copy
+                self.buffer = None;
+                return Err(LaneError::Failed {
+                    rank,
+                    lane: "h2d",
+                    message,
+                }
+                .into());
+            }
         }
         if self.buffer.as_ref().is_none_or(|b| b.numel() < bytes) {
             let fresh =
@@ -506,12 +512,19 @@ impl<C: Collective> Fetcher<C> {
                 })?;
                 if let Some(streams) = streams {
                     // the buffer is written again only after the copy has read it
-                    let mark = streams.current().and_then(|s| s.mark());
-                    slot.read_until = Some(mark.map_err(|message| LaneError::Failed {
-                        rank: self.rank,
-                        lane: "h2d",
-                        message,
-                    })?);
+                    match streams.current().and_then(|s| s.mark()) {
+                        Ok(mark) => slot.read_until = Some(mark),
+                        Err(message) => {
+                            // unknown when the copy is done: torch's allocator knows
+                            slot.buffer = None;
+                            return Err(LaneError::Failed {
+                                rank: self.rank,
+                                lane: "h2d",
+                                message,
+                            }
+                            .into());
+                        }
+                    }
                 }
                 Ok(())
             }
