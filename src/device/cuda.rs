@@ -35,6 +35,14 @@ pub enum CudaError {
 }
 
 impl CudaError {
+    /// A failed call through torch's bridge.
+    pub fn torch(op: &str) -> impl FnOnce(tch::TchError) -> CudaError + '_ {
+        move |e| CudaError::Driver {
+            op: op.to_string(),
+            message: e.to_string(),
+        }
+    }
+
     pub fn driver(op: &str) -> impl FnOnce(DriverError) -> CudaError + '_ {
         move |e| CudaError::Driver {
             op: op.to_string(),
@@ -118,20 +126,15 @@ impl Cuda {
         }
         // the collectives a step waits on go first when both are ready
         let high = name == "collectives";
-        let torch = shim::stream_from_pool(self.ordinal(), high).map_err(|e| CudaError::Driver {
-            op: "torch pool stream".into(),
-            message: e.to_string(),
-        })?;
+        let torch =
+            shim::stream_from_pool(self.ordinal(), high).map_err(CudaError::torch("torch pool stream"))?;
         lanes.push((key, torch));
         Ok(self.wrap(torch))
     }
 
     /// Torch's current stream of the calling thread.
     pub fn current_stream(&self) -> Result<LaneStream, CudaError> {
-        let torch = shim::current_stream(self.ordinal()).map_err(|e| CudaError::Driver {
-            op: "torch current stream".into(),
-            message: e.to_string(),
-        })?;
+        let torch = shim::current_stream(self.ordinal()).map_err(CudaError::torch("torch current stream"))?;
         Ok(self.wrap(torch))
     }
 

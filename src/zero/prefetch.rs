@@ -141,12 +141,7 @@ impl Pinned {
                 // the copy may still read it: left to torch's pinned allocator, which
                 // reuses the block only after the copy
                 self.buffer = None;
-                return Err(LaneError::Failed {
-                    rank,
-                    lane: "h2d",
-                    message,
-                }
-                .into());
+                return Err(h2d_failed(rank, message));
             }
         }
         if self.buffer.as_ref().is_none_or(|b| b.numel() < bytes) {
@@ -159,6 +154,16 @@ impl Pinned {
             what: "a pinned buffer just made",
         })
     }
+}
+
+/// A failure of the h2d lane's device side.
+fn h2d_failed(rank: usize, message: String) -> EngineError {
+    LaneError::Failed {
+        rank,
+        lane: "h2d",
+        message,
+    }
+    .into()
 }
 
 impl GatherBuffers {
@@ -439,8 +444,9 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
 
 impl<C: Collective> Fetcher<C> {
     /// The h2d lane's job: a shard in host memory or on NVMe into device staging (on
-    /// CPU devices a memcpy, or the NVMe read straight into it; on a GPU through host
-    /// memory).
+    /// CPU devices a memcpy, or the NVMe read straight into it; on a GPU through one of
+    /// two alternating pinned buffers, copied asynchronously on the lane's stream, so the
+    /// next shard's read overlaps this copy).
     fn to_staging(
         &self,
         unit: usize,
@@ -453,82 +459,72 @@ impl<C: Collective> Fetcher<C> {
             rank: self.rank,
             source,
         };
-        let on_host = staging.device() == tch::Device::Cpu;
-        let elem = self.precision.bytes();
-        let mut scratch = scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Scratch { io, pinned, next } = &mut *scratch;
-        let mut read = |store, out: &mut [u8]| -> Result<(), EngineError> {
-            let buf = self
-                .h2d_track
-                .span(TimedPhase::NvmeRead, Some(unit), bytes as u64, || {
-                    read_param_bytes(store, (self.rank, unit, elem), out, io.take())
-                })?;
-            *io = Some(buf);
-            Ok(())
-        };
-        let h2d = |f: &mut dyn FnMut() -> Result<(), tch::TchError>| {
-            self.h2d_track
-                .span(TimedPhase::H2d, Some(unit), bytes as u64, f)
-                .map_err(torch_err)
-        };
-        match (shard, on_host) {
-            (Source::Device(_), _) => Err(EngineError::Invariant {
+        if let Source::Device(_) = shard {
+            return Err(EngineError::Invariant {
                 rank: self.rank,
                 what: "a device shard sent through host staging",
-            }),
-            (shard, true) => {
-                // SAFETY: the staging buffer is this fetch's alone until the gather lane's
-                // event (the pool releases it only then); its element size is the precision's.
-                let out = unsafe { torch::host_bytes_mut(staging, bytes) }.map_err(torch_err)?;
-                match shard {
-                    Source::Nvme(store) => read(store, out),
-                    Source::Host(params) => {
-                        out.copy_from_slice(&params.as_bytes()[..bytes]);
-                        Ok(())
-                    }
-                    Source::Device(_) => Ok(()),
-                }
+            });
+        }
+        let on_host = staging.device() == tch::Device::Cpu;
+        let mut scratch = scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Scratch { io, pinned, next } = &mut *scratch;
+        // where the shard's bytes land: the staging buffer itself on CPU devices (the
+        // pool gives it to this fetch alone until the gather's event), else a pinned buffer
+        let mut slot = (!on_host).then(|| {
+            let slot = &mut pinned[*next];
+            *next = 1 - *next;
+            slot
+        });
+        let landing = match &mut slot {
+            Some(slot) => slot.ready(bytes, self.rank)?.shallow_clone(),
+            None => staging.shallow_clone(),
+        };
+        // SAFETY: `landing` is this job's alone (above; a pinned buffer's last copy is
+        // done, `ready`) until its event or the copy queued below; its element size is
+        // the precision's
+        let out = unsafe { torch::host_bytes_mut(&landing, bytes) }.map_err(torch_err)?;
+        match shard {
+            Source::Nvme(store) => {
+                let buf = self
+                    .h2d_track
+                    .span(TimedPhase::NvmeRead, Some(unit), bytes as u64, || {
+                        read_param_bytes(store, (self.rank, unit, self.precision.bytes()), out, io.take())
+                    })?;
+                *io = Some(buf);
             }
-            (shard, false) => {
-                // a GPU: through a pinned buffer, copied asynchronously on the lane's
-                // stream; the two buffers alternate, so the next shard's read overlaps
-                // this copy
-                let slot = &mut pinned[*next];
-                *next = 1 - *next;
-                let buffer = slot.ready(bytes, self.rank)?.shallow_clone();
-                // SAFETY: the buffer's last copy is done (`ready`) and only this job
-                // writes it until the copy queued below
-                let out = unsafe { torch::host_bytes_mut(&buffer, bytes) }.map_err(torch_err)?;
-                match shard {
-                    Source::Nvme(store) => read(store, out)?,
-                    Source::Host(params) => out.copy_from_slice(&params.as_bytes()[..bytes]),
-                    Source::Device(_) => {}
+            // on CPU devices this memcpy is the host-to-device transfer
+            Source::Host(params) if on_host => {
+                self.h2d_track
+                    .span(TimedPhase::H2d, Some(unit), bytes as u64, || {
+                        out.copy_from_slice(&params.as_bytes()[..bytes])
+                    })
+            }
+            Source::Host(params) => out.copy_from_slice(&params.as_bytes()[..bytes]),
+            Source::Device(_) => {}
+        }
+        let Some(slot) = slot else {
+            return Ok(());
+        };
+        let streams = self.streams.as_ref();
+        self.h2d_track
+            .span(TimedPhase::H2d, Some(unit), bytes as u64, || {
+                let src = landing.f_narrow(0, 0, bytes as i64)?.f_view_dtype(self.kind)?;
+                let mut dst = staging.f_narrow(0, 0, (bytes / self.precision.bytes()) as i64)?;
+                torch::shim::copy_(&mut dst, &src, streams.is_some())
+            })
+            .map_err(torch_err)?;
+        if let Some(streams) = streams {
+            // the buffer is written again only after the copy has read it
+            match streams.current().and_then(|s| s.mark()) {
+                Ok(mark) => slot.read_until = Some(mark),
+                Err(message) => {
+                    // unknown when the copy is done: torch's allocator knows
+                    slot.buffer = None;
+                    return Err(h2d_failed(self.rank, message));
                 }
-                let streams = self.streams.as_ref();
-                h2d(&mut || {
-                    let src = buffer.f_narrow(0, 0, bytes as i64)?.f_view_dtype(self.kind)?;
-                    let mut dst = staging.f_narrow(0, 0, (bytes / elem) as i64)?;
-                    torch::shim::copy_(&mut dst, &src, streams.is_some())
-                })?;
-                if let Some(streams) = streams {
-                    // the buffer is written again only after the copy has read it
-                    match streams.current().and_then(|s| s.mark()) {
-                        Ok(mark) => slot.read_until = Some(mark),
-                        Err(message) => {
-                            // unknown when the copy is done: torch's allocator knows
-                            slot.buffer = None;
-                            return Err(LaneError::Failed {
-                                rank: self.rank,
-                                lane: "h2d",
-                                message,
-                            }
-                            .into());
-                        }
-                    }
-                }
-                Ok(())
             }
         }
+        Ok(())
     }
 
     /// The gather lane's job: every rank's shard into the unit buffer, on the device.
