@@ -14,9 +14,13 @@ CARGO         ?= cargo
 export LIBTORCH = $(shell ls -d $(VENV)/lib/python3*/site-packages/torch 2>/dev/null | head -n 1)
 export LIBTORCH_BYPASS_VERSION_CHECK = 1
 
-.PHONY: train test setup build lint unit bench-adam clean-venv gpu-bundle _gpu-bundle
+.PHONY: train test setup tools build lint unit bench-adam clean-venv gpu-bundle _gpu-bundle
 
-setup: $(TORCH_STAMP)
+setup: $(TORCH_STAMP) tools
+
+# system tools the tests use: strace watches a checkpoint save's system calls from outside
+tools:
+	@command -v strace >/dev/null || (apt-get update && apt-get install -y strace)
 
 $(TORCH_STAMP):
 	@command -v $(PYTHON) >/dev/null || (apt-get update && apt-get install -y python3 python3-venv python3-pip)

@@ -13,5 +13,6 @@ pub mod data;
 pub mod device;
 pub mod metrics;
 pub mod model;
+pub mod run;
 pub mod torch;
 pub mod zero;

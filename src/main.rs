@@ -64,7 +64,9 @@ enum Command {
     Train {
         #[command(flatten)]
         config: ConfigArgs,
-        /// Resume from a checkpoint directory, or `latest`.
+        /// Resume from a checkpoint directory, `latest` (the newest checkpoint under
+        /// output_dir; an error if none), or `auto` (the newest if there is one, else a
+        /// fresh start: one command for a job's first launch and its restarts).
         #[arg(long)]
         resume: Option<String>,
         /// Write a Chrome trace of every step to <output_dir>/trace.json.
@@ -368,6 +370,16 @@ fn load_config(args: &ConfigArgs) -> Result<Loaded, ConfigError> {
     Ok(loaded)
 }
 
+/// Warns (once, on node 0, which writes the checkpoints) when `output_dir`'s disk cannot
+/// hold the checkpoints the run keeps beside its NVMe swap files; returns the warning.
+fn disk_space_warning(plan: &tierzero::config::Plan) -> Option<String> {
+    let warning = (plan.train.launch.node_rank == 0)
+        .then(|| tierzero::checkpoint::space::warning(plan))
+        .flatten()?;
+    tracing::warn!("{warning}");
+    Some(warning)
+}
+
 /// Opens the data as `train` will (token file: exists, holds a window, ids within the
 /// vocabulary; text: read and tokenized into its cache), so `plan` fails where `train`
 /// would, before anyone waits for a job. A failure names the key to fix.
@@ -429,8 +441,9 @@ fn launch_sets(args: &LaunchArgs, sets: &mut Vec<String>) -> Result<(), ConfigEr
 fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command {
         Command::Plan { config, json } => {
-            let loaded = load_config(&config)?;
+            let mut loaded = load_config(&config)?;
             check_data(&loaded.plan)?;
+            loaded.warnings.extend(disk_space_warning(&loaded.plan));
             if json {
                 let value = serde_json::json!({
                     "plan": loaded.plan,
@@ -624,10 +637,18 @@ fn run(cli: Cli) -> Result<(), Failure> {
             trace,
         } => {
             let loaded = load_config(&config)?;
-            let resume_dir = resume
-                .map(|r| tierzero::checkpoint::save::resolve(&r, &loaded.plan.train.output_dir))
-                .transpose()
-                .map_err(anyhow::Error::from)?;
+            disk_space_warning(&loaded.plan);
+            let output_dir = &loaded.plan.train.output_dir;
+            let resume_dir = match resume.as_deref() {
+                Some(r) => tierzero::checkpoint::save::resolve(r, output_dir).map_err(anyhow::Error::from)?,
+                None => None,
+            };
+            if resume.as_deref() == Some("auto") && resume_dir.is_none() {
+                println!(
+                    "--resume auto: no checkpoint under {} yet; starting from step 0",
+                    tierzero::checkpoint::save::root(output_dir).display()
+                );
+            }
             print!("{}", config::plan_table(&loaded.plan));
             let options = TrainOptions {
                 write_outputs: true,
@@ -636,6 +657,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 trace,
                 ..TrainOptions::default()
             };
+            tierzero::run::preempt::install().context("installing the SIGTERM/SIGUSR1 handler")?;
             let result = trainer::train(&loaded.plan, options).map_err(anyhow::Error::from)?;
             let launch = &loaded.plan.train.launch;
             if launch.node_rank != 0 {
@@ -646,6 +668,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     result.seconds,
                     loaded.plan.train.output_dir.display()
                 );
+                exit_if_preempted(&result);
                 return Ok(());
             }
             let first = result.steps.first().map_or(f64::NAN, |m| m.loss);
@@ -735,6 +758,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 result.seconds,
                 output_dir.display()
             );
+            exit_if_preempted(&result);
             Ok(())
         }
         Command::Eval { config, json } => {
@@ -855,6 +879,20 @@ fn run(cli: Cli) -> Result<(), Failure> {
     }
 }
 
+/// A run stopped by SIGTERM/SIGUSR1 ends with `EXIT_PREEMPTED` after saying where it
+/// stopped, so a scheduler (or a person) can tell it from a finished or failed run.
+fn exit_if_preempted(result: &trainer::TrainResult) {
+    if result.preempted {
+        let step = result.steps.last().map_or(0, |m| m.step);
+        eprintln!(
+            "preempted by {}: stopped after step {step} and saved its checkpoint; `--resume auto` continues (exit status {})",
+            tierzero::run::preempt::signal_name(),
+            tierzero::run::preempt::EXIT_PREEMPTED
+        );
+        std::process::exit(tierzero::run::preempt::EXIT_PREEMPTED);
+    }
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -864,9 +902,14 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_target(false)
         .init();
-    if let Err(e) = tierzero::checkpoint::crash::check_env() {
-        eprintln!("error: {e}");
-        return ExitCode::from(2);
+    for check in [
+        tierzero::checkpoint::crash::check_env,
+        tierzero_offload::nvme::fault::check_env,
+    ] {
+        if let Err(e) = check() {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
     }
     // before any tensor or thread: libtorch's CPU allocations are counted from here on
     if let Err(e) = tierzero::torch::shim::count_cpu_allocations() {

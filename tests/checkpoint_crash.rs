@@ -1,18 +1,16 @@
 //! Crash safety at every step of a save: the process is killed (SIGKILL) just before
 //! each operation of the save/commit sequence in turn and the last good checkpoint must
-//! load and resume every time; and the recorded operations of real saves must make every
-//! write durable (fsync of the file, then of its directory) before the rename that
-//! publishes it.
+//! load and resume every time; and the file-system system calls of real saves, traced
+//! from outside the process by strace, must make every write durable (fsync of the file,
+//! then of its directory) before the rename that publishes it.
 
 use crate::checkpoint_process::{check_all, leftovers, tierzero, write_config};
 use serde_json::json;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use tierzero::checkpoint::crash::{self, Op, Recording};
+use tierzero::checkpoint::crash;
 use tierzero::checkpoint::save;
-use tierzero::config::{from_json, DeviceFacts};
-use tierzero::zero::trainer::{train, TrainOptions};
 
 /// Copies a directory tree.
 fn copy_tree(from: &Path, to: &Path) {
@@ -141,6 +139,171 @@ fn a_kill_at_every_step_of_a_save_keeps_the_last_good_checkpoint() {
     );
 }
 
+/// A file-system operation of a save, as strace saw the process make it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Op {
+    /// A file opened with `O_CREAT`, or a directory made.
+    Create(PathBuf),
+    /// A write or truncation of a file.
+    Write(PathBuf),
+    /// fsync/fdatasync of a file.
+    Sync(PathBuf),
+    /// fsync of a directory.
+    SyncDir(PathBuf),
+    Rename(PathBuf, PathBuf),
+    Exchange(PathBuf, PathBuf),
+    /// A directory removed.
+    Remove(PathBuf),
+}
+
+impl Op {
+    /// The path the operation acts on (the source of a rename).
+    fn path(&self) -> &Path {
+        match self {
+            Op::Create(p) | Op::Write(p) | Op::Sync(p) | Op::SyncDir(p) | Op::Remove(p) => p,
+            Op::Rename(p, _) | Op::Exchange(p, _) => p,
+        }
+    }
+}
+
+/// The system calls a save can make durable or publish state with.
+const TRACED: &str = "trace=openat,creat,mkdir,mkdirat,write,pwrite64,writev,pwritev,pwritev2,ftruncate,fallocate,fsync,fdatasync,sync_file_range,rename,renameat,renameat2,rmdir,unlinkat";
+
+/// Runs `tierzero train` on `config` under strace (every thread, paths of descriptors
+/// shown), with `args`; returns the traced lines.
+fn traced_train(config: &Path, args: &[&str], trace: &Path) -> Vec<String> {
+    let status = std::process::Command::new("strace")
+        .args([
+            "-f",
+            "-qq",
+            "-y",
+            "-s",
+            "0",
+            "-e",
+            TRACED,
+            "-e",
+            "signal=none",
+            "-o",
+        ])
+        .arg(trace)
+        .arg(env!("CARGO_BIN_EXE_tierzero"))
+        .arg("train")
+        .arg("-c")
+        .arg(config)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("strace runs (make setup installs it)");
+    assert!(status.success(), "tierzero train {args:?} under strace: {status}");
+    std::fs::read_to_string(trace)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+/// The quoted strings of a traced call's arguments, in order.
+fn quoted(args: &str) -> Vec<String> {
+    args.split('"').skip(1).step_by(2).map(String::from).collect()
+}
+
+/// The paths strace shows in angle brackets after descriptors (`-y`), in order.
+fn fd_paths(text: &str) -> Vec<PathBuf> {
+    text.split('<')
+        .skip(1)
+        .filter_map(|s| s.split_once('>').map(|(p, _)| PathBuf::from(p)))
+        .collect()
+}
+
+/// A traced call's arguments and result: split at the first `)` followed by spaces and
+/// `= ` (strace pads resumed calls; data strings are empty with `-s 0`).
+fn split_result(call: &str) -> Option<(&str, &str)> {
+    call.match_indices(')').find_map(|(i, _)| {
+        let result = call[i + 1..].trim_start().strip_prefix("= ")?;
+        Some((&call[..i], result))
+    })
+}
+
+/// The successful file-system operations of strace's output, in the order they
+/// completed (a call another thread interrupted counts where strace saw it resume).
+fn parse_trace(lines: &[String]) -> Vec<Op> {
+    let mut pending: std::collections::HashMap<String, String> = Default::default();
+    let mut calls: Vec<String> = Vec::new();
+    for line in lines {
+        let (pid, rest) = line.split_once(' ').unwrap_or(("", line));
+        let rest = rest.trim_start();
+        if let Some(head) = rest.strip_suffix(" <unfinished ...>") {
+            pending.insert(pid.to_string(), head.to_string());
+        } else if rest.starts_with("<... ") {
+            // `<... fsync resumed>)      = 0`: the rest of the arguments, padding, result
+            let tail = rest.split_once("resumed>").map_or("", |(_, t)| t);
+            calls.push(pending.remove(pid).unwrap_or_default() + tail);
+        } else {
+            calls.push(rest.to_string());
+        }
+    }
+    let mut dirs: std::collections::HashSet<PathBuf> = Default::default();
+    let mut ops = Vec::new();
+    for call in calls {
+        let Some((name, rest)) = call.split_once('(') else {
+            continue;
+        };
+        let Some((args, result)) = split_result(rest) else {
+            continue;
+        };
+        if result.starts_with('-') {
+            continue; // failed calls change nothing
+        }
+        let strings = quoted(args);
+        let fds = fd_paths(args);
+        // a path argument: absolute as given, or relative to the descriptor before it
+        let path_at = |i: usize| -> Option<PathBuf> {
+            let s = strings.get(i)?;
+            if s.starts_with('/') {
+                return Some(PathBuf::from(s));
+            }
+            let before = args.split(&format!("\"{s}\"")).next().unwrap_or("");
+            Some(fd_paths(before).last()?.join(s))
+        };
+        let op = match name {
+            "openat" | "creat" if name == "creat" || args.contains("O_CREAT") => {
+                fd_paths(result).pop().map(Op::Create)
+            }
+            "mkdir" | "mkdirat" => path_at(0)
+                .inspect(|p| {
+                    dirs.insert(p.clone());
+                })
+                .map(Op::Create),
+            "write" | "pwrite64" | "writev" | "pwritev" | "pwritev2" | "ftruncate" | "fallocate" => {
+                fds.first().cloned().map(Op::Write)
+            }
+            "fsync" | "fdatasync" | "sync_file_range" => fds.first().map(|p| {
+                if dirs.contains(p) || p.is_dir() {
+                    Op::SyncDir(p.clone())
+                } else {
+                    Op::Sync(p.clone())
+                }
+            }),
+            "rename" | "renameat" | "renameat2" => match (path_at(0), path_at(1)) {
+                (Some(from), Some(to)) if args.contains("RENAME_EXCHANGE") => Some(Op::Exchange(from, to)),
+                (Some(from), Some(to)) => {
+                    if dirs.contains(&from) {
+                        dirs.insert(to.clone());
+                    }
+                    Some(Op::Rename(from, to))
+                }
+                _ => None,
+            },
+            "rmdir" => path_at(0).map(Op::Remove),
+            "unlinkat" if args.contains("AT_REMOVEDIR") => path_at(0).map(Op::Remove),
+            _ => None,
+        };
+        ops.extend(op);
+    }
+    ops
+}
+
 /// Checks that the recorded operations publish only durable state: every file of a
 /// staging directory synced after its last write and before the rename, the manifest
 /// written after every slice is durable, the staging directory synced before its rename,
@@ -253,34 +416,30 @@ fn check_durable(ops: &[Op], root: &Path) -> Result<usize, String> {
 #[test]
 fn every_save_makes_its_writes_durable_before_publishing_them() {
     let tmp = tempfile::tempdir().unwrap();
-    let config = |steps: u64| {
-        json!({
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            "optimizer": { "type": "AdamW", "params": { "lr": 1e-3 } },
-            "zero_optimization": { "stage": 3, "sub_group_size": 1000, "stage3_param_persistence_threshold": 0 },
-            "model": { "preset": "llama-tiny", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96 },
-            "data": { "synthetic": "markov", "seq_len": 16 },
-            "train": { "steps": steps, "devices": 2, "save_interval": 1, "keep_last": 2, "output_dir": tmp.path().join("out") }
-        })
-    };
+    let config = tmp.path().join("config.json");
+    let config_json = json!({
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "optimizer": { "type": "AdamW", "params": { "lr": 1e-3 } },
+        "zero_optimization": { "stage": 3, "sub_group_size": 1000, "stage3_param_persistence_threshold": 0 },
+        "model": { "preset": "llama-tiny", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96 },
+        "data": { "synthetic": "markov", "seq_len": 16 },
+        "train": { "steps": 3, "devices": 2, "save_interval": 1, "keep_last": 2, "output_dir": tmp.path().join("out") }
+    });
+    std::fs::write(&config, config_json.to_string()).unwrap();
     let root = save::root(&tmp.path().join("out"));
-    let recording = Recording::start(&root);
-    let run = |steps: u64, resume: Option<&Path>| {
-        let plan = from_json(config(steps), &[], DeviceFacts::default())
-            .unwrap()
-            .plan;
-        let options = TrainOptions {
-            save_checkpoints: true,
-            resume,
-            ..TrainOptions::default()
-        };
-        train(&plan, options).unwrap();
-    };
     // three new steps (the third prunes the first), then step 3 saved again
-    run(3, None);
-    run(3, Some(&root.join("step-2")));
-    let ops = recording.ops();
+    let mut lines = traced_train(&config, &[], &tmp.path().join("first.strace"));
+    let step_2 = root.join("step-2").display().to_string();
+    lines.extend(traced_train(
+        &config,
+        &["--resume", &step_2],
+        &tmp.path().join("again.strace"),
+    ));
+    let ops: Vec<Op> = parse_trace(&lines)
+        .into_iter()
+        .filter(|op| op.path().starts_with(&root))
+        .collect();
     assert_eq!(check_durable(&ops, &root), Ok(4));
     assert_eq!(ops.iter().filter(|o| matches!(o, Op::Exchange(..))).count(), 1);
     assert!(ops

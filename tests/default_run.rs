@@ -59,7 +59,18 @@ fn default_config_loss_falls_below_threshold() {
         assert!(!line[field].is_null(), "metrics.jsonl lacks {field}");
     }
     // MFU is a fraction of the peak of the model's own matmul shapes, measured in the run
+    // for one rank: the denominator is every rank's peak (2 ranks here), the numerator
+    // the model FLOPs of every rank's tokens
+    let flops_per_token = plan.model.config.flops_per_token(plan.data.seq_len);
+    assert!(result.rank_peak_flops > 0.0);
     for s in &result.steps {
         assert!(s.mfu > 0.0 && s.mfu <= 1.0, "step {}: mfu {}", s.step, s.mfu);
+        let all_ranks = s.mfu * result.rank_peak_flops * plan.world_size as f64;
+        let model = flops_per_token * s.tokens_per_s;
+        assert!(
+            (all_ranks / model - 1.0).abs() < 1e-9,
+            "step {}: mfu × rank peak × ranks = {all_ranks}, model FLOP/s {model}",
+            s.step
+        );
     }
 }

@@ -226,3 +226,68 @@ fn a_truncated_safetensors_file_names_itself() {
     let e = hf::load(dir.path(), &plan.model.config).unwrap_err().to_string();
     assert!(e.contains("model.safetensors"), "{e}");
 }
+
+/// Llama-3 RoPE at Llama-3.2-1B's real settings (head_dim 64, theta 500000, factor 32,
+/// original context 8192) against the tables transformers builds
+/// (`tests/data/rope_reference.json`, from `tests/data/rope_reference.py`): there every
+/// branch of the frequency rule runs — 15 frequencies kept, 3 smoothed, 14 divided by the
+/// factor — where the tiny test models' head_dim 16 reach only one.
+#[test]
+fn llama3_rope_tables_match_transformers_at_llama_3_2_1b_settings() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/rope_reference.json");
+    let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let floats = |v: &serde_json::Value| -> Vec<f64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    let branches = strings(&reference["branch"]);
+    for branch in ["high", "smooth", "low"] {
+        assert!(
+            branches.iter().any(|b| b == branch),
+            "the reference has no {branch:?} frequency"
+        );
+    }
+    let config = tierzero::model::config::ModelConfig::preset("llama-1b").unwrap();
+    assert_eq!(config.head_dim(), 64);
+    let positions: Vec<i64> = floats(&reference["positions"])
+        .iter()
+        .map(|&p| p as i64)
+        .collect();
+    let seq_len = positions.iter().max().unwrap() + 1;
+    let (cos, sin) = tierzero::model::blocks::rope_tables(&config, seq_len, Kind::Float).unwrap();
+    // inv_freq is the angle at position 1: acos of the cos table's second row gives it
+    // back only near 0; read it from the sines of position 1 instead (angles ≤ 1 rad)
+    let expected_inv = floats(&reference["inv_freq"]);
+    let sin_1: Vec<f64> = Vec::<f32>::try_from(sin.get(1))
+        .unwrap()
+        .iter()
+        .map(|&x| x as f64)
+        .collect();
+    for (i, &inv) in expected_inv.iter().enumerate() {
+        let got = sin_1[i].asin();
+        assert!(
+            (got - inv).abs() <= 1e-6 * inv.max(1e-3),
+            "inv_freq[{i}] ({}): {got} against transformers' {inv}",
+            branches[i]
+        );
+    }
+    // the tables, row by row: both round the angle to fp32, and the fp32 frequency may
+    // differ by an ulp, so the tolerance grows with the position
+    for (row, &p) in positions.iter().enumerate() {
+        let tolerance = 1e-5 + 2e-7 * p as f64;
+        for (name, table) in [("cos", &cos), ("sin", &sin)] {
+            let got = Vec::<f32>::try_from(table.get(p)).unwrap();
+            let want = floats(&reference[name][row]);
+            assert_eq!(got.len(), want.len());
+            for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (*g as f64 - w).abs() <= tolerance,
+                    "{name}[{p}][{j}]: {g} against transformers' {w}"
+                );
+            }
+        }
+    }
+}

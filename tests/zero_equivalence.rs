@@ -15,6 +15,7 @@ use serde_json::json;
 use tierzero::config::plan::Wire;
 use tierzero::config::{from_json, DeviceFacts, Plan};
 use tierzero::device::lanes::Mode;
+use tierzero::metrics::timeline::Phase;
 use tierzero::zero::context::LaneOptions;
 use tierzero::zero::prefetch::DroppedWait;
 use tierzero::zero::trainer::{train, TrainOptions};
@@ -343,6 +344,48 @@ fn bf16_gradients_with_the_optimizer_on_nvme_stay_within_bf16_resolution() {
     let reference = master(&plan(1, 0, "none", "none", 2, dir.path(), "bf16"));
     let got = master(&plan(2, 3, "cpu", "nvme", 1, dir.path(), "bf16"));
     assert_close("bf16 gradients world 2 stage 3", &got, &reference, 3.9e-3);
+    // and the gradients were rounded: fp32 ones leave ~1e-7
+    let gap = crate::checkpoint::max_rel_diff(&got, &reference);
+    assert!(
+        gap > 1e-4,
+        "bf16 gradients on NVMe left a gap of only {gap}: not rounded?"
+    );
+}
+
+/// Units under the persistence threshold are gathered once per step, by the first
+/// forward after their update, and kept for every later use of the step; the others
+/// are gathered for each forward and each backward (2 micro-batches here: 4 times).
+#[test]
+fn persistent_units_are_gathered_once_per_step() {
+    let dir = disk_dir();
+    let gathered_per_step = |threshold: usize| -> Vec<u64> {
+        let mut p = plan(2, 3, "none", "cpu", 2, dir.path(), "fp32");
+        p.zero.param_persistence_threshold = threshold;
+        let options = TrainOptions {
+            lanes: Some(CHECKED),
+            ..TrainOptions::default()
+        };
+        let result = train(&p, options).unwrap();
+        result
+            .breakdowns
+            .iter()
+            .map(|b| {
+                b.bytes
+                    .iter()
+                    .filter(|(phase, _)| *phase == Phase::AllGather)
+                    .map(|x| x.1)
+                    .sum()
+            })
+            .collect()
+    };
+    let kept = gathered_per_step(usize::MAX);
+    let none = gathered_per_step(0);
+    for (step, (k, n)) in kept.iter().zip(&none).enumerate() {
+        assert!(
+            *k > 0 && 3 * k < *n,
+            "step {step}: {k} bytes gathered with every unit persistent, {n} with none"
+        );
+    }
 }
 
 /// The optimizer phase runs behind the next step's forward; it must compute exactly what

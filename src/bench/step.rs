@@ -10,9 +10,9 @@
 //! tracing on, as a ratio of median step times.
 
 use crate::config::plan::{Plan, Tier};
-use crate::metrics::peak::peak_flops;
+use crate::metrics::peak::{mfu, peak_flops};
 use crate::metrics::timeline::Breakdown;
-use crate::zero::trainer::{train, TrainError, TrainOptions};
+use crate::zero::trainer::{rank_threads, train, TrainError, TrainOptions};
 use serde::Serialize;
 
 #[derive(Clone, Debug, Serialize)]
@@ -23,13 +23,17 @@ pub struct StepRun {
     pub offload_optimizer: String,
     pub step_seconds: f64,
     pub tokens_per_s: f64,
+    /// Model FLOP/s ÷ (ranks × one rank's matmul peak).
     pub mfu: f64,
+    /// One rank's matmul peak, FLOP/s, with a rank's torch threads.
+    pub peak_flops: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
 pub struct StepReport {
     pub parameters: usize,
     pub tokens_per_step: usize,
+    /// One rank's matmul peak of the ZeRO run, FLOP/s.
     pub peak_flops: f64,
     pub zero: StepRun,
     pub dense: StepRun,
@@ -49,7 +53,14 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-fn measure(plan: &Plan, peak: f64, options: TrainOptions<'_>) -> Result<(StepRun, Breakdown), TrainError> {
+/// One rank's matmul peak with the torch threads a rank of `plan` runs with.
+fn rank_peak(plan: &Plan) -> f64 {
+    tch::set_num_threads(rank_threads(plan) as i32);
+    peak_flops(plan)
+}
+
+fn measure(plan: &Plan, options: TrainOptions<'_>) -> Result<(StepRun, Breakdown), TrainError> {
+    let peak = rank_peak(plan);
     let result = train(plan, options)?;
     let breakdown = Breakdown::total(result.breakdowns.get(1..).unwrap_or(&[]));
     let step_seconds = median(result.steps.iter().skip(1).map(|s| s.step_seconds).collect());
@@ -61,13 +72,17 @@ fn measure(plan: &Plan, peak: f64, options: TrainOptions<'_>) -> Result<(StepRun
         offload_optimizer: plan.zero.offload_optimizer.tier.name().into(),
         step_seconds,
         tokens_per_s,
-        mfu: plan.model.config.flops_per_token(plan.data.seq_len) * tokens_per_s / peak,
+        mfu: mfu(
+            plan.model.config.flops_per_token(plan.data.seq_len) * tokens_per_s,
+            peak,
+            plan.world_size,
+        ),
+        peak_flops: peak,
     };
     Ok((run, breakdown))
 }
 
 pub fn run(plan: &Plan, steps: u64) -> Result<StepReport, TrainError> {
-    let peak = peak_flops(plan);
     let mut zero_plan = plan.clone();
     zero_plan.train.steps = steps.max(2);
     let mut dense = zero_plan.clone();
@@ -77,13 +92,13 @@ pub fn run(plan: &Plan, steps: u64) -> Result<StepReport, TrainError> {
     dense.zero.stage = 0;
     dense.zero.offload_param.tier = Tier::Device;
     dense.zero.offload_optimizer.tier = Tier::Device;
-    let (zero, breakdown) = measure(&zero_plan, peak, TrainOptions::default())?;
-    let (dense, _) = measure(&dense, peak, TrainOptions::default())?;
+    let (zero, breakdown) = measure(&zero_plan, TrainOptions::default())?;
+    let (dense, _) = measure(&dense, TrainOptions::default())?;
     let blocking = TrainOptions {
         no_overlap: true,
         ..TrainOptions::default()
     };
-    let (blocking_run, blocking_breakdown) = measure(&zero_plan, peak, blocking)?;
+    let (blocking_run, blocking_breakdown) = measure(&zero_plan, blocking)?;
     // tracing writes <output_dir>/trace.json: keep it out of the user's directory
     let scratch = std::env::temp_dir().join(format!("tierzero-bench-trace-{}", std::process::id()));
     let mut traced_plan = zero_plan.clone();
@@ -92,7 +107,7 @@ pub fn run(plan: &Plan, steps: u64) -> Result<StepReport, TrainError> {
         trace: true,
         ..TrainOptions::default()
     };
-    let (traced_run, _) = measure(&traced_plan, peak, traced)?;
+    let (traced_run, _) = measure(&traced_plan, traced)?;
     let _ = std::fs::remove_dir_all(&scratch);
     Ok(StepReport {
         breakdown: breakdown.json(),
@@ -102,7 +117,7 @@ pub fn run(plan: &Plan, steps: u64) -> Result<StepReport, TrainError> {
         trace_overhead: traced_run.step_seconds / zero.step_seconds - 1.0,
         parameters: plan.model.config.num_parameters(),
         tokens_per_step: plan.tokens_per_step(),
-        peak_flops: peak,
+        peak_flops: zero.peak_flops,
         ratio_to_dense: zero.step_seconds / dense.step_seconds,
         zero,
         dense,
@@ -113,18 +128,20 @@ impl StepReport {
     pub fn human(&self) -> String {
         let line = |name: &str, r: &StepRun| {
             format!(
-                "  {name:<6} {} rank(s), stage {}, params on {}, optimizer on {}: {:.4} s/step  {:.0} tokens/s  MFU {:.1}%\n",
+                "  {name:<6} {} rank(s), stage {}, params on {}, optimizer on {}: {:.4} s/step  {:.0} tokens/s  MFU {:.1}% (of {} × {:.1} GFLOP/s)\n",
                 r.devices,
                 r.stage,
                 r.offload_param,
                 r.offload_optimizer,
                 r.step_seconds,
                 r.tokens_per_s,
-                100.0 * r.mfu
+                100.0 * r.mfu,
+                r.devices,
+                r.peak_flops / 1e9
             )
         };
         format!(
-            "step bench: {} parameters, {} tokens/step, peak {:.1} GFLOP/s (fp32 matmul, measured)\n{}{}  ratio_to_dense {:.3}",
+            "step bench: {} parameters, {} tokens/step, peak {:.1} GFLOP/s per rank (the model's matmul shapes, measured)\n{}{}  ratio_to_dense {:.3}",
             self.parameters,
             self.tokens_per_step,
             self.peak_flops / 1e9,

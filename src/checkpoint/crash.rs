@@ -1,14 +1,13 @@
-//! Stopping a save at a chosen step, and a record of its file-system operations: what
-//! the crash-safety tests use to kill a save at each step of its sequence in turn and to
-//! check that every write is made durable before the rename that publishes it.
+//! Stopping a save at a chosen step: what the crash-safety tests use to kill a save at
+//! each step of its sequence in turn. (Durability is checked from outside the process,
+//! on the system calls strace sees: `tests/checkpoint_crash.rs`.)
 //!
 //! `TIERZERO_CRASH_AT=point@step[:n]` sends SIGKILL to the process just before the
 //! `n`-th (default first) time the save of step `step` reaches `point` (one of
 //! [`POINTS`]). Unset, every point is one relaxed atomic load.
 
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 /// The environment variable naming the crash point.
 pub const VAR: &str = "TIERZERO_CRASH_AT";
@@ -108,73 +107,6 @@ pub fn point(point: &'static str, step: u64) {
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
         loop {
             std::thread::park();
-        }
-    }
-}
-
-/// A file-system operation of a save, as recorded.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Op {
-    Create(PathBuf),
-    Write(PathBuf),
-    /// fsync/fdatasync of a file.
-    Sync(PathBuf),
-    /// fsync of a directory.
-    SyncDir(PathBuf),
-    Rename(PathBuf, PathBuf),
-    Exchange(PathBuf, PathBuf),
-    Remove(PathBuf),
-}
-
-impl Op {
-    /// The path the operation acts on (the source of a rename).
-    pub fn path(&self) -> &Path {
-        match self {
-            Op::Create(p) | Op::Write(p) | Op::Sync(p) | Op::SyncDir(p) | Op::Remove(p) => p,
-            Op::Rename(p, _) | Op::Exchange(p, _) => p,
-        }
-    }
-}
-
-static RECORDERS: AtomicUsize = AtomicUsize::new(0);
-static LOG: Mutex<Vec<Op>> = Mutex::new(Vec::new());
-
-/// Records `op` while a [`Recording`] is alive.
-pub(super) fn record(op: impl FnOnce() -> Op) {
-    if RECORDERS.load(Ordering::Relaxed) > 0 {
-        LOG.lock().unwrap_or_else(|e| e.into_inner()).push(op());
-    }
-}
-
-/// Records the operations of every save in this process while alive; [`Recording::ops`]
-/// returns those under one checkpoints directory (tests running beside it save
-/// elsewhere).
-pub struct Recording {
-    root: PathBuf,
-}
-
-impl Recording {
-    pub fn start(root: &Path) -> Recording {
-        RECORDERS.fetch_add(1, Ordering::SeqCst);
-        Recording {
-            root: root.to_path_buf(),
-        }
-    }
-
-    /// The operations under the root so far, in the order they completed.
-    pub fn ops(&self) -> Vec<Op> {
-        let log = LOG.lock().unwrap_or_else(|e| e.into_inner());
-        log.iter()
-            .filter(|op| op.path().starts_with(&self.root))
-            .cloned()
-            .collect()
-    }
-}
-
-impl Drop for Recording {
-    fn drop(&mut self) {
-        if RECORDERS.fetch_sub(1, Ordering::SeqCst) == 1 {
-            LOG.lock().unwrap_or_else(|e| e.into_inner()).clear();
         }
     }
 }

@@ -31,6 +31,7 @@ pub mod files;
 pub mod load;
 pub mod manifest;
 pub mod save;
+pub mod space;
 
 use std::path::PathBuf;
 
@@ -41,6 +42,13 @@ pub use manifest::Manifest;
 pub enum CheckpointError {
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
+    /// One operation of a save (`save.rs`), named.
+    #[error("{what} {path}: {source}")]
+    Save {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {message}")]
     Corrupt { path: PathBuf, message: String },
     #[error("checkpoint {path} cannot be used: {message}")]

@@ -7,9 +7,10 @@
 //! fsyncs it and the directory, renames the directory to `step-N` (exchanges it with
 //! the old copy when a resumed run saves a step again), fsyncs the parent, replaces
 //! `latest` atomically and prunes to `keep_last`. Every operation goes through [`op`]:
-//! a crash point before it, a record after it (see `crash.rs`).
+//! a crash point before it (see `crash.rs`). The crash tests check durability from
+//! the system calls themselves, traced by strace, not from anything this file reports.
 
-use super::crash::{self, Op};
+use super::crash;
 use super::files::StateFile;
 use super::manifest::Manifest;
 use super::{io_err, CheckpointError};
@@ -17,25 +18,56 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-/// One operation of the save of step `step`: crash point `point`, then `run`, then
-/// `done` recorded.
+/// One operation of the save of step `step` on `path`: crash point `point`, then `run`
+/// (its error names `path`).
 fn op<T>(
     point: &'static str,
     step: u64,
-    done: Op,
+    path: &Path,
     run: impl FnOnce() -> std::io::Result<T>,
 ) -> Result<T, CheckpointError> {
     crash::point(point, step);
-    let out = run().map_err(io_err(done.path()))?;
-    crash::record(|| done);
-    Ok(out)
+    run().map_err(|source| CheckpointError::Save {
+        what: doing(point),
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// What the operation at crash point `point` is, for its error.
+fn doing(point: &'static str) -> &'static str {
+    match point {
+        "stage-dir" => "creating the staging directory",
+        "stage-file" => "creating the state file",
+        "slice-write" => "writing a slice of",
+        "slice-sync" => "syncing",
+        "manifest-write" => "writing",
+        "manifest-sync" | "latest-sync" => "syncing",
+        "staging-sync" | "root-sync" | "latest-root-sync" => "syncing the directory",
+        "rename" | "aside-rename" | "aside-publish" | "latest-rename" | "prune-rename" => "renaming",
+        "exchange" => "exchanging",
+        "old-remove" | "prune-remove" => "removing",
+        "latest-write" => "writing",
+        _ => "saving",
+    }
+}
+
+/// Removes what a failed save of `step` left: its staging directory and `latest`'s
+/// temporary file, so the disk it filled gets its space back and nothing half-written
+/// remains. A published `step-N` and `latest` are left as they are.
+pub fn discard(root: &Path, step: u64) {
+    let staging = staging_dir(root, step);
+    if staging.exists() {
+        if let Err(e) = std::fs::remove_dir_all(&staging) {
+            tracing::warn!("cannot remove {} after a failed save: {e}", staging.display());
+        }
+    }
+    let _ = std::fs::remove_file(root.join(".latest.tmp"));
 }
 
 /// Renames `from` to `to` as one operation of the save (crash point `point`).
 fn rename(point: &'static str, step: u64, from: &Path, to: &Path) -> Result<(), CheckpointError> {
-    op(point, step, Op::Rename(from.into(), to.into()), || {
-        std::fs::rename(from, to)
-    })
+    op(point, step, from, || std::fs::rename(from, to))
 }
 
 /// Writes `text` to a new file `path` and fsyncs it (the manifest, `latest`).
@@ -45,13 +77,12 @@ fn write_synced(
     step: u64,
     points: [&'static str; 2],
 ) -> Result<(), CheckpointError> {
-    let file = op(points[0], step, Op::Create(path.into()), || {
+    let file = op(points[0], step, path, || {
         let file = File::create(path)?;
         file.write_all_at(text, 0)?;
         Ok(file)
     })?;
-    crash::record(|| Op::Write(path.into()));
-    op(points[1], step, Op::Sync(path.into()), || file.sync_all())
+    op(points[1], step, path, || file.sync_all())
 }
 
 /// Atomically swaps two directory entries (renameat2 RENAME_EXCHANGE); `Ok(false)`
@@ -98,9 +129,7 @@ fn staging_dir(root: &Path, step: u64) -> PathBuf {
 }
 
 fn sync_dir(dir: &Path, step: u64, point: &'static str) -> Result<(), CheckpointError> {
-    op(point, step, Op::SyncDir(dir.into()), || {
-        File::open(dir)?.sync_all()
-    })
+    op(point, step, dir, || File::open(dir)?.sync_all())
 }
 
 /// The step of a `step-N` directory name.
@@ -141,17 +170,14 @@ pub fn stage(root: &Path, step: u64, files: &[StateFile]) -> Result<PathBuf, Che
         }
     }
     let dir = staging_dir(root, step);
-    op("stage-dir", step, Op::Create(dir.clone()), || {
-        std::fs::create_dir(&dir)
-    })?;
+    op("stage-dir", step, &dir, || std::fs::create_dir(&dir))?;
     for f in files {
         let path = dir.join(f.file_name());
-        op("stage-file", step, Op::Create(path.clone()), || {
+        op("stage-file", step, &path, || {
             let file = File::create(&path)?;
             file.set_len(f.len())?;
             file.write_all_at(&f.header, 0)
         })?;
-        crash::record(|| Op::Write(path));
     }
     Ok(dir)
 }
@@ -182,7 +208,7 @@ impl SliceWriter {
     /// Writes `bytes` as elements starting at `elem` of unit `u` in file `file`.
     pub fn write(&self, file: usize, u: usize, elem: usize, bytes: &[u8]) -> Result<(), CheckpointError> {
         let (layout, handle, path) = &self.files[file];
-        op("slice-write", self.step, Op::Write(path.clone()), || {
+        op("slice-write", self.step, path, || {
             handle.write_all_at(bytes, layout.offset(u, elem))
         })
     }
@@ -190,9 +216,7 @@ impl SliceWriter {
     /// Makes this rank's writes durable.
     pub fn sync(&self) -> Result<(), CheckpointError> {
         for (_, handle, path) in &self.files {
-            op("slice-sync", self.step, Op::Sync(path.clone()), || {
-                handle.sync_data()
-            })?;
+            op("slice-sync", self.step, path, || handle.sync_data())?;
         }
         Ok(())
     }
@@ -216,7 +240,6 @@ pub fn commit(root: &Path, manifest: &Manifest, keep_last: usize) -> Result<Path
         // `step-N` is whole at every moment, then remove the old one
         crash::point("exchange", step);
         let old = if !crash::no_exchange() && exchange(&staging, &target).map_err(io_err(&target))? {
-            crash::record(|| Op::Exchange(staging.clone(), target.clone()));
             staging
         } else {
             // the file system cannot exchange: move the old copy aside first (a
@@ -228,9 +251,7 @@ pub fn commit(root: &Path, manifest: &Manifest, keep_last: usize) -> Result<Path
             old
         };
         sync_dir(root, step, "root-sync")?;
-        op("old-remove", step, Op::Remove(old.clone()), || {
-            std::fs::remove_dir_all(&old)
-        })?;
+        op("old-remove", step, &old, || std::fs::remove_dir_all(&old))?;
     }
     let tmp = root.join(".latest.tmp");
     write_synced(
@@ -269,7 +290,7 @@ fn prune(root: &Path, keep: usize, current: u64) -> Result<(), CheckpointError> 
             // the next save), never a `step-N` with files missing
             let doomed = root.join(format!(".old-{}", step_dir_name(step)));
             rename("prune-rename", current, &path, &doomed)?;
-            op("prune-remove", current, Op::Remove(doomed.clone()), || {
+            op("prune-remove", current, &doomed, || {
                 std::fs::remove_dir_all(&doomed)
             })?;
         }
@@ -277,13 +298,17 @@ fn prune(root: &Path, keep: usize, current: u64) -> Result<(), CheckpointError> 
     Ok(())
 }
 
-/// The directory `--resume` names: a path, or `latest` (the one `latest` points at
-/// under `<output_dir>/checkpoints`).
-pub fn resolve(resume: &str, output_dir: &Path) -> Result<PathBuf, CheckpointError> {
-    if resume != "latest" {
-        return Ok(PathBuf::from(resume));
+/// The directory `--resume` names: a path, `latest` (the one `latest` points at under
+/// `<output_dir>/checkpoints`; an error when there is none), or `auto` (the same, or
+/// `None` when no checkpoint was saved yet: the same command starts a job and restarts it).
+pub fn resolve(resume: &str, output_dir: &Path) -> Result<Option<PathBuf>, CheckpointError> {
+    let root = root(output_dir);
+    match resume {
+        "latest" => follow_latest(&root).map(Some),
+        "auto" if !root.join("latest").exists() => Ok(None),
+        "auto" => follow_latest(&root).map(Some),
+        path => Ok(Some(PathBuf::from(path))),
     }
-    follow_latest(&root(output_dir))
 }
 
 /// The checkpoint `root/latest` names.

@@ -131,9 +131,23 @@ fn c_string(s: &str) -> Result<CString, String> {
     CString::new(s).map_err(|_| format!("{s:?} contains a NUL byte"))
 }
 
-/// A c10d `TCPStore`: the server (node 0 without torchrun) or a client of it.
+/// A c10d `TCPStore`: the server (node 0 without torchrun) or a client of it. Every key
+/// lives under the incarnation's scope ([`incarnation_scope`]): torchrun's agent store
+/// outlives a restart of its workers, and the new ones must not read what the dead ones
+/// published (torch's own process groups scope their keys the same way).
 pub struct Store {
     raw: *mut c_void,
+    scope: String,
+}
+
+/// The key prefix of this incarnation of a torchrun worker group: `restart-N/` under
+/// `TORCHELASTIC_RESTART_COUNT` (0 for the first launch, N after the N-th restart),
+/// nothing outside torchrun.
+pub fn incarnation_scope() -> String {
+    std::env::var("TORCHELASTIC_RESTART_COUNT")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or_else(String::new, |n| format!("restart-{n}/"))
 }
 
 // SAFETY: c10d's TCPStore is safe to use from several threads (its client serialises
@@ -163,7 +177,15 @@ impl Store {
             let role = if serve { "serve" } else { "reach" };
             format!("cannot {role} the c10d store at {host}:{port}: {e}")
         })?;
-        Ok(Arc::new(Store { raw }))
+        Ok(Arc::new(Store {
+            raw,
+            scope: incarnation_scope(),
+        }))
+    }
+
+    /// `key` under this store's scope, as a C string.
+    fn key(&self, key: &str) -> Result<CString, String> {
+        c_string(&format!("{}{key}", self.scope))
     }
 
     /// Serves a store on a port of the loopback interface that the system picks (no
@@ -181,7 +203,7 @@ impl Store {
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), String> {
-        let key = c_string(key)?;
+        let key = self.key(key)?;
         // SAFETY: valid handle, C string and byte slice.
         call(|e, n| unsafe { tz_store_set(self.raw, key.as_ptr(), value.as_ptr(), value.len(), e, n) })
     }
@@ -189,7 +211,7 @@ impl Store {
     /// Adds `delta` to the counter at `key` (0 when unset) and returns the sum, atomically
     /// across processes.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64, String> {
-        let c_key = c_string(key)?;
+        let c_key = self.key(key)?;
         let mut out = 0i64;
         // SAFETY: valid handle, C string and out-pointer.
         call(|e, n| unsafe { tz_store_add(self.raw, c_key.as_ptr(), delta, &mut out, e, n) })?;
@@ -198,7 +220,7 @@ impl Store {
 
     /// The value of `key` if some process set it (no waiting).
     pub fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
-        let c_key = c_string(key)?;
+        let c_key = self.key(key)?;
         let mut present: c_int = 0;
         // SAFETY: valid handle, C string and out-pointer.
         call(|e, n| unsafe { tz_store_check(self.raw, c_key.as_ptr(), &mut present, e, n) })?;
@@ -294,7 +316,8 @@ unsafe fn blob_mut<T: Element>(data: &mut [T]) -> Tensor {
 }
 
 impl Gloo {
-    /// Rank `rank` of `world` on communicator `name` (its keys under `tierzero/<name>/`).
+    /// Rank `rank` of `world` on communicator `name` (its keys under `tierzero/<name>/`
+    /// in the store's scope).
     /// Blocks until every rank has joined, at most `timeout`, which also bounds each
     /// collective (a peer that stops answering fails it with the cause).
     pub fn join(
@@ -304,7 +327,7 @@ impl Gloo {
         world: usize,
         timeout: Duration,
     ) -> Result<Gloo, String> {
-        let prefix = c_string(&format!("tierzero/{name}"))?;
+        let prefix = store.key(&format!("tierzero/{name}"))?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: valid store handle, C string and out-pointer.
         call(|e, n| unsafe {

@@ -2,13 +2,14 @@
 //! time goes (`timeline.rs`: spans and per-step breakdowns; `trace.rs`: trace.json and
 //! breakdown.png), the matmul peak MFU is measured against (`peak.rs`), and the host
 //! memory and CPU time the process takes (`host.rs`); DeepSpeed's TensorBoard and CSV
-//! monitors (`monitor.rs`).
+//! monitors (`monitor.rs`); the bounded per-step history a long run keeps (`history.rs`).
 //!
 //! `loss.png` is drawn with plotters' bitmap backend: training loss per step (blue), eval
 //! loss (red dots, each with its value) and, for synthetic data, the known loss floor
 //! (grey), with a title, labelled axes with tick values and a legend. The text is drawn
 //! with DejaVu Sans, shipped inside the binary ([`register_font`]): no system font needed.
 
+pub mod history;
 pub mod host;
 pub mod monitor;
 pub mod peak;

@@ -45,7 +45,19 @@ pub fn shape_flops(
     Ok(rates[rates.len() / 2])
 }
 
-/// The peak one rank of `plan` is measured against.
+/// Model FLOPs utilisation of a run of `ranks` ranks, each with the matmul peak
+/// `rank_peak` (FLOP/s), doing `flops_per_s` model FLOP/s in all: the ranks' peaks add
+/// up, as the tokens of every rank count in `flops_per_s`. 0 without a peak.
+pub fn mfu(flops_per_s: f64, rank_peak: f64, ranks: usize) -> f64 {
+    if rank_peak > 0.0 {
+        flops_per_s / (rank_peak * ranks.max(1) as f64)
+    } else {
+        0.0
+    }
+}
+
+/// The peak one rank of `plan` is measured against (the calling thread's torch threads:
+/// set them to a rank's share first, as the trainer does).
 pub fn peak_flops(plan: &Plan) -> f64 {
     let device = match plan.train.accelerator {
         Accelerator::Cpu => Device::Cpu,

@@ -180,6 +180,7 @@ impl ModelConfig {
                 })
             }
             "gpt2" => {
+                gpt2_unsupported_keys(&json, &path)?;
                 let hidden = require("n_embd")?;
                 Ok(ModelConfig {
                     architecture: Architecture::Gpt2,
@@ -359,6 +360,39 @@ fn rope_scaling(s: &serde_json::Value, key: &str, path: &Path) -> Result<Option<
     }))
 }
 
+/// GPT-2 `config.json` keys whose non-default values change the model in ways tierzero's
+/// blocks do not implement (GELU-tanh, attention scaled by 1/√head_dim only, attention
+/// in the blocks' precision): an error naming the key, not a model that silently differs.
+fn gpt2_unsupported_keys(json: &serde_json::Value, path: &Path) -> Result<(), String> {
+    let unsupported = |key: &str, why: String| Err(format!("{}: `{key}` {why}", path.display()));
+    if let Some(act) = json.get("activation_function").and_then(|v| v.as_str()) {
+        // transformers' "gelu_new" and "gelu_pytorch_tanh" are the same tanh approximation
+        if !["gelu_new", "gelu_pytorch_tanh"].contains(&act) {
+            return unsupported(
+                "activation_function",
+                format!("is {act:?}; tierzero's GPT-2 MLP uses the tanh GELU (\"gelu_new\")"),
+            );
+        }
+    }
+    let flag = |key: &str| json.get(key).and_then(serde_json::Value::as_bool);
+    if flag("scale_attn_weights") == Some(false) {
+        return unsupported(
+            "scale_attn_weights",
+            "is false; tierzero's GPT-2 attention always scales by 1/√head_dim".into(),
+        );
+    }
+    for key in ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"] {
+        if flag(key) == Some(true) {
+            return unsupported(
+                key,
+                "is true; tierzero's GPT-2 attention does not implement it (set it to false or drop it)"
+                    .into(),
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Llama `config.json` keys that would change the model in ways tierzero's blocks do not
 /// implement: an error naming the key rather than a model that silently differs.
 fn llama_unsupported_keys(json: &serde_json::Value, path: &Path, heads: usize) -> Result<(), String> {
@@ -511,6 +545,53 @@ mod tests {
         ];
         for (extra, want) in cases {
             let e = llama_json_error(extra.clone());
+            assert!(e.contains(want), "{extra}: {e}");
+        }
+    }
+
+    #[test]
+    fn gpt2_keys_that_change_the_model_are_errors() {
+        use serde_json::json;
+        let read = |extra: serde_json::Value| {
+            let mut config = json!({
+                "model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256,
+            });
+            for (k, v) in extra.as_object().unwrap() {
+                config[k] = v.clone();
+            }
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+            ModelConfig::from_hf_dir(dir.path())
+        };
+        // the defaults transformers writes are accepted
+        let defaults = json!({"activation_function": "gelu_new", "scale_attn_weights": true,
+            "scale_attn_by_inverse_layer_idx": false, "reorder_and_upcast_attn": false});
+        read(defaults).unwrap();
+        read(json!({"activation_function": "gelu_pytorch_tanh"})).unwrap();
+        let cases = [
+            (
+                json!({"activation_function": "relu"}),
+                "`activation_function` is \"relu\"",
+            ),
+            (
+                json!({"activation_function": "gelu"}),
+                "`activation_function` is \"gelu\"",
+            ),
+            (
+                json!({"scale_attn_weights": false}),
+                "`scale_attn_weights` is false",
+            ),
+            (
+                json!({"scale_attn_by_inverse_layer_idx": true}),
+                "`scale_attn_by_inverse_layer_idx` is true",
+            ),
+            (
+                json!({"reorder_and_upcast_attn": true}),
+                "`reorder_and_upcast_attn` is true",
+            ),
+        ];
+        for (extra, want) in cases {
+            let e = read(extra.clone()).unwrap_err();
             assert!(e.contains(want), "{extra}: {e}");
         }
     }

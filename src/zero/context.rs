@@ -19,6 +19,9 @@ pub struct StepReport {
     pub lr: f64,
     pub loss_scale: f64,
     pub skipped: bool,
+    /// Some process of the run was asked to stop (`run/preempt.rs`): every rank saves
+    /// this step and ends.
+    pub preempted: bool,
 }
 
 /// What every rank of a run shares: the plan, the model, the data, the swap stores and

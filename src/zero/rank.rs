@@ -303,7 +303,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let loss = self.micro_batches(step, loss_scale)?;
         let reduce_start = Instant::now();
         self.grads.all_reduce_replicas(&self.comm)?;
-        let mut losses = [loss];
+        // each rank's preemption flag travels with its loss: any rank asked, all stop
+        let mut losses = [loss, f64::from(u8::from(crate::run::preempt::requested()))];
         self.comm.all_reduce(&mut losses, ReduceOp::Avg)?;
         // the global gradient norm (of the unscaled gradients)
         let mut sum_sq = [self.grads.sum_squares()?];
@@ -325,6 +326,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             lr,
             loss_scale,
             skipped: false,
+            preempted: losses[1] > 0.0,
         };
         if !grad_norm.is_finite() {
             // fp16 overflow (or a non-finite gradient in any precision): skip the update

@@ -51,6 +51,21 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
         last_lr: f64,
         keep_last: usize,
     ) -> Result<Option<PathBuf>, EngineError> {
+        let saved = self.try_save(root, step, last_lr, keep_last);
+        if saved.is_err() && self.rank == 0 {
+            // every rank learnt of the failure (`agree`) and stopped writing
+            save::discard(root, step);
+        }
+        saved
+    }
+
+    fn try_save(
+        &mut self,
+        root: &Path,
+        step: u64,
+        last_lr: f64,
+        keep_last: usize,
+    ) -> Result<Option<PathBuf>, EngineError> {
         self.install_all()?;
         let files = state_files(&self.model.units, param_dtype(self.plan.precision.name()));
         let staged = if self.rank == 0 {

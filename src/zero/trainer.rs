@@ -110,6 +110,8 @@ pub struct StepMetrics {
 
 #[derive(Debug, Default)]
 pub struct TrainResult {
+    /// Every step's metrics, up to `metrics::history::KEPT_STEPS`; a longer run keeps
+    /// evenly spaced steps and its latest (`metrics.jsonl` has them all).
     pub steps: Vec<StepMetrics>,
     /// The data's known loss floor (synthetic corpora).
     pub loss_floor: Option<f64>,
@@ -123,8 +125,14 @@ pub struct TrainResult {
     /// Per unit, the fp32 master weights (unpadded), when collected.
     pub master: Vec<Vec<f32>>,
     pub seconds: f64,
-    /// Rank 0's breakdown of every step.
+    /// Rank 0's breakdown of each step in `steps`.
     pub breakdowns: Vec<Breakdown>,
+    /// The matmul peak of one rank, FLOP/s, measured in the run (`metrics/peak.rs`; 0
+    /// when outputs are off). MFU divides by it times the world size.
+    pub rank_peak_flops: f64,
+    /// The run stopped early on a preemption signal (`run/preempt.rs`), after saving
+    /// the last step in `steps` when checkpoints are on.
+    pub preempted: bool,
     /// This process's host usage: peak resident set of start-up, and CPU time and peak
     /// resident set of the steps (checkpoint saves between steps included, the final
     /// one not).
@@ -135,6 +143,18 @@ pub struct TrainResult {
 pub struct HostUsage {
     pub startup_peak_rss: u64,
     pub steps: Span,
+}
+
+/// torch threads of each rank: torchrun sets OMP_NUM_THREADS (to 1 for several
+/// processes per machine) and, as in PyTorch, it wins; else the cores are split between
+/// this process's ranks.
+pub fn rank_threads(plan: &Plan) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::env::var("OMP_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or((cores / plan.train.devices).max(1))
 }
 
 /// What a rank hands back at the end: its device peak and master partitions.
@@ -256,6 +276,8 @@ fn open_store(
         source,
     };
     let (engine, _) = open_engine(path, engine_config, None, EngineChoice::Auto).map_err(swap)?;
+    // TIERZERO_IO_FAULT (tests of a failing disk) fails one transfer of the process
+    let engine = tierzero_offload::nvme::fault::wrap(engine);
     let chunk = plan
         .zero
         .sub_group_size
@@ -392,15 +414,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
         println!("synthetic data: a perfect model reaches a loss of {floor:.4}");
     }
     crate::metrics::host::reuse_freed_memory();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    // torchrun sets OMP_NUM_THREADS (to 1 for several processes per machine): as in
-    // PyTorch, it wins; else the cores are split between this process's ranks
-    let threads = std::env::var("OMP_NUM_THREADS")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or((cores / plan.train.devices).max(1));
-    tch::set_num_threads(threads as i32);
+    tch::set_num_threads(rank_threads(plan) as i32);
 
     let mut metrics_file = None;
     let peak = if options.write_outputs {
@@ -447,6 +461,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     let comms = communicators(plan, options.one_communicator, options.c10d_in_process)?;
     let mut result = TrainResult {
         loss_floor,
+        rank_peak_flops: peak,
         ..TrainResult::default()
     };
     let outcomes: Vec<Result<RankOutcome, TrainError>> = std::thread::scope(|scope| {
@@ -487,6 +502,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
             .collect();
         drop(tx);
         let mut last = Instant::now();
+        let mut thinning = crate::metrics::history::Thinning::default();
         let progress = options
             .write_outputs
             .then(|| crate::metrics::Progress::new(plan.train.steps));
@@ -505,17 +521,14 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                 skipped: message.report.skipped,
                 tokens: tokens_per_step * (message.step + 1),
                 tokens_per_s,
-                mfu: if peak > 0.0 {
-                    flops_per_token * tokens_per_s / peak
-                } else {
-                    0.0
-                },
+                mfu: crate::metrics::peak::mfu(flops_per_token * tokens_per_s, peak, world),
                 step_seconds: seconds,
                 eval_loss: message.eval_loss,
                 breakdown: message.breakdown.json(),
                 memory: message.memory,
                 host_rss: message.host.rss,
             };
+            result.preempted |= message.report.preempted;
             result.host = HostUsage {
                 startup_peak_rss: message.host_start.peak_rss,
                 steps: Span::between(message.host_start, message.host),
@@ -536,7 +549,6 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                     tracing::warn!("writing the tensorboard/csv monitors: {e}");
                 }
             }
-            result.breakdowns.push(message.breakdown);
             if let Some((file, _)) = metrics_file.as_mut() {
                 if let Ok(line) = serde_json::to_string(&metrics) {
                     let _ = writeln!(file, "{line}");
@@ -574,7 +586,11 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                     }
                 }
             }
-            result.steps.push(metrics);
+            thinning.push(
+                (&mut result.steps, &mut result.breakdowns),
+                (metrics, message.breakdown),
+                |m| m.step - 1,
+            );
         }
         if let Some(progress) = &progress {
             progress.finish();
@@ -841,8 +857,10 @@ fn run_rank(
                 None
             };
             let done = step + 1;
+            let preempted = report.preempted;
             let due = (plan.train.save_interval > 0 && done.is_multiple_of(plan.train.save_interval))
-                || done == plan.train.steps;
+                || done == plan.train.steps
+                || preempted;
             let saved = if options.save_checkpoints && due {
                 engine.save_checkpoint(&root, done, report.lr, plan.train.keep_last)?
             } else {
@@ -860,6 +878,9 @@ fn run_rank(
                     host_start,
                     host,
                 });
+            }
+            if preempted {
+                break;
             }
         }
         Ok(engine.install_all()?)

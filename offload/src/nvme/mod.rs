@@ -11,6 +11,7 @@
 //! An [`Op`] owns its buffer while in flight; [`Pending::wait`] hands it back with the
 //! result, error or not, so nothing is lost on failure.
 
+pub mod fault;
 pub mod pread;
 pub mod probe;
 pub mod swap;

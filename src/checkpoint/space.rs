@@ -1,0 +1,87 @@
+//! Whether the checkpoints a run keeps fit on the disk beside its NVMe swap files: the
+//! check `plan` and `train` make at start-up, so a long run does not learn at its first
+//! save (or its last) that the file system holding `output_dir` is too small.
+//!
+//! A checkpoint holds every parameter four times (fp32 master weights and both Adam
+//! moments, the parameters in the training precision) and, with
+//! `stage3_gather_16bit_weights_on_model_save`, once more in the training precision; a
+//! save stages the new one before pruning, so `keep_last + 1` exist for a moment. The NVMe
+//! tier's swap files of this node's ranks count when they live on the same file system.
+
+use crate::config::plan::{Plan, Tier};
+use crate::config::report::model_states;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+/// Bytes one checkpoint of `plan` takes.
+pub fn checkpoint_bytes(plan: &Plan) -> u64 {
+    let params = plan.model.config.num_parameters() as u64;
+    let low = plan.precision.bytes() as u64;
+    let model = if plan.zero.gather_16bit_weights_on_model_save {
+        low
+    } else {
+        0
+    };
+    params * (3 * 4 + low + model)
+}
+
+/// The nearest existing directory at or above `path`.
+fn existing(path: &Path) -> Option<&Path> {
+    path.ancestors().find(|p| p.exists())
+}
+
+/// (device id, bytes available to this user) of the file system holding `path`.
+fn file_system(path: &Path) -> Option<(u64, u64)> {
+    let dir = existing(path)?;
+    let device = std::fs::metadata(dir).ok()?.dev();
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: a NUL-terminated path and a zeroed statvfs the call fills
+    let stat = unsafe {
+        let mut stat: libc::statvfs = std::mem::zeroed();
+        (libc::statvfs(c.as_ptr(), &mut stat) == 0).then_some(stat)
+    }?;
+    Some((device, stat.f_bavail * stat.f_frsize))
+}
+
+/// A warning when `output_dir`'s file system cannot hold the checkpoints `keep_last`
+/// asks for (`train` always saves after its last step) beside this node's NVMe swap
+/// files on the same file system; `None` when it fits or the space cannot be read.
+pub fn warning(plan: &Plan) -> Option<String> {
+    let output = &plan.train.output_dir;
+    let (device, available) = file_system(output)?;
+    let ranks = plan.train.devices as u64;
+    let mut swap = 0u64;
+    for row in model_states(plan) {
+        let path = match row.state {
+            "parameters" => &plan.zero.offload_param.nvme_path,
+            _ => &plan.zero.offload_optimizer.nvme_path,
+        };
+        let on_this_disk = path
+            .as_deref()
+            .and_then(file_system)
+            .is_some_and(|(d, _)| d == device);
+        if row.tier == Tier::Nvme && on_this_disk {
+            swap += row.bytes_per_rank * ranks;
+        }
+    }
+    let each = checkpoint_bytes(plan);
+    let kept = plan.train.keep_last.max(1) as u64 + 1;
+    let needed = kept * each + swap;
+    (needed > available).then(|| {
+        let gb = |b: u64| b as f64 / 1e9;
+        format!(
+            "{} is on a file system with {:.2} GB free; {} checkpoints of {:.2} GB (train.keep_last {} and the one being saved){} need {:.2} GB: free space, lower train.keep_last or set train.output_dir elsewhere",
+            output.display(),
+            gb(available),
+            kept,
+            gb(each),
+            plan.train.keep_last,
+            if swap > 0 {
+                format!(" beside {:.2} GB of NVMe swap files on the same file system", gb(swap))
+            } else {
+                String::new()
+            },
+            gb(needed)
+        )
+    })
+}
