@@ -678,11 +678,11 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let predicted = tierzero::zero::memory::predict(&loaded.plan);
             let host_predicted = tierzero::zero::host_memory::predict_host(&loaded.plan);
             // the first step (start-up, first gathers) is left out of the breakdown
-            let steady = result
-                .breakdowns
+            let breakdowns = result.breakdowns();
+            let steady = breakdowns
                 .get(1..)
                 .filter(|b| !b.is_empty())
-                .unwrap_or(&result.breakdowns);
+                .unwrap_or(&breakdowns);
             let breakdown = tierzero::metrics::timeline::Breakdown::total(steady);
             let rates: serde_json::Map<String, serde_json::Value> = breakdown
                 .rates()

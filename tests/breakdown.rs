@@ -110,7 +110,7 @@ fn trace_has_every_track_and_phase_and_spans_nest() {
     }
     // a phase running on one thread never exceeds the step; all of them together do
     // not exceed one step per track
-    for b in &result.breakdowns {
+    for b in &result.breakdowns() {
         assert!(b.phase(Phase::Backward) <= b.step_seconds * 1.01, "{b:?}");
         let sum: f64 = b.phases.iter().map(|p| p.1).sum();
         assert!(sum <= 6.0 * b.step_seconds * 1.01, "{b:?}");
@@ -133,7 +133,7 @@ fn overlap_is_one_when_blocking_and_higher_with_pipelines() {
     )
     .unwrap();
     let overlapped = train(&p, TrainOptions::default()).unwrap();
-    let (off, on) = (steady(&blocking.breakdowns), steady(&overlapped.breakdowns));
+    let (off, on) = (steady(&blocking.breakdowns()), steady(&overlapped.breakdowns()));
     println!("blocking:\n{}overlapped:\n{}", off.table(), on.table());
     assert!(
         (0.85..=1.05).contains(&off.overlap),

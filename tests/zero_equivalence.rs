@@ -371,10 +371,11 @@ fn persistent_units_are_gathered_once_per_step() {
         };
         let result = train(&p, options).unwrap();
         result
-            .breakdowns
+            .steps
             .iter()
-            .map(|b| {
-                b.bytes
+            .map(|m| {
+                m.breakdown
+                    .bytes
                     .iter()
                     .filter(|(phase, _)| *phase == Phase::AllGather)
                     .map(|x| x.1)

@@ -62,7 +62,7 @@ fn rank_peak(plan: &Plan) -> f64 {
 fn measure(plan: &Plan, options: TrainOptions<'_>) -> Result<(StepRun, Breakdown), TrainError> {
     let peak = rank_peak(plan);
     let result = train(plan, options)?;
-    let breakdown = Breakdown::total(result.breakdowns.get(1..).unwrap_or(&[]));
+    let breakdown = Breakdown::total(result.breakdowns().get(1..).unwrap_or(&[]));
     let step_seconds = median(result.steps.iter().skip(1).map(|s| s.step_seconds).collect());
     let tokens_per_s = plan.tokens_per_step() as f64 / step_seconds;
     let run = StepRun {

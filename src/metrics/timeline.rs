@@ -176,6 +176,11 @@ impl Breakdown {
     }
 
     /// The breakdown as a JSON object for metrics.jsonl: seconds per phase and wait.
+    /// Serializes as [`Breakdown::json`] (a serde `serialize_with`).
+    pub fn serialize_json<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serde::Serialize::serialize(&self.json(), serializer)
+    }
+
     pub fn json(&self) -> serde_json::Value {
         let map = |v: &[(Phase, f64)]| -> serde_json::Map<String, serde_json::Value> {
             v.iter()

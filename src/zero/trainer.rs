@@ -100,8 +100,9 @@ pub struct StepMetrics {
     pub step_seconds: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
-    /// Rank 0's breakdown of the step (see `metrics/timeline.rs`).
-    pub breakdown: serde_json::Value,
+    /// Rank 0's breakdown of the step (see `metrics/timeline.rs`), written as its JSON.
+    #[serde(serialize_with = "Breakdown::serialize_json")]
+    pub breakdown: Breakdown,
     /// Bytes per tier after the step (device: the step's peak).
     pub memory: TierBytes,
     /// The process's resident set after the step, bytes (all ranks of this process).
@@ -125,8 +126,6 @@ pub struct TrainResult {
     /// Per unit, the fp32 master weights (unpadded), when collected.
     pub master: Vec<Vec<f32>>,
     pub seconds: f64,
-    /// Rank 0's breakdown of each step in `steps`.
-    pub breakdowns: Vec<Breakdown>,
     /// The matmul peak of one rank, FLOP/s, measured in the run (`metrics/peak.rs`; 0
     /// when outputs are off). MFU divides by it times the world size.
     pub rank_peak_flops: f64,
@@ -137,6 +136,13 @@ pub struct TrainResult {
     /// resident set of the steps (checkpoint saves between steps included, the final
     /// one not).
     pub host: HostUsage,
+}
+
+impl TrainResult {
+    /// Rank 0's breakdown of each step in `steps`.
+    pub fn breakdowns(&self) -> Vec<Breakdown> {
+        self.steps.iter().map(|m| m.breakdown.clone()).collect()
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
@@ -524,7 +530,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                 mfu: crate::metrics::peak::mfu(flops_per_token * tokens_per_s, peak, world),
                 step_seconds: seconds,
                 eval_loss: message.eval_loss,
-                breakdown: message.breakdown.json(),
+                breakdown: message.breakdown,
                 memory: message.memory,
                 host_rss: message.host.rss,
             };
@@ -537,7 +543,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                 && plan.steps_per_print > 0
                 && metrics.step.is_multiple_of(plan.steps_per_print)
             {
-                let line = format!("step {:>6} {}", metrics.step, message.breakdown.line());
+                let line = format!("step {:>6} {}", metrics.step, metrics.breakdown.line());
                 match &progress {
                     Some(progress) => progress.line(&line),
                     None => tracing::info!("{line}"),
@@ -545,7 +551,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
             }
             if let Some(monitors) = monitors.as_mut() {
                 let samples = metrics.step * plan.batch.train_batch_size as u64;
-                if let Err(e) = monitors.record(samples, &scalars(&metrics, &message.breakdown, plan)) {
+                if let Err(e) = monitors.record(samples, &scalars(&metrics, &metrics.breakdown, plan)) {
                     tracing::warn!("writing the tensorboard/csv monitors: {e}");
                 }
             }
@@ -586,11 +592,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                     }
                 }
             }
-            thinning.push(
-                (&mut result.steps, &mut result.breakdowns),
-                (metrics, message.breakdown),
-                |m| m.step - 1,
-            );
+            thinning.push(&mut result.steps, metrics, |m| m.step - 1);
         }
         if let Some(progress) = &progress {
             progress.finish();
@@ -659,8 +661,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
         let per_step: Vec<(u64, Breakdown, TierBytes)> = result
             .steps
             .iter()
-            .zip(&result.breakdowns)
-            .map(|(m, b)| (m.step, b.clone(), m.memory))
+            .map(|m| (m.step, m.breakdown.clone(), m.memory))
             .collect();
         let path = plan.train.output_dir.join("breakdown.png");
         if let Err(e) = crate::metrics::trace::plot_breakdown(&path, &per_step) {
