@@ -9,12 +9,12 @@ cd "$(dirname "$0")/.."
 steps=${STEPS:-100000}
 out=${OUT:-runs/long}
 [ -x target/release/tierzero ] || make build
-rm -rf "$out"
+rm -rf "$out"; mkdir -p "$out"
 target/release/tierzero train --config configs/default.json \
   --set train.steps="$steps" --set train.output_dir="$out" \
   --set zero_optimization.offload_optimizer.nvme_path="$out/nvme" \
   --set train.log_interval=10000 --set scheduler.params.total_num_steps="$steps" \
-  --set data.seq_len=16 --set train_micro_batch_size_per_gpu=1 > "$out.log" 2>&1
+  --set data.seq_len=16 --set train_micro_batch_size_per_gpu=1 > "$out/run.log" 2>&1
 python3 - "$out/metrics.jsonl" <<'PY'
 import json, sys
 rss = {}

@@ -13,6 +13,7 @@ pub mod data;
 pub mod device;
 pub mod metrics;
 pub mod model;
+pub mod plan;
 pub mod run;
 pub mod torch;
 pub mod zero;

@@ -8,8 +8,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use tierzero::bench::adam::{AdamBenchArgs, AdamBenchReport};
-use tierzero::config::{self, ConfigError, DeviceFacts, Loaded};
-use tierzero::zero::estimate;
+use tierzero::config::ConfigError;
+use tierzero::plan::estimate;
+use tierzero::plan::{self, Loaded};
 use tierzero::zero::trainer::{self, TrainOptions};
 use tierzero_offload::adam::Kernel;
 
@@ -363,7 +364,7 @@ fn load_config(args: &ConfigArgs) -> Result<Loaded, ConfigError> {
         sets.push(format!("train.devices={n}"));
     }
     launch_sets(&args.launch, &mut sets)?;
-    let loaded = config::load(&args.config, &sets, DeviceFacts::detect())?;
+    let loaded = plan::load(&args.config, &sets, tierzero::device::facts())?;
     for warning in &loaded.warnings {
         tracing::warn!("{warning}");
     }
@@ -372,7 +373,7 @@ fn load_config(args: &ConfigArgs) -> Result<Loaded, ConfigError> {
 
 /// Warns (once, on node 0, which writes the checkpoints) when `output_dir`'s disk cannot
 /// hold the checkpoints the run keeps beside its NVMe swap files; returns the warning.
-fn disk_space_warning(plan: &tierzero::config::Plan) -> Option<String> {
+fn disk_space_warning(plan: &tierzero::plan::Plan) -> Option<String> {
     let warning = (plan.train.launch.node_rank == 0)
         .then(|| tierzero::checkpoint::space::warning(plan))
         .flatten()?;
@@ -383,8 +384,8 @@ fn disk_space_warning(plan: &tierzero::config::Plan) -> Option<String> {
 /// Opens the data as `train` will (token file: exists, holds a window, ids within the
 /// vocabulary; text: read and tokenized into its cache), so `plan` fails where `train`
 /// would, before anyone waits for a job. A failure names the key to fix.
-fn check_data(plan: &tierzero::config::Plan) -> Result<(), ConfigError> {
-    use tierzero::config::plan::DataSource;
+fn check_data(plan: &tierzero::plan::Plan) -> Result<(), ConfigError> {
+    use tierzero::plan::DataSource;
     let Err(e) = tierzero::data::Dataset::open(plan) else {
         return Ok(());
     };
@@ -447,8 +448,8 @@ fn run(cli: Cli) -> Result<(), Failure> {
             if json {
                 let value = serde_json::json!({
                     "plan": loaded.plan,
-                    "model_states": config::report::model_states(&loaded.plan),
-                    "device_bytes_per_rank": tierzero::zero::memory::predict(&loaded.plan),
+                    "model_states": plan::report::model_states(&loaded.plan),
+                    "device_bytes_per_rank": tierzero::plan::memory::predict(&loaded.plan),
                     "parameters": loaded.plan.model.config.num_parameters(),
                     "warnings": loaded.warnings,
                 });
@@ -457,7 +458,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     serde_json::to_string_pretty(&value).context("serialising the plan")?
                 );
             } else {
-                print!("{}", config::plan_table(&loaded.plan));
+                print!("{}", plan::plan_table(&loaded.plan));
             }
             Ok(())
         }
@@ -472,7 +473,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let (params, largest) = match (params, largest_layer, config) {
                 (Some(p), Some(l), None) => (p, l),
                 (None, None, Some(path)) => {
-                    let loaded = config::load(&path, &[], DeviceFacts::detect())?;
+                    let loaded = plan::load(&path, &[], tierzero::device::facts())?;
                     let units = loaded.plan.model.config.unit_numels();
                     (
                         units.iter().sum::<usize>() as u64,
@@ -649,7 +650,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     tierzero::checkpoint::save::root(output_dir).display()
                 );
             }
-            print!("{}", config::plan_table(&loaded.plan));
+            print!("{}", plan::plan_table(&loaded.plan));
             let options = TrainOptions {
                 write_outputs: true,
                 save_checkpoints: true,
@@ -675,8 +676,8 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let last = result.steps.last().map_or(f64::NAN, |m| m.loss);
             let tokens_per_s =
                 result.steps.iter().map(|m| m.tokens_per_s).sum::<f64>() / result.steps.len().max(1) as f64;
-            let predicted = tierzero::zero::memory::predict(&loaded.plan);
-            let host_predicted = tierzero::zero::host_memory::predict_host(&loaded.plan);
+            let predicted = tierzero::plan::memory::predict(&loaded.plan);
+            let host_predicted = tierzero::plan::host_memory::predict_host(&loaded.plan);
             // the first step (start-up, first gathers) is left out of the breakdown
             let breakdowns = result.breakdowns();
             let steady = breakdowns
@@ -817,7 +818,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     )))
                 }
             };
-            let loaded = config::load(&config, &sets, DeviceFacts::detect())?;
+            let loaded = plan::load(&config, &sets, tierzero::device::facts())?;
             let weights = trainer::initial_weights(&loaded.plan).map_err(anyhow::Error::from)?;
             tierzero::model::hf::save(
                 &hf,

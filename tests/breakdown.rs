@@ -4,8 +4,8 @@
 
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
-use tierzero::config::{from_json, DeviceFacts, Plan};
 use tierzero::metrics::timeline::{Breakdown, Phase};
+use tierzero::plan::{from_json, DeviceFacts, Plan};
 use tierzero::zero::trainer::{train, TrainOptions};
 
 fn plan(dir: &std::path::Path) -> Plan {

@@ -5,8 +5,8 @@
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use tierzero::checkpoint::{save, Checkpoint, CheckpointError};
-use tierzero::config::{from_json, DeviceFacts, Plan};
 use tierzero::model::hf;
+use tierzero::plan::{from_json, DeviceFacts, Plan};
 use tierzero::zero::trainer::{train, TrainError, TrainOptions, TrainResult};
 
 /// A plan whose global batch (micro 1 × world × gas = 6) is the same on 1, 2 and 3 ranks.
@@ -359,7 +359,7 @@ fn export_loads_back_with_identical_weights_and_logits() {
         out.join("model.safetensors.index.json").exists(),
         "small shards: an index"
     );
-    let config = tierzero::model::config::ModelConfig::from_hf_dir(&out).unwrap();
+    let config = tierzero::config::model::ModelConfig::from_hf_dir(&out).unwrap();
     assert_eq!(config, p.model.config);
     let loaded = hf::load(&out, &config).unwrap();
     assert_eq!(loaded, result.master, "exported weights");
@@ -395,14 +395,14 @@ fn export_loads_back_with_identical_weights_and_logits() {
 fn gathered_16bit_model_is_saved_inside_each_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     let mut p = plan(2, 3, "cpu", "cpu", 4, tmp.path());
-    p.precision = tierzero::config::plan::Precision::Bf16;
+    p.precision = tierzero::plan::Precision::Bf16;
     p.zero.gather_16bit_weights_on_model_save = true;
     run(&p, None);
     for step in [2, 4] {
         let dir = step_dir(&p, step);
         let hf_dir = dir.join("hf");
         assert!(!dir.join(".hf.tmp").exists());
-        let config = tierzero::model::config::ModelConfig::from_hf_dir(&hf_dir).unwrap();
+        let config = tierzero::config::model::ModelConfig::from_hf_dir(&hf_dir).unwrap();
         let saved = hf::load(&hf_dir, &config).unwrap();
         let out = tmp.path().join(format!("export-{step}"));
         tierzero::checkpoint::export::export(&dir, &out, hf::SaveDtype::Bf16, 5_000_000_000).unwrap();

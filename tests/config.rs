@@ -2,8 +2,9 @@
 //! contradiction refused with the key named.
 
 use serde_json::{json, Value};
-use tierzero::config::plan::{Precision, Scheduler};
-use tierzero::config::{from_json, ConfigError, DeviceFacts, Loaded, Tier};
+use tierzero::config::ConfigError;
+use tierzero::plan::{from_json, DeviceFacts, Loaded, Tier};
+use tierzero::plan::{Precision, Scheduler};
 
 fn load(v: Value) -> Result<Loaded, ConfigError> {
     from_json(v, &[], DeviceFacts::default())
@@ -31,7 +32,7 @@ fn error_of(v: Value, sets: &[&str]) -> String {
 fn every_shipped_config_loads() {
     for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/configs")).unwrap() {
         let path = entry.unwrap().path();
-        tierzero::config::load(&path, &[], DeviceFacts::default())
+        tierzero::plan::load(&path, &[], DeviceFacts::default())
             .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     }
 }
@@ -106,7 +107,7 @@ fn auto_resolves_from_the_model_like_the_hf_integration() {
 
 /// The batch keys as Hugging Face's and LLaMA-Factory's published ds_configs set them:
 /// tierzero decides. The micro-batch is the largest power of two whose planned device
-/// bytes fit the budget (checked against `zero::memory::predict` on both sides of the
+/// bytes fit the budget (checked against `plan::memory::predict` on both sides of the
 /// choice); accumulation is 1 unless train_batch_size is set; `plan` says why.
 #[test]
 fn auto_batch_sizes_are_decided_from_the_memory_plan() {
@@ -139,14 +140,14 @@ fn auto_batch_sizes_are_decided_from_the_memory_plan() {
     let one = |micro: usize| {
         let mut p = plan.clone();
         p.batch.micro_batch_per_gpu = micro;
-        tierzero::zero::memory::predict(&p).total
+        tierzero::plan::memory::predict(&p).total
     };
     let budget = (one(4) + one(8)) / 2;
     let plan = all_auto(&[&format!("train.device_memory={budget}")]);
     let micro = plan.batch.micro_batch_per_gpu;
     assert_eq!(micro, 4);
     assert!(one(micro) <= budget && one(2 * micro) > budget);
-    let text = tierzero::config::plan_table(&plan);
+    let text = tierzero::plan::plan_table(&plan);
     assert!(
         text.contains("\"auto\" train_micro_batch_size_per_gpu") && text.contains("largest power of two"),
         "{text}"
@@ -384,13 +385,13 @@ fn accelerator_follows_the_machine_and_refuses_what_it_lacks() {
         cuda_memory: None,
     };
     let plan = from_json(v.clone(), &[], cpu).unwrap().plan;
-    assert_eq!(plan.train.accelerator, tierzero::config::plan::Accelerator::Cpu);
+    assert_eq!(plan.train.accelerator, tierzero::plan::Accelerator::Cpu);
     let plan = from_json(v.clone(), &[], gpu).unwrap().plan;
-    assert_eq!(plan.train.accelerator, tierzero::config::plan::Accelerator::Cuda);
+    assert_eq!(plan.train.accelerator, tierzero::plan::Accelerator::Cuda);
     let plan = from_json(v.clone(), &["train.accelerator=cpu".into()], gpu)
         .unwrap()
         .plan;
-    assert_eq!(plan.train.accelerator, tierzero::config::plan::Accelerator::Cpu);
+    assert_eq!(plan.train.accelerator, tierzero::plan::Accelerator::Cpu);
     let e = from_json(v.clone(), &["train.accelerator=cuda".into()], cpu)
         .unwrap_err()
         .to_string();
@@ -500,7 +501,7 @@ fn a_warmup_longer_than_the_run_warns_and_runs() {
     // runs it), never reaching the cosine part
     let lr = 3e-3;
     for k in 0..8u64 {
-        let got = tierzero::zero::schedule::learning_rate(&loaded.plan.scheduler, lr, k);
+        let got = tierzero::plan::schedule::learning_rate(&loaded.plan.scheduler, lr, k);
         let want = lr * k.saturating_sub(1) as f64 / 20.0;
         assert!((got - want).abs() < 1e-15, "step {k}: {got}");
     }
@@ -529,7 +530,7 @@ fn zero_buckets_take_deepspeeds_meaning() {
 /// "bf16"; left out, the training precision; anything else names the key and the values.
 #[test]
 fn communication_data_type_takes_deepspeeds_values_and_default() {
-    use tierzero::config::plan::Wire;
+    use tierzero::plan::Wire;
     let wire = |precision: Option<&str>, value: Option<&str>| {
         let mut v = base();
         if let Some(p) = precision {

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 use tierzero::comm::nccl::{self, Nccl};
 use tierzero::comm::ReduceOp;
-use tierzero::config::{from_json, DeviceFacts, Plan};
 use tierzero::device::cuda::{self, Cuda};
+use tierzero::plan::{from_json, Plan};
 use tierzero::zero::trainer::{train, TrainOptions};
 use tierzero_offload::host::AlignedBuf;
 use tierzero_offload::pool::HostRegister;
@@ -247,7 +247,7 @@ fn tiny(accelerator: &str, param: &str, optimizer: &str, precision: &str, dir: &
         "data": { "synthetic": "markov", "seq_len": 64 },
         "train": { "steps": 20, "devices": 1, "seed": 5, "accelerator": accelerator }
     });
-    from_json(config, &[], DeviceFacts::detect()).unwrap().plan
+    from_json(config, &[], tierzero::device::facts()).unwrap().plan
 }
 
 fn losses(plan: &Plan) -> Vec<f64> {

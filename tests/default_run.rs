@@ -3,7 +3,7 @@
 //! (its entropy rate, ≈ 1.21; src/data/synthetic.rs), through the real engine: 2 CPU
 //! ranks, ZeRO-3, optimizer state on NVMe.
 
-use tierzero::config::{load, DeviceFacts, Plan};
+use tierzero::plan::{load, DeviceFacts, Plan};
 use tierzero::zero::trainer::{train, TrainOptions};
 
 /// `configs/default.json` with `sets` on top, writing its outputs and NVMe files into a

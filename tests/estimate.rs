@@ -3,7 +3,7 @@
 //! Golden values: DeepSpeed's documentation ("Memory Requirements", ZeRO-3) for a model
 //! with 2851M parameters and a 32M-parameter largest layer on 1 node × 8 GPUs, GiB.
 
-use tierzero::zero::estimate::estimate_row;
+use tierzero::plan::estimate::estimate_row;
 
 fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64

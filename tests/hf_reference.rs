@@ -6,13 +6,13 @@
 //! and the tensor names transformers saves; `tests/data/hf_reference.py` produced it.
 
 use tch::{Kind, Tensor};
-use tierzero::config::{load, DeviceFacts};
 use tierzero::model::hf::{self, SaveDtype};
 use tierzero::model::Model;
+use tierzero::plan::{load, DeviceFacts};
 use tierzero::torch::tensor_f32;
 use tierzero::zero::trainer::initial_weights;
 
-fn plan_for(sets: &[String]) -> tierzero::config::Plan {
+fn plan_for(sets: &[String]) -> tierzero::plan::Plan {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/default.json");
     load(&path, sets, DeviceFacts::default()).unwrap().plan
 }
@@ -114,7 +114,7 @@ fn logits_match_transformers_with_random_norms_biases_and_llama3_rope() {
         if let Some(json) = case.get("config_json") {
             let dir = tempfile::tempdir().unwrap();
             std::fs::write(dir.path().join("config.json"), json.to_string()).unwrap();
-            config = tierzero::model::config::ModelConfig::from_hf_dir(dir.path()).unwrap();
+            config = tierzero::config::model::ModelConfig::from_hf_dir(dir.path()).unwrap();
             let scaling = config.rope_scaling.expect("the case's RoPE scaling was read");
             assert_eq!(scaling.original_max_position_embeddings, 8, "{name}");
             assert_eq!(scaling.factor, 4.0, "{name}");
@@ -186,7 +186,7 @@ fn save_then_load_round_trips_single_and_sharded() {
                 out.join("model.safetensors.index.json").exists(),
                 shard != usize::MAX
             );
-            let config = tierzero::model::config::ModelConfig::from_hf_dir(&out).unwrap();
+            let config = tierzero::config::model::ModelConfig::from_hf_dir(&out).unwrap();
             assert_eq!(config, plan.model.config, "{preset}: config.json round trip");
             let back = hf::load(&out, &config).unwrap();
             for (a, b) in back.iter().zip(&weights) {
@@ -250,7 +250,7 @@ fn llama3_rope_tables_match_transformers_at_llama_3_2_1b_settings() {
             "the reference has no {branch:?} frequency"
         );
     }
-    let config = tierzero::model::config::ModelConfig::preset("llama-1b").unwrap();
+    let config = tierzero::config::model::ModelConfig::preset("llama-1b").unwrap();
     assert_eq!(config.head_dim(), 64);
     let positions: Vec<i64> = floats(&reference["positions"])
         .iter()

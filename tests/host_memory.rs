@@ -1,4 +1,4 @@
-//! Host memory: the plan's per-process prediction (`zero/host_memory.rs`) against the
+//! Host memory: the plan's per-process prediction (`plan/host_memory.rs`) against the
 //! peak resident set the kernel measured over a run's steps (`summary.json`), for a
 //! model whose state outweighs the runtime (29 M parameters) on several tiers.
 

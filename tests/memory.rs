@@ -4,8 +4,8 @@
 //! ranks, and the out-of-memory error.
 
 use serde_json::json;
-use tierzero::config::{from_json, DeviceFacts, Plan};
-use tierzero::zero::memory::predict;
+use tierzero::plan::memory::predict;
+use tierzero::plan::{from_json, DeviceFacts, Plan};
 use tierzero::zero::trainer::{train, TrainError, TrainOptions};
 
 fn plan(world: usize, stage: u8, optimizer: &str, extra: &[&str]) -> Plan {

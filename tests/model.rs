@@ -6,7 +6,7 @@
 //! recompute in reverse, with the chunked head. Gradients must agree to fp32 rounding.
 
 use tch::{Kind, Tensor};
-use tierzero::model::config::ModelConfig;
+use tierzero::config::model::ModelConfig;
 use tierzero::model::Model;
 use tierzero::torch::tensor_f32;
 

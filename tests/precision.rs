@@ -3,7 +3,7 @@
 //! overflows), then training proceeds and the loss falls.
 
 use serde_json::json;
-use tierzero::config::{from_json, DeviceFacts};
+use tierzero::plan::{from_json, DeviceFacts};
 use tierzero::zero::trainer::{train, TrainOptions};
 
 #[test]

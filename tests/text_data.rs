@@ -2,8 +2,8 @@
 //! the text, sampled like a token file; bad input names the file.
 
 use serde_json::json;
-use tierzero::config::{from_json, DeviceFacts};
 use tierzero::data::Dataset;
+use tierzero::plan::{from_json, DeviceFacts};
 
 /// A WordLevel tokenizer: whitespace pre-tokenizer, six words, `</s>` as end of text.
 const TOKENIZER: &str = r#"{"version":"1.0","truncation":null,"padding":null,

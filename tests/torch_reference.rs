@@ -7,9 +7,9 @@
 
 use serde_json::{json, Value};
 use std::path::Path;
-use tierzero::config::{from_json, DeviceFacts, Plan};
 use tierzero::data::Dataset;
 use tierzero::model::hf::{self, SaveDtype};
+use tierzero::plan::{from_json, DeviceFacts, Plan};
 use tierzero::zero::trainer::{initial_weights, train, TrainOptions, TrainResult};
 
 const STEPS: usize = 8;

@@ -12,10 +12,10 @@
 //! out on purpose and must see it).
 
 use serde_json::json;
-use tierzero::config::plan::Wire;
-use tierzero::config::{from_json, DeviceFacts, Plan};
 use tierzero::device::lanes::Mode;
 use tierzero::metrics::timeline::Phase;
+use tierzero::plan::Wire;
+use tierzero::plan::{from_json, DeviceFacts, Plan};
 use tierzero::zero::context::LaneOptions;
 use tierzero::zero::prefetch::DroppedWait;
 use tierzero::zero::trainer::{train, TrainOptions};
@@ -291,11 +291,11 @@ fn reduce_bucket_size_chunks_the_reduction_without_changing_a_bit() {
     for stage in [2u8, 3] {
         let mut p = plan(3, stage, "none", "cpu", 2, dir.path(), "fp32");
         let whole = master(&p);
-        let predicted = tierzero::zero::memory::predict(&p).transient;
+        let predicted = tierzero::plan::memory::predict(&p).transient;
         p.zero.reduce_bucket_size = 96;
         assert!(master(&p) == whole, "stage {stage}");
         assert!(
-            tierzero::zero::memory::predict(&p).transient < predicted,
+            tierzero::plan::memory::predict(&p).transient < predicted,
             "stage {stage}"
         );
     }

@@ -5,8 +5,8 @@
 //! plan's prediction, with the first stage's peak ÷ each stage's: the comparison a user
 //! makes between DataParallel (stage 0) and ZeRO-3.
 
-use crate::config::plan::{Plan, Tier};
-use crate::zero::memory::predict;
+use crate::plan::memory::predict;
+use crate::plan::{Plan, Tier};
 use crate::zero::trainer::{train, TrainError, TrainOptions};
 use serde::Serialize;
 

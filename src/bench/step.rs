@@ -9,9 +9,9 @@
 //! every phase blocking, and what writing a trace costs: the ZeRO run again with
 //! tracing on, as a ratio of median step times.
 
-use crate::config::plan::{Plan, Tier};
 use crate::metrics::peak::{mfu, peak_flops};
 use crate::metrics::timeline::Breakdown;
+use crate::plan::{Plan, Tier};
 use crate::zero::trainer::{rank_threads, train, TrainError, TrainOptions};
 use serde::Serialize;
 

@@ -10,7 +10,7 @@ use super::files::{param_dtype, state_files, StateFile};
 use super::manifest::Manifest;
 use super::{corrupt, io_err, CheckpointError};
 use crate::model::layout::units;
-use crate::zero::partition::Partition;
+use crate::plan::partition::Partition;
 use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
@@ -107,7 +107,7 @@ impl Checkpoint {
 
     /// Whether the stored parameters are in `precision` (else they are rounded from the
     /// master weights).
-    pub fn params_match(&self, precision: &crate::config::plan::Precision) -> bool {
+    pub fn params_match(&self, precision: &crate::plan::Precision) -> bool {
         self.param_dtype() == param_dtype(precision.name())
     }
 

@@ -12,9 +12,9 @@
 
 use super::files::unit_name;
 use super::{corrupt, CheckpointError};
-use crate::model::config::ModelConfig;
+use crate::config::model::ModelConfig;
 use crate::model::layout::units;
-use crate::zero::schedule::LossScaler;
+use crate::plan::schedule::LossScaler;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 

@@ -8,8 +8,8 @@
 //! save stages the new one before pruning, so `keep_last + 1` exist for a moment. The NVMe
 //! tier's swap files of this node's ranks count when they live on the same file system.
 
-use crate::config::plan::{Plan, Tier};
-use crate::config::report::model_states;
+use crate::plan::report::model_states;
+use crate::plan::{Plan, Tier};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 

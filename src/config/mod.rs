@@ -1,32 +1,25 @@
-//! Configuration: a DeepSpeed ds_config plus tierzero's `model`, `data` and `train`.
-//!
-//! Two layers, as ripgrep keeps LowArgs and HiArgs apart: [`DsConfig`] mirrors the JSON
-//! as written (after `--set` overrides), and [`Plan`] is the validated form the rest of
-//! the program reads. Loading never writes anything; every error names the key or file.
+//! Configuration as written: a DeepSpeed ds_config plus tierzero's `model`, `data` and
+//! `train`, read and checked key by key. The floor below the plan: as ripgrep keeps
+//! LowArgs and HiArgs apart, [`DsConfig`] mirrors the JSON as written (after `--set`
+//! overrides), and `plan::Plan` is the validated form the rest of the program reads
+//! (`plan/resolve.rs` builds it from this). Reading never writes anything; every error
+//! names the key or file. Imports nothing of the engine.
 //!
 //! - `value.rs`: `5e8` / `"5e8"` / `"auto"` leaves
 //! - `ds.rs`: the serde mirror
 //! - `keys.rs`: unnamed keys (DeepSpeed-known and accepted, or unknown with a suggestion)
 //! - `overrides.rs`: `--set a.b=c`
-//! - `plan.rs`: the validated `Plan` types
-//! - `resolve.rs`: defaults, `"auto"`, batch math, contradictions
-//! - `resolve_zero.rs`: the same for `zero_optimization` and `aio`
+//! - `model.rs`: model shapes: presets and Hugging Face `config.json`
 
-mod auto_batch;
 pub mod ds;
 mod error;
 pub mod keys;
+pub mod model;
 pub mod overrides;
-pub mod plan;
-pub mod report;
-mod resolve;
-mod resolve_zero;
 pub mod value;
 
 pub use ds::DsConfig;
 pub use error::ConfigError;
-pub use plan::{DeviceFacts, Plan, Tier};
-pub use report::plan_table;
 
 use serde_json::Value;
 use std::path::Path;
@@ -49,20 +42,20 @@ pub const NOT_YET_ACTED: &[&str] = &[
     "scheduler.params.last_batch_iteration",
 ];
 
-/// A loaded configuration and what the user should be told about it.
+/// A config as read: the mirror, the JSON it came from, and what the user should be told.
 #[derive(Debug, Clone)]
-pub struct Loaded {
+pub struct Read {
     pub ds: DsConfig,
-    pub plan: Plan,
-    /// The resolved JSON (file + overrides), for manifests and `plan --json`.
+    /// The JSON (file + overrides), for manifests and `plan --json`.
     pub json: Value,
-    /// One line each: DeepSpeed keys accepted but not acted on, deprecated spellings,
-    /// keys parsed but not yet implemented.
+    /// One line each: DeepSpeed keys accepted but not acted on, monitors of web services.
     pub warnings: Vec<String>,
+    /// The keys parsed but not yet acted on in this build, as one line.
+    pub not_yet: Option<String>,
 }
 
-/// Reads `path`, applies `sets` (`key.path=value`), parses and validates.
-pub fn load(path: &Path, sets: &[String], facts: DeviceFacts) -> Result<Loaded, ConfigError> {
+/// The JSON of the config file at `path`.
+pub fn read_file(path: &Path) -> Result<Value, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
         path: path.to_path_buf(),
         source,
@@ -73,11 +66,11 @@ pub fn load(path: &Path, sets: &[String], facts: DeviceFacts) -> Result<Loaded, 
         line: e.line(),
         column: e.column(),
     })?;
-    from_json(json, sets, facts)
+    Ok(json)
 }
 
-/// Parses and validates a JSON config value after applying `sets`.
-pub fn from_json(mut json: Value, sets: &[String], facts: DeviceFacts) -> Result<Loaded, ConfigError> {
+/// Applies `sets` (`key.path=value`) to a JSON config value and parses it, key by key.
+pub fn read(mut json: Value, sets: &[String]) -> Result<Read, ConfigError> {
     if !json.is_object() {
         return Err(ConfigError::Type {
             key: "(top level)".into(),
@@ -133,7 +126,6 @@ pub fn from_json(mut json: Value, sets: &[String], facts: DeviceFacts) -> Result
             accepted.join(", ")
         ));
     }
-    let plan = Plan::build(&ds, facts, &mut warnings)?;
     // the mirror re-serialised spells every key canonically, whatever alias was used
     let canonical = serde_json::to_value(&ds).unwrap_or_default();
     let not_yet: Vec<&str> = NOT_YET_ACTED
@@ -141,17 +133,17 @@ pub fn from_json(mut json: Value, sets: &[String], facts: DeviceFacts) -> Result
         .copied()
         .filter(|key| json_has(&canonical, key))
         .collect();
-    if !not_yet.is_empty() {
-        warnings.push(format!(
+    let not_yet = (!not_yet.is_empty()).then(|| {
+        format!(
             "keys parsed but not yet acted on in this build: {}",
             not_yet.join(", ")
-        ));
-    }
-    Ok(Loaded {
+        )
+    });
+    Ok(Read {
         ds,
-        plan,
         json,
         warnings,
+        not_yet,
     })
 }
 

@@ -2,8 +2,11 @@
 //! `"auto"` for numbers; `true`, `false` and `"auto"` for switches.
 //!
 //! DeepSpeed configs written by hand and by the Hugging Face integration mix all of these
-//! spellings, so the serde mirror accepts each and the plan resolves them.
+//! spellings, so the serde mirror accepts each and the plan resolves them with the
+//! readers at the end ([`number`], [`count`], [`positive`], [`count_or_auto`]), whose
+//! errors name the key.
 
+use super::ConfigError;
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 use std::fmt;
@@ -106,5 +109,58 @@ impl Serialize for Flag {
             Flag::Value(v) => s.serialize_bool(*v),
             Flag::Auto => s.serialize_str("auto"),
         }
+    }
+}
+
+/// Reads a number field: `"auto"` is refused here (callers that can resolve it check
+/// for `Num::Auto` first).
+pub fn number(key: &str, value: Option<Num>, default: f64) -> Result<f64, ConfigError> {
+    match value {
+        None => Ok(default),
+        Some(Num::Value(v)) => Ok(v),
+        Some(Num::Auto) => Err(ConfigError::invalid(
+            key,
+            "\"auto\" cannot be resolved here",
+            format!("give a value, e.g. --set {key}={default}"),
+        )),
+    }
+}
+
+/// Reads a non-negative integer field (`5e8` is fine, `2.5` is not).
+pub fn count(key: &str, value: Option<Num>, default: usize) -> Result<usize, ConfigError> {
+    let v = number(key, value, default as f64)?;
+    if v < 0.0 || v.fract() != 0.0 || v > 9.0e18 {
+        return Err(ConfigError::invalid(
+            key,
+            format!("{v} is not a non-negative integer"),
+            format!("write a whole number, e.g. {default}"),
+        ));
+    }
+    Ok(v as usize)
+}
+
+/// Like [`count`], and refuses 0.
+pub fn positive(key: &str, value: Option<Num>, default: usize) -> Result<usize, ConfigError> {
+    let v = count(key, value, default)?;
+    if v == 0 {
+        return Err(ConfigError::invalid(
+            key,
+            "must be positive",
+            format!("use at least 1 (default {default})"),
+        ));
+    }
+    Ok(v)
+}
+
+/// Reads an `"auto"`-able number: `auto` gives `resolved`.
+pub fn count_or_auto(
+    key: &str,
+    value: Option<Num>,
+    default: usize,
+    resolved: usize,
+) -> Result<usize, ConfigError> {
+    match value {
+        Some(Num::Auto) => Ok(resolved),
+        other => count(key, other, default),
     }
 }

@@ -14,7 +14,7 @@ pub mod synthetic;
 pub mod text;
 pub mod tokens;
 
-use crate::config::plan::{DataSource, Plan, TokenDtype};
+use crate::plan::{DataSource, Plan, TokenDtype};
 use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]

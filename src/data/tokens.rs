@@ -4,7 +4,7 @@
 //! sample key; inputs are the first `seq_len`, targets the last `seq_len`.
 
 use super::DataError;
-use crate::config::plan::TokenDtype;
+use crate::plan::TokenDtype;
 use memmap2::Mmap;
 use std::path::{Path, PathBuf};
 

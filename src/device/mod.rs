@@ -16,6 +16,27 @@ pub mod cuda;
 pub mod lanes;
 pub mod pool;
 
+use crate::plan::DeviceFacts;
+
+/// What this machine has, for the plan's `"auto"` choices (asks libtorch; no GPU and no
+/// driver is simply 0 GPUs).
+pub fn facts() -> DeviceFacts {
+    let cuda_devices = if tch::Cuda::is_available() {
+        tch::Cuda::device_count().max(0) as usize
+    } else {
+        0
+    };
+    let cuda_memory = (cuda_devices > 0)
+        .then(|| cuda::Cuda::open(0).and_then(|c| c.memory()).ok())
+        .flatten()
+        .map(|(_, total)| total);
+    DeviceFacts {
+        cuda_bf16: cuda_devices > 0,
+        cuda_devices,
+        cuda_memory,
+    }
+}
+
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 #[error("rank {rank}: out of device memory allocating {requested} bytes for {what}: {in_use} of {budget} bytes in use; raise train.device_memory, offload more (offload_param / offload_optimizer), or raise the ZeRO stage")]
 pub struct OutOfMemory {

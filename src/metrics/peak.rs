@@ -8,7 +8,7 @@
 //! no layer of the model can run above it and MFU stays a fraction (a single 512² fp32
 //! matmul, slower than the model's larger ones, once gave an MFU of 1.096).
 
-use crate::config::plan::{Accelerator, Plan};
+use crate::plan::{Accelerator, Plan};
 use crate::torch::{compute_kind, shim};
 use std::time::Instant;
 use tch::{Device, Kind, TchError, Tensor};

@@ -5,8 +5,8 @@
 //! GPT-2 (LayerNorm, learned positions, GELU-tanh, Conv1D weights stored [in, out])
 //! follows `modeling_gpt2.py`. Norm statistics are computed in fp32 as HF does.
 
-use super::config::{Architecture, ModelConfig};
 use super::layout::UnitLayout;
+use crate::config::model::{Architecture, ModelConfig};
 use tch::{Kind, TchError, Tensor};
 
 /// The named tensors of one unit, as views into its flat buffer.

@@ -1,7 +1,7 @@
 //! The LM head and cross-entropy, chunked over tokens and sliced over the vocabulary.
 //!
-//! Logits are computed `CHUNK` tokens at a time in fp32 against one slice of the weight at
-//! a time (at most [`SLICE_ELEMENTS`] of it, converted to fp32 on the fly), so neither a
+//! Logits are computed `HEAD_CHUNK` tokens at a time in fp32 against one slice of the weight at
+//! a time (at most `plan::rules::HEAD_SLICE_ELEMENTS` of it, converted to fp32 on the fly), so neither a
 //! [tokens, vocab] logits tensor nor an fp32 copy of a 16-bit [vocab, hidden] weight ever
 //! exists whole (Liger-Kernel's fused linear cross-entropy does the same on GPU). The
 //! backward is written by hand for the same reason, in two passes: the log-normaliser of
@@ -13,16 +13,7 @@
 
 use tch::{Kind, TchError, Tensor};
 
-/// Tokens per logits chunk.
-pub const CHUNK: i64 = 1024;
-
-/// Elements of the weight converted to fp32 at once (64 MiB): a slice of the vocabulary.
-pub const SLICE_ELEMENTS: i64 = 1 << 24;
-
-/// Vocabulary rows per slice for a `hidden`-wide weight.
-pub fn slice_rows(vocab: i64, hidden: i64) -> i64 {
-    (SLICE_ELEMENTS / hidden.max(1)).clamp(1, vocab.max(1))
-}
+use crate::plan::rules::{head_slice_rows, HEAD_CHUNK};
 
 /// [start, start + len) ranges of `n` in steps of `step`.
 fn ranges(n: i64, step: i64) -> impl Iterator<Item = (i64, i64)> {
@@ -48,14 +39,14 @@ struct Slices<'w> {
 }
 
 impl<'w> Slices<'w> {
-    /// Slices of `rows` rows, or of [`slice_rows`] when None.
+    /// Slices of `rows` rows, or of [`head_slice_rows`] when None.
     fn new(weight: &'w Tensor, rows: Option<i64>) -> Slices<'w> {
         let size = weight.size();
         let (vocab, hidden) = (size[0], size.get(1).copied().unwrap_or(1));
         Slices {
             weight,
             rows: rows
-                .unwrap_or_else(|| slice_rows(vocab, hidden))
+                .unwrap_or_else(|| head_slice_rows(vocab, hidden))
                 .clamp(1, vocab.max(1)),
             vocab,
         }
@@ -155,7 +146,7 @@ fn loss_sum_in(
     let (hf, tg) = flatten(h, targets)?;
     let slices = Slices::new(weight, rows);
     let mut total = 0.0;
-    for chunk in ranges(tg.size()[0], CHUNK) {
+    for chunk in ranges(tg.size()[0], HEAD_CHUNK) {
         total += Chunk::new(&hf, &tg, chunk)?.normalise(&slices)?.0;
     }
     let count = tg.f_ge(0)?.f_sum(Kind::Int64)?.f_int64_value(&[])?;
@@ -207,7 +198,7 @@ fn backward_in(
         let whole = (0, slices.vocab);
         let w = slices.fp32(whole)?;
         let mut dws = None;
-        for range in ranges(n, CHUNK) {
+        for range in ranges(n, HEAD_CHUNK) {
             let chunk = Chunk::new(&hf, &tg, range)?;
             let (loss, lse, logits) = chunk.normalise(&slices)?;
             total += loss;
@@ -226,7 +217,7 @@ fn backward_in(
     }
     // pass 1: every token's log-normaliser over the slices
     let mut chunks = Vec::new();
-    for range in ranges(n, CHUNK) {
+    for range in ranges(n, HEAD_CHUNK) {
         let chunk = Chunk::new(&hf, &tg, range)?;
         let (loss, lse, _) = chunk.normalise(&slices)?;
         total += loss;

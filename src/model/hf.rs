@@ -9,9 +9,9 @@
 //! `lm_head.weight` is ignored. The safetensors format: an 8-byte little-endian header
 //! length, a JSON header {name: {dtype, shape, data_offsets}}, then the raw data.
 
-use super::config::{Architecture, ModelConfig};
 use super::layout::{units, UnitLayout};
 use super::safetensors;
+use crate::config::model::{Architecture, ModelConfig};
 use memmap2::Mmap;
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;

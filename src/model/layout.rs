@@ -8,7 +8,7 @@
 //! scaled by 1/√(2·layers) as in the GPT-2 paper) and is a pure function of
 //! (seed, tensor name, element index), so every world size initialises identically.
 
-use super::config::{Architecture, ModelConfig};
+use crate::config::model::{Architecture, ModelConfig};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UnitKind {
@@ -210,7 +210,7 @@ mod tests {
 
     #[test]
     fn layouts_match_the_parameter_counts() {
-        for name in crate::model::config::PRESETS {
+        for name in crate::config::model::PRESETS {
             let config = ModelConfig::preset(name).unwrap();
             let layouts = units(&config);
             let numels: Vec<usize> = layouts.iter().map(|u| u.numel).collect();

@@ -1,6 +1,6 @@
 //! Models as lists of units, each a function of its flat parameter buffer.
 //!
-//! - `config.rs`: shapes, presets, Hugging Face `config.json`
+//! - model shapes (presets, Hugging Face `config.json`) are `config::model`
 //! - `layout.rs`: tensor names, shapes and offsets inside each unit's flat buffer
 //! - `blocks.rs`: Llama and GPT-2 blocks, embeddings, final norms (tch)
 //! - `head.rs`: chunked LM head + cross-entropy with a hand-written backward
@@ -13,15 +13,14 @@
 //! unit boundaries).
 
 pub mod blocks;
-pub mod config;
 pub mod head;
 pub mod hf;
 pub mod layout;
 pub mod safetensors;
 
+use crate::config::model::{Architecture, ModelConfig};
 use crate::torch::shim;
 use blocks::Params;
-use config::{Architecture, ModelConfig};
 use layout::{UnitKind, UnitLayout};
 use std::sync::Mutex;
 use tch::{Kind, TchError, Tensor};

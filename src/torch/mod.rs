@@ -7,7 +7,7 @@
 
 pub mod shim;
 
-use crate::config::plan::Precision;
+use crate::plan::Precision;
 use tch::{Device, Kind, TchError, Tensor};
 
 /// The element type of parameters and activations for a precision.

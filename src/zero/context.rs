@@ -4,11 +4,11 @@
 use super::prefetch::DroppedWait;
 use super::start::Start;
 use crate::comm::Collective;
-use crate::config::plan::Plan;
 use crate::data::Dataset;
 use crate::device::lanes::Mode;
 use crate::metrics::timeline::{Timeline, Track};
 use crate::model::Model;
+use crate::plan::Plan;
 use tierzero_offload::nvme::swap::SwapStore;
 
 /// Per-step numbers one rank reports.

@@ -7,11 +7,12 @@
 use super::error::{EngineError, On};
 use super::grad_store::{Acc, GradStream};
 use super::grads::Grads;
-use super::partition::Partition;
-use super::reduce::{reduce_into, ChunkBuffers, Reducer, Target, DEPTH};
+use super::reduce::{reduce_into, ChunkBuffers, Reducer, Target};
 use crate::comm::{Collective, ReduceOp};
-use crate::config::plan::Wire;
 use crate::metrics::timeline::Track;
+use crate::plan::partition::Partition;
+use crate::plan::rules::REDUCE_DEPTH;
+use crate::plan::Wire;
 use std::ops::Range;
 use tch::Tensor;
 use tierzero_offload::arena::Pinning;
@@ -75,7 +76,7 @@ pub(super) struct Gradients<'a, C: Collective> {
     partitions: Vec<Range<usize>>,
     stage: u8,
     rank: usize,
-    /// Accumulate in bf16 (see `rank::bf16_gradients`).
+    /// Accumulate in bf16 (see `plan::rules::bf16_gradients`).
     bf16: bool,
     /// The collectives lane of the step in progress, when gradients are reduced there.
     reducer: Option<Reducer<'a, C>>,
@@ -105,7 +106,8 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
                 // one chunk (of the stored element) per reduction in flight: the compute
                 // thread waits for the lane's oldest before starting another (`accumulate`)
                 let elem = if bf16 { 2 } else { 4 };
-                let chunks = BufferPool::new(DEPTH, store.chunk_bytes(elem)).map_err(On(rank).alloc())?;
+                let chunks =
+                    BufferPool::new(REDUCE_DEPTH, store.chunk_bytes(elem)).map_err(On(rank).alloc())?;
                 let stored = parts.iter().map(|_| Accumulator::Nvme(Stored::Nothing)).collect();
                 (stored, Some(NvmeGrads { store, chunks }))
             }
@@ -258,11 +260,11 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         let part = self.parts[u];
         if self.stage >= 2 && self.reducer.is_some() {
             // a unit reduced twice in a micro-batch (the tied embedding): its accumulator
-            // comes back from the lane first; and at most DEPTH are in flight
+            // comes back from the lane first; and at most REDUCE_DEPTH are in flight
             while self
                 .reducer
                 .as_ref()
-                .is_some_and(|r| r.holds(u) || r.in_flight() >= DEPTH)
+                .is_some_and(|r| r.holds(u) || r.in_flight() >= REDUCE_DEPTH)
             {
                 self.take_one(true)?;
             }
@@ -351,7 +353,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
                 Grads::Bf16(_) => {
                     return Err(EngineError::Invariant {
                         rank,
-                        what: "bf16 accumulators exist only at stages 2-3 (rank::bf16_gradients)",
+                        what: "bf16 accumulators exist only at stages 2-3 (plan::rules::bf16_gradients)",
                     })
                 }
             }

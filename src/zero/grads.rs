@@ -8,7 +8,7 @@
 //! bits directly (`GradSlice::Bf16`). Each reduced shard is added in fp32 and rounded
 //! once (round to nearest even); the engine uses bf16 only with one micro-batch per
 //! step, so the accumulator holds exactly the bf16 rounding of the reduced gradient
-//! (`rank::bf16_gradients` says why accumulation keeps fp32).
+//! (`plan::rules::bf16_gradients` says why accumulation keeps fp32).
 
 use tierzero_offload::adam::GradSlice;
 use tierzero_offload::arena::{self, CarveError, Pinning, Slab};

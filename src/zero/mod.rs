@@ -1,6 +1,5 @@
 //! The ZeRO engine: partitions, the per-rank state and step, and the trainer.
 //!
-//! - `partition.rs`: padded flat buffers and each rank's slice
 //! - `rank.rs`: one rank's engine: its three owners and the training step for stages 0–3
 //! - `units.rs`, `gradients.rs`, `optimizer.rs`: the owners of parameters, gradient
 //!   accumulators and optimizer state, each unit's residency a type
@@ -11,30 +10,21 @@
 //! - `reduce.rs`: gradient reduce-scatters on the reduce lane (`overlap_comm`)
 //! - `grads.rs`: gradient accumulators (fp32, or bf16 with the optimizer on NVMe)
 //! - `optimize.rs`: the optimizer phase and installing its updates
-//! - `schedule.rs`: DeepSpeed's learning-rate schedules and fp16 loss scaling
 //! - `start.rs`: where state starts: seeded init, Hugging Face weights, a checkpoint
 //! - `snapshot.rs`: a rank's part of saving a checkpoint
 //! - `trainer.rs`: ranks as threads, the swap stores, metrics, checkpoint cadence
-//! - `memory.rs`: the device bytes per rank a plan predicts and a run measures
-//! - `host_memory.rs`: the host bytes per process a plan predicts (checked against RSS)
-//! - `estimate.rs`: DeepSpeed's ZeRO-3 memory estimator
 
 pub mod context;
 pub mod error;
-pub mod estimate;
 pub mod grad_store;
 pub mod gradients;
 pub mod grads;
-pub mod host_memory;
-pub mod memory;
 pub mod optimize;
 pub mod optimizer;
 pub mod params;
-pub mod partition;
 pub mod prefetch;
 pub mod rank;
 pub mod reduce;
-pub mod schedule;
 pub mod snapshot;
 pub mod start;
 pub mod trainer;

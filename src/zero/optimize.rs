@@ -7,14 +7,13 @@
 use super::context::Tracks;
 use super::error::{EngineError, On};
 use super::gradients::FinalGrad;
-use super::optimizer::{DeviceState, Moments, OptimizerState, Update};
+use super::optimizer::{AdamStep, DeviceState, Moments, OptimizerState, ParamStaging, SharedStaging, Update};
 use super::params::LowParams;
 use super::rank::RankEngine;
 use super::units::{Destination, NewParams};
 use crate::comm::Collective;
-use crate::config::plan::{Precision, Tier};
 use crate::metrics::timeline::Phase;
-use std::sync::Arc;
+use crate::plan::{Precision, Tier};
 use std::time::Instant;
 use tch::{Kind, Tensor};
 use tierzero_offload::adam::{self, GradSlice, Sweep};
@@ -80,7 +79,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             precision: self.plan.precision,
             staging: self.param_staging.clone(),
             pipeline: PipelineConfig {
-                sets: super::rank::pipeline_sets(self.plan),
+                sets: crate::plan::rules::pipeline_sets(self.plan),
                 pipeline_read: self.overlap && self.plan.zero.offload_optimizer.pipeline_read,
                 pipeline_write: self.overlap && self.plan.zero.offload_optimizer.pipeline_write,
             },
@@ -121,16 +120,6 @@ struct OptimizerJob<'a> {
     destination: Destination<'a>,
 }
 
-/// The optimizer lane's buffers for parameters on NVMe: the new partition (sized to the
-/// largest unit once, resized within its capacity) and the bounce buffer of its write.
-/// Kept by the engine between steps, so the step allocates nothing for them.
-pub(super) struct ParamStaging {
-    values: LowParams,
-    scratch: IoBuf,
-}
-
-pub(super) type SharedStaging = Arc<std::sync::Mutex<Option<ParamStaging>>>;
-
 /// What the optimizer phase needs, without borrowing the engine.
 struct OptimizerContext {
     on: On,
@@ -139,15 +128,6 @@ struct OptimizerContext {
     pipeline: PipelineConfig,
     step: AdamStep,
     tracks: Tracks,
-}
-
-/// One optimizer step: the kernels' coefficients (the gradient multiplier among them),
-/// and for torch's fused kernel on the device the hyper-parameters and the 1-based step.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct AdamStep {
-    pub(super) coefficients: adam::Coefficients,
-    pub(super) hyper: adam::AdamHyper,
-    pub(super) step: u64,
 }
 
 impl pipeline::Observer for Tracks {

@@ -6,10 +6,12 @@
 
 use super::error::{EngineError, On};
 use super::gradients::FinalGrad;
-use super::params::{f32_bytes, f32_bytes_mut};
+use super::params::{f32_bytes, f32_bytes_mut, LowParams};
 use super::units::NewParams;
 use std::ops::Range;
+use std::sync::Arc;
 use tch::{Kind, Tensor};
+use tierzero_offload::adam;
 use tierzero_offload::arena::{self, Pinning, Slab};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pool::{BufferPool, IoBuf};
@@ -332,4 +334,23 @@ impl<'a> Optimizer<'a> {
             None => self.partitions.iter().map(|p| 12 * p.len()).sum(),
         }
     }
+}
+
+/// The optimizer lane's buffers for parameters on NVMe: the new partition (sized to the
+/// largest unit once, resized within its capacity) and the bounce buffer of its write.
+/// Kept by the engine between steps, so the step allocates nothing for them.
+pub(super) struct ParamStaging {
+    pub(super) values: LowParams,
+    pub(super) scratch: IoBuf,
+}
+
+pub(super) type SharedStaging = Arc<std::sync::Mutex<Option<ParamStaging>>>;
+
+/// One optimizer step: the kernels' coefficients (the gradient multiplier among them),
+/// and for torch's fused kernel on the device the hyper-parameters and the 1-based step.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct AdamStep {
+    pub(super) coefficients: adam::Coefficients,
+    pub(super) hyper: adam::AdamHyper,
+    pub(super) step: u64,
 }

@@ -1,6 +1,6 @@
 //! A unit's low-precision parameters as stored, and where they live between uses.
 
-use crate::config::plan::Precision;
+use crate::plan::Precision;
 use crate::torch::Shared;
 use std::sync::Arc;
 use tierzero_offload::adam::LowPrecisionOut;

@@ -5,9 +5,9 @@
 //! computes, while later units are fetched.
 //!
 //! Per micro-batch, the order in which units are fetched is fixed and the same on every
-//! rank ([`schedule`]). The compute thread asks for units ahead of time, as many as fit
+//! rank (`plan::fetch::schedule`). The compute thread asks for units ahead of time, as many as fit
 //! in `stage3_prefetch_bucket_size` elements and `stage3_max_live_parameters` (at least
-//! the one it needs now), at most [`MAX_IN_FLIGHT`] ahead, and takes them in order. The
+//! the one it needs now), at most `plan::rules::MAX_IN_FLIGHT` ahead, and takes them in order. The
 //! gather lane is the step's collectives lane, which also runs the reductions: every
 //! rank issues the same collectives in the same order from one thread (on a GPU, on
 //! one stream), so they cannot deadlock each other. DeepSpeed's PartitionedParameterCoordinator
@@ -19,13 +19,14 @@
 
 use super::error::{EngineError, On};
 use super::params::{LowParams, Params};
-use super::partition::Partition;
 use crate::comm::Collective;
-use crate::config::plan::Precision;
 use crate::device::cpu::{CpuDevice, Reservation};
 use crate::device::lanes::{Event, Lane, LaneError, Mark, Mode, Streams};
 use crate::device::pool::{tensor_buffer, Pool};
-use crate::metrics::timeline::{Phase as TimedPhase, Track};
+use crate::metrics::timeline::{Phase, Track};
+use crate::plan::fetch::{may_request, Limits, Purpose};
+use crate::plan::partition::Partition;
+use crate::plan::Precision;
 use crate::torch;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -33,69 +34,6 @@ use std::time::Instant;
 use tch::Tensor;
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pool::IoBuf;
-
-/// Gathers issued ahead of the one the compute thread waits for, at most (DeepSpeed
-/// bounds its in-flight all-gathers the same way).
-pub const MAX_IN_FLIGHT: usize = 2;
-
-/// Why a unit is fetched.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Phase {
-    Forward,
-    /// The final unit, for the loss and its backward.
-    Final,
-    /// The embedding again, for the tied LM head (alive together with the final unit).
-    Tied,
-    Backward,
-}
-
-/// The fetch order of one micro-batch: forward 0..last, the final unit (and the tied
-/// embedding), then backward last-1..0. Units that stay gathered (`persistent`) appear
-/// only at their first use.
-pub fn schedule(units: usize, tied: bool, persistent: impl Fn(usize) -> bool) -> Vec<(usize, Phase)> {
-    let last = units - 1;
-    let mut order: Vec<(usize, Phase)> = (0..last).map(|u| (u, Phase::Forward)).collect();
-    order.push((last, Phase::Final));
-    if tied {
-        order.push((0, Phase::Tied));
-    }
-    order.extend((0..last).rev().map(|u| (u, Phase::Backward)));
-    let mut seen = vec![false; units];
-    order.retain(|&(u, _)| {
-        let keep = !(persistent(u) && seen[u]);
-        seen[u] = true;
-        keep
-    });
-    order
-}
-
-/// How far ahead to gather: `stage3_prefetch_bucket_size` elements outstanding, and
-/// `stage3_max_live_parameters` elements gathered at once (in use plus outstanding);
-/// units of at most `persistence_threshold` elements stay gathered and do not count.
-#[derive(Clone, Copy, Debug)]
-pub struct Limits {
-    pub bucket: usize,
-    pub max_live: usize,
-    pub persistence_threshold: usize,
-}
-
-/// Whether to ask for one more unit now: always for the unit compute needs now (`needed`
-/// and nothing outstanding), otherwise while fewer than [`MAX_IN_FLIGHT`] are
-/// outstanding, the outstanding elements stay within the bucket and the live ones
-/// (`in_use` + outstanding) within `max_live`. A bucket of 0 is DeepSpeed's "no
-/// prefetch": only needed units are fetched.
-pub fn may_request(
-    needed: bool,
-    outstanding: usize,
-    outstanding_numel: usize,
-    next_numel: usize,
-    in_use: usize,
-    limits: Limits,
-) -> bool {
-    let ahead = outstanding_numel + next_numel;
-    (needed && outstanding == 0)
-        || (outstanding < MAX_IN_FLIGHT && ahead <= limits.bucket && in_use + ahead <= limits.max_live)
-}
 
 /// Waits a test may leave out on purpose, to show that checked lanes catch it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -219,7 +157,7 @@ struct InFlight {
 /// The compute thread's side: issues fetches ahead, takes them in order, and holds the
 /// device memory of each gathered unit from request to release.
 pub struct Prefetcher<'env, C: Collective> {
-    schedule: Vec<(usize, Phase)>,
+    schedule: Vec<(usize, Purpose)>,
     numels: Vec<usize>,
     padded_bytes: Vec<u64>,
     /// Units that stay gathered once fetched (not counted as in use, never pooled).
@@ -244,7 +182,7 @@ pub struct Prefetcher<'env, C: Collective> {
 impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        schedule: Vec<(usize, Phase)>,
+        schedule: Vec<(usize, Purpose)>,
         elem_bytes: usize,
         limits: Limits,
         device: Arc<CpuDevice>,
@@ -384,7 +322,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
         // a GPU its kernels may still read it, but the next lane job to write the buffer
         // first waits for the compute queued before it was submitted, and compute's own
         // later use is in stream order)
-        if self.schedule.get(self.received).map(|s| s.1) != Some(Phase::Tied) {
+        if self.schedule.get(self.received).map(|s| s.1) != Some(Purpose::Tied) {
             self.in_use = 0;
             for buffer in self.using.drain(..) {
                 self.buffers.units.release(buffer, Event::done());
@@ -401,7 +339,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
             let start = Instant::now();
             // on a GPU compute's stream waits for the gather; the thread goes on
             fetch.gathered.order_compute()?;
-            self.track.waited(TimedPhase::AllGather, Some(expected), start);
+            self.track.waited(Phase::AllGather, Some(expected), start);
         }
         self.received += 1;
         let numel = self.numels[expected];
@@ -487,17 +425,16 @@ impl<C: Collective> Fetcher<C> {
             Source::Nvme(store) => {
                 let buf = self
                     .h2d_track
-                    .span(TimedPhase::NvmeRead, Some(unit), bytes as u64, || {
+                    .span(Phase::NvmeRead, Some(unit), bytes as u64, || {
                         read_param_bytes(store, (self.rank, unit, self.precision.bytes()), out, io.take())
                     })?;
                 *io = Some(buf);
             }
             // on CPU devices this memcpy is the host-to-device transfer
             Source::Host(params) if on_host => {
-                self.h2d_track
-                    .span(TimedPhase::H2d, Some(unit), bytes as u64, || {
-                        out.copy_from_slice(&params.as_bytes()[..bytes])
-                    })
+                self.h2d_track.span(Phase::H2d, Some(unit), bytes as u64, || {
+                    out.copy_from_slice(&params.as_bytes()[..bytes])
+                })
             }
             Source::Host(params) => out.copy_from_slice(&params.as_bytes()[..bytes]),
             Source::Device(_) => {}
@@ -507,7 +444,7 @@ impl<C: Collective> Fetcher<C> {
         };
         let streams = self.streams.as_ref();
         self.h2d_track
-            .span(TimedPhase::H2d, Some(unit), bytes as u64, || {
+            .span(Phase::H2d, Some(unit), bytes as u64, || {
                 let src = landing.f_narrow(0, 0, bytes as i64)?.f_view_dtype(self.kind)?;
                 let mut dst = staging.f_narrow(0, 0, (bytes / self.precision.bytes()) as i64)?;
                 torch::shim::copy_(&mut dst, &src, streams.is_some())
@@ -545,7 +482,7 @@ impl<C: Collective> Fetcher<C> {
         self.comm.all_gather_tensor(&shard, &full)?;
         let bytes = (part.padded * self.precision.bytes()) as u64;
         self.gather_track
-            .record(TimedPhase::AllGather, Some(unit), start, bytes);
+            .record(Phase::AllGather, Some(unit), start, bytes);
         Ok(())
     }
 }

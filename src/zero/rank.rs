@@ -29,13 +29,10 @@ use super::error::{EngineError, On};
 use super::gradients::Gradients;
 use super::optimizer::{NvmeTier, Optimizer};
 use super::params::LowParams;
-use super::partition::Partition;
-use super::prefetch::{self, FetchLanes, Fetcher, Prefetcher};
+use super::prefetch::{FetchLanes, Fetcher, Prefetcher};
 use super::reduce::Reducer;
-use super::schedule::{learning_rate, LossScaler};
 use super::units::{Home, Units};
 use crate::comm::{Collective, ReduceOp};
-use crate::config::plan::{Plan, Precision, Tier};
 use crate::data::Dataset;
 use crate::device::cpu::{CpuDevice, Reservation};
 use crate::device::cuda::{Cuda, CudaStreams};
@@ -44,6 +41,10 @@ use crate::metrics::timeline::Phase;
 use crate::metrics::trace::TierBytes;
 use crate::model::layout::UnitKind;
 use crate::model::Model;
+use crate::plan::partition::Partition;
+use crate::plan::rules::{bf16_gradients, nvme_gradients, pipeline_sets};
+use crate::plan::schedule::{learning_rate, LossScaler};
+use crate::plan::{Plan, Precision, Tier};
 use crate::torch;
 use std::sync::Arc;
 use std::time::Instant;
@@ -80,7 +81,7 @@ pub struct RankEngine<'a, C: Collective> {
     /// thread submits them, which is the same on every rank.
     collectives: Option<Arc<Lane<'a>>>,
     /// The optimizer lane's buffers for writing parameters to NVMe, kept between steps.
-    pub(super) param_staging: super::optimize::SharedStaging,
+    pub(super) param_staging: super::optimizer::SharedStaging,
     /// Where this rank computes (CPU, or its GPU).
     compute: tch::Device,
     /// Its GPU's streams for the lanes (None on CPU, where lane work is done when its job
@@ -177,7 +178,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let bf16_grads = bf16_gradients(plan);
         let grads = Gradients::new(
             (stage, rank, bf16_grads),
-            (plan.communication, super::reduce::chunk_elements(plan)),
+            (plan.communication, crate::plan::rules::chunk_elements(plan)),
             parts.clone(),
             partitions.clone(),
             &pinning,
@@ -238,7 +239,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             // what of this unit sits on the device for the whole run
             if plan.zero.offload_param.tier == Tier::Device {
                 // stages 1-2 gather each update from a partition of its own (`units.rs`)
-                let gathered_from = if super::units::gathers_updates(stage, world) {
+                let gathered_from = if crate::plan::rules::gathers_updates(stage, world) {
                     part.shard
                 } else {
                     0
@@ -344,7 +345,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         }
         self.optimizer.adam_steps += 1;
         let hyper = plan.optimizer.hyper(lr as f32);
-        let adam_step = super::optimize::AdamStep {
+        let adam_step = super::optimizer::AdamStep {
             coefficients: hyper.coefficients(self.optimizer.adam_steps, grad_scale as f32),
             hyper,
             step: self.optimizer.adam_steps,
@@ -459,7 +460,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let tied = self.model.config.tie_word_embeddings;
         let threshold = self.plan.zero.param_persistence_threshold;
         let parts = self.units.parts();
-        let mut order = prefetch::schedule(parts.len(), tied, |u| parts[u].numel <= threshold);
+        let mut order = crate::plan::fetch::schedule(parts.len(), tied, |u| parts[u].numel <= threshold);
         // a pending update invalidates every cached unit before its use, so while one is
         // pending every unit is fetched
         let pending = self.optimizer.any_pending();
@@ -476,7 +477,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             dropped: self.lanes.dropped,
             streams: self.streams.clone(),
         };
-        let limits = prefetch::Limits {
+        let limits = crate::plan::fetch::Limits {
             bucket: self.plan.zero.prefetch_bucket_size,
             max_live: self.plan.zero.max_live_parameters,
             persistence_threshold: threshold,
@@ -725,30 +726,6 @@ fn device_streams(compute: tch::Device, rank: usize) -> Result<Option<Arc<dyn St
         }
         _ => Ok(None),
     }
-}
-
-/// Whether gradient partitions live in the optimizer's swap store on NVMe (stages 2–3
-/// with the optimizer state there; `grad_store.rs`), as DeepSpeed's optimizer swapper
-/// keeps them, instead of in host memory.
-pub fn nvme_gradients(plan: &Plan) -> bool {
-    plan.zero.stage >= 2 && plan.zero.offload_optimizer.tier == Tier::Nvme
-}
-
-/// Buffer sets of the NVMe optimizer pipeline: DeepSpeed's `offload_optimizer.buffer_count`
-/// counts buffers, one per state of a sub-group (the gradient's included when stored).
-pub fn pipeline_sets(plan: &Plan) -> usize {
-    pipeline::sets_for(plan.zero.offload_optimizer.buffer_count, nvme_gradients(plan))
-}
-
-/// Whether gradient accumulators are kept in bf16: a bf16 run whose optimizer state is on
-/// NVMe, at stages 2–3, without gradient accumulation (see `grads.rs`). With several
-/// micro-batches per step a bf16 sum of nearly cancelling micro-batch gradients can
-/// flip a sign that Adam then follows at full step size, so those runs keep fp32.
-pub fn bf16_gradients(plan: &Plan) -> bool {
-    plan.zero.stage >= 2
-        && plan.zero.offload_optimizer.tier == Tier::Nvme
-        && plan.precision == Precision::Bf16
-        && plan.batch.gradient_accumulation_steps == 1
 }
 
 /// The element kind tch uses for a precision (re-exported for the trainer).

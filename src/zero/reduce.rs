@@ -14,33 +14,22 @@
 //!
 //! On the reduce lane the gradient tensor and the unit's accumulator move into the job
 //! and the accumulator comes back with its event (never reachable from two places);
-//! accumulators are taken back in the order they were sent. At most [`DEPTH`] gradients
+//! accumulators are taken back in the order they were sent. At most [`REDUCE_DEPTH`] gradients
 //! are in flight (the role of DeepSpeed's reduce bucket). On any error the engine aborts
 //! the reduce communicator, so no rank's lane waits forever.
 
 use super::error::EngineError;
 use super::grad_store::{Acc, Accumulate};
-use super::partition::Partition;
 use crate::comm::{Collective, ReduceOp};
 use crate::device::lanes::{Event, Lane};
 use crate::metrics::timeline::{Phase, Track};
+use crate::plan::partition::Partition;
+use crate::plan::rules::REDUCE_DEPTH;
 use crate::torch;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tch::{Kind, Tensor};
-
-/// Gradients in flight on the lane at most.
-pub const DEPTH: usize = 2;
-
-/// Elements of one chunk (all ranks' stretches together) at most: 16 MiB in fp32.
-pub const CHUNK_LIMIT: usize = 1 << 22;
-
-/// Elements of one chunk: DeepSpeed's `reduce_bucket_size` ("elements reduced at a
-/// time"), at most [`CHUNK_LIMIT`] (its default 5e8 would hold 2 GB in fp32).
-pub fn chunk_elements(plan: &crate::config::Plan) -> usize {
-    plan.zero.reduce_bucket_size.clamp(1, CHUNK_LIMIT)
-}
 
 /// The buffers of a chunked reduction, reused across units and steps: on the device the
 /// bucket (every rank's stretches) and this rank's reduced stretch, and in host memory
@@ -255,7 +244,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
 
     /// Queues unit `unit`'s gradient for reduction into `acc` (its accumulator, lent to
     /// the job). The caller takes accumulators back first while [`Self::in_flight`] is
-    /// `DEPTH` (so that it leases a chunk buffer only when the lane has room); more is
+    /// `REDUCE_DEPTH` (so that it leases a chunk buffer only when the lane has room); more is
     /// an error.
     pub fn send(
         &mut self,
@@ -264,7 +253,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
         part: Partition,
         acc: Acc<'env>,
     ) -> Result<(), EngineError> {
-        if self.in_flight.len() >= DEPTH {
+        if self.in_flight.len() >= REDUCE_DEPTH {
             return Err(EngineError::Invariant {
                 rank: self.comm.rank(),
                 what: "more gradients sent to the reduce lane than its depth",
@@ -345,6 +334,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
 mod tests {
     use super::*;
     use crate::comm::local::Local;
+    use crate::plan::rules::CHUNK_LIMIT;
     use crate::zero::grads::Grads;
 
     /// Every chunking (stretches of 1, 7, 64 elements, and the whole) leaves each rank

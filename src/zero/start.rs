@@ -3,9 +3,9 @@
 //! the slices it keeps (its shard at stage 3, the replica below), never the whole model.
 
 use crate::checkpoint::Checkpoint;
-use crate::config::plan::Precision;
 use crate::model::hf::HfWeights;
 use crate::model::layout::UnitLayout;
+use crate::plan::Precision;
 use std::ops::Range;
 use tierzero_offload::nvme::swap::State;
 

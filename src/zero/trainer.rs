@@ -14,7 +14,6 @@
 
 use super::context::{Comms, LaneOptions, RankContext, StepReport};
 use super::error::EngineError;
-use super::partition::Partition;
 use super::rank::{kind_for, RankEngine};
 use super::start::Start;
 use crate::checkpoint::{save, Checkpoint, CheckpointError};
@@ -22,7 +21,6 @@ use crate::comm::gloo::{join_concurrently, Gloo, Store};
 use crate::comm::local::Local;
 use crate::comm::nccl::{watchdog, Nccl, Watched};
 use crate::comm::{Collective, Group};
-use crate::config::plan::{Plan, Tier};
 use crate::data::{DataError, Dataset};
 use crate::device::cpu::CpuDevice;
 use crate::device::cuda::Cuda;
@@ -31,6 +29,9 @@ use crate::metrics::monitor::{Monitors, Scalar};
 use crate::metrics::timeline::{Breakdown, Timeline};
 use crate::metrics::trace::TierBytes;
 use crate::model::Model;
+use crate::plan::partition::Partition;
+use crate::plan::rules::SWAP_CHUNK_LIMIT;
+use crate::plan::{Plan, Tier};
 use serde::Serialize;
 use std::io::Write;
 use std::path::PathBuf;
@@ -193,7 +194,7 @@ fn scalars(m: &StepMetrics, breakdown: &Breakdown, plan: &Plan) -> Vec<Scalar> {
         value,
     };
     let mut out = vec![scalar("train_loss", m.loss), scalar("lr", m.lr)];
-    if matches!(plan.precision, crate::config::plan::Precision::Fp16(_)) {
+    if matches!(plan.precision, crate::plan::Precision::Fp16(_)) {
         out.push(scalar("loss_scale", m.loss_scale));
     }
     out.push(scalar("grad_norm", m.grad_norm));
@@ -243,14 +244,6 @@ fn swap_specs(plan: &Plan, model: &Model, states: &[State], elem_bytes: usize) -
     }
     specs
 }
-
-/// Elements per swap chunk at most, whatever `sub_group_size` says: the NVMe pipeline
-/// holds `buffer_count` chunk buffers of fp32 (a sub-group's master, exp_avg, exp_avg_sq
-/// and gradient each take one), so DeepSpeed's default sub-group of 1e9 elements would pin
-/// 16 GB of host memory with its default `buffer_count` of 4. 2²³ elements (32 MiB per
-/// state) keeps them at 128 MiB, and each read or write still moves whole MiBs at once.
-/// The chunking never changes the result (the pipeline equals in-memory AdamW bit for bit).
-pub const SWAP_CHUNK_LIMIT: usize = 1 << 23;
 
 fn open_store(
     plan: &Plan,
@@ -402,7 +395,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     }
     // libtorch's CPU bytes, where the process counts them (the binary installs the
     // counting allocator at start-up)
-    let on_cpu = plan.train.accelerator == crate::config::plan::Accelerator::Cpu
+    let on_cpu = plan.train.accelerator == crate::plan::Accelerator::Cpu
         && crate::torch::shim::counting_cpu_allocations();
     let prepared = Prepared::new(plan, options.resume)?;
     let first_step = prepared.start.first_step();
@@ -618,10 +611,15 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                 partitions.push(p.master);
             }
             Err(e) => {
-                let is_echo = matches!(&e, TrainError::Engine(EngineError::Comm(_)));
-                if first_error.is_none()
-                    || (!is_echo && matches!(first_error, Some(TrainError::Engine(EngineError::Comm(_)))))
-                {
+                // a rank that saw a collective fail, or that learnt through `agree` that
+                // another rank failed, echoes the cause; the cause itself names it
+                let echo = |e: &TrainError| {
+                    matches!(
+                        e,
+                        TrainError::Engine(EngineError::Comm(_) | EngineError::Peer { .. })
+                    )
+                };
+                if first_error.as_ref().is_none_or(|first| echo(first) && !echo(&e)) {
                     first_error = Some(e);
                 }
             }
@@ -714,7 +712,7 @@ fn local_comms(world: usize, one: bool) -> Vec<Comms<Local>> {
 fn communicators(plan: &Plan, one: bool, c10d: bool) -> Result<Vec<Comms<Group>>, TrainError> {
     let world = plan.world_size;
     let launch = &plan.train.launch;
-    let cuda_ranks = plan.train.accelerator == crate::config::plan::Accelerator::Cuda && world > 1;
+    let cuda_ranks = plan.train.accelerator == crate::plan::Accelerator::Cuda && world > 1;
     if launch.nnodes == 1 && !cuda_ranks && !c10d {
         let comms = local_comms(world, one)
             .into_iter()
@@ -949,8 +947,12 @@ fn open_stores(plan: &Plan, model: &Model) -> Result<(Option<SwapStore>, Option<
     ) {
         (Tier::Nvme, Some(path)) => {
             let mut specs = swap_specs(plan, model, &State::OPTIMIZER, 4);
-            if super::rank::nvme_gradients(plan) {
-                let elem = if super::rank::bf16_gradients(plan) { 2 } else { 4 };
+            if crate::plan::rules::nvme_gradients(plan) {
+                let elem = if crate::plan::rules::bf16_gradients(plan) {
+                    2
+                } else {
+                    4
+                };
                 specs.extend(swap_specs(plan, model, &[State::Grad], elem));
             }
             Some(open_store(plan, path, "tierzero-optimizer", &specs)?)

@@ -5,13 +5,14 @@
 
 use super::error::{EngineError, On};
 use super::params::{LowParams, Params};
-use super::partition::Partition;
 use super::prefetch::{self, GatherBuffers, Source};
 use crate::comm::Collective;
-use crate::config::plan::Precision;
 use crate::device::cpu::Reservation;
 use crate::device::lanes::Mode;
 use crate::metrics::timeline::{Phase, Track};
+use crate::plan::partition::Partition;
+use crate::plan::rules::gathers_updates;
+use crate::plan::Precision;
 use crate::torch::{self, Shared};
 use std::sync::Arc;
 use std::time::Instant;
@@ -459,13 +460,6 @@ fn all_gather_into<C: Collective>(
     }
     track.record(Phase::AllGather, None, start, bytes);
     Ok(())
-}
-
-/// Whether a unit's new partition is all-gathered into its replica from a partition of
-/// its own (stages 1–2 with several ranks) rather than being all a rank stores: the
-/// engine, its reservations and the plan's predictions all follow this rule.
-pub(super) fn gathers_updates(stage: u8, world: usize) -> bool {
-    matches!(stage, 1 | 2) && world > 1
 }
 
 /// Every rank's `shard` tensor into `full` (its padded length, same kind) on the device.

@@ -5,7 +5,7 @@
 //! exp_avg, exp_avg_sq: 12 bytes per parameter), each divided by the world size from the
 //! stage that shards it, and placed on the tier the config chooses.
 
-use super::plan::{Plan, Scheduler, Tier};
+use super::{Plan, Scheduler, Tier};
 use std::fmt::Write;
 
 /// One row of the model-state table.
@@ -45,7 +45,7 @@ pub fn model_states(plan: &Plan) -> Vec<StateRow> {
             // in bf16 without accumulation
             tier: if stage >= 2 { optimizer_tier } else { Tier::Device },
             bytes_per_rank: if stage >= 2 {
-                let bf16 = crate::zero::rank::bf16_gradients(plan);
+                let bf16 = crate::plan::rules::bf16_gradients(plan);
                 per_rank(if bf16 { 2 } else { 4 }, true)
             } else {
                 per_rank(low, false)
@@ -194,7 +194,7 @@ pub fn plan_table(plan: &Plan) -> String {
             row(&mut out, what, p.display().to_string());
         }
     }
-    let device = crate::zero::memory::predict(plan);
+    let device = crate::plan::memory::predict(plan);
     row(
         &mut out,
         "device memory per rank",
@@ -208,7 +208,7 @@ pub fn plan_table(plan: &Plan) -> String {
             gib(device.transient)
         ),
     );
-    let host = crate::zero::host_memory::predict_host(plan);
+    let host = crate::plan::host_memory::predict_host(plan);
     row(
         &mut out,
         "host memory per process",

@@ -10,7 +10,7 @@
 //! `deepspeed/runtime/fp16/loss_scaler.py` (backoff by 2 after `hysteresis` overflows,
 //! growth by 2 after `loss_scale_window` clean steps, floor `min_loss_scale`).
 
-use crate::config::plan::{LossScale, Scheduler, WarmupType};
+use super::{LossScale, Scheduler, WarmupType};
 use serde::{Deserialize, Serialize};
 
 /// DeepSpeed's warm-up length: at least 2 iterations.

@@ -6,65 +6,13 @@
 //! triple completed as DeepSpeed's `_set_batch_related_parameters` does, and
 //! contradictions refused with the keys and the fix.
 
-use super::ds::*;
-use super::plan::*;
-use super::value::{Flag, Num};
-use super::ConfigError;
-use crate::model::config::{ModelConfig, PRESETS};
+use super::auto_batch::AutoBatch;
+use super::types::*;
+use crate::config::ds::*;
+use crate::config::model::{ModelConfig, PRESETS};
+use crate::config::value::{count, number, positive, Flag, Num};
+use crate::config::ConfigError;
 use std::path::PathBuf;
-
-/// Reads a number field: `"auto"` is refused here (callers that can resolve it check
-/// for `Num::Auto` first).
-pub(super) fn number(key: &str, value: Option<Num>, default: f64) -> Result<f64, ConfigError> {
-    match value {
-        None => Ok(default),
-        Some(Num::Value(v)) => Ok(v),
-        Some(Num::Auto) => Err(ConfigError::invalid(
-            key,
-            "\"auto\" cannot be resolved here",
-            format!("give a value, e.g. --set {key}={default}"),
-        )),
-    }
-}
-
-/// Reads a non-negative integer field (`5e8` is fine, `2.5` is not).
-pub(super) fn count(key: &str, value: Option<Num>, default: usize) -> Result<usize, ConfigError> {
-    let v = number(key, value, default as f64)?;
-    if v < 0.0 || v.fract() != 0.0 || v > 9.0e18 {
-        return Err(ConfigError::invalid(
-            key,
-            format!("{v} is not a non-negative integer"),
-            format!("write a whole number, e.g. {default}"),
-        ));
-    }
-    Ok(v as usize)
-}
-
-/// Like [`count`], and refuses 0.
-pub(super) fn positive(key: &str, value: Option<Num>, default: usize) -> Result<usize, ConfigError> {
-    let v = count(key, value, default)?;
-    if v == 0 {
-        return Err(ConfigError::invalid(
-            key,
-            "must be positive",
-            format!("use at least 1 (default {default})"),
-        ));
-    }
-    Ok(v)
-}
-
-/// Reads an `"auto"`-able number: `auto` gives `resolved`.
-pub(super) fn count_or_auto(
-    key: &str,
-    value: Option<Num>,
-    default: usize,
-    resolved: usize,
-) -> Result<usize, ConfigError> {
-    match value {
-        Some(Num::Auto) => Ok(resolved),
-        other => count(key, other, default),
-    }
-}
 
 /// A monitor's directory as DeepSpeed forms it: `output_path` joined with `job_name`
 /// (default `DeepSpeedJobName`; an empty `output_path`, DeepSpeed's default, leaves it
@@ -261,7 +209,7 @@ fn build_model(m: ModelSection) -> Result<ModelPlan, ConfigError> {
         (preset, None) => {
             let name = preset.clone().unwrap_or_else(|| "llama-tiny".into());
             let config = ModelConfig::preset(&name).ok_or_else(|| {
-                let hint = super::keys::closest(&name, PRESETS)
+                let hint = crate::config::keys::closest(&name, PRESETS)
                     .map(|c| format!("did you mean \"{c}\"? "))
                     .unwrap_or_default();
                 ConfigError::invalid(
@@ -475,17 +423,6 @@ fn build_batch(ds: &DsConfig, world: usize) -> Result<(Batch, AutoBatch), Config
         },
         auto,
     ))
-}
-
-/// Which batch keys were `"auto"`, and the numbers given beside them.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct AutoBatch {
-    /// The micro-batch is tierzero's to decide.
-    pub micro: bool,
-    pub gas: bool,
-    pub tbs: bool,
-    pub tbs_given: Option<usize>,
-    pub gas_given: Option<usize>,
 }
 
 fn build_precision(ds: &DsConfig, facts: DeviceFacts) -> Result<Precision, ConfigError> {

@@ -12,10 +12,11 @@
 
 use super::memory::predict;
 use super::partition::Partition;
-use super::prefetch::MAX_IN_FLIGHT;
-use super::reduce::{chunk_elements, DEPTH};
-use super::trainer::SWAP_CHUNK_LIMIT;
-use crate::config::plan::{Accelerator, Plan, Tier, Wire};
+use super::rules::{
+    bf16_gradients, chunk_elements, gathers_updates, nvme_gradients, pipeline_sets, MAX_IN_FLIGHT,
+    REDUCE_DEPTH, SWAP_CHUNK_LIMIT,
+};
+use super::{Accelerator, Plan, Tier, Wire};
 use serde::Serialize;
 
 /// Resident bytes of a training process before its state: the binary, libtorch and its
@@ -55,8 +56,8 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     let kept = |p: &Partition| if stage == 3 { p.shard } else { p.padded } as u64;
     let max_opt = parts.iter().map(opt_len).max().unwrap_or(0);
     let max_numel = parts.iter().map(|p| p.numel).max().unwrap_or(0) as u64;
-    let grad_elem = if super::rank::bf16_gradients(plan) { 2 } else { 4 };
-    let nvme_grads = super::rank::nvme_gradients(plan);
+    let grad_elem = if bf16_gradients(plan) { 2 } else { 4 };
+    let nvme_grads = nvme_gradients(plan);
     let mut rank = HostBytes::default();
     for p in &parts {
         let param_tier = plan.zero.offload_param.tier;
@@ -64,9 +65,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
             rank.parameters += elem
                 * match (param_tier, stage) {
                     // tensors updated in place; stages 1-2 gather from a partition
-                    (Tier::Device, _) if super::units::gathers_updates(stage, world) => {
-                        p.padded as u64 + opt_len(p)
-                    }
+                    (Tier::Device, _) if gathers_updates(stage, world) => p.padded as u64 + opt_len(p),
                     (Tier::Device, _) => kept(p),
                     // host buffers replaced by an update: stages 0/3 the partition and
                     // its spare, 1/2 the replica and a partition
@@ -94,13 +93,13 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         .min(SWAP_CHUNK_LIMIT as u64)
         .min(max_opt.max(1));
     if plan.zero.offload_optimizer.tier == Tier::Nvme {
-        let sets = super::rank::pipeline_sets(plan) as u64;
+        let sets = pipeline_sets(plan) as u64;
         let per_set = 3 + u64::from(nvme_grads);
         rank.buffers += per_set * sets * aligned(4 * swap_chunk);
     }
     if nvme_grads {
         // one chunk per gradient reduction in flight
-        rank.gradients += DEPTH as u64 * aligned(grad_elem * swap_chunk);
+        rank.gradients += REDUCE_DEPTH as u64 * aligned(grad_elem * swap_chunk);
     }
     if plan.zero.offload_param.tier == Tier::Nvme {
         // the optimizer lane's staging partition, its bounce buffer and the h2d lane's

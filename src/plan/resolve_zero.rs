@@ -4,12 +4,11 @@
 //! more, parameters on NVMe need the optimizer state off the device; `"auto"` bucket
 //! sizes follow the Hugging Face integration (hidden², 0.9·hidden², 10·hidden).
 
-use super::ds::*;
-use super::plan::*;
-use super::resolve::{count, count_or_auto, number, positive};
-use super::value::Num;
-use super::ConfigError;
-use crate::model::config::ModelConfig;
+use super::types::*;
+use crate::config::ds::*;
+use crate::config::model::ModelConfig;
+use crate::config::value::{count, count_or_auto, number, positive, Num};
+use crate::config::ConfigError;
 use std::path::Path;
 
 fn tier(key: &str, value: Option<&str>) -> Result<Tier, ConfigError> {

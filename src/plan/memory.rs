@@ -15,9 +15,10 @@
 //! from the code of `model/` (tensor by tensor) and checked against libtorch's own
 //! allocator (`tests/memory.rs`), not against the engine's reservations.
 
+use super::fetch::{may_request, schedule, Limits, Purpose};
 use super::partition::Partition;
-use super::prefetch::{may_request, schedule, Limits, Phase};
-use crate::config::plan::{Plan, Tier};
+use super::rules::{chunk_elements, gathers_updates};
+use super::{Plan, Tier};
 use serde::Serialize;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -67,8 +68,8 @@ pub fn transient(plan: &Plan) -> u64 {
     // inputs and outputs, the 16-bit projections, attention's output and
     // log-sum-exp, the MLP's hidden activations
     let saved = match c.architecture {
-        crate::model::config::Architecture::Llama => 8 * h + e * (10 * h + 4 * kv + 4 * i) + 4 * heads,
-        crate::model::config::Architecture::Gpt2 => 8 * h + e * (7 * h + 2 * i) + 4 * heads,
+        crate::config::model::Architecture::Llama => 8 * h + e * (10 * h + 4 * kv + 4 * i) + 4 * heads,
+        crate::config::model::Architecture::Gpt2 => 8 * h + e * (7 * h + 2 * i) + 4 * heads,
     };
     // the backward's own: gradients of the widest activations in flight, the flat
     // parameter gradient and one parameter's full-size gradient being added into it
@@ -83,8 +84,8 @@ pub fn transient(plan: &Plan) -> u64 {
     // and in `dlogits` three [chunk, slice] fp32 tensors at once; the slice's fp32
     // gradient exists from the first chunk's accumulation on, so with one chunk it
     // meets only two of them
-    let rows = crate::model::head::slice_rows(v as i64, h as i64) as u64;
-    let chunk_tokens = crate::model::head::CHUNK as u64;
+    let rows = super::rules::head_slice_rows(v as i64, h as i64) as u64;
+    let chunk_tokens = super::rules::HEAD_CHUNK as u64;
     let logits = 4 * tokens.min(chunk_tokens) * rows;
     let slice_grad = 4 * rows * h;
     let weight_fp32 = if e == 4 { 0 } else { 4 * rows * h };
@@ -114,7 +115,7 @@ pub fn reduce_bucket_elements(plan: &Plan, parts: &[Partition]) -> u64 {
     }
     parts
         .iter()
-        .map(|p| (super::reduce::chunk_elements(plan) / world).max(1).min(p.shard) * world)
+        .map(|p| (chunk_elements(plan) / world).max(1).min(p.shard) * world)
         .max()
         .unwrap_or(0) as u64
 }
@@ -139,7 +140,7 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
     for p in &parts {
         if plan.zero.offload_param.tier == Tier::Device {
             bytes.parameters += elem * if stage == 3 { p.shard } else { p.padded } as u64;
-            if super::units::gathers_updates(stage, world) {
+            if gathers_updates(stage, world) {
                 // the new partition, all-gathered from there into the replica
                 bytes.parameters += elem * p.shard as u64;
             }
@@ -282,12 +283,12 @@ fn replay(
                 &mut stale,
             );
             let activations = match phase {
-                Phase::Forward => tokens + (u as u64 + 1) * hidden,
+                Purpose::Forward => tokens + (u as u64 + 1) * hidden,
                 _ => tokens + last as u64 * hidden,
             };
             peak = peak.max(activations + kept_bytes + in_use + outstanding);
             // the final unit stays in use until the tied embedding joins it
-            if !(phase == Phase::Final && tied) {
+            if !(phase == Purpose::Final && tied) {
                 in_use = 0;
                 in_use_numel = 0;
             }

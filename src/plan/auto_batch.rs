@@ -1,12 +1,22 @@
 //! `"auto"` batch sizes. The ds_configs Hugging Face and LLaMA-Factory publish set the
 //! batch keys to `"auto"` for their Trainer to fill in; tierzero is the trainer here, so
 //! it decides: the micro-batch is the largest power of two whose planned device bytes
-//! (`zero::memory::predict`) fit the device budget; accumulation is 1 unless
+//! (`plan::memory::predict`) fit the device budget; accumulation is 1 unless
 //! `train_batch_size` is set (then it makes up the rest); `train_batch_size` follows.
 //! `plan` prints each with what it became and why.
 
-use super::plan::{Accelerator, AutoChoice, DeviceFacts, Plan};
-use super::resolve::AutoBatch;
+use super::{Accelerator, AutoChoice, DeviceFacts, Plan};
+
+/// Which batch keys were `"auto"`, and the numbers given beside them.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct AutoBatch {
+    /// The micro-batch is tierzero's to decide.
+    pub micro: bool,
+    pub gas: bool,
+    pub tbs: bool,
+    pub tbs_given: Option<usize>,
+    pub gas_given: Option<usize>,
+}
 
 /// The micro-batch when no device budget bounds it: the Hugging Face Trainer's default
 /// `per_device_train_batch_size`.
@@ -30,7 +40,7 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
         let planned = |micro: usize| {
             let mut p = plan.clone();
             p.batch.micro_batch_per_gpu = micro;
-            crate::zero::memory::predict(&p).total
+            crate::plan::memory::predict(&p).total
         };
         let (budget, budget_key) = match plan.train.accelerator {
             Accelerator::Cuda => (facts.cuda_memory, "the GPU's memory"),

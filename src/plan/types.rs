@@ -3,7 +3,7 @@
 //! The types live here; `resolve.rs` builds a `Plan` from the [`super::DsConfig`]
 //! mirror (defaults, `"auto"`, batch math, contradictions).
 
-use crate::model::config::ModelConfig;
+use crate::config::model::ModelConfig;
 use serde::Serialize;
 use std::path::PathBuf;
 use tierzero_offload::adam::{AdamHyper, WeightDecay};
@@ -362,24 +362,4 @@ pub struct DeviceFacts {
     pub cuda_devices: usize,
     /// Bytes of the first GPU's memory (the budget of an `"auto"` micro-batch on CUDA).
     pub cuda_memory: Option<u64>,
-}
-
-impl DeviceFacts {
-    /// What this machine has (asks libtorch; no GPU and no driver is simply 0 GPUs).
-    pub fn detect() -> DeviceFacts {
-        let cuda_devices = if tch::Cuda::is_available() {
-            tch::Cuda::device_count().max(0) as usize
-        } else {
-            0
-        };
-        let cuda_memory = (cuda_devices > 0)
-            .then(|| crate::device::cuda::Cuda::open(0).and_then(|c| c.memory()).ok())
-            .flatten()
-            .map(|(_, total)| total);
-        DeviceFacts {
-            cuda_bf16: cuda_devices > 0,
-            cuda_devices,
-            cuda_memory,
-        }
-    }
 }

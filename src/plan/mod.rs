@@ -1,0 +1,59 @@
+//! What a config costs before anything runs: the validated [`Plan`] the engine is allowed
+//! to read (`types.rs`, built from the config as read by `resolve.rs` and
+//! `resolve_zero.rs`, with `"auto"` batch sizes from `auto_batch.rs`), the partitions of
+//! every unit (`partition.rs`), the rules every room asks (`rules.rs`), the stage-3 fetch
+//! order (`fetch.rs`), DeepSpeed's learning-rate schedules and loss scaler
+//! (`schedule.rs`), device and host memory predictions (`memory.rs`, `host_memory.rs`),
+//! DeepSpeed's ZeRO-3 estimate (`estimate.rs`) and the table `plan` prints (`report.rs`).
+//! Below the engine and above the config as written: nothing here runs a step.
+
+mod auto_batch;
+pub mod estimate;
+pub mod fetch;
+pub mod host_memory;
+pub mod memory;
+pub mod partition;
+pub mod report;
+mod resolve;
+mod resolve_zero;
+pub mod rules;
+pub mod schedule;
+mod types;
+
+pub use report::plan_table;
+pub use types::*;
+
+use crate::config::{self, ConfigError, DsConfig};
+use serde_json::Value;
+use std::path::Path;
+
+/// A loaded configuration and what the user should be told about it.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    pub ds: DsConfig,
+    pub plan: Plan,
+    /// The resolved JSON (file + overrides), for manifests and `plan --json`.
+    pub json: Value,
+    /// One line each: DeepSpeed keys accepted but not acted on, deprecated spellings,
+    /// keys parsed but not yet implemented.
+    pub warnings: Vec<String>,
+}
+
+/// Reads `path`, applies `sets` (`key.path=value`), parses and validates.
+pub fn load(path: &Path, sets: &[String], facts: DeviceFacts) -> Result<Loaded, ConfigError> {
+    from_json(config::read_file(path)?, sets, facts)
+}
+
+/// Parses and validates a JSON config value after applying `sets`.
+pub fn from_json(json: Value, sets: &[String], facts: DeviceFacts) -> Result<Loaded, ConfigError> {
+    let read = config::read(json, sets)?;
+    let mut warnings = read.warnings;
+    let plan = Plan::build(&read.ds, facts, &mut warnings)?;
+    warnings.extend(read.not_yet);
+    Ok(Loaded {
+        ds: read.ds,
+        plan,
+        json: read.json,
+        warnings,
+    })
+}

@@ -1,0 +1,75 @@
+//! The rules every room asks of a plan, in one place: which tier keeps gradient
+//! partitions and in what precision, how stages 1–2 spread updates, how large the
+//! reduction's chunks and the swap store's chunks are, how many buffers the NVMe
+//! pipeline has and how far ahead fetches run. The engine follows them and the
+//! predictions (`memory.rs`, `host_memory.rs`) count by them, so the two cannot drift.
+
+use super::{Plan, Precision, Tier};
+
+/// Gradients in flight on the reduction lane at most.
+pub const REDUCE_DEPTH: usize = 2;
+
+/// Elements of one reduction chunk (all ranks' stretches together) at most: 16 MiB in
+/// fp32.
+pub const CHUNK_LIMIT: usize = 1 << 22;
+
+/// Elements of one reduction chunk: DeepSpeed's `reduce_bucket_size` ("elements reduced
+/// at a time"), at most [`CHUNK_LIMIT`] (its default 5e8 would hold 2 GB in fp32).
+pub fn chunk_elements(plan: &Plan) -> usize {
+    plan.zero.reduce_bucket_size.clamp(1, CHUNK_LIMIT)
+}
+
+/// Gathers issued ahead of the one the compute thread waits for, at most (DeepSpeed
+/// bounds its in-flight all-gathers the same way).
+pub const MAX_IN_FLIGHT: usize = 2;
+
+/// Elements per swap chunk at most, whatever `sub_group_size` says: the NVMe pipeline
+/// holds `buffer_count` chunk buffers of fp32 (a sub-group's master, exp_avg, exp_avg_sq
+/// and gradient each take one), so DeepSpeed's default sub-group of 1e9 elements would pin
+/// 16 GB of host memory with its default `buffer_count` of 4. 2²³ elements (32 MiB per
+/// state) keeps them at 128 MiB, and each read or write still moves whole MiBs at once.
+/// The chunking never changes the result (the pipeline equals in-memory AdamW bit for bit).
+pub const SWAP_CHUNK_LIMIT: usize = 1 << 23;
+
+/// Whether gradient partitions live in the optimizer's swap store on NVMe (stages 2–3
+/// with the optimizer state there; `engine/grad_store.rs`), as DeepSpeed's optimizer
+/// swapper keeps them, instead of in host memory.
+pub fn nvme_gradients(plan: &Plan) -> bool {
+    plan.zero.stage >= 2 && plan.zero.offload_optimizer.tier == Tier::Nvme
+}
+
+/// Buffer sets of the NVMe optimizer pipeline: DeepSpeed's `offload_optimizer.buffer_count`
+/// counts buffers, one per state of a sub-group (the gradient's included when stored).
+pub fn pipeline_sets(plan: &Plan) -> usize {
+    tierzero_offload::pipeline::sets_for(plan.zero.offload_optimizer.buffer_count, nvme_gradients(plan))
+}
+
+/// Whether gradient accumulators are kept in bf16: a bf16 run whose optimizer state is on
+/// NVMe, at stages 2–3, without gradient accumulation (see `engine/grads.rs`). With
+/// several micro-batches per step a bf16 sum of nearly cancelling micro-batch gradients
+/// can flip a sign that Adam then follows at full step size, so those runs keep fp32.
+pub fn bf16_gradients(plan: &Plan) -> bool {
+    plan.zero.stage >= 2
+        && plan.zero.offload_optimizer.tier == Tier::Nvme
+        && plan.precision == Precision::Bf16
+        && plan.batch.gradient_accumulation_steps == 1
+}
+
+/// Whether a unit's new partition is all-gathered into its replica from a partition of
+/// its own (stages 1–2 with several ranks) rather than being all a rank stores: the
+/// engine, its reservations and the plan's predictions all follow this rule.
+pub fn gathers_updates(stage: u8, world: usize) -> bool {
+    matches!(stage, 1 | 2) && world > 1
+}
+
+/// Tokens per chunk of the LM head's logits (`model/head.rs`).
+pub const HEAD_CHUNK: i64 = 1024;
+
+/// Elements of the LM head's weight converted to fp32 at once (64 MiB): a slice of the
+/// vocabulary (`model/head.rs`).
+pub const HEAD_SLICE_ELEMENTS: i64 = 1 << 24;
+
+/// Vocabulary rows per slice of the LM head for a `hidden`-wide weight.
+pub fn head_slice_rows(vocab: i64, hidden: i64) -> i64 {
+    (HEAD_SLICE_ELEMENTS / hidden.max(1)).clamp(1, vocab.max(1))
+}
