@@ -6,7 +6,7 @@ use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use tierzero::metrics::timeline::{Breakdown, Phase};
 use tierzero::plan::{from_json, DeviceFacts, Plan};
-use tierzero::zero::trainer::{train, TrainOptions};
+use tierzero::run::{train, TrainOptions};
 
 fn plan(dir: &std::path::Path) -> Plan {
     let config = json!({

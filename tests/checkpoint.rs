@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use tierzero::checkpoint::{save, Checkpoint, CheckpointError};
 use tierzero::model::hf;
 use tierzero::plan::{from_json, DeviceFacts, Plan};
-use tierzero::zero::trainer::{train, TrainError, TrainOptions, TrainResult};
+use tierzero::run::{train, TrainError, TrainOptions, TrainResult};
 
 /// A plan whose global batch (micro 1 × world × gas = 6) is the same on 1, 2 and 3 ranks.
 fn plan(world: usize, stage: u8, param: &str, optimizer: &str, steps: u64, dir: &Path) -> Plan {

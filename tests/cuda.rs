@@ -11,7 +11,7 @@ use tierzero::comm::nccl::{self, Nccl};
 use tierzero::comm::ReduceOp;
 use tierzero::device::cuda::{self, Cuda};
 use tierzero::plan::{from_json, Plan};
-use tierzero::zero::trainer::{train, TrainOptions};
+use tierzero::run::{train, TrainOptions};
 use tierzero_offload::host::AlignedBuf;
 use tierzero_offload::pool::HostRegister;
 

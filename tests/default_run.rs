@@ -4,7 +4,7 @@
 //! ranks, ZeRO-3, optimizer state on NVMe.
 
 use tierzero::plan::{load, DeviceFacts, Plan};
-use tierzero::zero::trainer::{train, TrainOptions};
+use tierzero::run::{train, TrainOptions};
 
 /// `configs/default.json` with `sets` on top, writing its outputs and NVMe files into a
 /// fresh directory under the target's `name` (removed when the returned guard drops).

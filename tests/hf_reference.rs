@@ -9,8 +9,8 @@ use tch::{Kind, Tensor};
 use tierzero::model::hf::{self, SaveDtype};
 use tierzero::model::Model;
 use tierzero::plan::{load, DeviceFacts};
+use tierzero::run::initial_weights;
 use tierzero::torch::tensor_f32;
-use tierzero::zero::trainer::initial_weights;
 
 fn plan_for(sets: &[String]) -> tierzero::plan::Plan {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/default.json");

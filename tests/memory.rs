@@ -6,7 +6,7 @@
 use serde_json::json;
 use tierzero::plan::memory::predict;
 use tierzero::plan::{from_json, DeviceFacts, Plan};
-use tierzero::zero::trainer::{train, TrainError, TrainOptions};
+use tierzero::run::{train, TrainError, TrainOptions};
 
 fn plan(world: usize, stage: u8, optimizer: &str, extra: &[&str]) -> Plan {
     let config = json!({

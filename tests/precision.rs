@@ -4,7 +4,7 @@
 
 use serde_json::json;
 use tierzero::plan::{from_json, DeviceFacts};
-use tierzero::zero::trainer::{train, TrainOptions};
+use tierzero::run::{train, TrainOptions};
 
 #[test]
 fn fp16_overflow_skips_backs_off_and_then_trains() {

@@ -7,7 +7,7 @@
 //! have to work (the Markov corpus of `default_run.rs` is learnable without them).
 
 use crate::default_run::default_config;
-use tierzero::zero::trainer::{train, TrainOptions};
+use tierzero::run::{train, TrainOptions};
 
 #[test]
 fn recall_is_learned_below_what_no_attention_can_reach() {

@@ -10,7 +10,7 @@ use std::path::Path;
 use tierzero::data::Dataset;
 use tierzero::model::hf::{self, SaveDtype};
 use tierzero::plan::{from_json, DeviceFacts, Plan};
-use tierzero::zero::trainer::{initial_weights, train, TrainOptions, TrainResult};
+use tierzero::run::{initial_weights, train, TrainOptions, TrainResult};
 
 const STEPS: usize = 8;
 

@@ -13,12 +13,12 @@
 
 use serde_json::json;
 use tierzero::device::lanes::Mode;
+use tierzero::engine::context::LaneOptions;
+use tierzero::engine::prefetch::DroppedWait;
 use tierzero::metrics::timeline::Phase;
 use tierzero::plan::Wire;
 use tierzero::plan::{from_json, DeviceFacts, Plan};
-use tierzero::zero::context::LaneOptions;
-use tierzero::zero::prefetch::DroppedWait;
-use tierzero::zero::trainer::{train, TrainOptions};
+use tierzero::run::{train, TrainOptions};
 
 const CHECKED: LaneOptions = LaneOptions {
     mode: Mode::Checked {

@@ -7,7 +7,7 @@
 
 use crate::plan::memory::predict;
 use crate::plan::{Plan, Tier};
-use crate::zero::trainer::{train, TrainError, TrainOptions};
+use crate::run::{train, TrainError, TrainOptions};
 use serde::Serialize;
 
 #[derive(Clone, Debug, Serialize)]

@@ -12,7 +12,7 @@
 use crate::metrics::peak::{mfu, peak_flops};
 use crate::metrics::timeline::Breakdown;
 use crate::plan::{Plan, Tier};
-use crate::zero::trainer::{rank_threads, train, TrainError, TrainOptions};
+use crate::run::{rank_threads, train, TrainError, TrainOptions};
 use serde::Serialize;
 
 #[derive(Clone, Debug, Serialize)]

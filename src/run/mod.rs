@@ -1,5 +1,21 @@
-//! A training run as a process: what concerns the whole process rather than one rank's
-//! step. Today: preemption (`preempt.rs`); the rest of "a run" (ranks as threads,
-//! communicators, the metrics loop) still lives in `zero/trainer.rs`.
+//! A training run as a process: its ranks as threads (`train.rs`, `rank.rs`), their
+//! communicators (`comms.rs`) and NVMe swap stores (`stores.rs`), where the state starts
+//! (`prepare.rs`), what the caller asks (`options.rs`), what it reports (`result.rs`) and
+//! what stops it (`error.rs`, `preempt.rs`).
 
+mod comms;
+mod error;
+mod options;
 pub mod preempt;
+mod prepare;
+mod rank;
+mod result;
+mod stores;
+mod train;
+
+pub use error::TrainError;
+pub use options::TrainOptions;
+pub use prepare::{evaluate, initial_weights};
+pub use rank::rank_threads;
+pub use result::{HostUsage, StepMetrics, TrainResult};
+pub use train::train;

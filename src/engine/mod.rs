@@ -1,4 +1,5 @@
-//! The ZeRO engine: partitions, the per-rank state and step, and the trainer.
+//! The ZeRO engine: one rank's owners and its step (the run that drives the ranks is
+//! `run/`, what a plan costs is `plan/`).
 //!
 //! - `rank.rs`: one rank's engine: its three owners and the training step for stages 0–3
 //! - `units.rs`, `gradients.rs`, `optimizer.rs`: the owners of parameters, gradient
@@ -12,7 +13,6 @@
 //! - `optimize.rs`: the optimizer phase and installing its updates
 //! - `start.rs`: where state starts: seeded init, Hugging Face weights, a checkpoint
 //! - `snapshot.rs`: a rank's part of saving a checkpoint
-//! - `trainer.rs`: ranks as threads, the swap stores, metrics, checkpoint cadence
 
 pub mod context;
 pub mod error;
@@ -27,5 +27,4 @@ pub mod rank;
 pub mod reduce;
 pub mod snapshot;
 pub mod start;
-pub mod trainer;
 pub mod units;

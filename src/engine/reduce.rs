@@ -334,8 +334,8 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
 mod tests {
     use super::*;
     use crate::comm::local::Local;
+    use crate::engine::grads::Grads;
     use crate::plan::rules::CHUNK_LIMIT;
-    use crate::zero::grads::Grads;
 
     /// Every chunking (stretches of 1, 7, 64 elements, and the whole) leaves each rank
     /// the bits one reduce-scatter of the whole padded gradient gives it, added to what

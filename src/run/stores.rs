@@ -1,0 +1,112 @@
+//! The NVMe swap stores of this process's ranks: one store per state kind and NVMe path,
+//! shared by the ranks, with one I/O engine each (DESIGN.md, "Processes and ranks").
+
+use super::error::TrainError;
+use crate::model::Model;
+use crate::plan::partition::Partition;
+use crate::plan::rules::SWAP_CHUNK_LIMIT;
+use crate::plan::{Plan, Tier};
+use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
+use tierzero_offload::nvme::{open_engine, EngineChoice, EngineConfig};
+
+pub(super) fn swap_specs(plan: &Plan, model: &Model, states: &[State], elem_bytes: usize) -> Vec<TensorSpec> {
+    let world = plan.world_size;
+    let mut specs = Vec::new();
+    for (u, layout) in model.units.iter().enumerate() {
+        let part = Partition::new(layout.numel, world);
+        for rank in plan.train.local_ranks() {
+            let numel = match states[0] {
+                State::Param => part.shard,
+                _ if plan.zero.stage == 0 => part.padded,
+                _ => part.shard,
+            };
+            for &state in states {
+                specs.push(TensorSpec {
+                    key: TensorKey {
+                        unit: u as u32,
+                        rank: rank as u32,
+                        state,
+                    },
+                    numel,
+                    elem_bytes,
+                });
+            }
+        }
+    }
+    specs
+}
+
+pub(super) fn open_store(
+    plan: &Plan,
+    path: &std::path::Path,
+    name: &str,
+    specs: &[TensorSpec],
+) -> Result<SwapStore, TrainError> {
+    // nodes of one run may share a file system: each keeps its own directory
+    let node_path;
+    let path = if plan.train.launch.nnodes > 1 {
+        node_path = path.join(format!("node-{}", plan.train.launch.node_rank));
+        std::fs::create_dir_all(&node_path).map_err(|source| TrainError::Output {
+            path: node_path.clone(),
+            source,
+        })?;
+        node_path.as_path()
+    } else {
+        path
+    };
+    let engine_config = EngineConfig {
+        block_size: plan.aio.block_size,
+        queue_depth: plan.aio.queue_depth,
+        parallelism: plan.aio.intra_op_parallelism,
+        single_submit: plan.aio.single_submit,
+        overlap_events: plan.aio.overlap_events,
+    };
+    let swap = |source| TrainError::Swap {
+        path: path.to_path_buf(),
+        source,
+    };
+    let (engine, _) = open_engine(path, engine_config, None, EngineChoice::Auto).map_err(swap)?;
+    // TIERZERO_IO_FAULT (tests of a failing disk) fails one transfer of the process
+    let engine = tierzero_offload::nvme::fault::wrap(engine);
+    let chunk = plan
+        .zero
+        .sub_group_size
+        .min(SWAP_CHUNK_LIMIT)
+        .min(specs.iter().map(|s| s.numel).max().unwrap_or(1));
+    SwapStore::create(path, name, engine, specs, chunk).map_err(swap)
+}
+
+/// The swap stores the plan's NVMe tiers need (optimizer state, parameters).
+pub(super) fn open_stores(
+    plan: &Plan,
+    model: &Model,
+) -> Result<(Option<SwapStore>, Option<SwapStore>), TrainError> {
+    let optimizer = match (
+        &plan.zero.offload_optimizer.tier,
+        &plan.zero.offload_optimizer.nvme_path,
+    ) {
+        (Tier::Nvme, Some(path)) => {
+            let mut specs = swap_specs(plan, model, &State::OPTIMIZER, 4);
+            if crate::plan::rules::nvme_gradients(plan) {
+                let elem = if crate::plan::rules::bf16_gradients(plan) {
+                    2
+                } else {
+                    4
+                };
+                specs.extend(swap_specs(plan, model, &[State::Grad], elem));
+            }
+            Some(open_store(plan, path, "tierzero-optimizer", &specs)?)
+        }
+        _ => None,
+    };
+    let params = match (&plan.zero.offload_param.tier, &plan.zero.offload_param.nvme_path) {
+        (Tier::Nvme, Some(path)) => Some(open_store(
+            plan,
+            path,
+            "tierzero-params",
+            &swap_specs(plan, model, &[State::Param], plan.precision.bytes()),
+        )?),
+        _ => None,
+    };
+    Ok((optimizer, params))
+}
