@@ -14,6 +14,7 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/torch/shim.cpp");
     println!("cargo:rerun-if-changed=src/torch/c10d.cpp");
+    println!("cargo:rerun-if-changed=src/torch/bridge.h");
     println!("cargo:rerun-if-changed=src/torch/gloo_stub");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     // torch-sys is a direct dependency with `links = "tch"`, so cargo hands us its lib dir.

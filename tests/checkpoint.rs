@@ -9,7 +9,7 @@ use tierzero::model::hf;
 use tierzero::plan::{from_json, DeviceFacts, Plan};
 use tierzero::run::{train, TrainError, TrainOptions, TrainResult};
 
-/// A plan whose global batch (micro 1 × world × gas = 6) is the same on 1, 2 and 3 ranks.
+/// A plan whose global batch (micro 1 × world × accumulation = 6) is the same on 1, 2 and 3 ranks.
 fn plan(world: usize, stage: u8, param: &str, optimizer: &str, steps: u64, dir: &Path) -> Plan {
     plan_with(world, stage, param, optimizer, steps, dir, &|_| {})
 }

@@ -70,13 +70,13 @@ fn unit_grads(model: &Model, p: &[Tensor], tokens: &Tensor, targets: &Tensor) ->
     }
     let tied = model.config.tie_word_embeddings.then(|| &p[0]);
     let (loss_sum, count) = model.loss(&p[last], tied, &inputs[last], targets).unwrap();
-    let fin = model
+    let last_unit = model
         .backward_final(&p[last], tied, &inputs[last], targets, 1.0)
         .unwrap();
-    assert!((fin.loss_sum - loss_sum).abs() < 1e-9 * loss_sum.abs().max(1.0));
+    assert!((last_unit.loss_sum - loss_sum).abs() < 1e-9 * loss_sum.abs().max(1.0));
     let mut grads: Vec<Option<Tensor>> = (0..p.len()).map(|_| None).collect();
-    grads[last] = Some(fin.params);
-    let mut dx = fin.input;
+    grads[last] = Some(last_unit.params);
+    let mut dx = last_unit.input;
     for u in (0..last).rev() {
         let (g, dinput) = model.backward_unit(u, &p[u], &inputs[u], &dx).unwrap();
         grads[u] = Some(g);
@@ -84,7 +84,7 @@ fn unit_grads(model: &Model, p: &[Tensor], tokens: &Tensor, targets: &Tensor) ->
             dx = d;
         }
     }
-    if let Some(t) = fin.tied {
+    if let Some(t) = last_unit.tied {
         let g0 = grads[0].take().unwrap();
         let n = t.numel() as i64;
         let _ = g0.narrow(0, 0, n).f_add_(&t.reshape([-1])).unwrap();

@@ -14,14 +14,21 @@ use tierzero::run::{initial_weights, train, TrainOptions, TrainResult};
 
 const STEPS: usize = 8;
 
-fn config(stage: u8, world: usize, gas: usize, precision: Value, optimizer: &str, dir: &Path) -> Value {
+fn config(
+    stage: u8,
+    world: usize,
+    accumulation: usize,
+    precision: Value,
+    optimizer: &str,
+    dir: &Path,
+) -> Value {
     let mut offload = json!({ "device": optimizer });
     if optimizer == "nvme" {
         offload["nvme_path"] = json!(dir.join("nvme"));
     }
     let mut c = json!({
         "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": gas,
+        "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 0.5,
         "optimizer": { "type": "AdamW", "params": { "lr": 2e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1 } },
         "scheduler": { "type": "WarmupCosineLR", "params": {
@@ -141,9 +148,9 @@ fn fp32_training_matches_plain_pytorch() {
     // measured: losses within 6.4e-8 relative and masters within 2.0e-7 (summation
     // order in fp32); the tolerances keep 10x of that. A reference without weight
     // decay, or without clipping, or with the schedule one iteration late fails it.
-    for (stage, world, gas, optimizer) in [(3, 2, 2, "nvme"), (0, 1, 4, "none")] {
+    for (stage, world, accumulation, optimizer) in [(3, 2, 2, "nvme"), (0, 1, 4, "none")] {
         compare(
-            config(stage, world, gas, fp32.clone(), optimizer, dir.path()),
+            config(stage, world, accumulation, fp32.clone(), optimizer, dir.path()),
             1e-6,
             2e-6,
         );

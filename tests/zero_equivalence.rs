@@ -33,7 +33,7 @@ fn plan(
     stage: u8,
     param: &str,
     optimizer: &str,
-    gas: usize,
+    accumulation: usize,
     nvme: &std::path::Path,
     precision: &str,
 ) -> Plan {
@@ -52,7 +52,7 @@ fn plan(
     }
     let config = json!({
         "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": gas,
+        "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 0.5,
         "optimizer": { "type": "AdamW", "params": { "lr": 1e-2, "weight_decay": 0.1 } },
         "bf16": { "enabled": precision == "bf16" },
@@ -138,13 +138,29 @@ fn tiers(stage: u8) -> Vec<(&'static str, &'static str)> {
 #[test]
 fn every_world_size_stage_and_tier_matches_the_single_rank_run() {
     let dir = disk_dir();
-    let gas = 2;
+    let accumulation = 2;
     let mut cases = 0;
     for world in 1..=4 {
-        let reference = master(&plan(1, 0, "none", "none", gas * world, dir.path(), "fp32"));
+        let reference = master(&plan(
+            1,
+            0,
+            "none",
+            "none",
+            accumulation * world,
+            dir.path(),
+            "fp32",
+        ));
         for stage in 0..=3u8 {
             for (param, optimizer) in tiers(stage) {
-                let got = master(&plan(world, stage, param, optimizer, gas, dir.path(), "fp32"));
+                let got = master(&plan(
+                    world,
+                    stage,
+                    param,
+                    optimizer,
+                    accumulation,
+                    dir.path(),
+                    "fp32",
+                ));
                 assert_close(
                     &format!("world {world} stage {stage} param {param} optimizer {optimizer}"),
                     &got,
@@ -167,10 +183,10 @@ fn every_world_size_stage_and_tier_matches_the_single_rank_run() {
 #[test]
 fn persistent_units_train_the_single_rank_run_on_every_tier() {
     let dir = disk_dir();
-    let gas = 2;
-    let reference = master(&plan(1, 0, "none", "none", 2 * gas, dir.path(), "fp32"));
+    let accumulation = 2;
+    let reference = master(&plan(1, 0, "none", "none", 2 * accumulation, dir.path(), "fp32"));
     for (param, optimizer) in tiers(3) {
-        let mut p = plan(2, 3, param, optimizer, gas, dir.path(), "fp32");
+        let mut p = plan(2, 3, param, optimizer, accumulation, dir.path(), "fp32");
         p.zero.param_persistence_threshold = 4000;
         let got = master(&p);
         // the tolerance of every_world_size_stage_and_tier_matches_the_single_rank_run
@@ -497,10 +513,10 @@ fn a_dropped_wait_is_caught_by_the_checked_lanes() {
 #[test]
 fn every_decomposition_of_a_global_batch_trains_on_the_same_samples() {
     let dir = disk_dir();
-    let run = |world: usize, micro: usize, gas: usize| {
-        let mut p = plan(world, 3, "none", "cpu", gas, dir.path(), "fp32");
+    let run = |world: usize, micro: usize, accumulation: usize| {
+        let mut p = plan(world, 3, "none", "cpu", accumulation, dir.path(), "fp32");
         p.batch.micro_batch_per_gpu = micro;
-        p.batch.train_batch_size = micro * gas * world;
+        p.batch.train_batch_size = micro * accumulation * world;
         let result = train(
             &p,
             TrainOptions {
@@ -515,16 +531,16 @@ fn every_decomposition_of_a_global_batch_trains_on_the_same_samples() {
         )
     };
     let (losses, master) = run(1, 6, 1);
-    for (world, micro, gas) in [(2, 3, 1), (3, 2, 1), (1, 2, 3)] {
-        let (l, m) = run(world, micro, gas);
+    for (world, micro, accumulation) in [(2, 3, 1), (3, 2, 1), (1, 2, 3)] {
+        let (l, m) = run(world, micro, accumulation);
         for (a, b) in l.iter().zip(&losses) {
             assert!(
                 (a - b).abs() <= 1e-5 * b.abs(),
-                "{world}×{micro}×{gas}: loss {a} vs {b}"
+                "{world}×{micro}×{accumulation}: loss {a} vs {b}"
             );
         }
         assert_close(
-            &format!("{world} ranks × micro {micro} × gas {gas}"),
+            &format!("{world} ranks × micro {micro} × accumulation {accumulation}"),
             &m,
             &master,
             1e-5,

@@ -133,11 +133,13 @@ fn rates(cuda: &Cuda, host: &mut [u8], other: &mut [u8], bytes: usize) -> Result
     cuda.d2h.synchronize().map_err(CudaError::driver("synchronize"))?;
     let (a, b) = (device_addr(&dev_a, &cuda.h2d), device_addr(&dev_b, &cuda.d2h));
     let gb = (REPS * bytes) as f64 / 1e9;
-    // SAFETY (all copies below): the device buffers hold `bytes` bytes, the host slices
-    // outlive the copies, and each timing waits for its stream before returning.
+    // the device buffers hold `bytes` bytes, the host slices outlive the copies, and each
+    // timing waits for its stream before returning
+    // SAFETY: as said above
     let h2d = timed(cuda, &cuda.h2d, || unsafe {
         cuda.copy_h2d(a, &host[..bytes], &cuda.h2d)
     })?;
+    // SAFETY: as for h2d
     let d2h = timed(cuda, &cuda.d2h, || unsafe {
         cuda.copy_d2h(&mut other[..bytes], b, &cuda.d2h)
     })?;
@@ -148,6 +150,7 @@ fn rates(cuda: &Cuda, host: &mut [u8], other: &mut [u8], bytes: usize) -> Result
         .map_err(CudaError::driver("event record"))?;
     cuda.d2h.wait(&start).map_err(CudaError::driver("stream wait"))?;
     for _ in 0..REPS {
+        // SAFETY: as for h2d; the end events below wait for both streams
         unsafe {
             cuda.copy_h2d(a, &host[..bytes], &cuda.h2d)?;
             cuda.copy_d2h(&mut other[..bytes], b, &cuda.d2h)?;

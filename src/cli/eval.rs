@@ -2,7 +2,7 @@
 
 use super::common::{load_config, ConfigArgs, Failure};
 use clap::Args;
-use tierzero::run::{self};
+use tierzero::run;
 
 #[derive(Args)]
 pub struct EvalArgs {

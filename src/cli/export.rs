@@ -5,8 +5,8 @@ use super::common::{parse_bytes, Failure};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
-use tierzero::plan::{self};
-use tierzero::run::{self};
+use tierzero::plan;
+use tierzero::run;
 
 #[derive(Args)]
 pub struct ExportArgs {

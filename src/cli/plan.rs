@@ -4,7 +4,7 @@
 use super::common::{check_data, disk_space_warning, load_config, ConfigArgs, Failure};
 use anyhow::Context;
 use clap::Args;
-use tierzero::plan::{self};
+use tierzero::plan;
 
 #[derive(Args)]
 pub struct PlanArgs {

@@ -4,7 +4,8 @@
 use super::common::{disk_space_warning, load_config, ConfigArgs, Failure};
 use anyhow::Context;
 use clap::Args;
-use tierzero::plan::{self};
+use tierzero::metrics::summary::Summary;
+use tierzero::plan;
 use tierzero::run::{self, TrainOptions};
 
 #[derive(Args)]
@@ -76,30 +77,29 @@ pub fn run(
         .filter(|b| !b.is_empty())
         .unwrap_or(&breakdowns);
     let breakdown = tierzero::metrics::timeline::Breakdown::total(steady);
-    let rates: serde_json::Map<String, serde_json::Value> = breakdown
-        .rates()
-        .into_iter()
-        .map(|(p, r)| (p.name().to_string(), serde_json::json!(r)))
-        .collect();
-    let summary = serde_json::json!({
-        "breakdown": breakdown.json(),
-        "gb_per_s": rates,
-        "memory": result.steps.last().map(|m| m.memory),
-        "steps": result.steps.len(),
-        "seconds": result.seconds,
-        "first_loss": result.steps.first().map(|m| m.loss),
-        "last_loss": result.steps.last().map(|m| m.loss),
-        "loss_floor": result.loss_floor,
-        "tokens_per_s": tokens_per_s,
-        "device_bytes_predicted": predicted,
-        "device_bytes_measured_peak": result.device_peaks,
-        "accelerator": loaded.plan.train.accelerator,
-        "gpu_memory": result.gpu_memory,
-        "cpu_allocator_peak": result.cpu_allocator_peak,
-        "mfu": result.steps.last().map(|m| m.mfu),
-        "host": result.host,
-        "host_bytes_predicted": host_predicted,
-    });
+    let summary = Summary {
+        accelerator: loaded.plan.train.accelerator,
+        gb_per_s: breakdown
+            .rates()
+            .into_iter()
+            .map(|(p, r)| (p.name().to_string(), r))
+            .collect(),
+        breakdown,
+        cpu_allocator_peak: result.cpu_allocator_peak,
+        device_bytes_measured_peak: result.device_peaks.clone(),
+        device_bytes_predicted: predicted,
+        first_loss: result.steps.first().map(|m| m.loss),
+        gpu_memory: result.gpu_memory.clone(),
+        host: result.host,
+        host_bytes_predicted: host_predicted,
+        last_loss: result.steps.last().map(|m| m.loss),
+        loss_floor: result.loss_floor,
+        memory: result.steps.last().map(|m| m.memory),
+        mfu: result.steps.last().map(|m| m.mfu),
+        seconds: result.seconds,
+        steps: result.steps.len(),
+        tokens_per_s,
+    };
     let output_dir = &loaded.plan.train.output_dir;
     let summary_path = output_dir.join("summary.json");
     std::fs::write(

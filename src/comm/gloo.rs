@@ -153,6 +153,7 @@ pub fn incarnation_scope() -> String {
 // SAFETY: c10d's TCPStore is safe to use from several threads (its client serialises
 // requests under a lock); the handle is only freed on drop.
 unsafe impl Send for Store {}
+// SAFETY: as for Send: shared use goes through the client's lock.
 unsafe impl Sync for Store {}
 
 impl Store {
@@ -289,6 +290,7 @@ pub struct Gloo {
 // SAFETY: ProcessGroupGloo queues work from any thread under its own lock; the handle is
 // only freed on drop.
 unsafe impl Send for Gloo {}
+// SAFETY: as for Send: shared use goes through the process group's lock.
 unsafe impl Sync for Gloo {}
 
 /// A host slice seen as a 1-D CPU tensor of its element kind, sharing its memory.
@@ -297,13 +299,16 @@ unsafe impl Sync for Gloo {}
 /// The slice must outlive the tensor and every operation on it (the callers wait for the
 /// collective before returning).
 unsafe fn blob<T: Element>(data: &[T]) -> Tensor {
-    Tensor::from_blob(
-        data.as_ptr().cast(),
-        &[data.len() as i64],
-        &[1],
-        T::KIND,
-        Device::Cpu,
-    )
+    // SAFETY: the pointer and length describe `data`, which the caller keeps alive
+    unsafe {
+        Tensor::from_blob(
+            data.as_ptr().cast(),
+            &[data.len() as i64],
+            &[1],
+            T::KIND,
+            Device::Cpu,
+        )
+    }
 }
 
 /// As [`blob`], for a slice the collective writes.
@@ -312,7 +317,9 @@ unsafe fn blob<T: Element>(data: &[T]) -> Tensor {
 /// As [`blob`]; nothing else reads or writes the slice until the collective finished.
 unsafe fn blob_mut<T: Element>(data: &mut [T]) -> Tensor {
     let ptr: *mut T = data.as_mut_ptr();
-    Tensor::from_blob(ptr as *const u8, &[data.len() as i64], &[1], T::KIND, Device::Cpu)
+    // SAFETY: the pointer and length describe `data`, which the caller keeps alive and
+    // leaves to the collective
+    unsafe { Tensor::from_blob(ptr as *const u8, &[data.len() as i64], &[1], T::KIND, Device::Cpu) }
 }
 
 impl Gloo {
@@ -381,6 +388,7 @@ impl Gloo {
         let result = call(|e, n| queue(&mut work, e, n)).and_then(|()| {
             // SAFETY: `work` was created by the queue call above; freed once below.
             let waited = call(|e, n| unsafe { tz_work_wait(work, e, n) });
+            // SAFETY: as above; `work` is not used after this
             unsafe { tz_work_free(work) };
             waited
         });
@@ -486,6 +494,8 @@ impl Collective for Arc<Gloo> {
         }
         // SAFETY: both slices outlive the wait in `run`.
         let (input, mut output) = unsafe { (blob(shard), blob_mut(out)) };
+        // SAFETY: a live process group, tensors over slices that outlive the wait in `run`,
+        // and the out-pointers `run` gives
         self.run("all_gather", |w, e, n| unsafe {
             tz_gloo_all_gather(
                 self.raw,
@@ -507,6 +517,8 @@ impl Collective for Arc<Gloo> {
         }
         // SAFETY: both slices outlive the wait in `run`.
         let (input, mut output) = unsafe { (blob(full), blob_mut(out)) };
+        // SAFETY: a live process group, tensors over slices that outlive the wait in `run`,
+        // and the out-pointers `run` gives
         self.run("reduce_scatter", |w, e, n| unsafe {
             tz_gloo_reduce_scatter(
                 self.raw,
@@ -525,6 +537,8 @@ impl Collective for Arc<Gloo> {
     fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         // SAFETY: the slice outlives the wait in `run`.
         let mut tensor = unsafe { blob_mut(data) };
+        // SAFETY: a live process group, tensors over slices that outlive the wait in `run`,
+        // and the out-pointers `run` gives
         self.run("all_reduce", |w, e, n| unsafe {
             tz_gloo_all_reduce(self.raw, tensor.as_mut_ptr(), op_code(op), w, e, n)
         })?;
@@ -535,12 +549,16 @@ impl Collective for Arc<Gloo> {
     fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<(), CommError> {
         // SAFETY: the slice outlives the wait in `run`.
         let mut tensor = unsafe { blob_mut(data) };
+        // SAFETY: a live process group, tensors over slices that outlive the wait in `run`,
+        // and the out-pointers `run` gives
         self.run("broadcast", |w, e, n| unsafe {
             tz_gloo_broadcast(self.raw, tensor.as_mut_ptr(), root as c_int, w, e, n)
         })
     }
 
     fn barrier(&self) -> Result<(), CommError> {
+        // SAFETY: a live process group, tensors over slices that outlive the wait in `run`,
+        // and the out-pointers `run` gives
         self.run("barrier", |w, e, n| unsafe { tz_gloo_barrier(self.raw, w, e, n) })
     }
 

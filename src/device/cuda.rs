@@ -204,7 +204,9 @@ impl Cuda {
         self.ctx
             .bind_to_thread()
             .map_err(CudaError::driver("bind context"))?;
-        result::memcpy_htod_async(dst, src, stream.cu_stream()).map_err(CudaError::driver("host→device copy"))
+        // SAFETY: the caller's contract above: `dst` has room and `src` outlives the copy
+        unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }
+            .map_err(CudaError::driver("host→device copy"))
     }
 
     /// Queues a device→host copy from device address `src` into `dst` on `stream`.
@@ -216,7 +218,9 @@ impl Cuda {
         self.ctx
             .bind_to_thread()
             .map_err(CudaError::driver("bind context"))?;
-        result::memcpy_dtoh_async(dst, src, stream.cu_stream()).map_err(CudaError::driver("device→host copy"))
+        // SAFETY: the caller's contract above: `src` is readable and `dst` outlives the copy
+        unsafe { result::memcpy_dtoh_async(dst, src, stream.cu_stream()) }
+            .map_err(CudaError::driver("device→host copy"))
     }
 
     /// Device memory of `bytes` bytes owned by cudarc (for benchmarks and staging).

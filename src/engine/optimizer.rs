@@ -6,8 +6,9 @@
 
 use super::error::{EngineError, On};
 use super::gradients::FinalGrad;
-use super::params::{f32_bytes, f32_bytes_mut, LowParams};
+use super::params::LowParams;
 use super::units::NewParams;
+use crate::torch::{pod_bytes, pod_bytes_mut};
 use std::ops::Range;
 use std::sync::Arc;
 use tch::{Kind, Tensor};
@@ -169,7 +170,7 @@ impl<'a> Optimizer<'a> {
                 let (store, mut scratch) = (tier.store, tier.pool.lease());
                 for (key, data) in initial {
                     scratch = store
-                        .write_tensor(key, f32_bytes(data), scratch)
+                        .write_tensor(key, pod_bytes(data), scratch)
                         .map_err(self.on.io())?;
                 }
                 Ok(())
@@ -277,7 +278,7 @@ impl<'a> Optimizer<'a> {
                         rank: self.on.0,
                         source,
                     })?;
-                sink(real.start, f32_bytes(&host))
+                sink(real.start, pod_bytes(&host))
             }
             Moments::Memory(opt) => {
                 let values = match state {
@@ -285,7 +286,7 @@ impl<'a> Optimizer<'a> {
                     State::ExpAvg => &opt.exp_avg,
                     _ => &opt.exp_avg_sq,
                 };
-                sink(real.start, f32_bytes(&values[local]))
+                sink(real.start, pod_bytes(&values[local]))
             }
             Moments::Nvme(tier) => {
                 let key = self.key(u, state);
@@ -320,7 +321,7 @@ impl<'a> Optimizer<'a> {
         let start = self.partitions[u].start;
         self.read(State::Master, u, self.partitions[u].clone(), &mut |at, bytes| {
             let from = at - start;
-            f32_bytes_mut(&mut master[from..from + bytes.len() / 4]).copy_from_slice(bytes);
+            pod_bytes_mut(&mut master[from..from + bytes.len() / 4]).copy_from_slice(bytes);
             Ok(())
         })?;
         Ok(master)

@@ -1,7 +1,7 @@
 //! A unit's low-precision parameters as stored, and where they live between uses.
 
 use crate::plan::Precision;
-use crate::torch::Shared;
+use crate::torch::{pod_bytes, pod_bytes_mut, Shared};
 use std::sync::Arc;
 use tierzero_offload::adam::LowPrecisionOut;
 use tierzero_offload::convert::{f32_to_bf16, f32_to_f16};
@@ -48,19 +48,15 @@ impl LowParams {
 
     pub(crate) fn as_bytes(&self) -> &[u8] {
         match self {
-            LowParams::F32(v) => f32_bytes(v),
-            // SAFETY: u16 has no padding.
-            LowParams::U16(v) => unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 2) },
+            LowParams::F32(v) => pod_bytes(v),
+            LowParams::U16(v) => pod_bytes(v),
         }
     }
 
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         match self {
-            LowParams::F32(v) => f32_bytes_mut(v),
-            // SAFETY: any byte pattern is a valid u16.
-            LowParams::U16(v) => unsafe {
-                std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 2)
-            },
+            LowParams::F32(v) => pod_bytes_mut(v),
+            LowParams::U16(v) => pod_bytes_mut(v),
         }
     }
 
@@ -108,14 +104,4 @@ pub enum Params<'a> {
     Host(Arc<LowParams>),
     /// In the NVMe parameter store (`offload_param: nvme`), under (unit, rank, `Param`).
     Nvme(&'a SwapStore),
-}
-
-pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 4) }
-}
-
-pub(crate) fn f32_bytes_mut(v: &mut [f32]) -> &mut [u8] {
-    // SAFETY: any byte pattern is a valid f32.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 4) }
 }

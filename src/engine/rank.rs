@@ -289,11 +289,13 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
 
     /// One optimizer step: every micro-batch of this rank, the gradients' reduction and
     /// norm, then the update, which runs on a thread of `scope` when one is given (see
-    /// [`Self::optimize`]).
+    /// [`Self::optimize`]). `stop` says this rank's process was asked to stop; the
+    /// report's `preempted` says whether any rank's was.
     pub fn step<'s, 'e>(
         &mut self,
         step: u64,
         scope: Option<&'s std::thread::Scope<'s, 'e>>,
+        stop: bool,
     ) -> Result<StepReport, EngineError>
     where
         'a: 'e,
@@ -305,7 +307,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let reduce_start = Instant::now();
         self.grads.all_reduce_replicas(&self.comm)?;
         // each rank's preemption flag travels with its loss: any rank asked, all stop
-        let mut losses = [loss, f64::from(u8::from(crate::run::preempt::requested()))];
+        let mut losses = [loss, f64::from(u8::from(stop))];
         self.comm.all_reduce(&mut losses, ReduceOp::Avg)?;
         // the global gradient norm (of the unscaled gradients)
         let mut sum_sq = [self.grads.sum_squares()?];
@@ -530,7 +532,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         loss_scale: f64,
     ) -> Result<f64, EngineError> {
         let plan = self.plan;
-        let gas = plan.batch.gradient_accumulation_steps;
+        let accumulation = plan.batch.gradient_accumulation_steps;
         let last = self.units.len() - 1;
         let (rows, seq) = (plan.batch.micro_batch_per_gpu, plan.data.seq_len);
         let data_start = Instant::now();
@@ -569,14 +571,14 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             None
         };
         let final_start = Instant::now();
-        let fin = self
+        let last_unit = self
             .model
             .backward_final(
                 &params,
                 tied.as_ref().map(|t| &t.0),
                 &inputs[last],
                 &targets,
-                loss_scale / gas as f64,
+                loss_scale / accumulation as f64,
             )
             .map_err(self.torch_err())?;
         self.settle().map_err(self.torch_err())?;
@@ -584,15 +586,15 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             .compute
             .record(Phase::Backward, Some(last), final_start, 0);
         drop((params, gathered, tied));
-        let loss = fin.loss_sum / fin.count.max(1) as f64 / gas as f64;
+        let loss = last_unit.loss_sum / last_unit.count.max(1) as f64 / accumulation as f64;
         self.grads
-            .accumulate(last, &fin.params, &self.comm, &self.tracks.compute)?;
-        if let Some(t) = &fin.tied {
+            .accumulate(last, &last_unit.params, &self.comm, &self.tracks.compute)?;
+        if let Some(t) = &last_unit.tied {
             self.grads
                 .accumulate(0, &t.reshape([-1]), &self.comm, &self.tracks.compute)?;
         }
         // backward in reverse by recompute
-        let mut grad_out = fin.input;
+        let mut grad_out = last_unit.input;
         for u in (0..last).rev() {
             let (params, _gathered) = self.fetch(prefetch.as_deref_mut(), u)?;
             let (g, grad_in) = self

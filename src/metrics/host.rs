@@ -106,6 +106,14 @@ fn cpu_seconds() -> (f64, f64) {
     (seconds(usage.ru_utime), seconds(usage.ru_stime))
 }
 
+/// A process's host usage over a run: the peak resident set of its start-up, and the CPU
+/// time and peak resident set of its steps.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct HostUsage {
+    pub startup_peak_rss: u64,
+    pub steps: Span,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,7 +2,8 @@
 //! time goes (`timeline.rs`: spans and per-step breakdowns; `trace.rs`: trace.json and
 //! breakdown.png), the matmul peak MFU is measured against (`peak.rs`), and the host
 //! memory and CPU time the process takes (`host.rs`); DeepSpeed's TensorBoard and CSV
-//! monitors (`monitor.rs`); the bounded per-step history a long run keeps (`history.rs`).
+//! monitors (`monitor.rs`); the bounded per-step history a long run keeps (`history.rs`);
+//! `summary.json` (`summary.rs`).
 //!
 //! `loss.png` is drawn with plotters' bitmap backend: training loss per step (blue), eval
 //! loss (red dots, each with its value) and, for synthetic data, the known loss floor
@@ -13,6 +14,7 @@ pub mod history;
 pub mod host;
 pub mod monitor;
 pub mod peak;
+pub mod summary;
 pub mod timeline;
 pub mod trace;
 

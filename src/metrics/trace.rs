@@ -17,7 +17,7 @@ use serde_json::json;
 use std::io::Write;
 use std::path::Path;
 
-/// One trace thread per track, in this order (the names `zero::context::Tracks` gives).
+/// One trace thread per track, in this order (the names `engine::context::Tracks` gives).
 const TRACKS: [&str; 7] = [
     "compute",
     "gather",

@@ -12,10 +12,10 @@ use super::{Accelerator, AutoChoice, DeviceFacts, Plan};
 pub(super) struct AutoBatch {
     /// The micro-batch is tierzero's to decide.
     pub micro: bool,
-    pub gas: bool,
+    pub accumulation: bool,
     pub tbs: bool,
     pub tbs_given: Option<usize>,
-    pub gas_given: Option<usize>,
+    pub accumulation_given: Option<usize>,
 }
 
 /// The micro-batch when no device budget bounds it: the Hugging Face Trainer's default
@@ -32,7 +32,9 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
     if auto.micro {
         // with train_batch_size set, the micro-batch divides each rank's share of it
         // (and the given accumulation, if any)
-        let share = auto.tbs_given.map(|t| t / world / auto.gas_given.unwrap_or(1));
+        let share = auto
+            .tbs_given
+            .map(|t| t / world / auto.accumulation_given.unwrap_or(1));
         let candidates: Vec<usize> = (0..=MAX_MICRO.trailing_zeros())
             .map(|k| 1usize << k)
             .filter(|m| share.is_none_or(|s| s.is_multiple_of(*m)))
@@ -87,13 +89,13 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
                 ),
             },
         };
-        let gas = match auto.tbs_given {
+        let accumulation = match auto.tbs_given {
             Some(t) => t / (micro * world),
-            None => auto.gas_given.unwrap_or(1),
+            None => auto.accumulation_given.unwrap_or(1),
         };
         plan.batch.micro_batch_per_gpu = micro;
-        plan.batch.gradient_accumulation_steps = gas;
-        plan.batch.train_batch_size = micro * gas * world;
+        plan.batch.gradient_accumulation_steps = accumulation;
+        plan.batch.train_batch_size = micro * accumulation * world;
         plan.auto.push(AutoChoice {
             key: "train_micro_batch_size_per_gpu",
             value: micro,
@@ -101,7 +103,7 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
         });
     }
     let b = plan.batch;
-    if auto.gas {
+    if auto.accumulation {
         plan.auto.push(AutoChoice {
             key: "gradient_accumulation_steps",
             value: b.gradient_accumulation_steps,

@@ -363,15 +363,15 @@ fn build_batch(ds: &DsConfig, world: usize) -> Result<(Batch, AutoBatch), Config
         "train_micro_batch_size_per_gpu",
         ds.train_micro_batch_size_per_gpu,
     )?;
-    let gas = given("gradient_accumulation_steps", ds.gradient_accumulation_steps)?;
+    let accumulation = given("gradient_accumulation_steps", ds.gradient_accumulation_steps)?;
     let auto = AutoBatch {
         micro: micro.is_none()
             && is_auto(ds.train_micro_batch_size_per_gpu)
-            && (tbs.is_none() || gas.is_none()),
-        gas: gas.is_none() && is_auto(ds.gradient_accumulation_steps),
+            && (tbs.is_none() || accumulation.is_none()),
+        accumulation: accumulation.is_none() && is_auto(ds.gradient_accumulation_steps),
         tbs: tbs.is_none() && is_auto(ds.train_batch_size),
         tbs_given: tbs,
-        gas_given: gas,
+        accumulation_given: accumulation,
     };
     // an "auto" micro-batch starts at 1; `auto_batch::decide` grows it
     let micro = if auto.micro { Some(1) } else { micro };
@@ -386,7 +386,7 @@ fn build_batch(ds: &DsConfig, world: usize) -> Result<(Batch, AutoBatch), Config
         }
         Ok(total / by)
     };
-    let (tbs, micro, gas) = match (tbs, micro, gas) {
+    let (tbs, micro, accumulation) = match (tbs, micro, accumulation) {
         (Some(t), Some(m), Some(g)) => (t, m, g),
         (Some(t), Some(m), None) => (t, m, divide(t, m * world, "micro batch × devices")?),
         (Some(t), None, Some(g)) => (t, divide(t, g * world, "accumulation steps × devices")?, g),
@@ -403,14 +403,14 @@ fn build_batch(ds: &DsConfig, world: usize) -> Result<(Batch, AutoBatch), Config
     };
     if let Some(t) = auto.tbs_given.filter(|_| auto.micro) {
         // the micro-batch will be a power of two dividing this; 1 always does
-        divide(t, world * gas, "gradient_accumulation_steps × devices")?;
+        divide(t, world * accumulation, "gradient_accumulation_steps × devices")?;
     }
-    if tbs != micro * gas * world {
+    if tbs != micro * accumulation * world {
         return Err(ConfigError::invalid(
             "train_batch_size",
             format!(
-                "{tbs} != train_micro_batch_size_per_gpu ({micro}) × gradient_accumulation_steps ({gas}) × devices ({world}) = {}",
-                micro * gas * world
+                "{tbs} != train_micro_batch_size_per_gpu ({micro}) × gradient_accumulation_steps ({accumulation}) × devices ({world}) = {}",
+                micro * accumulation * world
             ),
             "fix one of the three, or leave one out and it is derived",
         ));
@@ -419,7 +419,7 @@ fn build_batch(ds: &DsConfig, world: usize) -> Result<(Batch, AutoBatch), Config
         Batch {
             train_batch_size: tbs,
             micro_batch_per_gpu: micro,
-            gradient_accumulation_steps: gas,
+            gradient_accumulation_steps: accumulation,
         },
         auto,
     ))

@@ -17,5 +17,5 @@ pub use error::TrainError;
 pub use options::TrainOptions;
 pub use prepare::{evaluate, initial_weights};
 pub use rank::rank_threads;
-pub use result::{HostUsage, StepMetrics, TrainResult};
+pub use result::{StepMetrics, TrainResult};
 pub use train::train;

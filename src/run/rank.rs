@@ -81,7 +81,7 @@ pub(super) fn run_rank(
         for step in first_step..plan.train.steps {
             let start = Instant::now();
             let concurrent = !(options.blocking_optimizer || options.no_overlap);
-            let report = engine.step(step, concurrent.then_some(scope))?;
+            let report = engine.step(step, concurrent.then_some(scope), super::preempt::requested())?;
             let host = Usage::now();
             let end = Instant::now();
             let seconds = (end - start).as_secs_f64();

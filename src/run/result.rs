@@ -1,7 +1,7 @@
 //! What a run reports: each step's metrics (what `metrics.jsonl` holds), the run's
 //! result, and a step's scalars under DeepSpeed's monitor names.
 
-use crate::metrics::host::Span;
+use crate::metrics::host::HostUsage;
 use crate::metrics::monitor::Scalar;
 use crate::metrics::timeline::Breakdown;
 use crate::metrics::trace::TierBytes;
@@ -65,12 +65,6 @@ impl TrainResult {
     pub fn breakdowns(&self) -> Vec<Breakdown> {
         self.steps.iter().map(|m| m.breakdown.clone()).collect()
     }
-}
-
-#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
-pub struct HostUsage {
-    pub startup_peak_rss: u64,
-    pub steps: Span,
 }
 
 /// A step's scalars under DeepSpeed's monitor names (`Train/Samples/…`), then

@@ -5,6 +5,7 @@
 // behind a pointer that libtorch_cpu.so creates and owns. Every function catches C++
 // exceptions and returns -1 with the message in `err`.
 #define USE_C10D_GLOO 1
+#include "bridge.h"
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -19,13 +20,7 @@
 #include <vector>
 
 namespace {
-int fail(char* err, size_t n, const char* what) {
-  if (err != nullptr && n > 0) {
-    std::strncpy(err, what, n - 1);
-    err[n - 1] = '\0';
-  }
-  return -1;
-}
+using tz_bridge::fail;
 struct Store {
   c10::intrusive_ptr<c10d::Store> store;
 };
@@ -37,17 +32,6 @@ struct Work {
 };
 c10d::ReduceOp reduce_op(int op) { return op == 0 ? c10d::ReduceOp::SUM : c10d::ReduceOp::AVG; }
 }  // namespace
-
-#define TZ_TRY try {
-#define TZ_CATCH                                  \
-  return 0;                                       \
-  }                                               \
-  catch (const std::exception& e) {               \
-    return fail(err, n, e.what());                \
-  }                                               \
-  catch (...) {                                   \
-    return fail(err, n, "unknown C++ exception"); \
-  }
 
 extern "C" {
 

@@ -4,6 +4,7 @@
 // measured where tensors are made) and torch's fused Adam/AdamW kernels. Every function catches C++ exceptions and
 // returns -1 with the message in `err` (never throws across the C boundary).
 // Tensors are passed as `at::Tensor*`, the same handles tch uses (torch_api.h).
+#include "bridge.h"
 #include <ATen/ATen.h>
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -23,13 +24,7 @@
 #include <vector>
 
 namespace {
-int fail(char* err, size_t n, const char* what) {
-  if (err != nullptr && n > 0) {
-    std::strncpy(err, what, n - 1);
-    err[n - 1] = '\0';
-  }
-  return -1;
-}
+using tz_bridge::fail;
 // The accelerator's type, with its runtime (and caching allocator) initialised: the
 // allocator statistics refuse a device until the first tensor there would have done it.
 c10::DeviceType ready_accelerator() {
@@ -76,17 +71,6 @@ struct CountingCpuAllocator final : c10::Allocator {
 };
 CountingCpuAllocator g_counting;
 }  // namespace
-
-#define TZ_TRY try {
-#define TZ_CATCH                                        \
-  return 0;                                             \
-  }                                                     \
-  catch (const std::exception& e) {                     \
-    return fail(err, n, e.what());                      \
-  }                                                     \
-  catch (...) {                                         \
-    return fail(err, n, "unknown C++ exception");       \
-  }
 
 extern "C" {
 

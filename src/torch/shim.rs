@@ -94,6 +94,7 @@ pub struct TorchStream {
 
 // SAFETY: a stream handle names a queue of the driver's, usable from any thread.
 unsafe impl Send for TorchStream {}
+// SAFETY: as for Send: the handle is only read.
 unsafe impl Sync for TorchStream {}
 
 /// Torch's current stream on accelerator `device` for the calling thread. An error where
