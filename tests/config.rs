@@ -86,7 +86,10 @@ fn auto_resolves_from_the_model_like_the_hf_integration() {
     let plan = load(v.clone()).unwrap().plan;
     let h = 64; // llama-tiny hidden size
     assert_eq!(plan.zero.reduce_bucket_size, h * h);
-    assert_eq!(plan.zero.prefetch_bucket_size, (0.9 * (h * h) as f64) as usize);
+    // Hugging Face's 0.9·hidden² is under one unit here: auto covers the next two units
+    let largest = plan.model.config.unit_numels().into_iter().max().unwrap();
+    assert!((0.9 * (h * h) as f64) < largest as f64);
+    assert_eq!(plan.zero.prefetch_bucket_size, 2 * largest);
     assert_eq!(plan.zero.param_persistence_threshold, 10 * h);
     assert_eq!(plan.gradient_clipping, 1.0);
     // precision from the device: no CUDA bf16 here → fp32; a bf16 GPU → bf16
@@ -551,4 +554,20 @@ fn communication_data_type_takes_deepspeeds_values_and_default() {
         e.contains("communication_data_type") && e.contains("\"bf16\""),
         "{e}"
     );
+}
+
+/// A stage-3 prefetch bucket smaller than one unit fetches nothing ahead: `plan` says so
+/// (0, DeepSpeed's "no prefetch", is a choice and is not warned about).
+#[test]
+fn a_prefetch_bucket_under_one_unit_is_warned_about() {
+    for (bucket, warned) in [(1000, true), (0, false), (10_000_000, false)] {
+        let mut v = base();
+        v["zero_optimization"] = json!({ "stage": 3, "stage3_prefetch_bucket_size": bucket });
+        let loaded = load(v).unwrap();
+        let said = loaded
+            .warnings
+            .iter()
+            .any(|w| w.contains("stage3_prefetch_bucket_size 1000 is smaller than the largest unit"));
+        assert_eq!(said, warned, "bucket {bucket}: {:?}", loaded.warnings);
+    }
 }

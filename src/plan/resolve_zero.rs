@@ -2,7 +2,9 @@
 //!
 //! DeepSpeed's rules: parameter offload needs stage 3, optimizer offload stage 1 or
 //! more, parameters on NVMe need the optimizer state off the device; `"auto"` bucket
-//! sizes follow the Hugging Face integration (hidden², 0.9·hidden², 10·hidden).
+//! sizes follow the Hugging Face integration (hidden², 10·hidden), but the prefetch
+//! bucket covers at least two of tierzero's units (Hugging Face's 0.9·hidden² is sized
+//! for one module's parameters, less than one unit).
 
 use super::types::*;
 use crate::config::ds::*;
@@ -76,6 +78,7 @@ pub(super) fn build_zero(
         ));
     }
     let hidden = model.hidden_size;
+    let largest_unit = model.unit_numels().into_iter().max().unwrap_or(0);
     let mut deprecated =
         |old: &str, new: &str| warnings.push(format!("zero_optimization.{old} is deprecated; use {new}"));
     let mut op = z.offload_param.clone().unwrap_or_default();
@@ -164,7 +167,7 @@ pub(super) fn build_zero(
         }
         Ok(v)
     };
-    Ok(Zero {
+    let zero = Zero {
         stage: stage as u8,
         // DeepSpeed turns overlap_comm on by default for stage 3
         overlap_comm: z.overlap_comm.unwrap_or(stage == 3),
@@ -182,12 +185,15 @@ pub(super) fn build_zero(
             hidden * hidden,
         )?,
         sub_group_size: bucket("sub_group_size", z.sub_group_size, 1_000_000_000, 1_000_000_000)?,
-        // 0 is DeepSpeed's "no prefetch": only the unit needed now is gathered
+        // 0 is DeepSpeed's "no prefetch": only the unit needed now is gathered. "auto":
+        // Hugging Face's 0.9·hidden² is sized for per-module parameters, smaller than one
+        // of tierzero's units (a whole block), so it would fetch nothing ahead; auto
+        // covers the next two units (the most that are in flight, `rules::MAX_IN_FLIGHT`)
         prefetch_bucket_size: count_or_auto(
             "zero_optimization.stage3_prefetch_bucket_size",
             z.stage3_prefetch_bucket_size,
             50_000_000,
-            (0.9 * (hidden * hidden) as f64) as usize,
+            ((0.9 * (hidden * hidden) as f64) as usize).max(super::rules::MAX_IN_FLIGHT * largest_unit),
         )?,
         param_persistence_threshold: count_or_auto(
             "zero_optimization.stage3_param_persistence_threshold",
@@ -237,7 +243,16 @@ pub(super) fn build_zero(
             pipeline_write: oo.pipeline_write.unwrap_or(false),
             ratio,
         },
-    })
+    };
+    // a bucket under one unit fetches nothing ahead of compute (0 says so on purpose)
+    if zero.stage == 3 && zero.prefetch_bucket_size > 0 && zero.prefetch_bucket_size < largest_unit {
+        warnings.push(format!(
+            "zero_optimization.stage3_prefetch_bucket_size {} is smaller than the largest unit ({largest_unit} elements): nothing is gathered ahead of compute; set it to at least {} (two units) or \"auto\"",
+            zero.prefetch_bucket_size,
+            super::rules::MAX_IN_FLIGHT * largest_unit
+        ));
+    }
+    Ok(zero)
 }
 
 pub(super) fn build_aio(a: AioSection, warnings: &mut Vec<String>) -> Result<Aio, ConfigError> {
