@@ -1,7 +1,7 @@
 //! A training run as a process: its ranks as threads (`train.rs`, `rank.rs`), their
 //! communicators (`comms.rs`) and NVMe swap stores (`stores.rs`), where the state starts
-//! (`prepare.rs`), what the caller asks (`options.rs`), what it reports (`result.rs`) and
-//! what stops it (`error.rs`, `preempt.rs`).
+//! (`prepare.rs`), what the caller asks (`options.rs`), what it reports (`result.rs`,
+//! written by `report.rs`) and what stops it (`error.rs`, `preempt.rs`).
 
 mod comms;
 mod error;
@@ -9,6 +9,7 @@ mod options;
 pub mod preempt;
 mod prepare;
 mod rank;
+mod report;
 mod result;
 mod stores;
 mod train;

@@ -8,17 +8,14 @@ use super::error::TrainError;
 use super::options::TrainOptions;
 use super::prepare::Prepared;
 use super::rank::{rank_threads, run_rank, RankMessage, RankOutcome};
-use super::result::{scalars, StepMetrics, TrainResult};
+use super::report::Reporter;
+use super::result::TrainResult;
 use crate::comm::Collective;
 use crate::engine::context::LaneOptions;
 use crate::engine::error::EngineError;
-use crate::metrics::host::{HostUsage, Span};
-use crate::metrics::monitor::Monitors;
-use crate::metrics::timeline::{Breakdown, Timeline};
-use crate::metrics::trace::TierBytes;
+use crate::metrics::timeline::Timeline;
 use crate::plan::partition::Partition;
 use crate::plan::Plan;
-use std::io::Write;
 use std::time::Instant;
 
 pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, TrainError> {
@@ -56,44 +53,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     crate::metrics::host::reuse_freed_memory();
     tch::set_num_threads(rank_threads(plan) as i32);
 
-    let mut metrics_file = None;
-    let peak = if options.write_outputs {
-        let dir = &plan.train.output_dir;
-        std::fs::create_dir_all(dir).map_err(|source| TrainError::Output {
-            path: dir.clone(),
-            source,
-        })?;
-        let path = dir.join("metrics.jsonl");
-        // a resumed run continues the metrics of the run it resumes
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .write(true)
-            .append(first_step > 0)
-            .truncate(first_step == 0)
-            .open(&path)
-            .map_err(|source| TrainError::Output {
-                path: path.clone(),
-                source,
-            })?;
-        metrics_file = Some((file, path));
-        crate::metrics::peak::peak_flops(plan)
-    } else {
-        0.0
-    };
-    // DeepSpeed's monitors, from node 0 only
-    let mut monitors = match options.write_outputs && plan.train.launch.node_rank == 0 {
-        true => Some(
-            Monitors::open(
-                plan.monitors.tensorboard.as_deref(),
-                plan.monitors.csv.as_deref(),
-                plan.steps_per_print,
-            )
-            .map_err(|(path, source)| TrainError::Output { path, source })?,
-        ),
-        false => None,
-    };
-    let flops_per_token = model.config.flops_per_token(plan.data.seq_len);
-    let tokens_per_step = plan.tokens_per_step() as u64;
+    let mut reporter = Reporter::open(plan, options.write_outputs, first_step)?;
 
     let trace = options.trace || plan.train.trace;
     let timeline = Timeline::new(trace);
@@ -101,7 +61,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     let comms = communicators(plan, options.one_communicator, options.c10d_in_process)?;
     let mut result = TrainResult {
         loss_floor,
-        rank_peak_flops: peak,
+        rank_peak_flops: reporter.peak,
         ..TrainResult::default()
     };
     let outcomes: Vec<Result<RankOutcome, TrainError>> = std::thread::scope(|scope| {
@@ -141,96 +101,11 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
             })
             .collect();
         drop(tx);
-        let mut last = Instant::now();
-        let mut thinning = crate::metrics::history::Thinning::default();
-        let progress = options
-            .write_outputs
-            .then(|| crate::metrics::Progress::new(plan.train.steps));
-        if let Some(progress) = &progress {
-            progress.update(first_step, String::new());
-        }
         for message in rx {
-            let seconds = message.seconds;
-            let tokens_per_s = tokens_per_step as f64 / seconds.max(1e-9);
-            let metrics = StepMetrics {
-                step: message.step + 1,
-                loss: message.report.loss,
-                lr: message.report.lr,
-                grad_norm: message.report.grad_norm,
-                loss_scale: message.report.loss_scale,
-                skipped: message.report.skipped,
-                tokens: tokens_per_step * (message.step + 1),
-                tokens_per_s,
-                mfu: crate::metrics::peak::mfu(flops_per_token * tokens_per_s, peak, world),
-                step_seconds: seconds,
-                eval_loss: message.eval_loss,
-                breakdown: message.breakdown,
-                memory: message.memory,
-                host_rss: message.host.rss,
-            };
-            result.preempted |= message.report.preempted;
-            result.host = HostUsage {
-                startup_peak_rss: message.host_start.peak_rss,
-                steps: Span::between(message.host_start, message.host),
-            };
-            if plan.wall_clock_breakdown
-                && plan.steps_per_print > 0
-                && metrics.step.is_multiple_of(plan.steps_per_print)
-            {
-                let line = format!("step {:>6} {}", metrics.step, metrics.breakdown.line());
-                match &progress {
-                    Some(progress) => progress.line(&line),
-                    None => tracing::info!("{line}"),
-                }
-            }
-            if let Some(monitors) = monitors.as_mut() {
-                let samples = metrics.step * plan.batch.train_batch_size as u64;
-                if let Err(e) = monitors.record(samples, &scalars(&metrics, &metrics.breakdown, plan)) {
-                    tracing::warn!("writing the tensorboard/csv monitors: {e}");
-                }
-            }
-            if let Some((file, _)) = metrics_file.as_mut() {
-                if let Ok(line) = serde_json::to_string(&metrics) {
-                    let _ = writeln!(file, "{line}");
-                }
-                let done = metrics.step;
-                if let Some(progress) = &progress {
-                    progress.update(
-                        done,
-                        format!("loss {:.4}  {:.0} tok/s", metrics.loss, metrics.tokens_per_s),
-                    );
-                    if done.is_multiple_of(plan.train.log_interval)
-                        || done == plan.train.steps
-                        || last.elapsed().as_secs() >= 10
-                    {
-                        last = Instant::now();
-                        let eta = seconds * (plan.train.steps - done) as f64;
-                        let eval = metrics
-                            .eval_loss
-                            .map(|l| format!("  eval {l:.4}"))
-                            .unwrap_or_default();
-                        progress.line(&format!(
-                            "step {done:>6}/{}  loss {:.4}{eval}  lr {:.2e}  grad_norm {:.3}  {:.0} tok/s  mfu {:.1}%  eta {:.0}s{}",
-                            plan.train.steps,
-                            metrics.loss,
-                            metrics.lr,
-                            metrics.grad_norm,
-                            metrics.tokens_per_s,
-                            100.0 * metrics.mfu,
-                            eta,
-                            if metrics.skipped { "  (skipped: overflow)" } else { "" }
-                        ));
-                    }
-                    if let Some(saved) = &message.saved {
-                        progress.line(&format!("saved checkpoint {}", saved.display()));
-                    }
-                }
-            }
-            thinning.push(&mut result.steps, metrics, |m| m.step - 1);
+            reporter.record(message, &mut result);
         }
-        if let Some(progress) = &progress {
-            progress.finish();
-        }
+        reporter.finish();
+
         handles
             .into_iter()
             .map(|h| match h {
@@ -241,34 +116,17 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
             })
             .collect()
     });
-    // the root cause is the first error that is not another rank's abort
-    let mut partitions = Vec::new();
-    let mut first_error = None;
-    for outcome in outcomes {
-        match outcome {
-            Ok(p) => {
+    let partitions = outcomes
+        .into_iter()
+        .map(|outcome| {
+            outcome.map(|p| {
                 result.device_peaks.push(p.device_peak);
                 result.gpu_memory.extend(p.gpu_memory);
-                partitions.push(p.master);
-            }
-            Err(e) => {
-                // a rank that saw a collective fail, or that learnt through `agree` that
-                // another rank failed, echoes the cause; the cause itself names it
-                let echo = |e: &TrainError| {
-                    matches!(
-                        e,
-                        TrainError::Engine(EngineError::Comm(_) | EngineError::Peer { .. })
-                    )
-                };
-                if first_error.as_ref().is_none_or(|first| echo(first) && !echo(&e)) {
-                    first_error = Some(e);
-                }
-            }
-        }
-    }
-    if let Some(e) = first_error {
-        return Err(e);
-    }
+                p.master
+            })
+        })
+        .collect::<Vec<_>>();
+    let partitions = root_cause(partitions)?;
     if on_cpu {
         result.cpu_allocator_peak = Some(crate::torch::shim::cpu_memory().1);
     }
@@ -296,26 +154,34 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
             .and_then(|()| crate::metrics::trace::write_trace(&path, &timeline))
             .map_err(|source| TrainError::Output { path, source })?;
     }
-    if metrics_file.is_some() {
-        let per_step: Vec<(u64, Breakdown, TierBytes)> = result
-            .steps
-            .iter()
-            .map(|m| (m.step, m.breakdown.clone(), m.memory))
-            .collect();
-        let path = plan.train.output_dir.join("breakdown.png");
-        if let Err(e) = crate::metrics::trace::plot_breakdown(&path, &per_step) {
-            tracing::warn!("no breakdown plot: {e}");
-        }
-        let losses: Vec<(u64, f64)> = result.steps.iter().map(|m| (m.step, m.loss)).collect();
-        let evals: Vec<(u64, f64)> = result
-            .steps
-            .iter()
-            .filter_map(|m| m.eval_loss.map(|l| (m.step, l)))
-            .collect();
-        let path = plan.train.output_dir.join("loss.png");
-        if let Err(e) = crate::metrics::plot_loss(&path, &losses, &evals, result.loss_floor) {
-            tracing::warn!("no loss plot: {e}");
+    reporter.plots(&result);
+    Ok(result)
+}
+
+/// The outcomes of every rank, or the root cause of a failure: the first error that is not
+/// another rank's echo of it (a rank that saw a collective fail, or that learnt through
+/// `agree` that another rank failed, names no cause of its own).
+fn root_cause<T>(outcomes: Vec<Result<T, TrainError>>) -> Result<Vec<T>, TrainError> {
+    let echo = |e: &TrainError| {
+        matches!(
+            e,
+            TrainError::Engine(EngineError::Comm(_) | EngineError::Peer { .. })
+        )
+    };
+    let mut first_error: Option<TrainError> = None;
+    let mut ok = Vec::with_capacity(outcomes.len());
+    for outcome in outcomes {
+        match outcome {
+            Ok(value) => ok.push(value),
+            Err(e) => {
+                if first_error.as_ref().is_none_or(|first| echo(first) && !echo(&e)) {
+                    first_error = Some(e);
+                }
+            }
         }
     }
-    Ok(result)
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(ok),
+    }
 }
