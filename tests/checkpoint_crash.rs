@@ -167,7 +167,7 @@ impl Op {
 }
 
 /// The system calls a save can make durable or publish state with.
-const TRACED: &str = "trace=openat,creat,mkdir,mkdirat,write,pwrite64,writev,pwritev,pwritev2,ftruncate,fallocate,fsync,fdatasync,sync_file_range,rename,renameat,renameat2,rmdir,unlinkat";
+const TRACED: &str = "trace=openat,creat,mkdir,mkdirat,write,pwrite64,writev,pwritev,pwritev2,ftruncate,fallocate,fsync,fdatasync,rename,renameat,renameat2,rmdir,unlinkat";
 
 /// Runs `tierzero train` on `config` under strace (every thread, paths of descriptors
 /// shown), with `args`; returns the traced lines.
@@ -252,8 +252,8 @@ fn parse_trace(lines: &[String]) -> Vec<Op> {
         let Some((args, result)) = split_result(rest) else {
             continue;
         };
-        if result.starts_with('-') {
-            continue; // failed calls change nothing
+        if result.starts_with('-') || result.starts_with('?') {
+            continue; // failed calls, and calls a killed thread never finished, change nothing
         }
         let strings = quoted(args);
         let fds = fd_paths(args);
@@ -278,7 +278,7 @@ fn parse_trace(lines: &[String]) -> Vec<Op> {
             "write" | "pwrite64" | "writev" | "pwritev" | "pwritev2" | "ftruncate" | "fallocate" => {
                 fds.first().cloned().map(Op::Write)
             }
-            "fsync" | "fdatasync" | "sync_file_range" => fds.first().map(|p| {
+            "fsync" | "fdatasync" => fds.first().map(|p| {
                 if dirs.contains(p) || p.is_dir() {
                     Op::SyncDir(p.clone())
                 } else {

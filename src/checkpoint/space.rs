@@ -25,9 +25,31 @@ pub fn checkpoint_bytes(plan: &Plan) -> u64 {
     params * (3 * 4 + low + model)
 }
 
-/// The nearest existing directory at or above `path`.
+/// The nearest existing directory at or above `path` (a relative path's last ancestor,
+/// "", is the working directory).
 fn existing(path: &Path) -> Option<&Path> {
-    path.ancestors().find(|p| p.exists())
+    path.ancestors()
+        .map(|p| {
+            if p.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                p
+            }
+        })
+        .find(|p| p.exists())
+}
+
+/// Bytes of the files under `dir`, recursively (0 when it does not exist).
+fn bytes_under(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => bytes_under(&e.path()),
+            _ => e.metadata().map_or(0, |m| m.len()),
+        })
+        .sum()
 }
 
 /// (device id, bytes available to this user) of the file system holding `path`.
@@ -48,8 +70,15 @@ fn file_system(path: &Path) -> Option<(u64, u64)> {
 /// files on the same file system; `None` when it fits or the space cannot be read.
 pub fn warning(plan: &Plan) -> Option<String> {
     let output = &plan.train.output_dir;
-    let (device, available) = file_system(output)?;
-    let ranks = plan.train.devices as u64;
+    let (device, free) = file_system(output)?;
+    // a restart: the checkpoints already saved are among those kept, their space is ours
+    let available = free + bytes_under(&super::save::root(output));
+    // this node's ranks: this process's, or every process torchrun started here
+    let local_processes = std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(1);
+    let ranks = plan.train.devices as u64 * local_processes;
     let mut swap = 0u64;
     for row in model_states(plan) {
         let path = match row.state {
@@ -70,7 +99,7 @@ pub fn warning(plan: &Plan) -> Option<String> {
     (needed > available).then(|| {
         let gb = |b: u64| b as f64 / 1e9;
         format!(
-            "{} is on a file system with {:.2} GB free; {} checkpoints of {:.2} GB (train.keep_last {} and the one being saved){} need {:.2} GB: free space, lower train.keep_last or set train.output_dir elsewhere",
+            "{} is on a file system with {:.2} GB free (its saved checkpoints counted as free); {} checkpoints of {:.2} GB (train.keep_last {} and the one being saved){} need {:.2} GB: free space, lower train.keep_last or set train.output_dir elsewhere",
             output.display(),
             gb(available),
             kept,

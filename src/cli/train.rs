@@ -97,7 +97,7 @@ pub fn run(
         memory: result.steps.last().map(|m| m.memory),
         mfu: result.steps.last().map(|m| m.mfu),
         seconds: result.seconds,
-        steps: result.steps.len(),
+        steps: result.steps_run as usize,
         tokens_per_s,
     };
     let output_dir = &loaded.plan.train.output_dir;
@@ -146,7 +146,7 @@ pub fn run(
     );
     println!(
         "done: {} steps in {:.1}s, loss {first:.4} -> {last:.4}, {tokens_per_s:.0} tokens/s; {}/{{metrics.jsonl,loss.png,summary.json}}",
-        result.steps.len(),
+        result.steps_run,
         result.seconds,
         output_dir.display()
     );

@@ -54,6 +54,8 @@ pub enum EngineError {
     #[error("rank {rank}: saving the 16-bit model: {source}")]
     Export { rank: usize, source: ExportError },
     /// Another rank reported a failure in an agreement; its own error names the cause.
+    #[error("rank {rank} starts at step {mine}, but the ranks' mean start is {mean}: every process must resume from the same checkpoint (with `--resume auto` each reads `latest` under output_dir, which must be one shared directory)")]
+    StartDiffers { rank: usize, mine: u64, mean: f64 },
     #[error("rank {rank}: another rank failed while {what}")]
     Peer { rank: usize, what: &'static str },
     /// A lane's thread ended before handing back what it was lent (it failed first).

@@ -287,6 +287,22 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         })
     }
 
+    /// Checks that every rank starts at `first_step` (each process resolves its own
+    /// checkpoint): a rank whose start differs from the ranks' mean stops the run, naming
+    /// both, instead of training a different step count from the others.
+    pub fn check_same_start(&self, first_step: u64) -> Result<(), EngineError> {
+        let mut start = [first_step as f64];
+        self.comm.all_reduce(&mut start, ReduceOp::Avg)?;
+        if start[0] != first_step as f64 {
+            return Err(EngineError::StartDiffers {
+                rank: self.rank,
+                mine: first_step,
+                mean: start[0],
+            });
+        }
+        Ok(())
+    }
+
     /// One optimizer step: every micro-batch of this rank, the gradients' reduction and
     /// norm, then the update, which runs on a thread of `scope` when one is given (see
     /// [`Self::optimize`]). `stop` says this rank's process was asked to stop; the

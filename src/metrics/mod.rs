@@ -109,6 +109,8 @@ pub fn plot_loss(
     let mut chart = ChartBuilder::on(&root)
         .caption("Training loss", ("sans-serif", 22))
         .margin(15)
+        // room on the right for the last step's label (six digits on a long run)
+        .margin_right(35)
         .x_label_area_size(45)
         .y_label_area_size(65)
         .build_cartesian_2d(1u64..last_step, (low - margin)..(high + margin))

@@ -247,7 +247,7 @@ pub(super) fn build_zero(
     // a bucket under one unit fetches nothing ahead of compute (0 says so on purpose)
     if zero.stage == 3 && zero.prefetch_bucket_size > 0 && zero.prefetch_bucket_size < largest_unit {
         warnings.push(format!(
-            "zero_optimization.stage3_prefetch_bucket_size {} is smaller than the largest unit ({largest_unit} elements): nothing is gathered ahead of compute; set it to at least {} (two units) or \"auto\"",
+            "zero_optimization.stage3_prefetch_bucket_size {} is smaller than the largest unit ({largest_unit} elements): units larger than the bucket are never gathered ahead of compute; set it to at least {} (two units) or \"auto\"",
             zero.prefetch_bucket_size,
             super::rules::MAX_IN_FLIGHT * largest_unit
         ));

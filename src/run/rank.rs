@@ -34,6 +34,9 @@ pub(super) struct RankOutcome {
     pub(super) device_peak: u64,
     pub(super) gpu_memory: Option<crate::torch::shim::MemoryStats>,
     pub(super) master: Vec<(usize, Vec<f32>)>,
+    /// The run stopped on a preemption signal (every rank knows it from the step's
+    /// all-reduce; only rank 0 reports steps).
+    pub(super) preempted: bool,
 }
 
 pub(super) struct RankMessage {
@@ -70,8 +73,12 @@ pub(super) fn run_rank(
     let mut engine = RankEngine::new(comms, context, device)?;
     // the optimizer phase of each step runs on a thread of this scope, overlapping the
     // next step's forward
+    let mut stopped = false;
     std::thread::scope(|scope| -> Result<(), TrainError> {
         let first_step = context.start.first_step();
+        engine.check_same_start(first_step)?;
+        // from the first step on, a signal asks for a checkpoint first
+        super::preempt::arm();
         let root = save::root(&plan.train.output_dir);
         let host_start = Usage::now();
         if rank == 0 {
@@ -119,6 +126,7 @@ pub(super) fn run_rank(
                 });
             }
             if preempted {
+                stopped = true;
                 break;
             }
         }
@@ -139,5 +147,6 @@ pub(super) fn run_rank(
         gpu_memory,
         device_peak: engine.device_peak(),
         master,
+        preempted: stopped,
     })
 }

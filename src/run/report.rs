@@ -169,6 +169,10 @@ impl<'p> Reporter<'p> {
                 progress.line(&format!("saved checkpoint {}", saved.display()));
             }
         }
+        result.steps_run += 1;
+        if let Some(eval) = metrics.eval_loss {
+            result.evals.push((metrics.step, eval));
+        }
         self.thinning.push(&mut result.steps, metrics, |m| m.step - 1);
     }
 
@@ -194,12 +198,9 @@ impl<'p> Reporter<'p> {
             tracing::warn!("no breakdown plot: {e}");
         }
         let losses: Vec<(u64, f64)> = result.steps.iter().map(|m| (m.step, m.loss)).collect();
-        let evals: Vec<(u64, f64)> = result
-            .steps
-            .iter()
-            .filter_map(|m| m.eval_loss.map(|l| (m.step, l)))
-            .collect();
-        if let Err(e) = crate::metrics::plot_loss(&dir.join("loss.png"), &losses, &evals, result.loss_floor) {
+        if let Err(e) =
+            crate::metrics::plot_loss(&dir.join("loss.png"), &losses, &result.evals, result.loss_floor)
+        {
             tracing::warn!("no loss plot: {e}");
         }
     }

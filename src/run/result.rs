@@ -36,6 +36,10 @@ pub struct TrainResult {
     /// Every step's metrics, up to `metrics::history::KEPT_STEPS`; a longer run keeps
     /// evenly spaced steps and its latest (`metrics.jsonl` has them all).
     pub steps: Vec<StepMetrics>,
+    /// Steps this run made (`steps` may keep fewer).
+    pub steps_run: u64,
+    /// (step, eval loss) of every evaluation, kept whole (one per `eval_interval` steps).
+    pub evals: Vec<(u64, f64)>,
     /// The data's known loss floor (synthetic corpora).
     pub loss_floor: Option<f64>,
     /// Peak device bytes of each rank.

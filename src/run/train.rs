@@ -122,6 +122,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
             outcome.map(|p| {
                 result.device_peaks.push(p.device_peak);
                 result.gpu_memory.extend(p.gpu_memory);
+                result.preempted |= p.preempted;
                 p.master
             })
         })
