@@ -5,7 +5,8 @@
 # interleaved. Prints each run's tokens/s and peak RSS (DeepSpeed: its processes summed)
 # and the medians.
 #
-#   scripts/side_by_side/run.sh [ROUNDS]          (environment: WORK, DSVENV, SEQ, STEPS, WARMUP)
+#   scripts/side_by_side/run.sh [ROUNDS]          (environment: WORK, default runs/side_by_side;
+#                                                  DSVENV, default .dsvenv; SEQ, STEPS, WARMUP)
 #
 # DeepSpeed lives in its own virtualenv ($DSVENV) that reuses the project's torch:
 #   python3 -m venv $DSVENV
@@ -15,8 +16,8 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 rounds=${1:-3}
-work=${WORK:-/work/bench/side}
-dsvenv=${DSVENV:-/work/dsvenv}
+work=${WORK:-$repo/runs/side_by_side}
+dsvenv=${DSVENV:-$repo/.dsvenv}
 seq=${SEQ:-256}
 steps=${STEPS:-4}
 warmup=${WARMUP:-2}

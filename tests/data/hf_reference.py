@@ -2,7 +2,7 @@
 
 Usage (from the repository root, after `make build`; transformers 5 lives in DeepSpeed's
 virtualenv, see README "tierzero beside DeepSpeed"):
-    /work/dsvenv/bin/python tests/data/hf_reference.py tests/data/hf_reference.json
+    .dsvenv/bin/python tests/data/hf_reference.py tests/data/hf_reference.json
 
 Each case starts from tierzero's seeded initial weights exported with `tierzero export
 --config configs/default.json --set ... --hf DIR --dtype fp32`; transformers loads the
