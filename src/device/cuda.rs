@@ -18,6 +18,7 @@
 //! the CPU optimizer reads the same memory at full speed.
 
 use super::lanes::{DeviceMark, Mark, Stream, Streams};
+use super::DeviceError;
 use crate::torch::shim::{self, TorchStream};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DriverError};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -250,36 +251,40 @@ impl LaneStream {
 }
 
 impl Stream for LaneStream {
-    fn enter(&self) -> Result<(), String> {
-        shim::set_current_stream(self.ordinal, self.torch).map_err(|e| e.to_string())?;
+    fn enter(&self) -> Result<(), DeviceError> {
+        shim::set_current_stream(self.ordinal, self.torch).map_err(CudaError::torch("set current stream"))?;
         // the driver calls of this thread (events, NCCL) go to the same context
         self.cuda
             .context()
             .bind_to_thread()
-            .map_err(|e| format!("bind context: {e}"))
+            .map_err(CudaError::driver("bind context"))?;
+        Ok(())
     }
 
-    fn mark(&self) -> Result<Mark, String> {
+    fn mark(&self) -> Result<Mark, DeviceError> {
         let event = self
             .cuda
             .record_event(None)
-            .map_err(|e| format!("cuEventRecord: {e}"))?;
+            .map_err(CudaError::driver("cuEventRecord"))?;
         Ok(Arc::new(CudaMark(event)))
     }
 
-    fn wait(&self, mark: &Mark) -> Result<(), String> {
+    fn wait(&self, mark: &Mark) -> Result<(), DeviceError> {
         let Some(CudaMark(event)) = mark.as_any().downcast_ref::<CudaMark>() else {
-            return Err("a mark of another device kind".into());
+            return Err(DeviceError::ForeignMark);
         };
         self.cuda
             .wait(event)
-            .map_err(|e| format!("cuStreamWaitEvent: {e}"))
+            .map_err(CudaError::driver("cuStreamWaitEvent"))?;
+        Ok(())
     }
 
     /// A spinning kernel (torch's `at::cuda::sleep`) on the thread's current stream of
     /// this GPU, which is this one on its lane's worker; ~1.5 GHz clocks assumed.
-    fn delay(&self, micros: u64) -> Result<(), String> {
-        shim::device_sleep(self.ordinal, micros.saturating_mul(1500)).map_err(|e| e.to_string())
+    fn delay(&self, micros: u64) -> Result<(), DeviceError> {
+        shim::device_sleep(self.ordinal, micros.saturating_mul(1500))
+            .map_err(CudaError::torch("device sleep"))?;
+        Ok(())
     }
 }
 
@@ -295,13 +300,13 @@ impl DeviceMark for CudaMark {
 
     /// Polls rather than spins (an event's host wait spins a core otherwise, which the
     /// CPU optimizer needs).
-    fn synchronize(&self) -> Result<(), String> {
+    fn synchronize(&self) -> Result<(), DeviceError> {
         let _ = self.0.context().bind_to_thread();
         let mut pause = Duration::from_micros(5);
         while !self
             .0
             .try_is_complete()
-            .map_err(|e| format!("waiting for the GPU: {e}"))?
+            .map_err(CudaError::driver("waiting for the GPU"))?
         {
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_micros(200));
@@ -318,12 +323,12 @@ impl DeviceMark for CudaMark {
 pub struct CudaStreams(pub Arc<Cuda>);
 
 impl Streams for CudaStreams {
-    fn current(&self) -> Result<Arc<dyn Stream>, String> {
-        Ok(Arc::new(self.0.current_stream().map_err(|e| e.to_string())?))
+    fn current(&self) -> Result<Arc<dyn Stream>, DeviceError> {
+        Ok(Arc::new(self.0.current_stream()?))
     }
 
-    fn lane(&self, name: &'static str) -> Result<Arc<dyn Stream>, String> {
-        Ok(Arc::new(self.0.lane_stream(name).map_err(|e| e.to_string())?))
+    fn lane(&self, name: &'static str) -> Result<Arc<dyn Stream>, DeviceError> {
+        Ok(Arc::new(self.0.lane_stream(name)?))
     }
 }
 

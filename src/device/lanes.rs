@@ -28,6 +28,7 @@
 //! buffer before its producer's event, or releases it before its consumer's event,
 //! computes with NaN and fails the equivalence tests.
 
+use super::DeviceError;
 use crossbeam_channel::{Receiver, Sender};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -40,7 +41,7 @@ pub trait DeviceMark: Send + Sync {
     /// the host wait reports it).
     fn query(&self) -> bool;
     /// Blocks the calling thread until the device has got there.
-    fn synchronize(&self) -> Result<(), String>;
+    fn synchronize(&self) -> Result<(), DeviceError>;
     /// For the device's streams to recognise their own marks.
     fn as_any(&self) -> &dyn std::any::Any;
 }
@@ -51,23 +52,23 @@ pub type Mark = Arc<dyn DeviceMark>;
 pub trait Stream: Send + Sync {
     /// Makes this stream the calling thread's current one for torch (a lane's worker
     /// calls it before its first job).
-    fn enter(&self) -> Result<(), String>;
+    fn enter(&self) -> Result<(), DeviceError>;
     /// A mark of what is queued on the stream so far.
-    fn mark(&self) -> Result<Mark, String>;
+    fn mark(&self) -> Result<Mark, DeviceError>;
     /// Later work on this stream waits for `mark` (the calling thread goes on).
-    fn wait(&self, mark: &Mark) -> Result<(), String>;
+    fn wait(&self, mark: &Mark) -> Result<(), DeviceError>;
     /// Queues device work that takes about `micros` microseconds (checked mode: a lane's
     /// job starts late on the device as it does on the host).
-    fn delay(&self, micros: u64) -> Result<(), String>;
+    fn delay(&self, micros: u64) -> Result<(), DeviceError>;
 }
 
 /// A rank's device streams: its lanes' and compute's. CPU devices have none (their work
 /// is done when the call returns).
 pub trait Streams: Send + Sync {
     /// Torch's current stream on the calling thread (compute, on the issuing thread).
-    fn current(&self) -> Result<Arc<dyn Stream>, String>;
+    fn current(&self) -> Result<Arc<dyn Stream>, DeviceError>;
     /// The stream of lane `name` (the same one at every call).
-    fn lane(&self, name: &'static str) -> Result<Arc<dyn Stream>, String>;
+    fn lane(&self, name: &'static str) -> Result<Arc<dyn Stream>, DeviceError>;
 }
 
 /// A job's device side: the mark recorded after it, once its worker has run it.
@@ -190,7 +191,7 @@ impl Event {
         // a failed job's mark too: what it queued before failing may still run
         let on_device = self.mark().map_or(Ok(()), |mark| mark.synchronize());
         ran?;
-        on_device.map_err(|message| self.failed(message))
+        on_device.map_err(|e| self.failed(e.to_string()))
     }
 
     /// Orders the calling thread's later compute after the event: on a device its
@@ -202,7 +203,7 @@ impl Event {
             (Some((_, streams)), Some(mark)) => streams
                 .current()
                 .and_then(|compute| compute.wait(mark))
-                .map_err(|message| self.failed(message)),
+                .map_err(|e| self.failed(e.to_string())),
             _ => Ok(()),
         }
     }
@@ -264,7 +265,7 @@ pub struct Lane<'env> {
 /// A lane's device side: its stream and the rank's streams.
 #[derive(Clone)]
 struct OnDevice {
-    stream: Result<Arc<dyn Stream>, String>,
+    stream: Result<Arc<dyn Stream>, DeviceError>,
     streams: Arc<dyn Streams>,
 }
 
@@ -350,18 +351,19 @@ impl<'env> Lane<'env> {
                     Mode::Plain => None,
                 };
                 let on_device = move |run: bool| {
-                    let stream = stream?;
+                    let device = |e: DeviceError| e.to_string();
+                    let stream = stream.map_err(device)?;
                     let outcome = if run {
-                        stream.wait(&after?)?;
+                        stream.wait(&after.map_err(device)?).map_err(device)?;
                         if let Some(micros) = delay {
-                            stream.delay(micros)?;
+                            stream.delay(micros).map_err(device)?;
                         }
                         job()
                     } else {
                         Ok(())
                     };
                     // a mark even after a failure: whatever the job queued is covered
-                    let _ = filled.set(stream.mark()?);
+                    let _ = filled.set(stream.mark().map_err(device)?);
                     outcome
                 };
                 (Box::new(on_device), Some(slot))
@@ -393,7 +395,7 @@ impl<'env> Lane<'env> {
         self.submit(move || {
             event.ran().map_err(|e| e.to_string())?;
             match (stream, event.mark()) {
-                (Some(stream), Some(mark)) => stream?.wait(mark),
+                (Some(stream), Some(mark)) => stream.and_then(|s| s.wait(mark)).map_err(|e| e.to_string()),
                 _ => Ok(()),
             }
         })
@@ -424,7 +426,7 @@ fn serve(
     progress: Arc<Progress>,
     mode: Mode,
     salt: u64,
-    entered: Result<(), String>,
+    entered: Result<(), DeviceError>,
 ) {
     let mut rng = match mode {
         Mode::Checked { seed, .. } => seed ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
@@ -651,7 +653,7 @@ mod tests {
         fn query(&self) -> bool {
             self.done.load(Ordering::SeqCst)
         }
-        fn synchronize(&self) -> Result<(), String> {
+        fn synchronize(&self) -> Result<(), DeviceError> {
             while !self.query() {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -667,11 +669,11 @@ mod tests {
     }
 
     impl Stream for LoggedStream {
-        fn enter(&self) -> Result<(), String> {
+        fn enter(&self) -> Result<(), DeviceError> {
             self.device.note(format!("{} entered", self.name));
             Ok(())
         }
-        fn mark(&self) -> Result<Mark, String> {
+        fn mark(&self) -> Result<Mark, DeviceError> {
             let mut marks = self.device.marks.lock().unwrap();
             let mark = Arc::new(LoggedMark {
                 name: format!("{}#{}", self.name, marks.len()),
@@ -682,24 +684,24 @@ mod tests {
             self.device.note(format!("mark {}", mark.name));
             Ok(mark)
         }
-        fn wait(&self, mark: &Mark) -> Result<(), String> {
+        fn wait(&self, mark: &Mark) -> Result<(), DeviceError> {
             self.device.note(format!("{} waits {}", self.name, name_of(mark)));
             Ok(())
         }
-        fn delay(&self, _micros: u64) -> Result<(), String> {
+        fn delay(&self, _micros: u64) -> Result<(), DeviceError> {
             self.device.note(format!("{} delayed", self.name));
             Ok(())
         }
     }
 
     impl Streams for Arc<Logged> {
-        fn current(&self) -> Result<Arc<dyn Stream>, String> {
+        fn current(&self) -> Result<Arc<dyn Stream>, DeviceError> {
             Ok(Arc::new(LoggedStream {
                 name: "compute".into(),
                 device: self.clone(),
             }))
         }
-        fn lane(&self, name: &'static str) -> Result<Arc<dyn Stream>, String> {
+        fn lane(&self, name: &'static str) -> Result<Arc<dyn Stream>, DeviceError> {
             Ok(Arc::new(LoggedStream {
                 name: name.into(),
                 device: self.clone(),

@@ -18,6 +18,17 @@ pub mod pool;
 
 use crate::plan::DeviceFacts;
 
+/// Why a call on a device's streams or marks failed (the Device seam's error).
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum DeviceError {
+    /// The CUDA driver or torch's bridge refused: the operation and its words.
+    #[error(transparent)]
+    Cuda(#[from] cuda::CudaError),
+    /// A stream was asked to wait for a mark another kind of device made.
+    #[error("a mark of another device kind")]
+    ForeignMark,
+}
+
 /// What this machine has, for the plan's `"auto"` choices (asks libtorch; no GPU and no
 /// driver is simply 0 GPUs).
 pub fn facts() -> DeviceFacts {

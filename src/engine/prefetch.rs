@@ -79,7 +79,7 @@ impl Pinned {
                 // the copy may still read it: left to torch's pinned allocator, which
                 // reuses the block only after the copy
                 self.buffer = None;
-                return Err(h2d_failed(rank, message));
+                return Err(h2d_failed(rank, message.to_string()));
             }
         }
         if self.buffer.as_ref().is_none_or(|b| b.numel() < bytes) {
@@ -457,7 +457,7 @@ impl<C: Collective> Fetcher<C> {
                 Err(message) => {
                     // unknown when the copy is done: torch's allocator knows
                     slot.buffer = None;
-                    return Err(h2d_failed(self.rank, message));
+                    return Err(h2d_failed(self.rank, message.to_string()));
                 }
             }
         }

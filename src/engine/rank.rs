@@ -103,7 +103,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 .current()
                 .and_then(|compute| compute.mark())
                 .and_then(|mark| mark.synchronize())
-                .map_err(TchError::Torch),
+                .map_err(|e| TchError::Torch(e.to_string())),
             None => Ok(()),
         }
     }
