@@ -30,9 +30,7 @@ pub fn run(plan: &Plan, stages: &[u8]) -> Result<MemoryReport, TrainError> {
     let mut rows: Vec<StageRow> = Vec::new();
     for &stage in stages {
         if stage > 3 {
-            return Err(TrainError::Invalid(format!(
-                "--stages: {stage} is not a ZeRO stage"
-            )));
+            return Err(TrainError::Stage(stage));
         }
         let mut p = plan.clone();
         p.zero.stage = stage;

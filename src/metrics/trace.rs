@@ -109,6 +109,8 @@ fn step_chart<'a, 'b>(
     let mut chart = ChartBuilder::on(area)
         .caption(caption.0, ("sans-serif", caption.1))
         .margin(12)
+        // room on the right for the last step's label (six digits on a long run)
+        .margin_right(35)
         .x_label_area_size(40)
         .y_label_area_size(65)
         .build_cartesian_2d(steps, 0.0..y.0)?;

@@ -63,8 +63,9 @@ pub(super) fn communicators(plan: &Plan, one: bool, c10d: bool) -> Result<Vec<Co
     let timeout = std::time::Duration::from_secs(launch.timeout_s);
     // the ranks of one process: a store served here on a loopback port the system picks
     let (address, served) = if launch.nnodes == 1 {
-        let server = Store::serve_loopback(timeout).map_err(|e| {
-            TrainError::Invalid(format!("serving the ranks' store on the loopback interface: {e}"))
+        let server = Store::serve_loopback(timeout).map_err(|message| TrainError::Store {
+            what: "serving the ranks' store on the loopback interface",
+            message,
         })?;
         ("127.0.0.1".to_string(), Some(server))
     } else {
@@ -73,11 +74,17 @@ pub(super) fn communicators(plan: &Plan, one: bool, c10d: bool) -> Result<Vec<Co
         let server = serve
             .then(|| Store::connect(&launch.master_addr, launch.master_port, true, timeout))
             .transpose()
-            .map_err(TrainError::Invalid)?;
+            .map_err(|message| TrainError::Store {
+                what: "serving the c10d store",
+                message,
+            })?;
         (launch.master_addr.clone(), server)
     };
     let port = match &served {
-        Some(server) => server.port().map_err(TrainError::Invalid)?,
+        Some(server) => server.port().map_err(|message| TrainError::Store {
+            what: "reading the store's port",
+            message,
+        })?,
         None => launch.master_port,
     };
     let first = plan.train.local_ranks().start;
@@ -125,7 +132,10 @@ pub(super) fn communicators(plan: &Plan, one: bool, c10d: bool) -> Result<Vec<Co
             }
         }
     })
-    .map_err(TrainError::Invalid)?;
+    .map_err(|message| TrainError::Store {
+        what: "joining the communicators",
+        message,
+    })?;
     // NCCL neither times out nor hears of a dead peer: a watchdog per process does
     let watched: Vec<(usize, std::sync::Weak<dyn Watched>)> = comms
         .iter()

@@ -1,9 +1,11 @@
-//! What stops a run: a rank's engine error, the data, a checkpoint, the swap store, an
-//! output file, or an invalid request.
+//! What stops a run: a rank's engine error, the data, a Hugging Face model directory, a
+//! checkpoint, the swap store, the c10d store, an output file, a rank that panicked, or
+//! a request the run cannot serve; each names its cause.
 
 use crate::checkpoint::CheckpointError;
 use crate::data::DataError;
 use crate::engine::error::EngineError;
+use crate::model::hf::HfError;
 use std::path::PathBuf;
 use tierzero_offload::nvme::IoError;
 
@@ -19,6 +21,22 @@ pub enum TrainError {
     Swap { path: PathBuf, source: IoError },
     #[error("cannot write {path}: {source}")]
     Output { path: PathBuf, source: std::io::Error },
+    #[error(transparent)]
+    Hf(#[from] HfError),
+    #[error("the synthetic corpus uses {needed} token ids but model.vocab_size is {vocab}; raise model.vocab_size")]
+    VocabTooSmall { needed: usize, vocab: usize },
+    /// A request that needs every rank in this process.
     #[error("{0}")]
-    Invalid(String),
+    OneProcess(&'static str),
+    /// The c10d store the ranks meet through.
+    #[error("{what}: {message}")]
+    Store { what: &'static str, message: String },
+    #[error("rank {rank} panicked: {message}")]
+    RankPanicked { rank: usize, message: String },
+    #[error("a rank thread panicked")]
+    ThreadPanicked,
+    #[error("cannot start a rank thread: {0}")]
+    Spawn(std::io::Error),
+    #[error("--stages: {0} is not a ZeRO stage")]
+    Stage(u8),
 }

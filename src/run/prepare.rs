@@ -19,8 +19,7 @@ use tierzero_offload::nvme::swap::SwapStore;
 /// The model's starting weights per unit: `model.hf_dir`'s, or the seeded init.
 pub fn initial_weights(plan: &Plan) -> Result<Vec<Vec<f32>>, TrainError> {
     if let Some(dir) = &plan.model.hf_dir {
-        return crate::model::hf::load(dir, &plan.model.config)
-            .map_err(|e| TrainError::Invalid(e.to_string()));
+        return Ok(crate::model::hf::load(dir, &plan.model.config)?);
     }
     Ok(crate::model::layout::units(&plan.model.config)
         .iter()
@@ -47,11 +46,10 @@ impl Prepared {
         let model = Model::new(plan.model.config.clone(), kind_for(&plan.precision));
         let dataset = Dataset::open(plan)?;
         if dataset.vocab_needed() > model.config.vocab_size {
-            return Err(TrainError::Invalid(format!(
-                "the synthetic corpus uses {} token ids but model.vocab_size is {}; raise model.vocab_size",
-                dataset.vocab_needed(),
-                model.config.vocab_size
-            )));
+            return Err(TrainError::VocabTooSmall {
+                needed: dataset.vocab_needed(),
+                vocab: model.config.vocab_size,
+            });
         }
         let (optimizer_store, param_store) = open_stores(plan, &model)?;
         let start = match (resume, &plan.model.hf_dir) {
@@ -73,10 +71,7 @@ impl Prepared {
                 }
                 Start::Checkpoint(Box::new(checkpoint))
             }
-            (None, Some(hf_dir)) => Start::Hf(
-                crate::model::hf::HfWeights::open(hf_dir, &model.config)
-                    .map_err(|e| TrainError::Invalid(e.to_string()))?,
-            ),
+            (None, Some(hf_dir)) => Start::Hf(crate::model::hf::HfWeights::open(hf_dir, &model.config)?),
             (None, None) => Start::Init {
                 seed: plan.train.seed,
             },
@@ -114,8 +109,8 @@ impl Prepared {
 /// Mean loss over `train.eval_batches` held-out batches, on every rank, without training.
 pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
     if plan.train.launch.nnodes > 1 {
-        return Err(TrainError::Invalid(
-            "tierzero eval runs in one process; drop --nnodes (or train.nnodes)".into(),
+        return Err(TrainError::OneProcess(
+            "tierzero eval runs in one process; drop --nnodes (or train.nnodes)",
         ));
     }
     let prepared = Prepared::new(plan, None)?;
@@ -139,10 +134,7 @@ pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
             .collect();
         handles
             .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(TrainError::Invalid("a rank panicked".into())))
-            })
+            .map(|h| h.join().unwrap_or(Err(TrainError::ThreadPanicked)))
             .collect()
     });
     losses.into_iter().next().unwrap_or(Ok(f64::NAN))

@@ -27,8 +27,8 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
         ..options
     };
     if options.collect_master && plan.train.launch.nnodes > 1 {
-        return Err(TrainError::Invalid(
-            "collecting the master weights needs every rank in this process; run on one node".into(),
+        return Err(TrainError::OneProcess(
+            "collecting the master weights needs every rank in this process; run on one node",
         ));
     }
     // libtorch's CPU bytes, where the process counts them (the binary installs the
@@ -94,7 +94,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                                     .unwrap_or_default();
                                 guards.abort(&format!("rank {rank} panicked: {message}"));
-                                Err(TrainError::Invalid(format!("rank {rank} panicked: {message}")))
+                                Err(TrainError::RankPanicked { rank, message })
                             }
                         }
                     })
@@ -109,10 +109,8 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
         handles
             .into_iter()
             .map(|h| match h {
-                Ok(handle) => handle
-                    .join()
-                    .unwrap_or_else(|_| Err(TrainError::Invalid("a rank thread panicked".into()))),
-                Err(e) => Err(TrainError::Invalid(format!("cannot start a rank thread: {e}"))),
+                Ok(handle) => handle.join().unwrap_or(Err(TrainError::ThreadPanicked)),
+                Err(e) => Err(TrainError::Spawn(e)),
             })
             .collect()
     });
