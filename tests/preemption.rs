@@ -116,8 +116,11 @@ fn sigterm_saves_the_step_under_way_and_the_resumed_run_continues_it() {
     until(Duration::from_secs(120), "three steps", || {
         losses(&run).len() >= 3
     });
-    // SAFETY: kill(2) on a child we spawned and have not reaped
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    // twice at once, as a worker gets it from SLURM and from torchrun: one request
+    for _ in 0..2 {
+        // SAFETY: kill(2) on a child we spawned and have not reaped
+        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    }
     let status = wait(&mut child, Duration::from_secs(60), "the preempted run", &log);
     let stderr = read(&log);
     let stdout = read(&log.with_extension("out"));
@@ -243,4 +246,28 @@ fn torchrun_restarts_a_killed_worker_and_the_job_ends_with_the_uninterrupted_wei
         .filter(|n| n.starts_with('.'))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// Before the first step there is nothing to save: a signal ends the run at once (as a
+/// kill would), and no checkpoint is written.
+#[test]
+fn a_signal_before_the_first_step_ends_the_run_at_once() {
+    use std::os::unix::process::ExitStatusExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let log = tmp.path().join("run.log");
+    let mut child = tierzero(&train_args(&run, 100_000, &[]), &log);
+    // the plan table is printed just before the run starts preparing its first step
+    until(Duration::from_secs(60), "the plan table", || {
+        read(&log.with_extension("out")).contains("parameters")
+    });
+    // SAFETY: kill(2) on a child we spawned and have not reaped
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let status = wait(&mut child, Duration::from_secs(10), "the signalled run", &log);
+    assert!(
+        status.code() == Some(128 + libc::SIGTERM) || status.signal() == Some(libc::SIGTERM),
+        "{status}: {}",
+        read(&log)
+    );
+    assert!(!save::root(&run).join("latest").exists());
 }
