@@ -260,6 +260,10 @@ pub struct Lane<'env> {
     mode: Mode,
     /// Mixed into checked mode's random delays (the lane's name and rank).
     salt: u64,
+    /// The thread that started the lane: the only one whose submissions order it (on a
+    /// GPU the order of a rank's collectives on one stream must be the same on every
+    /// rank, and that is the issuing thread's order).
+    issuer: std::thread::ThreadId,
 }
 
 /// A lane's device side: its stream and the rank's streams.
@@ -322,6 +326,7 @@ impl<'env> Lane<'env> {
             device,
             mode,
             salt,
+            issuer: std::thread::current().id(),
         }
     }
 
@@ -333,6 +338,15 @@ impl<'env> Lane<'env> {
     /// On a device the job's stream first waits for the compute work queued so far on
     /// the calling thread, and the event's mark follows the device work the job queued.
     pub fn submit(&self, job: impl FnOnce() -> Result<(), String> + Send + 'env) -> Event {
+        // only the issuing thread orders a lane: a job submitted from another fails (its
+        // event, and every later one, reports why) instead of racing the issuer's order
+        let foreign = std::thread::current().id() != self.issuer;
+        let job = move || {
+            if foreign {
+                return Err("submitted from a thread other than the lane's issuing thread".to_string());
+            }
+            job()
+        };
         let mut last = self.submitting.lock().unwrap_or_else(|e| e.into_inner());
         // counted only when queued (below): a submission that fails half way leaves no gap
         let seq = self.submitted.load(Ordering::SeqCst) + 1;
@@ -576,6 +590,31 @@ mod tests {
             });
             read.synchronize().unwrap();
             assert_eq!(seen.load(Ordering::SeqCst), 42);
+        });
+    }
+
+    /// A lane is ordered by the thread that started it: a job submitted from another
+    /// thread does not run, and its event says why.
+    #[test]
+    fn a_job_from_another_thread_than_the_issuer_fails() {
+        std::thread::scope(|s| {
+            let lane = Lane::start(s, 0, "collectives", Mode::Plain);
+            lane.submit(|| Ok(())).synchronize().unwrap();
+            let ran = Arc::new(AtomicUsize::new(0));
+            let counter = ran.clone();
+            let event = std::thread::scope(|t| {
+                t.spawn(|| {
+                    lane.submit(move || {
+                        counter.fetch_add(1, Ordering::SeqCst);
+                        Ok(())
+                    })
+                })
+                .join()
+                .unwrap()
+            });
+            let message = event.synchronize().unwrap_err().to_string();
+            assert!(message.contains("issuing thread"), "{message}");
+            assert_eq!(ran.load(Ordering::SeqCst), 0);
         });
     }
 
