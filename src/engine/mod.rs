@@ -13,6 +13,7 @@
 //! - `optimize.rs`: the optimizer phase and installing its updates
 //! - `start.rs`: where state starts: seeded init, Hugging Face weights, a checkpoint
 //! - `snapshot.rs`: a rank's part of saving a checkpoint
+//! - `setup.rs`: what a rank starts from: each unit's state, device reservations, arenas, streams
 
 pub mod context;
 pub mod error;
@@ -25,6 +26,7 @@ pub mod params;
 pub mod prefetch;
 pub mod rank;
 pub mod reduce;
+mod setup;
 pub mod snapshot;
 pub mod start;
 pub mod units;

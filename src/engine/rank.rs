@@ -28,14 +28,13 @@ use super::context::{Comms, LaneOptions, RankContext, StepReport, Tracks};
 use super::error::{EngineError, On};
 use super::gradients::Gradients;
 use super::optimizer::{NvmeTier, Optimizer};
-use super::params::LowParams;
 use super::prefetch::{FetchLanes, Fetcher, Prefetcher};
 use super::reduce::Reducer;
+use super::setup::{device_reservations, device_streams, host_pinning, unit_start};
 use super::units::{Home, Units};
 use crate::comm::{Collective, ReduceOp};
 use crate::data::Dataset;
 use crate::device::cpu::{CpuDevice, Reservation};
-use crate::device::cuda::{Cuda, CudaStreams};
 use crate::device::lanes::{Lane, Streams};
 use crate::metrics::timeline::Phase;
 use crate::metrics::trace::TierBytes;
@@ -49,7 +48,6 @@ use crate::torch;
 use std::sync::Arc;
 use std::time::Instant;
 use tch::{Kind, TchError, Tensor};
-use tierzero_offload::arena::Pinning;
 use tierzero_offload::nvme::swap::SwapStore;
 use tierzero_offload::pipeline;
 
@@ -197,63 +195,16 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let mut held = Vec::new();
         for (u, (layout, part)) in model.units.iter().zip(&parts).enumerate() {
             let (part, partition) = (*part, partitions[u].clone());
-            let start_err = |message: String| EngineError::Start {
-                rank,
-                unit: u,
-                message,
-            };
-            // the elements this rank keeps: its shard at stage 3, else the whole unit
-            let kept_range = if stage == 3 {
-                part.range(rank)
-            } else {
-                0..part.padded
-            };
-            let real = kept_range.start.min(part.numel)..kept_range.end.min(part.numel);
-            let mut kept = vec![0f32; kept_range.len()];
-            start
-                .master(u, layout, real.clone(), &mut kept[..real.len()])
-                .map_err(start_err)?;
-            let params = match start
-                .params(u, real.clone(), &plan.precision)
-                .map_err(start_err)?
-            {
-                Some(bytes) => {
-                    let mut params = LowParams::zeros(kept.len(), &plan.precision);
-                    params.bytes_mut()[..bytes.len()].copy_from_slice(&bytes);
-                    params
-                }
-                None => LowParams::rounded(&kept, &plan.precision),
-            };
-            let master = &kept[partition.start - kept_range.start..][..partition.len()];
-            let (mut exp_avg, mut exp_avg_sq) = (vec![0f32; partition.len()], vec![0f32; partition.len()]);
-            let opt_real = partition.start.min(part.numel)..partition.end.min(part.numel);
-            start
-                .moments(
-                    u,
-                    opt_real.clone(),
-                    &mut exp_avg[..opt_real.len()],
-                    &mut exp_avg_sq[..opt_real.len()],
-                )
-                .map_err(start_err)?;
-            optimizer.init(u, master, &exp_avg, &exp_avg_sq)?;
-            // what of this unit sits on the device for the whole run
-            if plan.zero.offload_param.tier == Tier::Device {
-                // stages 1-2 gather each update from a partition of its own (`units.rs`)
-                let gathered_from = if crate::plan::rules::gathers_updates(stage, world) {
-                    part.shard
-                } else {
-                    0
-                };
-                let bytes = ((params.len() + gathered_from) * plan.precision.bytes()) as u64;
-                held.push(device.reserve(bytes, &format!("parameters of unit {u}"))?);
-            }
-            if plan.zero.offload_optimizer.tier == Tier::Device {
-                let grad_bytes = grads.unit_bytes(u) as u64;
-                held.push(device.reserve(grad_bytes, &format!("gradients of unit {u}"))?);
-                let state_bytes = 12 * partition.len() as u64;
-                held.push(device.reserve(state_bytes, &format!("optimizer state of unit {u}"))?);
-            }
-            units.push(part, params)?;
+            let state = unit_start(start, plan, (u, layout), part, partition.clone(), rank)?;
+            optimizer.init(u, &state.master, &state.exp_avg, &state.exp_avg_sq)?;
+            held.extend(device_reservations(
+                plan,
+                &device,
+                u,
+                (state.params.len(), part),
+                (partition.len(), grads.unit_bytes(u)),
+            )?);
+            units.push(part, state.params)?;
         }
         let mut scaler = LossScaler::new(match &plan.precision {
             Precision::Fp16(s) => Some(s),
@@ -713,36 +664,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let mut totals = [sum, count];
         self.comm.all_reduce(&mut totals, ReduceOp::Sum)?;
         Ok(totals[0] / totals[1].max(1.0))
-    }
-}
-
-/// How the rank's host arenas are held: locked in RAM with
-/// `offload_optimizer.pin_memory` (DeepSpeed's key for the optimizer state and gradients
-/// it offloads), and on a CUDA rank also registered with its context (`cuMemHostRegister`)
-/// so copies from them are asynchronous.
-fn host_pinning(plan: &Plan, compute: tch::Device, rank: usize) -> Result<Pinning, EngineError> {
-    // as in DeepSpeed, pin_memory concerns state offloaded from the device
-    if !plan.zero.offload_optimizer.pin_memory || plan.zero.offload_optimizer.tier == Tier::Device {
-        return Ok(Pinning::default());
-    }
-    let register = match compute {
-        tch::Device::Cuda(ordinal) => {
-            let cuda = Cuda::shared(ordinal).map_err(|source| EngineError::Cuda { rank, source })?;
-            Some(Arc::new(cuda.pinner()) as Arc<dyn tierzero_offload::pool::HostRegister>)
-        }
-        _ => None,
-    };
-    Ok(Pinning { lock: true, register })
-}
-
-/// A CUDA rank's streams for its lanes (torch pool streams of its GPU); none on CPU.
-fn device_streams(compute: tch::Device, rank: usize) -> Result<Option<Arc<dyn Streams>>, EngineError> {
-    match compute {
-        tch::Device::Cuda(ordinal) => {
-            let cuda = Cuda::shared(ordinal).map_err(|source| EngineError::Cuda { rank, source })?;
-            Ok(Some(Arc::new(CudaStreams(cuda))))
-        }
-        _ => Ok(None),
     }
 }
 

@@ -1,0 +1,144 @@
+//! What one rank's engine starts from, apart from its owners: each unit's starting
+//! state (seeded init, Hugging Face weights or a checkpoint), what of it is reserved on
+//! the device for the whole run, how the host arenas are held (locked, registered with a
+//! GPU) and the rank's device streams. `RankEngine::new` (`rank.rs`) puts them together.
+
+use super::error::EngineError;
+use super::params::LowParams;
+use crate::device::cpu::{CpuDevice, Reservation};
+use crate::device::cuda::{Cuda, CudaStreams};
+use crate::device::lanes::Streams;
+use crate::plan::partition::Partition;
+use crate::plan::{Plan, Tier};
+use std::sync::Arc;
+use tierzero_offload::arena::Pinning;
+
+/// Where one unit of a rank starts: its stored low-precision parameters (its shard at
+/// stage 3, else the whole unit), and the fp32 master weights and Adam moments of its
+/// optimizer partition.
+pub(super) struct UnitStart {
+    pub(super) params: LowParams,
+    pub(super) master: Vec<f32>,
+    pub(super) exp_avg: Vec<f32>,
+    pub(super) exp_avg_sq: Vec<f32>,
+}
+
+/// Reads unit `u`'s starting state from `start` (seeded init, Hugging Face weights or a
+/// checkpoint) for rank `rank`, whose optimizer partition is `partition`.
+pub(super) fn unit_start(
+    start: &super::start::Start,
+    plan: &Plan,
+    (u, layout): (usize, &crate::model::layout::UnitLayout),
+    part: Partition,
+    partition: std::ops::Range<usize>,
+    rank: usize,
+) -> Result<UnitStart, EngineError> {
+    let start_err = |message: String| EngineError::Start {
+        rank,
+        unit: u,
+        message,
+    };
+    // the elements this rank keeps: its shard at stage 3, else the whole unit
+    let kept_range = if plan.zero.stage == 3 {
+        part.range(rank)
+    } else {
+        0..part.padded
+    };
+    let real = kept_range.start.min(part.numel)..kept_range.end.min(part.numel);
+    let mut kept = vec![0f32; kept_range.len()];
+    start
+        .master(u, layout, real.clone(), &mut kept[..real.len()])
+        .map_err(start_err)?;
+    let params = match start
+        .params(u, real.clone(), &plan.precision)
+        .map_err(start_err)?
+    {
+        Some(bytes) => {
+            let mut params = LowParams::zeros(kept.len(), &plan.precision);
+            params.bytes_mut()[..bytes.len()].copy_from_slice(&bytes);
+            params
+        }
+        None => LowParams::rounded(&kept, &plan.precision),
+    };
+    let master = kept[partition.start - kept_range.start..][..partition.len()].to_vec();
+    let (mut exp_avg, mut exp_avg_sq) = (vec![0f32; partition.len()], vec![0f32; partition.len()]);
+    let opt_real = partition.start.min(part.numel)..partition.end.min(part.numel);
+    start
+        .moments(
+            u,
+            opt_real.clone(),
+            &mut exp_avg[..opt_real.len()],
+            &mut exp_avg_sq[..opt_real.len()],
+        )
+        .map_err(start_err)?;
+    Ok(UnitStart {
+        params,
+        master,
+        exp_avg,
+        exp_avg_sq,
+    })
+}
+
+/// What of unit `u` sits on the device for the whole run, reserved: its stored
+/// parameters (`params_len` elements, plus the partition stages 1–2 gather each update
+/// from) on the device tier, and its gradients and optimizer state (a partition of
+/// `partition_len` elements, gradients of `grad_bytes`) when the optimizer is on the
+/// device.
+pub(super) fn device_reservations(
+    plan: &Plan,
+    device: &Arc<CpuDevice>,
+    u: usize,
+    (params_len, part): (usize, Partition),
+    (partition_len, grad_bytes): (usize, usize),
+) -> Result<Vec<Reservation>, EngineError> {
+    let mut held = Vec::new();
+    if plan.zero.offload_param.tier == Tier::Device {
+        // stages 1-2 gather each update from a partition of its own (`units.rs`)
+        let gathered_from = if crate::plan::rules::gathers_updates(plan.zero.stage, part.world) {
+            part.shard
+        } else {
+            0
+        };
+        let bytes = ((params_len + gathered_from) * plan.precision.bytes()) as u64;
+        held.push(device.reserve(bytes, &format!("parameters of unit {u}"))?);
+    }
+    if plan.zero.offload_optimizer.tier == Tier::Device {
+        held.push(device.reserve(grad_bytes as u64, &format!("gradients of unit {u}"))?);
+        let state_bytes = 12 * partition_len as u64;
+        held.push(device.reserve(state_bytes, &format!("optimizer state of unit {u}"))?);
+    }
+    Ok(held)
+}
+
+/// How the rank's host arenas are held: locked in RAM with
+/// `offload_optimizer.pin_memory` (DeepSpeed's key for the optimizer state and gradients
+/// it offloads), and on a CUDA rank also registered with its context (`cuMemHostRegister`)
+/// so copies from them are asynchronous.
+pub(super) fn host_pinning(plan: &Plan, compute: tch::Device, rank: usize) -> Result<Pinning, EngineError> {
+    // as in DeepSpeed, pin_memory concerns state offloaded from the device
+    if !plan.zero.offload_optimizer.pin_memory || plan.zero.offload_optimizer.tier == Tier::Device {
+        return Ok(Pinning::default());
+    }
+    let register = match compute {
+        tch::Device::Cuda(ordinal) => {
+            let cuda = Cuda::shared(ordinal).map_err(|source| EngineError::Cuda { rank, source })?;
+            Some(Arc::new(cuda.pinner()) as Arc<dyn tierzero_offload::pool::HostRegister>)
+        }
+        _ => None,
+    };
+    Ok(Pinning { lock: true, register })
+}
+
+/// A CUDA rank's streams for its lanes (torch pool streams of its GPU); none on CPU.
+pub(super) fn device_streams(
+    compute: tch::Device,
+    rank: usize,
+) -> Result<Option<Arc<dyn Streams>>, EngineError> {
+    match compute {
+        tch::Device::Cuda(ordinal) => {
+            let cuda = Cuda::shared(ordinal).map_err(|source| EngineError::Cuda { rank, source })?;
+            Ok(Some(Arc::new(CudaStreams(cuda))))
+        }
+        _ => Ok(None),
+    }
+}
