@@ -30,6 +30,31 @@ pub(crate) fn write_config(dir: &Path, model: serde_json::Value, steps: u64) -> 
     path
 }
 
+/// (step, loss bits) of every line of `dir/metrics.jsonl` (empty without one).
+pub(crate) fn step_losses(dir: &Path) -> Vec<(u64, u64)> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap().to_bits())
+        })
+        .collect()
+}
+
+/// Byte-identical master weights and optimizer state in two checkpoint directories.
+pub(crate) fn same_state(a: &Path, b: &Path) {
+    for state in ["master", "exp_avg", "exp_avg_sq"] {
+        let file = format!("{state}.safetensors");
+        assert!(
+            std::fs::read(a.join(&file)).unwrap() == std::fs::read(b.join(&file)).unwrap(),
+            "{file} of {} and {} differ",
+            a.display(),
+            b.display()
+        );
+    }
+}
+
 /// Every complete checkpoint verifies; returns the step `latest` names.
 pub(crate) fn check_all(root: &Path) -> Option<u64> {
     for (step, dir) in save::list(root) {

@@ -6,7 +6,7 @@
 //! half-written, and a resume from that checkpoint continues the uninterrupted run bit
 //! for bit.
 
-use crate::checkpoint_process::{check_all, leftovers};
+use crate::checkpoint_process::{check_all, leftovers, same_state, step_losses};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -177,33 +177,19 @@ fn nvme_fault_case(fault: &str, words: &[&str]) {
     // resumed from the last good checkpoint, without the fault: the uninterrupted run
     let (status, log) = train(&config, &["--resume", "latest"], &[], Duration::from_secs(120));
     assert!(status.success(), "{log}");
-    let metrics = |dir: &Path| -> Vec<(u64, u64)> {
-        std::fs::read_to_string(dir.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                let v: serde_json::Value = serde_json::from_str(l).unwrap();
-                (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap().to_bits())
-            })
-            .collect()
-    };
-    let resumed: Vec<(u64, u64)> = metrics(&faulty.join("out"))
+    let resumed: Vec<(u64, u64)> = step_losses(&faulty.join("out"))
         .into_iter()
         .filter(|m| m.0 > last)
         .collect();
-    let expected: Vec<(u64, u64)> = metrics(&tmp.path().join("whole"))
+    let expected: Vec<(u64, u64)> = step_losses(&tmp.path().join("whole"))
         .into_iter()
         .filter(|m| m.0 > last)
         .collect();
     assert_eq!(resumed, expected, "{fault}: resumed from step {last}");
-    for state in ["master", "exp_avg", "exp_avg_sq"] {
-        let file = format!("step-8/{state}.safetensors");
-        assert!(
-            std::fs::read(root.join(&file)).unwrap()
-                == std::fs::read(save::root(&tmp.path().join("whole")).join(&file)).unwrap(),
-            "{fault}: {file} differs from the uninterrupted run's"
-        );
-    }
+    same_state(
+        &root.join("step-8"),
+        &save::root(&tmp.path().join("whole")).join("step-8"),
+    );
 }
 
 #[test]

@@ -4,6 +4,7 @@
 //! the same agent store, resumes from the newest checkpoint with `--resume auto`, and
 //! ends with the weights of a run that was never interrupted.
 
+use crate::checkpoint_process::{same_state, step_losses};
 use crate::launch::free_port;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -69,17 +70,6 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
-/// (step, loss bits) of every line of `dir/metrics.jsonl`.
-fn losses(dir: &Path) -> Vec<(u64, u64)> {
-    read(&dir.join("metrics.jsonl"))
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap().to_bits())
-        })
-        .collect()
-}
-
 /// Polls until `ready` holds, at most `limit`.
 fn until(limit: Duration, what: &str, ready: impl Fn() -> bool) {
     let start = Instant::now();
@@ -93,19 +83,6 @@ fn checkpoint(dir: &Path, step: u64) -> PathBuf {
     save::root(dir).join(format!("step-{step}"))
 }
 
-/// Byte-identical master weights and optimizer state in two checkpoints.
-fn same_state(a: &Path, b: &Path) {
-    for state in ["master", "exp_avg", "exp_avg_sq"] {
-        let file = format!("{state}.safetensors");
-        assert!(
-            std::fs::read(a.join(&file)).unwrap() == std::fs::read(b.join(&file)).unwrap(),
-            "{file} of {} and {} differ",
-            a.display(),
-            b.display()
-        );
-    }
-}
-
 #[test]
 fn sigterm_saves_the_step_under_way_and_the_resumed_run_continues_it() {
     let tmp = tempfile::tempdir().unwrap();
@@ -114,7 +91,7 @@ fn sigterm_saves_the_step_under_way_and_the_resumed_run_continues_it() {
     // `--resume auto` with nothing saved yet is a fresh start, said in one line
     let mut child = tierzero(&train_args(&run, 100_000, &["--resume", "auto"]), &log);
     until(Duration::from_secs(120), "three steps", || {
-        losses(&run).len() >= 3
+        step_losses(&run).len() >= 3
     });
     // twice at once, as a worker gets it from SLURM and from torchrun: one request
     for _ in 0..2 {
@@ -126,7 +103,7 @@ fn sigterm_saves_the_step_under_way_and_the_resumed_run_continues_it() {
     let stdout = read(&log.with_extension("out"));
     assert_eq!(status.code(), Some(75), "{stdout}\n{stderr}");
     assert!(stdout.contains("--resume auto: no checkpoint under"), "{stdout}");
-    let stopped = losses(&run).last().unwrap().0;
+    let stopped = step_losses(&run).last().unwrap().0;
     assert!(
         stderr.contains(&format!("preempted by SIGTERM: stopped after step {stopped}")),
         "{stderr}"
@@ -150,7 +127,7 @@ fn sigterm_saves_the_step_under_way_and_the_resumed_run_continues_it() {
     let whole = tmp.path().join("whole");
     let mut child = tierzero(&train_args(&whole, end, &[]), &tmp.path().join("whole.log"));
     assert!(wait(&mut child, Duration::from_secs(120), "the whole run", &log).success());
-    assert_eq!(losses(&run)[..end as usize], losses(&whole)[..]);
+    assert_eq!(step_losses(&run)[..end as usize], step_losses(&whole)[..]);
     same_state(&checkpoint(&run, end), &checkpoint(&whole, end));
 }
 
@@ -223,7 +200,7 @@ fn torchrun_restarts_a_killed_worker_and_the_job_ends_with_the_uninterrupted_wei
     });
     let first = workers(torchrun.id());
     assert_eq!(first.len(), 2, "torchrun's workers: {first:?}");
-    let last_before = losses(&job).last().map_or(0, |l| l.0);
+    let last_before = step_losses(&job).last().map_or(0, |l| l.0);
     assert!(
         last_before < steps,
         "the job ended before the kill: {}",
