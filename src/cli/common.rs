@@ -102,12 +102,17 @@ impl From<anyhow::Error> for Failure {
 }
 
 pub fn load_config(args: &ConfigArgs) -> Result<Loaded, ConfigError> {
+    load_config_on(args, tierzero::device::facts())
+}
+
+/// [`load_config`] as on a machine with `facts` (`plan --simulate`: the profile's).
+pub fn load_config_on(args: &ConfigArgs, facts: tierzero::plan::DeviceFacts) -> Result<Loaded, ConfigError> {
     let mut sets = args.sets.clone();
     if let Some(n) = args.devices {
         sets.push(format!("train.devices={n}"));
     }
     launch_sets(&args.launch, &mut sets)?;
-    let loaded = plan::load(&args.config, &sets, tierzero::device::facts())?;
+    let loaded = plan::load(&args.config, &sets, facts)?;
     for warning in &loaded.warnings {
         tracing::warn!("{warning}");
     }

@@ -4,8 +4,9 @@
 //! every unit (`partition.rs`), the rules every room asks (`rules.rs`), the stage-3 fetch
 //! order (`fetch.rs`), DeepSpeed's learning-rate schedules and loss scaler
 //! (`schedule.rs`), device and host memory predictions (`memory.rs`, `host_memory.rs`),
-//! DeepSpeed's ZeRO-3 estimate (`estimate.rs`) and the table `plan` prints (`report.rs`).
-//! Below the engine and above the config as written: nothing here runs a step.
+//! DeepSpeed's ZeRO-3 estimate (`estimate.rs`), the table `plan` prints (`report.rs`),
+//! and the simulated step on a hardware profile (`simulate/`). Below the engine and above
+//! the config as written: nothing here runs a step.
 
 mod auto_batch;
 pub mod estimate;
@@ -18,6 +19,7 @@ mod resolve;
 mod resolve_zero;
 pub mod rules;
 pub mod schedule;
+pub mod simulate;
 mod types;
 
 pub use report::plan_table;

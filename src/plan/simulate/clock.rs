@@ -1,0 +1,201 @@
+//! Virtual clocks: the simulated device's streams and the issuing thread.
+//!
+//! Each track (the compute stream, every lane's stream, the CPU optimizer's thread, the
+//! issuing host thread) has a time of its own, in seconds since the step began. Work
+//! queued on a track starts at that time and moves it on by the work's cost; a wait
+//! moves a track to the later of its own time and a [`Mark`]'s (`cudaStreamWaitEvent`),
+//! and records the wait so the report can say which lane compute waited for. Nothing
+//! runs: the clocks only add up what the schedule asks of each track, as a stream would
+//! run it (in order, one piece at a time).
+
+use serde::Serialize;
+
+/// A track of the simulated machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Track {
+    /// The device's compute stream, and the thread that issues the step's work: the
+    /// engine waits on the host after every unit (`settle`), so the two keep step.
+    Compute,
+    /// Host → device copies of parameters.
+    H2d,
+    /// The collectives lane: all-gathers and reduce-scatters in schedule order.
+    Collectives,
+    /// Device → host copies of gradients.
+    D2h,
+    /// Host-side gradient accumulation.
+    HostReduce,
+    /// NVMe reads and writes.
+    Nvme,
+    /// The CPU optimizer.
+    Optimizer,
+}
+
+impl Track {
+    pub const ALL: [Track; 7] = [
+        Track::Compute,
+        Track::H2d,
+        Track::Collectives,
+        Track::D2h,
+        Track::HostReduce,
+        Track::Nvme,
+        Track::Optimizer,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Track::Compute => "compute",
+            Track::H2d => "h2d",
+            Track::Collectives => "collectives",
+            Track::D2h => "d2h",
+            Track::HostReduce => "host_reduce",
+            Track::Nvme => "nvme",
+            Track::Optimizer => "optimizer",
+        }
+    }
+
+    fn index(self) -> usize {
+        Track::ALL.iter().position(|&t| t == self).unwrap_or(0)
+    }
+}
+
+/// A point on a track's clock: done once the track has run what was queued before it.
+#[derive(Clone, Copy, Debug, PartialEq, PartialOrd)]
+pub struct Mark {
+    pub at: f64,
+    pub track: Track,
+}
+
+/// A piece of work or a wait on a track, in virtual seconds.
+#[derive(Clone, Debug, Serialize)]
+pub struct Span {
+    pub track: Track,
+    pub what: &'static str,
+    pub unit: Option<usize>,
+    pub start: f64,
+    pub end: f64,
+    pub bytes: u64,
+    /// The track this span waited for (None: work).
+    pub waited_for: Option<Track>,
+}
+
+/// What a track did in a step.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Usage {
+    /// Seconds of work.
+    pub busy: f64,
+    /// Bytes its work moved.
+    pub bytes: u64,
+}
+
+/// Every track's clock and what was queued on it.
+#[derive(Clone, Debug, Default)]
+pub struct Clocks {
+    now: [f64; 7],
+    usage: [Usage; 7],
+    spans: Vec<Span>,
+}
+
+impl Clocks {
+    pub fn now(&self, track: Track) -> f64 {
+        self.now[track.index()]
+    }
+
+    /// A mark of what is queued on `track` so far.
+    pub fn mark(&self, track: Track) -> Mark {
+        Mark {
+            at: self.now(track),
+            track,
+        }
+    }
+
+    /// Queues `seconds` of work on `track`; returns the mark of its end.
+    pub fn run(
+        &mut self,
+        track: Track,
+        what: &'static str,
+        unit: Option<usize>,
+        seconds: f64,
+        bytes: u64,
+    ) -> Mark {
+        let i = track.index();
+        let start = self.now[i];
+        let end = start + seconds.max(0.0);
+        self.now[i] = end;
+        self.usage[i].busy += end - start;
+        self.usage[i].bytes += bytes;
+        if end > start {
+            self.spans.push(Span {
+                track,
+                what,
+                unit,
+                start,
+                end,
+                bytes,
+                waited_for: None,
+            });
+        }
+        Mark { at: end, track }
+    }
+
+    /// Later work on `track` starts no earlier than `mark`.
+    pub fn wait(&mut self, track: Track, mark: Mark) {
+        let i = track.index();
+        if mark.at > self.now[i] {
+            self.spans.push(Span {
+                track,
+                what: "wait",
+                unit: None,
+                start: self.now[i],
+                end: mark.at,
+                bytes: 0,
+                waited_for: Some(mark.track),
+            });
+            self.now[i] = mark.at;
+        }
+    }
+
+    pub fn usage(&self, track: Track) -> Usage {
+        self.usage[track.index()]
+    }
+
+    pub fn spans(&self) -> &[Span] {
+        &self.spans
+    }
+
+    /// Seconds `track` spent waiting for `on`.
+    pub fn waited(&self, track: Track, on: Track) -> f64 {
+        self.spans
+            .iter()
+            .filter(|s| s.track == track && s.waited_for == Some(on))
+            .map(|s| s.end - s.start)
+            .sum()
+    }
+
+    /// The latest time of every track: when the step is done.
+    pub fn end(&self) -> f64 {
+        self.now.iter().copied().fold(0.0, f64::max)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_starts_a_track_at_the_later_time_and_counts_as_waiting() {
+        let mut c = Clocks::default();
+        let copied = c.run(Track::H2d, "h2d", Some(1), 2.0, 100);
+        c.run(Track::Compute, "forward", Some(0), 1.0, 0);
+        c.wait(Track::Compute, copied);
+        c.run(Track::Compute, "forward", Some(1), 1.0, 0);
+        assert_eq!(c.now(Track::Compute), 3.0);
+        assert_eq!(c.waited(Track::Compute, Track::H2d), 1.0);
+        assert_eq!(c.usage(Track::Compute).busy, 2.0);
+        assert_eq!(c.usage(Track::H2d).bytes, 100);
+        // a mark already passed costs nothing
+        c.wait(Track::Compute, copied);
+        assert_eq!(c.now(Track::Compute), 3.0);
+        assert_eq!(c.end(), 3.0);
+    }
+}

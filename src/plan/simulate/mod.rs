@@ -1,0 +1,298 @@
+//! The simulated step: what a config's step would take on a machine described by a
+//! [`profile::Profile`], without running it (`tierzero plan --simulate PROFILE`).
+//!
+//! [`step`] replays one rank's schedule on the virtual clocks of [`clock`] (every
+//! stream and lane a track); this module turns the replay into the figures a person
+//! reads: step time, tokens/s, MFU against the profile's peak, each track's busy time
+//! and the time compute waited for it, bytes across PCIe per parameter beside the
+//! layout's minimum, the plan's device and host peaks, and what bounds the step: the
+//! slowest resource at its profiled rate with the layout's minimal traffic, beside the
+//! critical path of the replay (the track compute waited for most).
+
+pub mod clock;
+pub mod flops;
+pub mod profile;
+mod step;
+
+use crate::plan::{Plan, Tier};
+use clock::{Clocks, Track};
+use profile::Profile;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Steps replayed; the last is reported (the optimizer of the one before overlaps it).
+const STEPS: usize = 3;
+
+/// One track's share of the simulated step.
+#[derive(Clone, Debug, Serialize)]
+pub struct TrackFigures {
+    pub track: Track,
+    pub busy_s: f64,
+    /// Seconds compute waited for this track.
+    pub compute_waited_s: f64,
+    pub bytes: u64,
+}
+
+/// What a step costs on a profiled machine.
+#[derive(Clone, Debug, Serialize)]
+pub struct Simulation {
+    pub profile: String,
+    pub step_s: f64,
+    pub tokens_per_step: usize,
+    pub tokens_per_s: f64,
+    /// Model FLOP/s ÷ (ranks × the profile's dense peak in the training precision).
+    pub mfu: f64,
+    pub tracks: Vec<TrackFigures>,
+    /// Busy seconds per phase, named as the trainer's breakdown names them.
+    pub phases: BTreeMap<&'static str, f64>,
+    /// Bytes across one GPU's PCIe link per model parameter per step (all ranks' links
+    /// together ÷ parameters): host → device, device → host, and the layout's minimum.
+    pub pcie_bytes_per_param: [f64; 2],
+    pub pcie_minimum_per_param: f64,
+    pub device_peak_bytes: u64,
+    pub host_peak_bytes: u64,
+    /// The slowest resource at its profiled rate with the layout's minimal traffic.
+    pub bound: String,
+    pub bound_s: f64,
+    /// The track compute waited for most, or compute itself.
+    pub critical: String,
+    #[serde(skip)]
+    pub clocks: Clocks,
+    #[serde(skip)]
+    pub step_start: f64,
+}
+
+/// Replays `STEPS` steps of `plan` on `profile`'s machine and reports the last.
+pub fn simulate(plan: &Plan, profile: &Profile) -> Simulation {
+    let mut replay = step::Replay::new(plan, profile);
+    let mut step_s = 0.0;
+    let mut step_start = 0.0;
+    for _ in 0..STEPS {
+        step_start = replay.clocks.now(Track::Compute);
+        step_s = replay.step();
+    }
+    let clocks = replay.clocks.clone();
+    let config = &plan.model.config;
+    let tokens_per_step = plan.batch.train_batch_size * plan.data.seq_len;
+    let tokens_per_s = tokens_per_step as f64 / step_s;
+    let peak = profile.peak_flops(plan.precision.name()) * plan.world_size as f64;
+    let mfu = config.flops_per_token(plan.data.seq_len) * tokens_per_s / peak;
+    let window = |s: &clock::Span| (s.end.min(step_start + step_s) - s.start.max(step_start)).max(0.0);
+    let mut phases: BTreeMap<&'static str, f64> = BTreeMap::new();
+    let mut busy: BTreeMap<Track, (f64, u64)> = BTreeMap::new();
+    for s in clocks.spans().iter().filter(|s| s.waited_for.is_none()) {
+        let t = window(s);
+        *phases.entry(s.what).or_default() += t;
+        let entry = busy.entry(s.track).or_default();
+        entry.0 += t;
+        if s.end > step_start && s.end <= step_start + step_s {
+            entry.1 += s.bytes;
+        }
+    }
+    let waited = |on: Track| -> f64 {
+        clocks
+            .spans()
+            .iter()
+            .filter(|s| s.track == Track::Compute && s.waited_for == Some(on))
+            .map(window)
+            .sum()
+    };
+    let tracks: Vec<TrackFigures> = Track::ALL
+        .iter()
+        .filter_map(|&t| {
+            let (busy_s, bytes) = busy.get(&t).copied().unwrap_or_default();
+            let compute_waited_s = if t == Track::Compute { 0.0 } else { waited(t) };
+            (busy_s > 0.0 || compute_waited_s > 0.0).then_some(TrackFigures {
+                track: t,
+                busy_s,
+                compute_waited_s,
+                bytes,
+            })
+        })
+        .collect();
+    let params = config.num_parameters() as f64;
+    let per_param = |bytes: u64| bytes as f64 * plan.world_size as f64 / params;
+    let pcie_bytes_per_param = [per_param(replay.pcie[0]), per_param(replay.pcie[1])];
+    let p = plan.precision.bytes() as f64;
+    let offloaded =
+        plan.zero.offload_param.tier != Tier::Device || plan.zero.offload_optimizer.tier != Tier::Device;
+    let pcie_minimum_per_param = if profile.is_cpu() || !offloaded {
+        0.0
+    } else {
+        2.0 * p
+    };
+    let compute_s = busy.get(&Track::Compute).map_or(0.0, |b| b.0);
+    let (bound, bound_s) = bound(plan, profile, compute_s, pcie_minimum_per_param);
+    let critical = tracks
+        .iter()
+        .filter(|t| t.track != Track::Compute)
+        .max_by(|a, b| a.compute_waited_s.total_cmp(&b.compute_waited_s))
+        .filter(|t| t.compute_waited_s > 0.15 * step_s)
+        .map(|t| {
+            format!(
+                "compute waits for {} ({:.0}% of the step)",
+                t.track.name(),
+                100.0 * t.compute_waited_s / step_s
+            )
+        })
+        .unwrap_or_else(|| format!("compute ({:.0}% of the step busy)", 100.0 * compute_s / step_s));
+    Simulation {
+        profile: profile.name.clone(),
+        step_s,
+        tokens_per_step,
+        tokens_per_s,
+        mfu,
+        tracks,
+        phases,
+        pcie_bytes_per_param,
+        pcie_minimum_per_param,
+        device_peak_bytes: crate::plan::memory::predict(plan).in_tensors(),
+        host_peak_bytes: crate::plan::host_memory::predict_host(plan).total,
+        bound,
+        bound_s,
+        critical,
+        clocks,
+        step_start,
+    }
+}
+
+/// The step's lower bound: the slowest of compute, PCIe each way with the layout's
+/// minimal traffic, NVMe with the optimizer's minimal traffic, and the CPU optimizer.
+fn bound(plan: &Plan, profile: &Profile, compute_s: f64, pcie_min: f64) -> (String, f64) {
+    let params = plan.model.config.num_parameters() as f64;
+    let per_rank = params / plan.world_size as f64;
+    let gb = 1e9;
+    let mut candidates = vec![("compute".to_string(), compute_s)];
+    if pcie_min > 0.0 {
+        let each_way = pcie_min / 2.0 * per_rank;
+        candidates.push((
+            "PCIe h2d".into(),
+            each_way / (profile.copies.h2d_pinned.value * gb),
+        ));
+        candidates.push((
+            "PCIe d2h".into(),
+            each_way / (profile.copies.d2h_pinned.value * gb),
+        ));
+    }
+    let opt = plan.zero.offload_optimizer.tier;
+    if opt != Tier::Device {
+        // the CPU optimizers of a machine's ranks share its cores
+        let ranks_per_host = plan.train.devices as f64;
+        candidates.push((
+            "CPU optimizer".into(),
+            per_rank * ranks_per_host / profile.cpu_adam.params_per_s.value,
+        ));
+    }
+    if opt == Tier::Nvme {
+        // master and both moments read and written once (ranks of a machine share its disk)
+        let bytes = 12.0 * per_rank * plan.train.devices as f64;
+        let nvme = &profile.nvme;
+        candidates.push((
+            "NVMe".into(),
+            bytes / (nvme.read_gb_s.value * gb) + bytes / (nvme.write_gb_s.value * gb),
+        ));
+    }
+    candidates
+        .into_iter()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap_or(("compute".into(), compute_s))
+}
+
+impl Simulation {
+    /// The table `plan --simulate` prints.
+    pub fn human(&self, plan: &Plan) -> String {
+        let mut out = String::new();
+        let line = |out: &mut String, k: &str, v: String| out.push_str(&format!("  {k:<28} {v}\n"));
+        let ranks = if plan.world_size == 1 {
+            "1 rank".to_string()
+        } else {
+            format!("{} ranks", plan.world_size)
+        };
+        out.push_str(&format!(
+            "simulated step on {} (dry run, {ranks}, {}, micro-batch {} × {} tokens × accumulation {})\n",
+            self.profile,
+            plan.precision.name(),
+            plan.batch.micro_batch_per_gpu,
+            plan.data.seq_len,
+            plan.batch.gradient_accumulation_steps
+        ));
+        line(&mut out, "step time", format!("{:.3} s", self.step_s));
+        line(
+            &mut out,
+            "tokens/s",
+            format!(
+                "{:.0} ({} tokens per step)",
+                self.tokens_per_s, self.tokens_per_step
+            ),
+        );
+        line(&mut out, "MFU", format!("{:.1}%", 100.0 * self.mfu));
+        line(
+            &mut out,
+            "bound",
+            format!(
+                "{} at {:.3} s: step ÷ bound {:.2}",
+                self.bound,
+                self.bound_s,
+                self.step_s / self.bound_s.max(1e-12)
+            ),
+        );
+        line(&mut out, "critical path", self.critical.clone());
+        line(
+            &mut out,
+            "PCIe bytes per parameter",
+            format!(
+                "{:.1} h2d + {:.1} d2h = {:.1} per step (layout minimum {:.1})",
+                self.pcie_bytes_per_param[0],
+                self.pcie_bytes_per_param[1],
+                self.pcie_bytes_per_param[0] + self.pcie_bytes_per_param[1],
+                self.pcie_minimum_per_param
+            ),
+        );
+        line(
+            &mut out,
+            "device peak per rank",
+            format!("{:.2} GiB", self.device_peak_bytes as f64 / (1u64 << 30) as f64),
+        );
+        line(
+            &mut out,
+            "host peak per process",
+            format!("{:.2} GiB", self.host_peak_bytes as f64 / (1u64 << 30) as f64),
+        );
+        out.push_str("  track          busy s   busy %  compute waited s      GB\n");
+        for t in &self.tracks {
+            out.push_str(&format!(
+                "  {:<12} {:>8.3} {:>7.0}% {:>17.3} {:>7.2}\n",
+                t.track.name(),
+                t.busy_s,
+                100.0 * t.busy_s / self.step_s,
+                t.compute_waited_s.max(0.0),
+                t.bytes as f64 / 1e9
+            ));
+        }
+        out
+    }
+
+    /// The step's spans as a Chrome trace (chrome://tracing, Perfetto), one track per lane,
+    /// in virtual microseconds from the reported step's start.
+    pub fn chrome_trace(&self) -> serde_json::Value {
+        let events: Vec<serde_json::Value> = self
+            .clocks
+            .spans()
+            .iter()
+            .filter(|s| s.end > self.step_start && s.start < self.step_start + self.step_s)
+            .map(|s| {
+                let name = match (s.waited_for, s.unit) {
+                    (Some(on), _) => format!("wait {}", on.name()),
+                    (None, Some(u)) => format!("{} {u}", s.what),
+                    (None, None) => s.what.to_string(),
+                };
+                serde_json::json!({
+                    "name": name, "ph": "X", "pid": 0, "tid": s.track.name(),
+                    "ts": (s.start - self.step_start) * 1e6, "dur": (s.end - s.start) * 1e6,
+                    "args": {"bytes": s.bytes},
+                })
+            })
+            .collect();
+        serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" })
+    }
+}

@@ -1,0 +1,288 @@
+//! Hardware profiles: the rates the simulated step costs its work with, one file per
+//! machine, each number with its source.
+//!
+//! A profile is data (`profiles/<name>.json`, or the file `tierzero bench profile`
+//! writes). Compute is a table of measured or published rates by the work's shape:
+//! the FLOP/s a unit's forward, its backward by recompute and the LM head reach at a
+//! number of tokens and a hidden size (and, for the head, a vocabulary). A lookup takes
+//! the nearest point in log space, so a profile measured at a config's own shapes
+//! predicts that config exactly and one measured elsewhere predicts it approximately.
+//! Copies, collectives, NVMe and the CPU AdamW are bandwidths and rates.
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// A number and where it came from (a measurement's command, or a public figure).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Figure {
+    pub value: f64,
+    pub source: String,
+}
+
+impl Figure {
+    pub fn new(value: f64, source: impl Into<String>) -> Figure {
+        Figure {
+            value,
+            source: source.into(),
+        }
+    }
+}
+
+/// What the work of a compute rate is.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Work {
+    /// A unit's forward.
+    Forward,
+    /// A unit's backward by recompute: its forward again, then its backward.
+    Backward,
+    /// The final unit with the LM head and the loss: forward and backward.
+    Head,
+}
+
+/// A compute rate at one shape.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Rate {
+    pub work: Work,
+    /// "fp32" or "bf16" (fp16 runs at bf16's rates).
+    pub dtype: String,
+    pub tokens: usize,
+    pub hidden: usize,
+    /// The head's vocabulary (0 for blocks).
+    #[serde(default)]
+    pub vocab: usize,
+    /// Sequence length the rate was measured at (attention's share grows with it).
+    #[serde(default)]
+    pub seq_len: usize,
+    /// FLOP/s as `simulate::flops` counts the work.
+    pub flops_per_s: f64,
+    pub source: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Compute {
+    /// Torch threads per rank the CPU rates were measured with (0: a GPU's).
+    #[serde(default)]
+    pub threads: usize,
+    /// Fixed cost of one piece of compute (a unit's forward or backward): kernel
+    /// launches, framework overhead.
+    pub overhead_s: Figure,
+    /// The device's dense peak in the training precisions, what MFU divides by.
+    pub peak_flops_bf16: Figure,
+    pub peak_flops_fp32: Figure,
+    pub rates: Vec<Rate>,
+}
+
+/// Bandwidths of every kind of copy, GB/s (10⁹ bytes per second).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Copies {
+    pub h2d_pinned: Figure,
+    pub h2d_pageable: Figure,
+    pub d2h_pinned: Figure,
+    pub d2h_pageable: Figure,
+    pub device_to_device: Figure,
+    /// One thread's memcpy between host buffers.
+    pub host_memcpy: Figure,
+    /// Every core's memcpy.
+    pub host_memcpy_parallel: Figure,
+    /// One thread's fp32 `a += b` over host buffers, in bytes of `b` per second.
+    pub host_add: Figure,
+}
+
+/// The link collectives run over: a ring's bus bandwidth and a per-call latency.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Link {
+    pub name: String,
+    pub bus_gb_s: Figure,
+    pub latency_s: Figure,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Nvme {
+    pub read_gb_s: Figure,
+    pub write_gb_s: Figure,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct CpuAdam {
+    /// Parameters per second of the CPU AdamW with every core (fp32 master and moments).
+    pub params_per_s: Figure,
+}
+
+/// One machine: its device, copies, link, disk and CPU optimizer.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Profile {
+    pub name: String,
+    pub about: String,
+    /// "cpu" (compute on the issuing thread, lanes as threads) or "cuda".
+    pub device: String,
+    pub device_memory_bytes: Figure,
+    pub host_cores: usize,
+    pub compute: Compute,
+    pub copies: Copies,
+    pub link: Link,
+    pub nvme: Nvme,
+    pub cpu_adam: CpuAdam,
+}
+
+/// The profiles shipped with tierzero (`profiles/*.json`).
+pub const BUILT_IN: &[(&str, &str)] = &[
+    ("h100-pcie5", include_str!("../../../profiles/h100-pcie5.json")),
+    ("h200", include_str!("../../../profiles/h200.json")),
+    ("rtx4090", include_str!("../../../profiles/rtx4090.json")),
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error("profile {name:?}: no such built-in profile and no such file; built-in: {known}")]
+    Unknown { name: String, known: String },
+    #[error("profile {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("profile {path}: {source}; see profiles/h100-pcie5.json for the form")]
+    Parse { path: String, source: serde_json::Error },
+    #[error("profile {path}: {what}")]
+    Invalid { path: String, what: String },
+}
+
+impl Profile {
+    /// A built-in profile by name, or a profile file by path.
+    pub fn load(name_or_path: &str) -> Result<Profile, ProfileError> {
+        if let Some((_, text)) = BUILT_IN.iter().find(|(n, _)| *n == name_or_path) {
+            return Profile::parse(text, name_or_path);
+        }
+        let path = Path::new(name_or_path);
+        if !path.exists() {
+            return Err(ProfileError::Unknown {
+                name: name_or_path.into(),
+                known: BUILT_IN.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+            });
+        }
+        let text = std::fs::read_to_string(path).map_err(|source| ProfileError::Read {
+            path: name_or_path.into(),
+            source,
+        })?;
+        Profile::parse(&text, name_or_path)
+    }
+
+    /// Parses and checks a profile's JSON (`path` names it in errors).
+    pub fn parse(text: &str, path: &str) -> Result<Profile, ProfileError> {
+        let profile: Profile = serde_json::from_str(text).map_err(|source| ProfileError::Parse {
+            path: path.into(),
+            source,
+        })?;
+        let invalid = |what: String| ProfileError::Invalid {
+            path: path.into(),
+            what,
+        };
+        if profile.device != "cpu" && profile.device != "cuda" {
+            return Err(invalid(format!(
+                "device {:?}: use \"cpu\" or \"cuda\"",
+                profile.device
+            )));
+        }
+        for work in [Work::Forward, Work::Backward, Work::Head] {
+            if !profile.compute.rates.iter().any(|r| r.work == work) {
+                return Err(invalid(format!("compute.rates has no {work:?} rate")));
+            }
+        }
+        if let Some(r) = profile.compute.rates.iter().find(|r| !(r.flops_per_s > 0.0)) {
+            return Err(invalid(format!(
+                "compute.rates: {:?} at {} tokens × hidden {} has flops_per_s {} (must be > 0)",
+                r.work, r.tokens, r.hidden, r.flops_per_s
+            )));
+        }
+        Ok(profile)
+    }
+
+    /// The machine as the plan's `"auto"` choices see it: a CUDA profile has bf16 and
+    /// as many GPUs as a config asks for, each with the profile's memory.
+    pub fn facts(&self) -> crate::plan::DeviceFacts {
+        if self.is_cpu() {
+            return crate::plan::DeviceFacts::default();
+        }
+        crate::plan::DeviceFacts {
+            cuda_bf16: true,
+            cuda_devices: 1024,
+            cuda_memory: Some(self.device_memory_bytes.value as u64),
+        }
+    }
+
+    pub fn is_cpu(&self) -> bool {
+        self.device == "cpu"
+    }
+
+    /// The rate of `work` in `dtype` nearest to the shape (tokens, hidden, vocab, seq) in
+    /// log space; rates of the other dtype only when the profile has none of this one.
+    pub fn rate(&self, work: Work, dtype: &str, shape: Shape) -> f64 {
+        let dtype = if dtype == "fp16" { "bf16" } else { dtype };
+        let of = |d: &str| -> Vec<&Rate> {
+            self.compute
+                .rates
+                .iter()
+                .filter(|r| r.work == work && r.dtype == d)
+                .collect()
+        };
+        let distance = |r: &Rate| {
+            let log = |a: usize, b: usize| ((a.max(1) as f64) / (b.max(1) as f64)).ln().abs();
+            log(r.tokens, shape.tokens)
+                + log(r.hidden, shape.hidden)
+                + if work == Work::Head {
+                    log(r.vocab, shape.vocab)
+                } else {
+                    0.0
+                }
+                + if r.seq_len > 0 {
+                    0.5 * log(r.seq_len, shape.seq_len)
+                } else {
+                    0.0
+                }
+        };
+        let nearest = |rates: Vec<&Rate>| {
+            rates
+                .into_iter()
+                .min_by(|a, b| distance(a).total_cmp(&distance(b)))
+                .map(|r| r.flops_per_s)
+        };
+        nearest(of(dtype))
+            .or_else(|| nearest(of(if dtype == "fp32" { "bf16" } else { "fp32" })))
+            .unwrap_or(1.0)
+    }
+
+    /// The dense peak MFU is measured against, in the training precision.
+    pub fn peak_flops(&self, dtype: &str) -> f64 {
+        if dtype == "fp32" {
+            self.compute.peak_flops_fp32.value
+        } else {
+            self.compute.peak_flops_bf16.value
+        }
+    }
+}
+
+/// The shape a compute rate is looked up at.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub tokens: usize,
+    pub hidden: usize,
+    pub vocab: usize,
+    pub seq_len: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_built_in_profile_parses() {
+        for (name, _) in BUILT_IN {
+            let p = Profile::load(name).unwrap();
+            assert_eq!(&p.name, name);
+            assert!(!p.is_cpu());
+        }
+    }
+
+    #[test]
+    fn an_unknown_profile_names_the_built_in_ones() {
+        let e = Profile::load("h100-sxm9").unwrap_err().to_string();
+        assert!(e.contains("h100-pcie5") && e.contains("rtx4090"), "{e}");
+    }
+}

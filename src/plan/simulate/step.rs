@@ -1,0 +1,614 @@
+//! The simulated step: the engine's schedule of one rank, replayed on virtual clocks.
+//!
+//! It follows the engine as it is at this commit (`engine/rank.rs` `micro_batch`,
+//! `engine/prefetch.rs`, `engine/reduce.rs`, `engine/optimize.rs`), piece by piece,
+//! with the same fetch order and limits (`plan::fetch`, `plan::rules`) and the same
+//! bytes: per micro-batch, forward units 0..last with each stage-3 unit fetched (h2d
+//! from its tier, then the all-gather on the one collectives lane, at most two ahead
+//! within the bucket), the final unit and head, then backward by recompute in reverse,
+//! each gradient reduced on the collectives lane in chunks (pack, reduce-scatter, widen
+//! and copy to the host, a one-thread host add, the NVMe read-modify-write where
+//! gradients live there), the lanes drained at the micro-batch's end; then the
+//! step's all-reduces and serial `sum_squares`, and the optimizer thread over the units
+//! in forward order, which the next step's fetch of each unit waits for. Compute waits
+//! on the host after each unit (the engine's `settle`), so the issuing thread and the
+//! compute stream are one track.
+//!
+//! Three steps run; the third is reported, so the optimizer of the one before overlaps
+//! its forward as in a steady-state run. When the engine changes its schedule, this
+//! file changes with it: the prediction tests (`tests/simulate.rs`) hold the two
+//! together on the CPU.
+
+use super::clock::{Clocks, Mark, Track};
+use super::flops;
+use super::profile::{Profile, Shape, Work};
+use crate::plan::fetch::{may_request, schedule, Limits, Purpose};
+use crate::plan::partition::Partition;
+use crate::plan::rules::{self, REDUCE_DEPTH, SWAP_CHUNK_LIMIT};
+use crate::plan::{Plan, Tier};
+
+const GB: f64 = 1e9;
+
+/// What one rank's step costs, by track, in virtual seconds.
+pub(super) struct Replay<'a> {
+    plan: &'a Plan,
+    profile: &'a Profile,
+    pub clocks: Clocks,
+    parts: Vec<Partition>,
+    /// When each unit's update of the previous step is installed (the optimizer thread).
+    updated: Vec<Mark>,
+    /// Reductions in flight on the collectives lane (their end marks).
+    reducing: Vec<Mark>,
+    /// Bytes across PCIe this step, host → device and device → host.
+    pub pcie: [u64; 2],
+    /// Units whose update of the last step is not installed yet.
+    fresh: Vec<bool>,
+}
+
+impl<'a> Replay<'a> {
+    pub fn new(plan: &'a Plan, profile: &'a Profile) -> Replay<'a> {
+        let world = plan.world_size;
+        let parts: Vec<Partition> = plan
+            .model
+            .config
+            .unit_numels()
+            .into_iter()
+            .map(|n| Partition::new(n, world))
+            .collect();
+        let updated = vec![Clocks::default().mark(Track::Optimizer); parts.len()];
+        let parts_len = parts.len();
+        Replay {
+            plan,
+            profile,
+            clocks: Clocks::default(),
+            parts,
+            updated,
+            reducing: Vec::new(),
+            pcie: [0, 0],
+            fresh: vec![false; parts_len],
+        }
+    }
+
+    fn cuda(&self) -> bool {
+        !self.profile.is_cpu()
+    }
+
+    fn stage(&self) -> u8 {
+        self.plan.zero.stage
+    }
+
+    fn world(&self) -> usize {
+        self.plan.world_size
+    }
+
+    /// Bytes per element of parameters and activations.
+    fn p(&self) -> u64 {
+        self.plan.precision.bytes() as u64
+    }
+
+    fn dtype(&self) -> &'static str {
+        self.plan.precision.name()
+    }
+
+    /// Elements of unit `u`'s optimizer partition.
+    fn optimizer_len(&self, u: usize) -> u64 {
+        let part = self.parts[u];
+        (if self.stage() == 0 {
+            part.padded
+        } else {
+            part.shard
+        }) as u64
+    }
+
+    /// The machine's NVMe read and write rates and CPU AdamW rate as one rank sees them:
+    /// the ranks of a machine share its disk and cores, and all run the same schedule.
+    fn shared(&self) -> (f64, f64, f64) {
+        let ranks = self.plan.train.devices.max(1) as f64;
+        let p = self.profile;
+        (
+            p.nvme.read_gb_s.value / ranks,
+            p.nvme.write_gb_s.value / ranks,
+            p.cpu_adam.params_per_s.value / ranks,
+        )
+    }
+
+    fn seconds(bytes: u64, gb_s: f64) -> f64 {
+        bytes as f64 / (gb_s * GB)
+    }
+
+    /// A collective moving `bytes` (the whole buffer) over the link: a ring's
+    /// (W-1)/W of it, plus the call's latency.
+    fn collective(&self, bytes: u64) -> f64 {
+        let w = self.world() as f64;
+        let link = &self.profile.link;
+        link.latency_s.value + bytes as f64 * (w - 1.0) / w / (link.bus_gb_s.value * GB)
+    }
+
+    /// One full step: the micro-batches, the step's reductions, the optimizer.
+    pub fn step(&mut self) -> f64 {
+        let start = self.clocks.now(Track::Compute);
+        self.pcie = [0, 0];
+        for _ in 0..self.plan.batch.gradient_accumulation_steps {
+            self.micro_batch();
+        }
+        self.after_micro_batches();
+        self.optimizer();
+        self.clocks.now(Track::Compute) - start
+    }
+
+    fn shape(&self, tokens: usize) -> Shape {
+        let c = &self.plan.model.config;
+        Shape {
+            tokens,
+            hidden: c.hidden_size,
+            vocab: c.vocab_size,
+            seq_len: self.plan.data.seq_len,
+        }
+    }
+
+    fn tokens(&self) -> usize {
+        self.plan.batch.micro_batch_per_gpu * self.plan.data.seq_len
+    }
+
+    /// Seconds of a unit's forward or backward on the compute stream.
+    fn compute_seconds(&self, u: usize, work: Work) -> f64 {
+        let c = &self.plan.model.config;
+        let (tokens, seq) = (self.tokens(), self.plan.data.seq_len);
+        let last = self.parts.len() - 1;
+        let overhead = self.profile.compute.overhead_s.value;
+        let numel = self.parts[u].numel;
+        let (flops, work, dtype) = if u == 0 {
+            // a gather of rows; in backward a dense gradient of the table
+            let bytes = if work == Work::Backward {
+                (numel as u64) * self.p()
+            } else {
+                0
+            };
+            return overhead + Self::seconds(bytes, self.profile.copies.device_to_device.value);
+        } else if u == last {
+            // model/head.rs computes the logits in fp32 whatever the weights' kind
+            (flops::head(c, tokens), Work::Head, "fp32")
+        } else if work == Work::Forward {
+            (flops::block_forward(c, numel, tokens, seq), work, self.dtype())
+        } else {
+            (flops::block_backward(c, numel, tokens, seq), work, self.dtype())
+        };
+        overhead + flops / self.profile.rate(work, dtype, self.shape(tokens))
+    }
+
+    /// Runs a piece of compute after `after`.
+    fn compute(&mut self, u: usize, work: Work, after: Option<Mark>) {
+        if let Some(m) = after {
+            self.clocks.wait(Track::Compute, m);
+        }
+        let seconds = self.compute_seconds(u, work);
+        let phase = if work == Work::Forward {
+            "forward"
+        } else {
+            "backward"
+        };
+        self.clocks.run(Track::Compute, phase, Some(u), seconds, 0);
+    }
+
+    /// `install_through(u)`: compute waits for unit `u`'s update of the last step, and
+    /// (parameters on the device, optimizer off it) copies it in.
+    /// Returns whether there was an update to install.
+    fn install(&mut self, u: usize) -> bool {
+        if !self.fresh[u] {
+            return false;
+        }
+        self.fresh[u] = false;
+        let m = self.updated[u];
+        self.clocks.wait(Track::Compute, m);
+        if self.plan.zero.offload_param.tier == Tier::Device
+            && self.plan.zero.offload_optimizer.tier != Tier::Device
+        {
+            let bytes = self.optimizer_len(u) * self.p();
+            let rate = self.h2d_rate(false);
+            self.clocks
+                .run(Track::Compute, "h2d", Some(u), Self::seconds(bytes, rate), bytes);
+            self.pcie[0] += if self.cuda() { bytes } else { 0 };
+        }
+        true
+    }
+
+    fn h2d_rate(&self, pinned: bool) -> f64 {
+        let c = &self.profile.copies;
+        match (self.cuda(), pinned) {
+            (false, _) => c.host_memcpy.value,
+            (true, true) => c.h2d_pinned.value,
+            (true, false) => c.h2d_pageable.value,
+        }
+    }
+
+    /// Issues the fetch of unit `u` (stage 3): its shard to the device, then the
+    /// all-gather on the collectives lane. Returns the gathered unit's mark.
+    fn issue_fetch(&mut self, u: usize) -> Mark {
+        self.install(u);
+        let part = self.parts[u];
+        let shard_bytes = part.shard as u64 * self.p();
+        let issued = self.clocks.mark(Track::Compute);
+        let copies = self.profile.copies.clone();
+        let mut ready = issued;
+        match self.plan.zero.offload_param.tier {
+            Tier::Device => {}
+            tier => {
+                // the h2d lane: (NVMe: read chunk by chunk through a bounce buffer, one in
+                // flight) then a one-thread memcpy into the pinned slot and the copy
+                self.clocks.wait(Track::H2d, issued);
+                if tier == Tier::Nvme {
+                    let read = Self::seconds(shard_bytes, self.shared().0)
+                        + Self::seconds(shard_bytes, copies.host_memcpy.value);
+                    self.clocks
+                        .run(Track::H2d, "nvme_read", Some(u), read, shard_bytes);
+                }
+                if self.cuda() {
+                    let memcpy = Self::seconds(shard_bytes, copies.host_memcpy.value);
+                    self.clocks.run(Track::H2d, "staging", Some(u), memcpy, 0);
+                    let copy = Self::seconds(shard_bytes, copies.h2d_pinned.value);
+                    self.pcie[0] += shard_bytes;
+                    ready = self.clocks.run(Track::H2d, "h2d", Some(u), copy, shard_bytes);
+                } else if tier == Tier::Cpu {
+                    let memcpy = Self::seconds(shard_bytes, copies.host_memcpy.value);
+                    ready = self.clocks.run(Track::H2d, "h2d", Some(u), memcpy, shard_bytes);
+                } else {
+                    ready = self.clocks.mark(Track::H2d);
+                }
+            }
+        }
+        if self.world() == 1 && self.plan.zero.offload_param.tier != Tier::Device {
+            return ready;
+        }
+        self.clocks.wait(Track::Collectives, issued);
+        self.clocks.wait(Track::Collectives, ready);
+        let bytes = part.padded as u64 * self.p();
+        let seconds = self.collective(bytes);
+        self.clocks
+            .run(Track::Collectives, "all_gather", Some(u), seconds, bytes)
+    }
+
+    /// One micro-batch: forward, the final unit, backward by recompute.
+    fn micro_batch(&mut self) {
+        let units = self.parts.len();
+        let last = units - 1;
+        let c = &self.plan.model.config;
+        let tied = c.tie_word_embeddings;
+        let threshold = self.plan.zero.param_persistence_threshold;
+        let parts = self.parts.clone();
+        let persistent = |u: usize| parts[u].numel <= threshold;
+        let stage3 = self.stage() == 3;
+        let mut order = schedule(units, tied, persistent);
+        // cached persistent units are not fetched again while no update is pending
+        if !self.fresh.iter().any(|&f| f) {
+            order.retain(|&(u, _)| !persistent(u));
+        }
+        let limits = Limits {
+            bucket: self.plan.zero.prefetch_bucket_size,
+            max_live: self.plan.zero.max_live_parameters,
+            persistence_threshold: threshold,
+        };
+        let mut fetcher = Fetches {
+            order: order.into_iter().collect(),
+            outstanding: Vec::new(),
+            limits,
+        };
+        // forward
+        for u in 0..last {
+            let ready = if stage3 {
+                self.next(&mut fetcher, u, 0)
+            } else {
+                self.replica(u)
+            };
+            self.compute(u, Work::Forward, ready);
+        }
+        // the final unit (and the tied embedding), its loss and backward
+        let ready = if stage3 {
+            let in_use = parts[last].numel + if tied { parts[0].numel } else { 0 };
+            let a = self.next(&mut fetcher, last, in_use);
+            let b = tied.then(|| self.next(&mut fetcher, 0, in_use)).flatten();
+            later(a, b)
+        } else {
+            self.replica(last)
+        };
+        self.compute(last, Work::Head, ready);
+        self.accumulate(last);
+        if tied {
+            self.accumulate(0);
+        }
+        // backward in reverse by recompute
+        for u in (0..last).rev() {
+            let ready = if stage3 {
+                self.next(&mut fetcher, u, 0)
+            } else {
+                self.replica(u)
+            };
+            self.compute(u, Work::Backward, ready);
+            self.accumulate(u);
+        }
+        // the prefetcher's end: the lanes are drained before the next micro-batch
+        if self.stage() >= 2 {
+            let drained = later(
+                Some(self.clocks.mark(Track::Collectives)),
+                Some(self.clocks.mark(Track::H2d)),
+            );
+            if let Some(m) = drained {
+                self.clocks.wait(Track::Compute, m);
+            }
+            self.reducing.clear();
+        }
+    }
+
+    /// Stages 0–2: the replica is whole; an update is installed (and at stages 1–2
+    /// all-gathered on the compute thread) at the unit's first use.
+    fn replica(&mut self, u: usize) -> Option<Mark> {
+        if self.install(u) && rules::gathers_updates(self.stage(), self.world()) {
+            let bytes = self.parts[u].padded as u64 * self.p();
+            let seconds = self.collective(bytes);
+            self.clocks
+                .run(Track::Compute, "all_gather", Some(u), seconds, bytes);
+        }
+        None
+    }
+
+    /// The prefetcher's `next(u)`: issue what the limits allow, take the head of the
+    /// queue, issue more. Returns the mark compute waits for.
+    fn next(&mut self, f: &mut Fetches, u: usize, in_use: usize) -> Option<Mark> {
+        self.fill(f, true, in_use);
+        let head = f.outstanding.first().map(|(v, _, _)| *v);
+        let mark = match head {
+            Some(v) if v == u => Some(f.outstanding.remove(0).2),
+            // a cached persistent unit: nothing to wait for
+            _ => None,
+        };
+        self.fill(f, false, in_use);
+        mark
+    }
+
+    fn fill(&mut self, f: &mut Fetches, needed: bool, in_use: usize) {
+        while let Some(&(v, _)) = f.order.front() {
+            let numel = self.parts[v].numel;
+            let outstanding_numel: usize = f.outstanding.iter().map(|(_, n, _)| n).sum();
+            let ok = may_request(
+                needed && f.outstanding.is_empty(),
+                f.outstanding.len(),
+                outstanding_numel,
+                numel,
+                in_use,
+                f.limits,
+            );
+            if !ok {
+                break;
+            }
+            f.order.pop_front();
+            let mark = self.issue_fetch(v);
+            f.outstanding.push((v, numel, mark));
+        }
+    }
+
+    /// `accumulate(u)`: the gradient's reduction on the collectives lane (stages 2–3),
+    /// or its copy to the host accumulator on the compute thread (stages 0–1).
+    fn accumulate(&mut self, u: usize) {
+        let part = self.parts[u];
+        let copies = self.profile.copies.clone();
+        let wire = match self.plan.communication {
+            crate::plan::Wire::Fp32 => 4u64,
+            _ => 2,
+        };
+        if self.stage() < 2 {
+            // widen to fp32 and copy to the host accumulator, in the compute thread
+            let bytes = part.padded as u64 * 4;
+            let rate = if self.cuda() {
+                copies.d2h_pageable.value
+            } else {
+                copies.host_memcpy.value
+            };
+            self.clocks
+                .run(Track::Compute, "d2h", Some(u), Self::seconds(bytes, rate), bytes);
+            self.clocks.run(
+                Track::Compute,
+                "host_add",
+                Some(u),
+                Self::seconds(bytes, copies.host_add.value),
+                0,
+            );
+            self.pcie[1] += if self.cuda() { bytes } else { 0 };
+            return;
+        }
+        // at most REDUCE_DEPTH reductions in flight: compute waits for the oldest
+        while self.reducing.len() >= REDUCE_DEPTH {
+            let oldest = self.reducing.remove(0);
+            self.clocks.wait(Track::Compute, oldest);
+        }
+        let issued = self.clocks.mark(Track::Compute);
+        self.clocks.wait(Track::Collectives, issued);
+        let world = self.world() as u64;
+        let stretch = (rules::chunk_elements(self.plan) as u64 / world).max(1);
+        let shard = part.shard as u64;
+        let chunks = shard.div_ceil(stretch);
+        let nvme = rules::nvme_gradients(self.plan);
+        let swap_chunk = self.swap_chunk() as u64;
+        let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
+        for chunk in 0..chunks {
+            let k = stretch.min(shard - chunk * stretch);
+            let bucket = wire * world * k;
+            let pack = Self::seconds(bucket, copies.device_to_device.value);
+            self.clocks.run(Track::Collectives, "d2h", Some(u), pack, bucket);
+            let rs = self.collective(bucket);
+            self.clocks.run(Track::Collectives, "reduce", Some(u), rs, bucket);
+            // widen to fp32, a blocking copy to the host, a one-thread add
+            let out = 4 * k;
+            if self.cuda() {
+                let copy = Self::seconds(out, copies.d2h_pageable.value);
+                self.clocks
+                    .run(Track::Collectives, "copy_out", Some(u), copy, out);
+                self.pcie[1] += out;
+            }
+            let add = Self::seconds(out, copies.host_add.value);
+            self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
+        }
+        if nvme {
+            // the gradient's swap chunks: read back (after the first micro-batch) and
+            // written, on the lane thread
+            let elements = self.optimizer_len(u);
+            let n = elements.div_ceil(swap_chunk);
+            let bytes = n * round_4k(swap_chunk * accumulator);
+            if self.plan.batch.gradient_accumulation_steps > 1 {
+                let read = Self::seconds(bytes, self.shared().0);
+                self.clocks
+                    .run(Track::Collectives, "nvme_read", Some(u), read, bytes);
+            }
+            let write = Self::seconds(bytes, self.shared().1);
+            self.clocks
+                .run(Track::Collectives, "nvme_write", Some(u), write, bytes);
+        }
+        let done = self.clocks.mark(Track::Collectives);
+        if self.plan.zero.overlap_comm {
+            self.reducing.push(done);
+        } else {
+            self.clocks.wait(Track::Compute, done);
+        }
+    }
+
+    /// Elements per swap chunk (`run/stores.rs`).
+    fn swap_chunk(&self) -> usize {
+        let largest = self
+            .parts
+            .iter()
+            .map(|p| p.shard.max(p.numel.min(p.padded)))
+            .max()
+            .unwrap_or(1);
+        let chunk = self
+            .plan
+            .zero
+            .sub_group_size
+            .min(SWAP_CHUNK_LIMIT)
+            .min(largest)
+            .max(1);
+        chunk.div_ceil(4096) * 4096
+    }
+
+    /// The step's all-reduces and the gradient norm, on the compute thread.
+    fn after_micro_batches(&mut self) {
+        let latency = self.profile.link.latency_s.value;
+        let mut seconds = if self.world() > 1 { 2.0 * latency } else { 0.0 };
+        if self.stage() < 2 && self.world() > 1 {
+            // stages 0–1: an fp32 all-reduce of every unit's gradient
+            let bytes: u64 = self.parts.iter().map(|p| p.padded as u64 * 4).sum();
+            seconds += self.collective(bytes) * 2.0;
+        }
+        if !rules::nvme_gradients(self.plan) {
+            // sum_squares: a serial pass over every accumulator
+            let elements: u64 = (0..self.parts.len()).map(|u| self.optimizer_len(u)).sum();
+            seconds += Self::seconds(elements * 4, self.profile.copies.host_memcpy.value);
+        }
+        self.clocks.run(Track::Compute, "reduce", None, seconds, 0);
+        // install_all: every update of the last step is in before this step's goes out
+        for u in 0..self.parts.len() {
+            self.install(u);
+        }
+    }
+
+    /// The optimizer thread: every unit in forward order, from the end of the step.
+    fn optimizer(&mut self) {
+        let start = self.clocks.mark(Track::Compute);
+        self.clocks.wait(Track::Optimizer, start);
+        let (read_gb_s, write_gb_s, adam) = self.shared();
+        let opt = &self.plan.zero.offload_optimizer;
+        let swap_chunk = self.swap_chunk() as u64;
+        let stored_grads = rules::nvme_gradients(self.plan);
+        let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
+        let pipelined = (opt.pipeline_read || opt.pipeline_write) && rules::pipeline_sets(self.plan) >= 2;
+        for u in 0..self.parts.len() {
+            let len = self.optimizer_len(u);
+            match opt.tier {
+                Tier::Device => {
+                    // the host accumulator to the device, then fused AdamW there
+                    let grads = len * 4;
+                    let rate = self.h2d_rate(false);
+                    let bytes = 28 * len;
+                    let seconds = Self::seconds(grads, rate)
+                        + Self::seconds(bytes, self.profile.copies.device_to_device.value);
+                    self.clocks
+                        .run(Track::Optimizer, "optimizer", Some(u), seconds, bytes);
+                    self.pcie[0] += if self.cuda() { grads } else { 0 };
+                }
+                Tier::Cpu => {
+                    self.clocks.run(
+                        Track::Optimizer,
+                        "optimizer",
+                        Some(u),
+                        len as f64 / adam,
+                        16 * len,
+                    );
+                }
+                Tier::Nvme => {
+                    let n = len.div_ceil(swap_chunk);
+                    let states = 3 * round_4k(swap_chunk * 4);
+                    let read_bytes = states
+                        + if stored_grads {
+                            round_4k(swap_chunk * accumulator)
+                        } else {
+                            0
+                        };
+                    let (r, w) = (
+                        Self::seconds(read_bytes, read_gb_s),
+                        Self::seconds(states, write_gb_s),
+                    );
+                    let up = swap_chunk.min(len) as f64 / adam;
+                    for i in 0..n {
+                        // serial read → update → write per sub-group, or a pipeline whose
+                        // slowest stage sets the pace after the first sub-group
+                        let (rr, uu, ww) = if pipelined && i > 0 {
+                            let slowest = r.max(up).max(w);
+                            (
+                                if r == slowest { r } else { 0.0 },
+                                if up == slowest { up } else { 0.0 },
+                                if w == slowest { w } else { 0.0 },
+                            )
+                        } else {
+                            (r, up, w)
+                        };
+                        self.clocks
+                            .run(Track::Optimizer, "nvme_read", Some(u), rr, read_bytes);
+                        self.clocks.run(Track::Optimizer, "optimizer", Some(u), uu, 0);
+                        self.clocks
+                            .run(Track::Optimizer, "nvme_write", Some(u), ww, states);
+                    }
+                }
+            }
+            // the new parameters back to their tier
+            let shard = self.parts[u].shard as u64 * self.p();
+            if self.plan.zero.offload_param.tier == Tier::Nvme && self.stage() == 3 {
+                self.clocks.run(
+                    Track::Optimizer,
+                    "nvme_write",
+                    Some(u),
+                    Self::seconds(shard, write_gb_s),
+                    shard,
+                );
+            }
+            self.updated[u] = self.clocks.mark(Track::Optimizer);
+            self.fresh[u] = true;
+        }
+    }
+}
+
+/// The stage-3 prefetcher's queue: what is still to be fetched and what is in flight.
+struct Fetches {
+    order: std::collections::VecDeque<(usize, Purpose)>,
+    /// (unit, elements, gathered mark), oldest first.
+    outstanding: Vec<(usize, usize, Mark)>,
+    limits: Limits,
+}
+
+fn later(a: Option<Mark>, b: Option<Mark>) -> Option<Mark> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(if a.at >= b.at { a } else { b }),
+        (a, None) => a,
+        (None, b) => b,
+    }
+}
+
+fn round_4k(bytes: u64) -> u64 {
+    bytes.div_ceil(4096) * 4096
+}
