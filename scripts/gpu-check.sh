@@ -11,6 +11,9 @@
 # params and optimizer on cpu, then on nvme) with a loss comparison, with two GPUs the
 # tiny Llama over 2 torchrun processes on NCCL against 2 ranks of one process, the 1B Llama (tokens/s, MFU,
 # peak GPU memory), and bench memory on the GPU. Every result lands in OUT_DIR.
+# Each training run on a GPU is printed beside the simulated step of the same config on
+# PROFILE (default: h200 on an H200, else h100-pcie5): the first run on a GPU calibrates
+# the profile.
 # With PARTS=disk it also measures that machine's disk for the NVMe tier (bench nvme,
 # bench swap), which issue 3's targets need.
 # PARTS="tests bench tiny big memory" (the default) picks parts, so a run that would
@@ -77,11 +80,32 @@ worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
 print(f"   {len(a)} steps: {sys.argv[3]} {a[0]:.4f} -> {a[-1]:.4f}, {sys.argv[4]} {b[0]:.4f} -> {b[-1]:.4f}, max relative loss difference {worst:.2e} ({'within' if worst < 2e-2 else 'OUTSIDE'} bf16 tolerance 2e-2)")
 PYEOF
 }
+PROFILE=${PROFILE:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && echo h200 || echo h100-pcie5)}
+predict() { # run name (under $WORK), then the run's train arguments: prediction beside measurement
+  local name=$1; shift
+  "$BIN" plan "$@" --simulate "$PROFILE" --json >"$WORK/$name/simulated.json" 2>/dev/null
+  $PY - "$WORK/$name" "$PROFILE" <<'PYEOF' | tee -a "$OUT/summary.txt"
+import json, sys
+work, profile = sys.argv[1], sys.argv[2]
+sim = json.load(open(work + "/simulated.json"))
+steps = [json.loads(l) for l in open(work + "/metrics.jsonl")][2:]
+med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")
+real = med([s["step_seconds"] for s in steps])
+print(f"   simulated on {profile}: step {sim['step_s']:.4f} s, measured {real:.4f} s (prediction {sim['step_s'] / real - 1:+.0%})")
+for phase in ("forward", "backward", "all_gather", "reduce", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer"):
+    r = med([s["breakdown"]["seconds"].get(phase, 0.0) for s in steps])
+    p = sim["phases"].get(phase, 0.0)
+    print(f"     {phase:<11} {p:.4f} s simulated, {r:.4f} s measured")
+PYEOF
+}
 # "none none": parameters, gathers, gradient buckets and AdamW on the GPU
 part tiny && for tiers in "none none" "cpu cpu" "nvme nvme"; do
   set -- $tiers
   run "tiny-$1-cpu" tiny "tiny-$1-cpu" cpu "$1" "$2"
   run "tiny-$1-cuda" tiny "tiny-$1-cuda" cuda "$1" "$2"
+  predict "tiny-$1-cuda" --config configs/default.json --devices 1 --set train.accelerator=cuda \
+    --set bf16.enabled=true --set zero_optimization.stage=3 \
+    --set zero_optimization.offload_param.device="$1" --set zero_optimization.offload_optimizer.device="$2"
   compare "tiny-$1-cpu" "tiny-$1-cuda"
 done
 
@@ -114,8 +138,10 @@ big() { # name, config
 }
 if part big; then
   run llama-1b-cpu big llama-1b-cpu configs/llama-1b-1gpu-cpu.json
+  predict llama-1b-cpu --config configs/llama-1b-1gpu-cpu.json --set gradient_accumulation_steps=1
   cp "$WORK/llama-1b-cpu/summary.json" "$OUT/llama-1b-cpu-summary.json" 2>/dev/null
   run llama-1b-nvme big llama-1b-nvme configs/llama-1b-1gpu-nvme.json
+  predict llama-1b-nvme --config configs/llama-1b-1gpu-nvme.json --set gradient_accumulation_steps=1
   cp "$WORK/llama-1b-nvme/summary.json" "$OUT/llama-1b-nvme-summary.json" 2>/dev/null
 fi
 part memory && run bench-memory "$BIN" bench memory --config configs/default.json --devices 1 --stages 0,3 \

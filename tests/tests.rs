@@ -22,6 +22,7 @@ mod precision;
 mod preemption;
 mod recall;
 mod rendezvous;
+mod simulate;
 mod text_data;
 mod torch_reference;
 mod zero_equivalence;

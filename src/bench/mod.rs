@@ -6,5 +6,6 @@ pub mod comm;
 pub mod gpu;
 pub mod memory;
 pub mod nvme;
+pub mod profile;
 pub mod step;
 pub mod swap;

@@ -2,6 +2,7 @@
 //! the same run.
 
 use super::common::{emit, load_config, parse_bytes, parse_count, ConfigArgs, Failure};
+use anyhow::Context;
 use clap::Subcommand;
 use clap::ValueEnum;
 use std::path::PathBuf;
@@ -105,6 +106,25 @@ pub enum Bench {
         repeats: usize,
         #[arg(long)]
         json: bool,
+    },
+    /// This machine's hardware profile for `plan --simulate`: compute at the configs'
+    /// shapes, copies, collectives, NVMe and the CPU AdamW, each measured.
+    Profile {
+        /// Configs whose shapes to measure compute at (repeat the flag for several).
+        #[arg(long = "config", required = true)]
+        configs: Vec<PathBuf>,
+        /// `--set key=value` applied to every config.
+        #[arg(long = "set")]
+        sets: Vec<String>,
+        /// A directory on the disk the NVMe tiers use.
+        #[arg(long, default_value = "runs/profile/nvme")]
+        dir: PathBuf,
+        /// Where to write the profile.
+        #[arg(long, default_value = "runs/profile/this-machine.json")]
+        out: PathBuf,
+        /// The profile's name.
+        #[arg(long, default_value = "this-machine")]
+        name: String,
     },
     /// Tokens/s and MFU of a config, and its step time against a dense single rank.
     Step {
@@ -260,6 +280,30 @@ pub fn run(which: Bench) -> Result<(), Failure> {
             loaded.plan.train.steps = steps;
             let report = tierzero::bench::memory::run(&loaded.plan, &stages).map_err(anyhow::Error::from)?;
             emit(&report, json, tierzero::bench::memory::MemoryReport::human)
+        }
+        Bench::Profile {
+            configs,
+            sets,
+            dir,
+            out,
+            name,
+        } => {
+            let plans = configs
+                .iter()
+                .map(|c| tierzero::plan::load(c, &sets, tierzero::device::facts()).map(|l| l.plan))
+                .collect::<Result<Vec<_>, _>>()?;
+            let profile = tierzero::bench::profile::run(&plans, &dir, &name, false)?;
+            if let Some(parent) = out.parent() {
+                std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+            }
+            let text = serde_json::to_string_pretty(&profile).context("serialising the profile")?;
+            std::fs::write(&out, text + "\n").with_context(|| format!("writing {}", out.display()))?;
+            println!(
+                "wrote {} ({} compute rates)",
+                out.display(),
+                profile.compute.rates.len()
+            );
+            Ok(())
         }
         Bench::Step { config, steps, json } => {
             let loaded = load_config(&config)?;

@@ -185,7 +185,12 @@ impl Profile {
                 return Err(invalid(format!("compute.rates has no {work:?} rate")));
             }
         }
-        if let Some(r) = profile.compute.rates.iter().find(|r| !(r.flops_per_s > 0.0)) {
+        if let Some(r) = profile
+            .compute
+            .rates
+            .iter()
+            .find(|r| r.flops_per_s.is_nan() || r.flops_per_s <= 0.0)
+        {
             return Err(invalid(format!(
                 "compute.rates: {:?} at {} tokens × hidden {} has flops_per_s {} (must be > 0)",
                 r.work, r.tokens, r.hidden, r.flops_per_s

@@ -1,0 +1,311 @@
+//! `tierzero bench profile`: this machine's hardware profile, measured, for the
+//! simulated step (`plan --simulate FILE`).
+//!
+//! Compute is measured on the model code itself at each given config's shapes: a block's
+//! forward and its backward by recompute, and the final unit with the LM head, with the
+//! torch threads a rank of that config gets and its ranks running at once (as the
+//! trainer's ranks share the cores); rates are FLOPs as `plan::simulate::flops` counts
+//! them over the median time. Beside them: memcpy (one thread and every core), a
+//! one-thread fp32 add, a device-memory copy, the collectives (`bench comm`'s Local
+//! ranks), NVMe (`bench nvme`'s io_uring rows) and the CPU AdamW (`bench adam`). Every
+//! number records the measurement that gave it.
+
+use super::adam::{run as adam_bench, AdamBenchArgs};
+use super::comm::{run as comm_bench, Backend, CommBenchArgs};
+use super::nvme::{run as nvme_bench, NvmeBenchArgs};
+use crate::model::Model;
+use crate::plan::simulate::flops;
+use crate::plan::simulate::profile::{Compute, Copies, CpuAdam, Figure, Link, Nvme, Profile, Rate, Work};
+use crate::plan::Plan;
+use crate::run::rank_threads;
+use std::path::Path;
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+const REPEATS: usize = 3;
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Median seconds of `f` over [`REPEATS`] runs after one warm-up.
+fn timed(mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    f()?;
+    let mut times = Vec::with_capacity(REPEATS);
+    for _ in 0..REPEATS {
+        let start = Instant::now();
+        f()?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    Ok(median(times))
+}
+
+/// The rates of one config's shapes: block forward, block backward, head, each timed on
+/// rank 0 while every rank of the config does the same.
+fn compute_rates(plan: &Plan, overhead: f64) -> anyhow::Result<Vec<Rate>> {
+    let threads = rank_threads(plan);
+    tch::set_num_threads(threads as i32);
+    let ranks = plan.train.devices.max(1);
+    let barrier = std::sync::Barrier::new(ranks);
+    let results: Vec<anyhow::Result<Vec<Rate>>> = std::thread::scope(|s| {
+        let barrier = &barrier;
+        let handles: Vec<_> = (0..ranks)
+            .map(|_| s.spawn(move || one_rank_rates(plan, threads, overhead, barrier)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a measuring thread panicked")))
+            })
+            .collect()
+    });
+    results.into_iter().next().unwrap_or_else(|| Ok(Vec::new()))
+}
+
+fn one_rank_rates(
+    plan: &Plan,
+    threads: usize,
+    overhead: f64,
+    barrier: &std::sync::Barrier,
+) -> anyhow::Result<Vec<Rate>> {
+    let config = plan.model.config.clone();
+    let kind = crate::torch::compute_kind(&plan.precision);
+    let (rows, seq) = (plan.batch.micro_batch_per_gpu as i64, plan.data.seq_len as i64);
+    let tokens = (rows * seq) as usize;
+    let h = config.hidden_size as i64;
+    let model = Model::new(config.clone(), kind);
+    let last = model.units.len() - 1;
+    let numel = |u: usize| model.units[u].numel as i64;
+    let options = (kind, Device::Cpu);
+    let params = Tensor::f_randn([numel(1)], options)?.f_mul_scalar(0.02)?;
+    let x = Tensor::f_randn([rows, seq, h], options)?;
+    let dy = Tensor::f_randn([rows, seq, h], options)?.f_mul_scalar(1e-3)?;
+    let final_params = Tensor::f_randn([numel(last)], options)?.f_mul_scalar(0.02)?;
+    let embedding = if config.tie_word_embeddings {
+        Some(Tensor::f_randn([numel(0)], options)?.f_mul_scalar(0.02)?)
+    } else {
+        None
+    };
+    let targets = Tensor::f_randint(config.vocab_size as i64, [rows, seq], (Kind::Int64, Device::Cpu))?;
+    barrier.wait();
+    let forward = timed(|| {
+        let _ = model.forward_unit(1, &params, &x)?;
+        Ok(())
+    })?;
+    let backward = timed(|| {
+        let _ = model.backward_unit(1, &params, &x, &dy)?;
+        Ok(())
+    })?;
+    let head = timed(|| {
+        model.backward_final(&final_params, embedding.as_ref(), &x, &targets, 1.0)?;
+        Ok(())
+    })?;
+    let block = model.units[1].numel;
+    let seq_len = seq as usize;
+    let source = |what: &str| {
+        format!(
+            "{what} of {} ({} tokens = {rows} × {seq}, hidden {h}) timed by `tierzero bench profile`, {threads} torch threads per rank, {} ranks at once, median of {REPEATS}",
+            plan.model.source,
+            tokens,
+            plan.train.devices
+        )
+    };
+    let rate = |work: Work, dtype: &str, flops: f64, seconds: f64, what: &str| Rate {
+        work,
+        dtype: dtype.to_string(),
+        tokens,
+        hidden: config.hidden_size,
+        vocab: if work == Work::Head { config.vocab_size } else { 0 },
+        seq_len,
+        // the simulation adds the fixed overhead to every piece: the rate is the rest
+        flops_per_s: flops / (seconds - overhead).max(0.1 * seconds),
+        source: source(what),
+    };
+    let dtype = plan.precision.name();
+    Ok(vec![
+        rate(
+            Work::Forward,
+            dtype,
+            flops::block_forward(&config, block, tokens, seq_len),
+            forward,
+            "a block's forward",
+        ),
+        rate(
+            Work::Backward,
+            dtype,
+            flops::block_backward(&config, block, tokens, seq_len),
+            backward,
+            "a block's backward by recompute",
+        ),
+        // the head computes in fp32 whatever the training precision
+        rate(
+            Work::Head,
+            "fp32",
+            flops::head(&config, tokens),
+            head,
+            "the final unit's loss and backward",
+        ),
+    ])
+}
+
+/// GB/s of `f` moving `bytes`.
+fn gb_s(bytes: usize, f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    Ok(bytes as f64 / timed(f)? / 1e9)
+}
+
+fn copies(threads: usize) -> anyhow::Result<Copies> {
+    use rayon::prelude::*;
+    const N: usize = 1 << 26;
+    let src = vec![1.0f32; N];
+    let mut dst = vec![0.0f32; N];
+    let bytes = N * 4;
+    let one = gb_s(bytes, || {
+        dst.copy_from_slice(&src);
+        Ok(())
+    })?;
+    let all = gb_s(bytes, || {
+        dst.par_chunks_mut(1 << 16)
+            .zip(src.par_chunks(1 << 16))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        Ok(())
+    })?;
+    let add = gb_s(bytes, || {
+        for (d, s) in dst.iter_mut().zip(&src) {
+            *d += s;
+        }
+        Ok(())
+    })?;
+    tch::set_num_threads(threads as i32);
+    let a = Tensor::f_ones([N as i64], (Kind::Float, Device::Cpu))?;
+    let mut b = Tensor::f_zeros([N as i64], (Kind::Float, Device::Cpu))?;
+    let tensor_copy = gb_s(bytes, || {
+        b.f_copy_(&a)?;
+        Ok(())
+    })?;
+    let memcpy = |v: f64| Figure::new(v, "a one-thread memcpy of 256 MiB, `tierzero bench profile`");
+    Ok(Copies {
+        h2d_pinned: memcpy(one),
+        h2d_pageable: memcpy(one),
+        d2h_pinned: memcpy(one),
+        d2h_pageable: memcpy(one),
+        device_to_device: Figure::new(
+            tensor_copy,
+            format!("torch copy_ of a 256 MiB fp32 tensor with {threads} threads, `tierzero bench profile`"),
+        ),
+        host_memcpy: memcpy(one),
+        host_memcpy_parallel: Figure::new(
+            all,
+            "a memcpy of 256 MiB on every core (rayon), `tierzero bench profile`",
+        ),
+        host_add: Figure::new(
+            add,
+            "a one-thread fp32 a += b over 256 MiB, `tierzero bench profile`",
+        ),
+    })
+}
+
+/// Measures this machine: compute at each plan's shapes, copies, collectives between
+/// `ranks` threads, NVMe in `nvme_dir`, the CPU AdamW.
+/// `quick` measures the disk on a 256 MiB file (tests) instead of 2 GiB.
+pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::Result<Profile> {
+    anyhow::ensure!(
+        !plans.is_empty(),
+        "give at least one --config whose shapes to measure"
+    );
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = rank_threads(&plans[0]);
+    tch::set_num_threads(threads as i32);
+    let small = Model::new(
+        crate::config::model::ModelConfig::preset("llama-tiny").unwrap_or_else(|| unreachable!()),
+        Kind::Float,
+    );
+    let p = Tensor::f_randn([small.units[1].numel as i64], (Kind::Float, Device::Cpu))?;
+    let x = Tensor::f_randn([1, 8, 64], (Kind::Float, Device::Cpu))?;
+    let overhead = timed(|| {
+        let _ = small.forward_unit(1, &p, &x)?;
+        Ok(())
+    })?;
+    let mut rates = Vec::new();
+    for plan in plans {
+        rates.extend(compute_rates(plan, overhead)?);
+    }
+    tch::set_num_threads(threads as i32);
+    let peak = |kind| crate::metrics::peak::matmul_flops(Device::Cpu, kind, 1024, 5);
+    let (peak_fp32, peak_bf16) = (peak(Kind::Float)?, peak(Kind::BFloat16)?);
+    let copies = copies(threads)?;
+    let ranks = plans.iter().map(|p| p.train.devices).max().unwrap_or(1).max(2);
+    let comm = |bytes| {
+        comm_bench(&CommBenchArgs {
+            backend: Backend::Local,
+            ranks,
+            bytes,
+            rounds: 5,
+        })
+    };
+    let (large, tiny) = (comm(16 << 20)?, comm(4096)?);
+    let w = ranks as f64;
+    let bus = large.all_gather_gbs.min(large.reduce_scatter_gbs) * (w - 1.0) / w;
+    let latency = 4096.0 / (tiny.all_gather_gbs.min(tiny.reduce_scatter_gbs) * 1e9);
+    std::fs::create_dir_all(nvme_dir)?;
+    let nvme = nvme_bench(&NvmeBenchArgs {
+        dir: nvme_dir.to_path_buf(),
+        // 2 GiB: a file the size of a bench's default (256 MiB) can sit in a virtual
+        // machine's host cache and read several times faster than the swap files do
+        size_bytes: if quick { 256 << 20 } else { 2 << 30 },
+        block_sizes: vec![1 << 20],
+        queue_depths: vec![32],
+        repeats: 1,
+    })?;
+    let best = |direction: &str| {
+        nvme.rows
+            .iter()
+            .filter(|r| r.direction == direction)
+            .map(|r| r.gbps)
+            .fold(0.0, f64::max)
+    };
+    let nvme_source = format!(
+        "`tierzero bench nvme --dir {} --size-mb 2048 --block-size 1M --queue-depth 32 --repeats 1`: the best of its rows",
+        nvme_dir.display()
+    );
+    let adam = adam_bench(&AdamBenchArgs {
+        params: 20_000_000,
+        threads: cores,
+        grad_bf16: false,
+        kernel: tierzero_offload::adam::Kernel::detect(),
+        repeats: 3,
+    })?;
+    Ok(Profile {
+        name: name.to_string(),
+        about: format!(
+            "This machine, measured by `tierzero bench profile`: {cores} cores, no GPU (compute on the CPU, lanes as threads)."
+        ),
+        device: "cpu".into(),
+        device_memory_bytes: Figure::new(0.0, "CPU devices have no memory of their own"),
+        host_cores: cores,
+        compute: Compute {
+            threads,
+            overhead_s: Figure::new(overhead, "a llama-tiny block's forward over 8 tokens, `tierzero bench profile`"),
+            peak_flops_bf16: Figure::new(peak_bf16, format!("a 1024³ bf16 matmul, {threads} threads, `tierzero bench profile`")),
+            peak_flops_fp32: Figure::new(peak_fp32, format!("a 1024³ fp32 matmul, {threads} threads, `tierzero bench profile`")),
+            rates,
+        },
+        copies,
+        link: Link {
+            name: format!("Local collectives ({ranks} ranks as threads)"),
+            bus_gb_s: Figure::new(bus, format!("`tierzero bench comm --ranks {ranks} --size 16M`: the slower of all-gather and reduce-scatter, as bus bandwidth")),
+            latency_s: Figure::new(latency, format!("`tierzero bench comm --ranks {ranks} --size 4K`: seconds per call")),
+        },
+        nvme: Nvme {
+            read_gb_s: Figure::new(best("read"), nvme_source.clone()),
+            write_gb_s: Figure::new(best("write"), nvme_source),
+        },
+        cpu_adam: CpuAdam {
+            params_per_s: Figure::new(
+                adam.params_per_s,
+                format!("`tierzero bench adam --params 20M --threads {cores}`, kernel {}", adam.kernel),
+            ),
+        },
+    })
+}
