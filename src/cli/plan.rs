@@ -32,7 +32,13 @@ pub fn run(
     }: PlanArgs,
 ) -> Result<(), Failure> {
     if let Some(profile) = simulate {
-        let profile = Profile::load(&profile).map_err(anyhow::Error::from)?;
+        let profile = Profile::load(&profile).map_err(|e| {
+            tierzero::config::ConfigError::invalid(
+                "--simulate",
+                e.to_string(),
+                "name a built-in profile or a file `tierzero bench profile` wrote",
+            )
+        })?;
         let loaded = load_config_on(&config, profile.facts())?;
         return run_simulation(&loaded.plan, &profile, json, trace.as_deref());
     }
