@@ -6,6 +6,7 @@
 //! arithmetic ([`tierzero_offload::adam::roofline_sweep`]). Roofline and AdamW sweeps
 //! alternate so that both see the same machine state; medians are reported.
 
+use super::median;
 use serde::Serialize;
 use std::time::Instant;
 use tierzero_offload::adam::{self, AdamHyper, GradSlice, Kernel, LowPrecisionOut, Sweep};
@@ -60,11 +61,6 @@ impl Arrays {
             low: LowPrecisionOut::Bf16(&mut self.low),
         }
     }
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
 }
 
 /// Runs the benchmark. Errors are allocation or thread-pool failures.

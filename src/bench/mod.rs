@@ -9,3 +9,9 @@ pub mod nvme;
 pub mod profile;
 pub mod step;
 pub mod swap;
+
+/// The median of a benchmark's timings or rates (NaN for none).
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
+}

@@ -12,6 +12,7 @@
 //! 256 KiB–1 MiB request costs more than the disk time of the request itself. `Pread`
 //! cannot split, so it gets one `block`-sized request per operation and `depth` threads.
 
+use super::median;
 use serde::Serialize;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -54,11 +55,6 @@ pub struct NvmeReport {
 
 /// Bytes per io_uring operation: a typical sub-group chunk.
 const OPERATION_BYTES: usize = 8 << 20;
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
 
 fn largest_block(args: &NvmeBenchArgs) -> usize {
     args.block_sizes.iter().copied().max().unwrap_or(1 << 20)

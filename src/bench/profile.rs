@@ -12,6 +12,7 @@
 
 use super::adam::{run as adam_bench, AdamBenchArgs};
 use super::comm::{run as comm_bench, Backend, CommBenchArgs};
+use super::median;
 use super::nvme::{run as nvme_bench, NvmeBenchArgs};
 use crate::model::Model;
 use crate::plan::simulate::flops;
@@ -23,11 +24,6 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
 const REPEATS: usize = 3;
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
 
 /// Median seconds of `f` over [`REPEATS`] runs after one warm-up.
 fn timed(mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {

@@ -9,6 +9,7 @@
 //! every phase blocking, and what writing a trace costs: the ZeRO run again with
 //! tracing on, as a ratio of median step times.
 
+use super::median;
 use crate::metrics::peak::{mfu, peak_flops};
 use crate::metrics::timeline::Breakdown;
 use crate::plan::{Plan, Tier};
@@ -46,11 +47,6 @@ pub struct StepReport {
     pub blocking_step_seconds: f64,
     /// Median step time with tracing on ÷ off, minus 1.
     pub trace_overhead: f64,
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// One rank's matmul peak with the torch threads a rank of `plan` runs with.

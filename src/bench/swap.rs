@@ -8,6 +8,7 @@
 //! that reads and writes at full speed at once. `ratio_to_duplex_bound` = pipeline
 //! time ÷ max(read+write together, adam) is the limit this device actually offers.
 
+use super::median;
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -44,11 +45,6 @@ pub struct SwapReport {
     pub pipeline_params_per_s: f64,
     pub ratio_to_bound: f64,
     pub ratio_to_duplex_bound: f64,
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
 }
 
 pub fn run(args: &SwapBenchArgs) -> anyhow::Result<SwapReport> {

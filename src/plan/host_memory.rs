@@ -13,8 +13,8 @@
 use super::memory::predict;
 use super::partition::Partition;
 use super::rules::{
-    bf16_gradients, chunk_elements, gathers_updates, nvme_gradients, pipeline_sets, MAX_IN_FLIGHT,
-    REDUCE_DEPTH, SWAP_CHUNK_LIMIT,
+    bf16_gradients, chunk_elements, gathers_updates, nvme_gradients, pipeline_sets, swap_chunk,
+    MAX_IN_FLIGHT, REDUCE_DEPTH,
 };
 use super::{Accelerator, Plan, Tier, Wire};
 use serde::Serialize;
@@ -89,9 +89,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         }
     }
     let aligned = |bytes: u64| bytes.div_ceil(4096) * 4096;
-    let swap_chunk = (plan.zero.sub_group_size as u64)
-        .min(SWAP_CHUNK_LIMIT as u64)
-        .min(max_opt.max(1));
+    let swap_chunk = swap_chunk(plan, max_opt as usize) as u64;
     if plan.zero.offload_optimizer.tier == Tier::Nvme {
         let sets = pipeline_sets(plan) as u64;
         let per_set = 3 + u64::from(nvme_grads);

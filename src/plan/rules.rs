@@ -31,6 +31,13 @@ pub const MAX_IN_FLIGHT: usize = 2;
 /// The chunking never changes the result (the pipeline equals in-memory AdamW bit for bit).
 pub const SWAP_CHUNK_LIMIT: usize = 1 << 23;
 
+/// Elements per swap chunk of a store whose largest tensor has `largest` elements:
+/// `sub_group_size`, at most [`SWAP_CHUNK_LIMIT`] and at most that tensor (the swap store,
+/// the host-memory prediction and the simulated step all chunk by this).
+pub fn swap_chunk(plan: &Plan, largest: usize) -> usize {
+    plan.zero.sub_group_size.min(SWAP_CHUNK_LIMIT).min(largest.max(1))
+}
+
 /// Whether gradient partitions live in the optimizer's swap store on NVMe (stages 2–3
 /// with the optimizer state there; `engine/grad_store.rs`), as DeepSpeed's optimizer
 /// swapper keeps them, instead of in host memory.

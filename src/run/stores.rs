@@ -4,7 +4,7 @@
 use super::error::TrainError;
 use crate::model::Model;
 use crate::plan::partition::Partition;
-use crate::plan::rules::SWAP_CHUNK_LIMIT;
+use crate::plan::rules::swap_chunk;
 use crate::plan::{Plan, Tier};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
 use tierzero_offload::nvme::{open_engine, EngineChoice, EngineConfig};
@@ -68,11 +68,7 @@ pub(super) fn open_store(
     let (engine, _) = open_engine(path, engine_config, None, EngineChoice::Auto).map_err(swap)?;
     // TIERZERO_IO_FAULT (tests of a failing disk) fails one transfer of the process
     let engine = tierzero_offload::nvme::fault::wrap(engine);
-    let chunk = plan
-        .zero
-        .sub_group_size
-        .min(SWAP_CHUNK_LIMIT)
-        .min(specs.iter().map(|s| s.numel).max().unwrap_or(1));
+    let chunk = swap_chunk(plan, specs.iter().map(|s| s.numel).max().unwrap_or(1));
     SwapStore::create(path, name, engine, specs, chunk).map_err(swap)
 }
 

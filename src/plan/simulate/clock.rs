@@ -79,20 +79,10 @@ pub struct Span {
     pub waited_for: Option<Track>,
 }
 
-/// What a track did in a step.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
-pub struct Usage {
-    /// Seconds of work.
-    pub busy: f64,
-    /// Bytes its work moved.
-    pub bytes: u64,
-}
-
 /// Every track's clock and what was queued on it.
 #[derive(Clone, Debug, Default)]
 pub struct Clocks {
     now: [f64; 7],
-    usage: [Usage; 7],
     spans: Vec<Span>,
 }
 
@@ -122,8 +112,6 @@ impl Clocks {
         let start = self.now[i];
         let end = start + seconds.max(0.0);
         self.now[i] = end;
-        self.usage[i].busy += end - start;
-        self.usage[i].bytes += bytes;
         if end > start {
             self.spans.push(Span {
                 track,
@@ -155,21 +143,8 @@ impl Clocks {
         }
     }
 
-    pub fn usage(&self, track: Track) -> Usage {
-        self.usage[track.index()]
-    }
-
     pub fn spans(&self) -> &[Span] {
         &self.spans
-    }
-
-    /// Seconds `track` spent waiting for `on`.
-    pub fn waited(&self, track: Track, on: Track) -> f64 {
-        self.spans
-            .iter()
-            .filter(|s| s.track == track && s.waited_for == Some(on))
-            .map(|s| s.end - s.start)
-            .sum()
     }
 
     /// The latest time of every track: when the step is done.
@@ -190,9 +165,27 @@ mod tests {
         c.wait(Track::Compute, copied);
         c.run(Track::Compute, "forward", Some(1), 1.0, 0);
         assert_eq!(c.now(Track::Compute), 3.0);
-        assert_eq!(c.waited(Track::Compute, Track::H2d), 1.0);
-        assert_eq!(c.usage(Track::Compute).busy, 2.0);
-        assert_eq!(c.usage(Track::H2d).bytes, 100);
+        let waits: Vec<_> = c.spans().iter().filter(|s| s.waited_for.is_some()).collect();
+        assert_eq!(waits.len(), 1);
+        assert_eq!(
+            (waits[0].track, waits[0].waited_for, waits[0].end - waits[0].start),
+            (Track::Compute, Some(Track::H2d), 1.0)
+        );
+        let busy: f64 = c
+            .spans()
+            .iter()
+            .filter(|s| s.track == Track::Compute && s.waited_for.is_none())
+            .map(|s| s.end - s.start)
+            .sum();
+        assert_eq!(busy, 2.0);
+        assert_eq!(
+            c.spans()
+                .iter()
+                .filter(|s| s.track == Track::H2d)
+                .map(|s| s.bytes)
+                .sum::<u64>(),
+            100
+        );
         // a mark already passed costs nothing
         c.wait(Track::Compute, copied);
         assert_eq!(c.now(Track::Compute), 3.0);

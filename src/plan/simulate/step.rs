@@ -24,7 +24,7 @@ use super::flops;
 use super::profile::{Profile, Shape, Work};
 use crate::plan::fetch::{may_request, schedule, Limits, Purpose};
 use crate::plan::partition::Partition;
-use crate::plan::rules::{self, REDUCE_DEPTH, SWAP_CHUNK_LIMIT};
+use crate::plan::rules::{self, REDUCE_DEPTH};
 use crate::plan::{Plan, Tier};
 
 const GB: f64 = 1e9;
@@ -390,10 +390,7 @@ impl<'a> Replay<'a> {
     fn accumulate(&mut self, u: usize) {
         let part = self.parts[u];
         let copies = self.profile.copies.clone();
-        let wire = match self.plan.communication {
-            crate::plan::Wire::Fp32 => 4u64,
-            _ => 2,
-        };
+        let wire = self.plan.communication.kind().elt_size_in_bytes() as u64;
         if self.stage() < 2 {
             // widen to fp32 and copy to the host accumulator, in the compute thread
             let bytes = part.padded as u64 * 4;
@@ -469,22 +466,14 @@ impl<'a> Replay<'a> {
         }
     }
 
-    /// Elements per swap chunk (`run/stores.rs`).
+    /// Elements per swap chunk: the store's rule over the largest optimizer partition,
+    /// rounded up to whole 4 KiB pages of elements as the store rounds it.
     fn swap_chunk(&self) -> usize {
-        let largest = self
-            .parts
-            .iter()
-            .map(|p| p.shard.max(p.numel.min(p.padded)))
+        let largest = (0..self.parts.len())
+            .map(|u| self.optimizer_len(u))
             .max()
             .unwrap_or(1);
-        let chunk = self
-            .plan
-            .zero
-            .sub_group_size
-            .min(SWAP_CHUNK_LIMIT)
-            .min(largest)
-            .max(1);
-        chunk.div_ceil(4096) * 4096
+        rules::swap_chunk(self.plan, largest as usize).div_ceil(4096) * 4096
     }
 
     /// The step's all-reduces and the gradient norm, on the compute thread.
