@@ -226,15 +226,19 @@ fn torchrun_restarts_a_killed_worker_and_the_job_ends_with_the_uninterrupted_wei
 }
 
 /// Before the first step there is nothing to save: a signal ends the run at once (as a
-/// kill would), and no checkpoint is written.
+/// kill would), and no checkpoint is written. The run is node 0 of two whose second node
+/// never comes, so it is still waiting at the rendezvous (before its first step, however
+/// slow or fast the machine) when the signal arrives.
 #[test]
 fn a_signal_before_the_first_step_ends_the_run_at_once() {
     use std::os::unix::process::ExitStatusExt;
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("run");
     let log = tmp.path().join("run.log");
-    let mut child = tierzero(&train_args(&run, 100_000, &[]), &log);
-    // the plan table is printed just before the run starts preparing its first step
+    let port = free_port().to_string();
+    let waiting = ["--nnodes", "2", "--node-rank", "0", "--master-port", &port];
+    let mut child = tierzero(&train_args(&run, 100_000, &waiting), &log);
+    // the plan table is printed just before the run meets its peers
     until(Duration::from_secs(60), "the plan table", || {
         read(&log.with_extension("out")).contains("parameters")
     });

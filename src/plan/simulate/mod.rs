@@ -45,6 +45,8 @@ pub struct Simulation {
     pub tracks: Vec<TrackFigures>,
     /// Busy seconds per phase, named as the trainer's breakdown names them.
     pub phases: BTreeMap<&'static str, f64>,
+    /// Bytes moved per phase in the step, named as the breakdown's `bytes` name them.
+    pub phase_bytes: BTreeMap<&'static str, u64>,
     /// Bytes across one GPU's PCIe link per model parameter per step (all ranks' links
     /// together ÷ parameters): host → device, device → host, and the layout's minimum.
     pub pcie_bytes_per_param: [f64; 2],
@@ -79,14 +81,16 @@ pub fn simulate(plan: &Plan, profile: &Profile) -> Simulation {
     let mfu = config.flops_per_token(plan.data.seq_len) * tokens_per_s / peak;
     let window = |s: &clock::Span| (s.end.min(step_start + step_s) - s.start.max(step_start)).max(0.0);
     let mut phases: BTreeMap<&'static str, f64> = BTreeMap::new();
+    let mut phase_bytes: BTreeMap<&'static str, u64> = BTreeMap::new();
     let mut busy: BTreeMap<Track, (f64, u64)> = BTreeMap::new();
     for s in clocks.spans().iter().filter(|s| s.waited_for.is_none()) {
         let t = window(s);
         *phases.entry(s.what).or_default() += t;
         let entry = busy.entry(s.track).or_default();
         entry.0 += t;
-        if s.end > step_start && s.end <= step_start + step_s {
+        if s.end > step_start && s.end <= step_start + step_s && s.bytes > 0 {
             entry.1 += s.bytes;
+            *phase_bytes.entry(s.what).or_default() += s.bytes;
         }
     }
     let waited = |on: Track| -> f64 {
@@ -144,6 +148,7 @@ pub fn simulate(plan: &Plan, profile: &Profile) -> Simulation {
         mfu,
         tracks,
         phases,
+        phase_bytes,
         pcie_bytes_per_param,
         pcie_minimum_per_param,
         device_peak_bytes: crate::plan::memory::predict(plan).in_tensors(),

@@ -43,6 +43,11 @@ pub(super) struct Replay<'a> {
     pub pcie: [u64; 2],
     /// Units whose update of the last step is not installed yet.
     fresh: Vec<bool>,
+    /// Units with a gradient already in their NVMe swap chunks this step (a later
+    /// reduction reads it back before adding; the first one only writes).
+    stored: Vec<bool>,
+    /// Whether the persistent units' gathered copies are held (from the first fetch on).
+    cached: bool,
 }
 
 impl<'a> Replay<'a> {
@@ -66,6 +71,8 @@ impl<'a> Replay<'a> {
             reducing: Vec::new(),
             pcie: [0, 0],
             fresh: vec![false; parts_len],
+            stored: vec![false; parts_len],
+            cached: false,
         }
     }
 
@@ -279,9 +286,10 @@ impl<'a> Replay<'a> {
         let stage3 = self.stage() == 3;
         let mut order = schedule(units, tied, persistent);
         // cached persistent units are not fetched again while no update is pending
-        if !self.fresh.iter().any(|&f| f) {
+        if self.cached && !self.fresh.iter().any(|&f| f) {
             order.retain(|&(u, _)| !persistent(u));
         }
+        self.cached = true;
         let limits = Limits {
             bucket: self.plan.zero.prefetch_bucket_size,
             max_live: self.plan.zero.max_live_parameters,
@@ -427,13 +435,27 @@ impl<'a> Replay<'a> {
         let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
         for chunk in 0..chunks {
             let k = stretch.min(shard - chunk * stretch);
+            let out = 4 * k;
+            if world == 1 {
+                // nothing travels: the stretch widened straight to the host, then added
+                let rate = if self.cuda() {
+                    copies.d2h_pageable.value
+                } else {
+                    copies.host_memcpy.value
+                };
+                self.clocks
+                    .run(Track::Collectives, "d2h", Some(u), Self::seconds(out, rate), out);
+                self.pcie[1] += if self.cuda() { out } else { 0 };
+                let add = Self::seconds(out, copies.host_add.value);
+                self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
+                continue;
+            }
             let bucket = wire * world * k;
             let pack = Self::seconds(bucket, copies.device_to_device.value);
             self.clocks.run(Track::Collectives, "d2h", Some(u), pack, bucket);
             let rs = self.collective(bucket);
             self.clocks.run(Track::Collectives, "reduce", Some(u), rs, bucket);
             // widen to fp32, a blocking copy to the host, a one-thread add
-            let out = 4 * k;
             if self.cuda() {
                 let copy = Self::seconds(out, copies.d2h_pageable.value);
                 self.clocks
@@ -444,12 +466,12 @@ impl<'a> Replay<'a> {
             self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
         }
         if nvme {
-            // the gradient's swap chunks: read back (after the first micro-batch) and
-            // written, on the lane thread
+            // the gradient's swap chunks: read back (once a reduction of the step has
+            // stored some) and written, on the lane thread
             let elements = self.optimizer_len(u);
             let n = elements.div_ceil(swap_chunk);
             let bytes = n * round_4k(swap_chunk * accumulator);
-            if self.plan.batch.gradient_accumulation_steps > 1 {
+            if std::mem::replace(&mut self.stored[u], true) {
                 let read = Self::seconds(bytes, self.shared().0);
                 self.clocks
                     .run(Track::Collectives, "nvme_read", Some(u), read, bytes);
@@ -507,6 +529,8 @@ impl<'a> Replay<'a> {
         let stored_grads = rules::nvme_gradients(self.plan);
         let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
         let pipelined = (opt.pipeline_read || opt.pipeline_write) && rules::pipeline_sets(self.plan) >= 2;
+        // the step's stored gradients are consumed here
+        self.stored.fill(false);
         for u in 0..self.parts.len() {
             let len = self.optimizer_len(u);
             match opt.tier {
@@ -514,11 +538,13 @@ impl<'a> Replay<'a> {
                     // the host accumulator to the device, then fused AdamW there
                     let grads = len * 4;
                     let rate = self.h2d_rate(false);
-                    let bytes = 28 * len;
+                    // 28 bytes of memory traffic per element; the span counts the 16 of
+                    // state the engine's optimizer span counts
+                    let traffic = 28 * len;
                     let seconds = Self::seconds(grads, rate)
-                        + Self::seconds(bytes, self.profile.copies.device_to_device.value);
+                        + Self::seconds(traffic, self.profile.copies.device_to_device.value);
                     self.clocks
-                        .run(Track::Optimizer, "optimizer", Some(u), seconds, bytes);
+                        .run(Track::Optimizer, "optimizer", Some(u), seconds, 16 * len);
                     self.pcie[0] += if self.cuda() { grads } else { 0 };
                 }
                 Tier::Cpu => {
