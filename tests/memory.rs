@@ -279,3 +279,45 @@ fn the_allocator_peak_rises_with_the_prefetch_bucket() {
     );
     assert!(large_predicted > small_predicted);
 }
+
+/// Gradient accumulation keeps its sums on the device (4 bytes per partition element in
+/// the device row): on a GPU where its memory has room for them, not where it has not;
+/// on a CPU (whose device memory is the host's, where the accumulators are) only when
+/// `train.accumulate_on_device` asks.
+#[test]
+fn device_sums_of_gradient_accumulation_fit_the_gpu_or_stay_on_the_host() {
+    use tierzero::plan::rules::device_accumulation;
+    let on_gpu = |memory: Option<u64>| {
+        let config = json!({
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "bf16": { "enabled": true },
+            "zero_optimization": { "stage": 3, "offload_optimizer": { "device": "cpu" } },
+            "model": { "preset": "gpt2-tiny" },
+            "data": { "synthetic": "markov", "seq_len": 32 },
+            "train": { "steps": 2, "devices": 2, "accelerator": "cuda" }
+        });
+        let facts = DeviceFacts {
+            cuda_bf16: true,
+            cuda_devices: 2,
+            cuda_memory: memory,
+        };
+        from_json(config, &[], facts).unwrap().plan
+    };
+    let roomy = on_gpu(None);
+    assert!(device_accumulation(&roomy));
+    let with = predict(&roomy);
+    assert!(with.accumulators > 0 && with.accumulators <= with.gradients);
+    assert!(device_accumulation(&on_gpu(Some(with.total))));
+    let tight = on_gpu(Some(with.total - 1));
+    assert!(!device_accumulation(&tight));
+    let without = predict(&tight);
+    assert_eq!(without.accumulators, 0);
+    assert_eq!(with.total - without.total, with.accumulators);
+    let cpu = |sets: &[&str]| device_accumulation(&plan(2, 3, "cpu", sets));
+    assert!(!cpu(&["gradient_accumulation_steps=2"]));
+    assert!(cpu(&[
+        "gradient_accumulation_steps=2",
+        "train.accumulate_on_device=true"
+    ]));
+}

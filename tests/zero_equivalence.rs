@@ -447,6 +447,34 @@ fn overlapped_gradient_reduction_equals_the_inline_one_bit_for_bit() {
     }
 }
 
+/// Gradient accumulation's sums kept on the device (`train.accumulate_on_device`, the
+/// default on a GPU) flush the bits that accumulating every micro-batch on the host gives,
+/// into host accumulators and into the swap store, overlapped or inline, with one rank
+/// (nothing reduced) or three, a tied head's gradient added before the embedding's.
+#[test]
+fn gradient_sums_on_the_device_train_the_bits_of_host_accumulation() {
+    let dir = disk_dir();
+    let cases = [
+        (1, 3, "none", "cpu", true),
+        (3, 3, "cpu", "cpu", false),
+        (3, 2, "none", "nvme", true),
+        (2, 3, "nvme", "nvme", true),
+    ];
+    for (world, stage, param, optimizer, overlap) in cases {
+        let mut p = plan(world, stage, param, optimizer, 3, dir.path(), "fp32");
+        p.model.config.tie_word_embeddings = true;
+        p.zero.overlap_comm = overlap;
+        assert!(!tierzero::plan::rules::device_accumulation(&p));
+        let host = master(&p);
+        p.zero.device_accumulation = true;
+        let device = master(&p);
+        assert!(
+            device == host,
+            "world {world} stage {stage} param {param} optimizer {optimizer}"
+        );
+    }
+}
+
 /// Checked lanes change when lane work runs, never what it computes: the parameters are
 /// the plain lanes' bits (stage 3 gathers on the h2d and gather lanes, stage 2 and 3
 /// reductions on the reduce lane).

@@ -7,7 +7,7 @@
 use super::error::{EngineError, On};
 use super::grad_store::{Acc, GradStream};
 use super::grads::Grads;
-use super::reduce::{reduce_into, ChunkBuffers, Reducer, Target};
+use super::reduce::{reduce_into, ChunkBuffers, OnDevice, Reducer, Target};
 use crate::comm::{Collective, ReduceOp};
 use crate::metrics::timeline::Track;
 use crate::plan::partition::Partition;
@@ -86,6 +86,18 @@ pub(super) struct Gradients<'a, C: Collective> {
     chunk_buffers: ChunkBuffers,
     /// What gradients travel as between ranks.
     wire: Wire,
+    /// Gradient accumulation on the device (`plan::rules::device_accumulation`): each
+    /// unit's fp32 partition there (made at its first use, on the gradient's device),
+    /// whether the step has added into it yet, and whether this micro-batch is the step's
+    /// last (its contributions flush the sums to the host accumulators).
+    device: Option<DeviceSums>,
+}
+
+/// The device accumulators of gradient accumulation.
+struct DeviceSums {
+    sums: Vec<Option<Tensor>>,
+    started: Vec<bool>,
+    last_micro: bool,
 }
 
 impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
@@ -93,7 +105,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// reduction in flight, else in one arena (and at stage 1 the partition copies in
     /// another), allocated here once for the run.
     pub(super) fn new(
-        (stage, rank, bf16): (u8, usize, bool),
+        (stage, rank, bf16, on_device): (u8, usize, bool, bool),
         (wire, chunk): (Wire, usize),
         parts: Vec<Partition>,
         partitions: Vec<Range<usize>>,
@@ -135,6 +147,11 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         } else {
             parts.iter().map(|_| None).collect()
         };
+        let device = on_device.then(|| DeviceSums {
+            sums: parts.iter().map(|_| None).collect(),
+            started: parts.iter().map(|_| false).collect(),
+            last_micro: false,
+        });
         Ok(Gradients {
             accumulators,
             nvme,
@@ -148,7 +165,45 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             overlap: false,
             chunk_buffers: ChunkBuffers::new(wire.kind(), chunk),
             wire,
+            device,
         })
+    }
+
+    /// A micro-batch begins: the first of a step starts the device sums afresh; the
+    /// contributions of the `last` flush them to the host accumulators.
+    pub(super) fn begin_micro_batch(&mut self, first: bool, last: bool) {
+        if let Some(d) = &mut self.device {
+            if first {
+                d.started.fill(false);
+            }
+            d.last_micro = last;
+        }
+    }
+
+    /// Unit `u`'s device accumulator for a contribution (`more`: another to the same
+    /// unit follows in this micro-batch, as the tied head's precedes the embedding's),
+    /// and whether it flushes; None without device accumulation.
+    fn on_device(&mut self, u: usize, grad: &Tensor, more: bool) -> Result<Option<OnDevice>, EngineError> {
+        let rank = self.rank;
+        let len = accumulator_len(self.stage, &self.parts[u], &self.partitions[u]);
+        let Some(d) = &mut self.device else {
+            return Ok(None);
+        };
+        let acc = match &d.sums[u] {
+            Some(t) => t.shallow_clone(),
+            None => {
+                let t = Tensor::f_empty([len as i64], (tch::Kind::Float, grad.device()))
+                    .map_err(|source| EngineError::Torch { rank, source })?;
+                d.sums[u] = Some(t.shallow_clone());
+                t
+            }
+        };
+        let first = !std::mem::replace(&mut d.started[u], true);
+        Ok(Some(OnDevice {
+            acc,
+            first,
+            flush: d.last_micro && !more,
+        }))
     }
 
     fn here(&mut self, u: usize) -> Result<&mut Grads, EngineError> {
@@ -254,10 +309,13 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         &mut self,
         u: usize,
         grad: &Tensor,
-        comm: &C,
-        track: &Track,
+        (comm, track): (&C, &Track),
+        more: bool,
     ) -> Result<(), EngineError> {
         let part = self.parts[u];
+        let device = self.on_device(u, grad, more)?;
+        // the host accumulator is only touched without device sums, or by their flush
+        let to_host = device.as_ref().is_none_or(|d| d.flush);
         if self.stage >= 2 && self.reducer.is_some() {
             // a unit reduced twice in a micro-batch (the tied embedding): its accumulator
             // comes back from the lane first; and at most REDUCE_DEPTH are in flight
@@ -268,9 +326,13 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             {
                 self.take_one(true)?;
             }
-            let acc = self.lend(u, "reduce")?;
+            let acc = if to_host {
+                Some(self.lend(u, "reduce")?)
+            } else {
+                None
+            };
             if let Some(reducer) = self.reducer.as_mut() {
-                reducer.send(u, grad.shallow_clone(), part, acc)?;
+                reducer.send(u, grad.shallow_clone(), part, acc, device)?;
             }
             return self.absorb(!self.overlap);
         }
@@ -279,7 +341,11 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         } else {
             Target::Replica
         };
-        let mut acc = self.lend(u, "compute")?;
+        let mut acc = if to_host {
+            Some(self.lend(u, "compute")?)
+        } else {
+            None
+        };
         let chunk = self.chunk_buffers.chunk();
         let result = reduce_into(
             comm,
@@ -287,13 +353,16 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             u,
             grad,
             part,
-            &mut acc,
+            acc.as_mut(),
+            device.as_ref(),
             &mut self.chunk_buffers,
             track,
             chunk,
         )
-        .and_then(|()| acc.finish(track));
-        self.settle(u, acc, result.is_ok());
+        .and_then(|()| acc.as_mut().map_or(Ok(()), |a| a.finish(track)));
+        if let Some(acc) = acc {
+            self.settle(u, acc, result.is_ok());
+        }
         result
     }
 
@@ -317,7 +386,9 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         };
         match reducer.take(wait)? {
             Some((u, acc)) => {
-                self.settle(u, acc, true);
+                if let Some(acc) = acc {
+                    self.settle(u, acc, true);
+                }
                 Ok(true)
             }
             None => Ok(false),

@@ -175,7 +175,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let pinning = host_pinning(plan, compute, rank)?;
         let bf16_grads = bf16_gradients(plan);
         let grads = Gradients::new(
-            (stage, rank, bf16_grads),
+            (
+                stage,
+                rank,
+                bf16_grads,
+                crate::plan::rules::device_accumulation(plan),
+            ),
             (plan.communication, crate::plan::rules::chunk_elements(plan)),
             parts.clone(),
             partitions.clone(),
@@ -338,8 +343,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let world = self.comm.world();
         let run = |engine: &mut Self| -> Result<f64, EngineError> {
             let mut loss = 0.0;
-            for micro in 0..plan.batch.gradient_accumulation_steps {
+            let micro_batches = plan.batch.gradient_accumulation_steps;
+            for micro in 0..micro_batches {
                 let global_micro = (micro * world + engine.rank) as u64;
+                engine
+                    .grads
+                    .begin_micro_batch(micro == 0, micro + 1 == micro_batches);
                 loss += engine.with_prefetch(|engine, prefetch| {
                     engine.micro_batch(prefetch, step, global_micro, loss_scale)
                 })?;
@@ -555,10 +564,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         drop((params, gathered, tied));
         let loss = last_unit.loss_sum / last_unit.count.max(1) as f64 / accumulation as f64;
         self.grads
-            .accumulate(last, &last_unit.params, &self.comm, &self.tracks.compute)?;
+            .accumulate(last, &last_unit.params, (&self.comm, &self.tracks.compute), false)?;
         if let Some(t) = &last_unit.tied {
+            // the embedding's own gradient follows in backward
             self.grads
-                .accumulate(0, &t.reshape([-1]), &self.comm, &self.tracks.compute)?;
+                .accumulate(0, &t.reshape([-1]), (&self.comm, &self.tracks.compute), true)?;
         }
         // backward in reverse by recompute
         let mut grad_out = last_unit.input;
@@ -572,7 +582,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                     self.settle().map(|()| grads)
                 })
                 .map_err(self.torch_err())?;
-            self.grads.accumulate(u, &g, &self.comm, &self.tracks.compute)?;
+            self.grads
+                .accumulate(u, &g, (&self.comm, &self.tracks.compute), false)?;
             if let Some(d) = grad_in {
                 grad_out = d;
             }

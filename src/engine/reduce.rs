@@ -107,11 +107,40 @@ pub enum Target {
     Replica,
 }
 
+/// A unit's gradient accumulated on the device over a step's micro-batches
+/// (`plan::rules::device_accumulation`): an fp32 tensor of its partition, which the
+/// step's first contribution overwrites and the others add into; the `flush`ing one
+/// (the last micro-batch's) then hands the sum to the host accumulator. fp32 additions in
+/// the same order as the host accumulator's, so the sum is the bits it would hold.
+pub struct OnDevice {
+    pub acc: Tensor,
+    pub first: bool,
+    pub flush: bool,
+}
+
+/// Adds (or, first, copies) `src` into the first elements of `dst`, zeroing the rest
+/// on a first contribution.
+fn device_add(dst: &Tensor, src: &Tensor, first: bool) -> Result<(), tch::TchError> {
+    let n = src.numel() as i64;
+    let mut head = dst.f_narrow(0, 0, n)?;
+    if first {
+        head.f_copy_(src)?;
+        let rest = dst.numel() as i64 - n;
+        if rest > 0 {
+            let _ = dst.f_narrow(0, n, rest)?.f_fill_(0.0)?;
+        }
+    } else {
+        let _ = head.f_add_(src)?;
+    }
+    Ok(())
+}
+
 /// Reduces unit `unit`'s flat gradient `grad` (its first elements; the rest of the
 /// padded unit counts as zeros) into `acc`, in chunks of at most `chunk` elements (all
 /// ranks' stretches together), on the calling thread. Gradients travel in the buffers'
 /// communication type between ranks; with one rank, or into a replica, nothing travels
-/// and they stay fp32.
+/// and they stay fp32. With `device`, each reduced stretch is added into the device
+/// accumulator instead, and reaches `acc` (which may then be None) only when flushing.
 #[allow(clippy::too_many_arguments)]
 pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
     comm: &C,
@@ -119,7 +148,8 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
     unit: usize,
     grad: &Tensor,
     part: Partition,
-    acc: &mut A,
+    mut acc: Option<&mut A>,
+    on_device: Option<&OnDevice>,
     buffers: &mut ChunkBuffers,
     track: &Track,
     chunk: usize,
@@ -146,6 +176,22 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
             let view = grad
                 .f_narrow(0, real.start as i64, real.len() as i64)
                 .map_err(torch_err)?;
+            if let Some(device) = on_device {
+                let dst = device
+                    .acc
+                    .f_narrow(0, start as i64, k as i64)
+                    .map_err(torch_err)?;
+                device_add(&dst, &view, device.first).map_err(torch_err)?;
+                if device.flush {
+                    flush(&dst, start, acc.as_deref_mut(), buffers, track, rank)?;
+                    track.record(Phase::D2h, Some(unit), copy_start, 4 * k as u64);
+                }
+                start += k;
+                continue;
+            }
+            let Some(acc) = acc.as_deref_mut() else {
+                return Err(no_accumulator(rank));
+            };
             let values = if real.len() == k {
                 host_f32(&view, &mut buffers.host).map_err(torch_err)?
             } else {
@@ -190,6 +236,21 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
         let reduced = slot_view(&mut buffers.reduced, k, wire, device).map_err(torch_err)?;
         comm.reduce_scatter_tensor(&bucket, &reduced, ReduceOp::Avg)?;
         track.record(Phase::Reduce, Some(unit), reduce_start, bytes);
+        if let Some(device) = on_device {
+            let dst = device
+                .acc
+                .f_narrow(0, start as i64, k as i64)
+                .map_err(torch_err)?;
+            device_add(&dst, &reduced, device.first).map_err(torch_err)?;
+            if device.flush {
+                flush(&dst, start, acc.as_deref_mut(), buffers, track, rank)?;
+            }
+            start += k;
+            continue;
+        }
+        let Some(acc) = acc.as_deref_mut() else {
+            return Err(no_accumulator(rank));
+        };
         acc.add(
             start,
             host_f32(&reduced, &mut buffers.host).map_err(torch_err)?,
@@ -200,7 +261,32 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
     Ok(())
 }
 
-type Outcome<'s> = Result<Acc<'s>, EngineError>;
+fn no_accumulator(rank: usize) -> EngineError {
+    EngineError::Invariant {
+        rank,
+        what: "a reduction into the host accumulator without one",
+    }
+}
+
+/// A stretch of a device accumulator's sum into the host accumulator at `start`.
+fn flush<A: Accumulate + ?Sized>(
+    dst: &Tensor,
+    start: usize,
+    acc: Option<&mut A>,
+    buffers: &mut ChunkBuffers,
+    track: &Track,
+    rank: usize,
+) -> Result<(), EngineError> {
+    let Some(acc) = acc else {
+        return Err(no_accumulator(rank));
+    };
+    let values = host_f32(dst, &mut buffers.host).map_err(|source| EngineError::Torch { rank, source })?;
+    acc.add(start, values, track)
+}
+
+/// What a job hands back: the accumulator it was lent (none when the reduction only
+/// added into the device accumulator).
+type Outcome<'s> = Result<Option<Acc<'s>>, EngineError>;
 
 /// A gradient on the lane: its unit, the event of its reduction, and where the job
 /// leaves the accumulator.
@@ -243,15 +329,16 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
     }
 
     /// Queues unit `unit`'s gradient for reduction into `acc` (its accumulator, lent to
-    /// the job). The caller takes accumulators back first while [`Self::in_flight`] is
-    /// `REDUCE_DEPTH` (so that it leases a chunk buffer only when the lane has room); more is
-    /// an error.
+    /// the job) or `device` (see [`reduce_into`]). The caller takes accumulators back
+    /// first while [`Self::in_flight`] is `REDUCE_DEPTH` (so that it leases a chunk buffer
+    /// only when the lane has room); more is an error.
     pub fn send(
         &mut self,
         unit: usize,
         grad: Tensor,
         part: Partition,
-        acc: Acc<'env>,
+        acc: Option<Acc<'env>>,
+        device: Option<OnDevice>,
     ) -> Result<(), EngineError> {
         if self.in_flight.len() >= REDUCE_DEPTH {
             return Err(EngineError::Invariant {
@@ -276,12 +363,13 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
                 unit,
                 &grad,
                 part,
-                &mut acc,
+                acc.as_mut(),
+                device.as_ref(),
                 &mut buffers,
                 &track,
                 chunk,
             )
-            .and_then(|()| acc.finish(&track));
+            .and_then(|()| acc.as_mut().map_or(Ok(()), |a| a.finish(&track)));
             let message = result.as_ref().err().map(|e| e.to_string());
             *out.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map(|()| acc));
             message.map_or(Ok(()), Err)
@@ -292,7 +380,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
 
     /// The oldest accumulator back: waiting for it when `wait`, else only if its job is
     /// done.
-    pub fn take(&mut self, wait: bool) -> Result<Option<(usize, Acc<'env>)>, EngineError> {
+    pub fn take(&mut self, wait: bool) -> Result<Option<(usize, Option<Acc<'env>>)>, EngineError> {
         let Some(oldest) = self.in_flight.front() else {
             return Ok(None);
         };
@@ -372,7 +460,8 @@ mod tests {
                                     0,
                                     &grad,
                                     part,
-                                    &mut acc,
+                                    Some(&mut acc),
+                                    None,
                                     &mut buffers,
                                     &track,
                                     chunk,
@@ -385,7 +474,8 @@ mod tests {
                                     0,
                                     &grad,
                                     part,
-                                    &mut replica,
+                                    Some(&mut replica),
+                                    None,
                                     &mut buffers,
                                     &track,
                                     chunk,
@@ -409,6 +499,92 @@ mod tests {
                     let whole: Vec<f32> = full.iter().map(|x| 1.0 + x).collect();
                     assert_eq!(&replica[..], &whole[..], "world {world}");
                 }
+            }
+        }
+    }
+
+    /// Gradient accumulation on the device: three micro-batches' gradients added into
+    /// the device sum (the first overwriting it), flushed by the last, leave the host
+    /// accumulator the bits three reductions straight into it give, for every world size
+    /// and chunking, gradients shorter than the unit included.
+    #[test]
+    fn device_sums_flush_the_bits_of_host_accumulation() {
+        for world in 1..=3 {
+            let part = Partition::new(1000, world);
+            let results = std::thread::scope(|s| {
+                let handles: Vec<_> = Local::group(world)
+                    .into_iter()
+                    .map(|comm| {
+                        s.spawn(move || {
+                            let rank = comm.rank();
+                            let grads: Vec<Tensor> = (0..3)
+                                .map(|m| {
+                                    let len = if m == 1 { 600 } else { part.numel };
+                                    let values: Vec<f32> = (0..len)
+                                        .map(|i| ((i * 37 + rank * 11 + m * 5) % 89) as f32 / 7.0 - 5.1)
+                                        .collect();
+                                    Tensor::from_slice(&values)
+                                })
+                                .collect();
+                            let track = Track::disabled();
+                            let mut pairs = Vec::new();
+                            for chunk in [world, 7 * world, usize::MAX] {
+                                let mut buffers = ChunkBuffers::new(Kind::Float, CHUNK_LIMIT);
+                                let mut host = Grads::zeros(part.shard, false).unwrap();
+                                for g in &grads {
+                                    let acc = Some(&mut host);
+                                    reduce_into(
+                                        &comm,
+                                        Target::Shard,
+                                        0,
+                                        g,
+                                        part,
+                                        acc,
+                                        None,
+                                        &mut buffers,
+                                        &track,
+                                        chunk,
+                                    )
+                                    .unwrap();
+                                }
+                                let mut flushed = Grads::zeros(part.shard, false).unwrap();
+                                let sum =
+                                    Tensor::full([part.shard as i64], 7.0, (Kind::Float, tch::Device::Cpu));
+                                for (m, g) in grads.iter().enumerate() {
+                                    let on = OnDevice {
+                                        acc: sum.shallow_clone(),
+                                        first: m == 0,
+                                        flush: m == 2,
+                                    };
+                                    let acc = (m == 2).then_some(&mut flushed);
+                                    reduce_into(
+                                        &comm,
+                                        Target::Shard,
+                                        0,
+                                        g,
+                                        part,
+                                        acc,
+                                        Some(&on),
+                                        &mut buffers,
+                                        &track,
+                                        chunk,
+                                    )
+                                    .unwrap();
+                                }
+                                pairs.push((host, flushed));
+                            }
+                            pairs
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+            });
+            for (host, flushed) in results.into_iter().flatten() {
+                let (Grads::F32(host), Grads::F32(flushed)) = (host, flushed) else {
+                    unreachable!()
+                };
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&flushed), bits(&host), "world {world}");
             }
         }
     }
@@ -438,7 +614,8 @@ mod tests {
                             0,
                             &grad,
                             part,
-                            &mut acc,
+                            Some(&mut acc),
+                            None,
                             &mut buffers,
                             &track,
                             64,

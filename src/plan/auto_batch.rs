@@ -3,7 +3,8 @@
 //! it decides: the micro-batch is the largest power of two whose planned device bytes
 //! (`plan::memory::predict`) fit the device budget; accumulation is 1 unless
 //! `train_batch_size` is set (then it makes up the rest); `train_batch_size` follows.
-//! `plan` prints each with what it became and why.
+//! `plan` prints each with what it became and why. The same budget decides whether
+//! gradient accumulation may keep its sums on the device (`fit_device_sums`).
 
 use super::{Accelerator, AutoChoice, DeviceFacts, Plan};
 
@@ -44,10 +45,7 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
             p.batch.micro_batch_per_gpu = micro;
             crate::plan::memory::predict(&p).total
         };
-        let (budget, budget_key) = match plan.train.accelerator {
-            Accelerator::Cuda => (facts.cuda_memory, "the GPU's memory"),
-            Accelerator::Cpu => (plan.train.device_memory, "train.device_memory"),
-        };
+        let (budget, budget_key) = budget(plan, facts);
         let (micro, why) = match budget {
             None => {
                 let micro = candidates
@@ -126,4 +124,30 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
             ),
         });
     }
+}
+
+/// A rank's device memory budget, and what sets it.
+fn budget(plan: &Plan, facts: DeviceFacts) -> (Option<u64>, &'static str) {
+    match plan.train.accelerator {
+        Accelerator::Cuda => (facts.cuda_memory, "the GPU's memory"),
+        Accelerator::Cpu => (plan.train.device_memory, "train.device_memory"),
+    }
+}
+
+/// Whether gradient accumulation keeps its sums on the device
+/// (`rules::device_accumulation`): as `train.accumulate_on_device` says, and for "auto"
+/// on a GPU where the plan still fits its memory with them. A CPU device's memory is the
+/// host's, where the accumulators already are: "auto" keeps the sums there once.
+pub(super) fn fit_device_sums(plan: &mut Plan, facts: DeviceFacts) {
+    plan.zero.device_accumulation = match plan.train.accumulate_on_device {
+        Some(on) => on,
+        None if plan.train.accelerator == Accelerator::Cpu => false,
+        None => {
+            plan.zero.device_accumulation = true;
+            match budget(plan, facts) {
+                (Some(budget), _) => crate::plan::memory::predict(plan).total <= budget,
+                (None, _) => true,
+            }
+        }
+    };
 }

@@ -13,8 +13,8 @@
 use super::memory::predict;
 use super::partition::Partition;
 use super::rules::{
-    bf16_gradients, chunk_elements, gathers_updates, nvme_gradients, pipeline_sets, swap_chunk,
-    MAX_IN_FLIGHT, REDUCE_DEPTH,
+    bf16_gradients, chunk_elements, device_accumulation, gathers_updates, nvme_gradients, pipeline_sets,
+    swap_chunk, MAX_IN_FLIGHT, REDUCE_DEPTH,
 };
 use super::{Accelerator, Plan, Tier, Wire};
 use serde::Serialize;
@@ -79,6 +79,10 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         }
         if !nvme_grads {
             rank.gradients += grad_elem * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
+        }
+        if cpu && device_accumulation(plan) {
+            // the device accumulators of gradient accumulation, in host memory on a CPU
+            rank.gradients += 4 * opt_len(p);
         }
         if stage == 1 {
             // the partition copy lent to the optimizer

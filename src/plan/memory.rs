@@ -17,7 +17,7 @@
 
 use super::fetch::{may_request, schedule, Limits, Purpose};
 use super::partition::Partition;
-use super::rules::{chunk_elements, gathers_updates};
+use super::rules::{chunk_elements, device_accumulation, gathers_updates};
 use super::{Plan, Tier};
 use serde::Serialize;
 
@@ -25,6 +25,9 @@ use serde::Serialize;
 pub struct DeviceBytes {
     pub parameters: u64,
     pub gradients: u64,
+    /// Of `gradients`, the accumulators held as device tensors: the partitions a step's
+    /// micro-batches add into (`rules::device_accumulation`).
+    pub accumulators: u64,
     pub optimizer: u64,
     /// Peak of gathered units plus kept activations, at the moment they peak together.
     pub working: u64,
@@ -40,10 +43,11 @@ impl DeviceBytes {
     }
 
     /// What torch tensors hold: device-tier parameters, gathered units, activations,
-    /// temporaries, reduction buckets and device-tier optimizer state (gradient
-    /// accumulators are the engine's host arenas).
+    /// temporaries, reduction buckets, device-tier optimizer state and the device
+    /// accumulators of gradient accumulation (the other gradient accumulators are the
+    /// engine's host arenas).
     pub fn in_tensors(&self) -> u64 {
-        self.parameters + self.working + self.transient + self.optimizer
+        self.parameters + self.working + self.transient + self.optimizer + self.accumulators
     }
 }
 
@@ -148,6 +152,12 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
         if plan.zero.offload_optimizer.tier == Tier::Device {
             bytes.gradients += 4 * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
             bytes.optimizer += 12 * opt_len(p);
+        }
+        if device_accumulation(plan) {
+            bytes.accumulators += 4 * opt_len(p);
+            if plan.zero.offload_optimizer.tier != Tier::Device {
+                bytes.gradients += 4 * opt_len(p);
+            }
         }
     }
     let tokens = 8 * (plan.batch.micro_batch_per_gpu * plan.data.seq_len) as u64;

@@ -93,6 +93,7 @@ impl Plan {
             auto: Vec::new(),
         };
         super::auto_batch::decide(&mut plan, auto, facts);
+        super::auto_batch::fit_device_sums(&mut plan, facts);
         Ok(plan)
     }
 
@@ -161,6 +162,10 @@ fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError
         device_memory: match t.device_memory {
             None | Some(Num::Auto) => None,
             some => Some(positive("train.device_memory", some, 1)? as u64),
+        },
+        accumulate_on_device: match t.accumulate_on_device {
+            None | Some(Flag::Auto) => None,
+            Some(Flag::Value(on)) => Some(on),
         },
     })
 }

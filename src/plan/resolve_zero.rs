@@ -213,6 +213,7 @@ pub(super) fn build_zero(
             1_000_000_000,
             1_000_000_000,
         )?,
+        device_accumulation: true,
         gather_16bit_weights_on_model_save: gather_16bit.unwrap_or(false),
         offload_param: ParamOffload {
             tier: param_tier,

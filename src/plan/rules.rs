@@ -45,6 +45,16 @@ pub fn nvme_gradients(plan: &Plan) -> bool {
     plan.zero.stage >= 2 && plan.zero.offload_optimizer.tier == Tier::Nvme
 }
 
+/// Whether gradients accumulate on the device across a step's micro-batches (stages 2–3
+/// with gradient accumulation): each micro-batch's reduced stretch is added into a device
+/// accumulator of the unit's partition, and only the last micro-batch's sum leaves the
+/// device, once per step, for the host accumulator or the swap store. The device row of
+/// the plan counts these accumulators (4 bytes per partition element) on every tier; a
+/// plan whose device budget they would overflow keeps the sums on the host.
+pub fn device_accumulation(plan: &Plan) -> bool {
+    plan.zero.device_accumulation && plan.zero.stage >= 2 && plan.batch.gradient_accumulation_steps > 1
+}
+
 /// Buffer sets of the NVMe optimizer pipeline: DeepSpeed's `offload_optimizer.buffer_count`
 /// counts buffers, one per state of a sub-group (the gradient's included when stored).
 pub fn pipeline_sets(plan: &Plan) -> usize {

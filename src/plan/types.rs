@@ -205,6 +205,10 @@ pub struct Zero {
     pub param_persistence_threshold: usize,
     pub max_live_parameters: usize,
     pub max_reuse_distance: usize,
+    /// tierzero's own choice (`train.accumulate_on_device`, no DeepSpeed key): gradient
+    /// accumulation keeps its sums on the device (`rules::device_accumulation`); decided
+    /// by `auto_batch::fit_device_sums`.
+    pub device_accumulation: bool,
     pub gather_16bit_weights_on_model_save: bool,
     pub offload_param: ParamOffload,
     pub offload_optimizer: OptimizerOffload,
@@ -260,6 +264,8 @@ pub struct Train {
     pub launch: Launch,
     /// Per-rank device memory budget in bytes (CPU devices); None = unlimited.
     pub device_memory: Option<u64>,
+    /// `train.accumulate_on_device`: None for "auto".
+    pub accumulate_on_device: Option<bool>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]

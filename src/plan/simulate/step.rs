@@ -48,6 +48,8 @@ pub(super) struct Replay<'a> {
     stored: Vec<bool>,
     /// Whether the persistent units' gathered copies are held (from the first fetch on).
     cached: bool,
+    /// Whether the micro-batch under way is the step's last.
+    last_micro: bool,
 }
 
 impl<'a> Replay<'a> {
@@ -73,6 +75,7 @@ impl<'a> Replay<'a> {
             fresh: vec![false; parts_len],
             stored: vec![false; parts_len],
             cached: false,
+            last_micro: true,
         }
     }
 
@@ -135,7 +138,9 @@ impl<'a> Replay<'a> {
     pub fn step(&mut self) -> f64 {
         let start = self.clocks.now(Track::Compute);
         self.pcie = [0, 0];
-        for _ in 0..self.plan.batch.gradient_accumulation_steps {
+        let micro_batches = self.plan.batch.gradient_accumulation_steps;
+        for micro in 0..micro_batches {
+            self.last_micro = micro + 1 == micro_batches;
             self.micro_batch();
         }
         self.after_micro_batches();
@@ -319,9 +324,10 @@ impl<'a> Replay<'a> {
             self.replica(last)
         };
         self.compute(last, Work::Head, ready);
-        self.accumulate(last);
+        self.accumulate(last, false);
         if tied {
-            self.accumulate(0);
+            // the embedding's own gradient follows in backward
+            self.accumulate(0, true);
         }
         // backward in reverse by recompute
         for u in (0..last).rev() {
@@ -331,7 +337,7 @@ impl<'a> Replay<'a> {
                 self.replica(u)
             };
             self.compute(u, Work::Backward, ready);
-            self.accumulate(u);
+            self.accumulate(u, false);
         }
         // the prefetcher's end: the lanes are drained before the next micro-batch
         if self.stage() >= 2 {
@@ -395,7 +401,9 @@ impl<'a> Replay<'a> {
 
     /// `accumulate(u)`: the gradient's reduction on the collectives lane (stages 2–3),
     /// or its copy to the host accumulator on the compute thread (stages 0–1).
-    fn accumulate(&mut self, u: usize) {
+    /// `more`: another contribution to the unit follows in this micro-batch (the tied
+    /// head's precedes the embedding's).
+    fn accumulate(&mut self, u: usize, more: bool) {
         let part = self.parts[u];
         let copies = self.profile.copies.clone();
         let wire = self.plan.communication.kind().elt_size_in_bytes() as u64;
@@ -433,9 +441,41 @@ impl<'a> Replay<'a> {
         let nvme = rules::nvme_gradients(self.plan);
         let swap_chunk = self.swap_chunk() as u64;
         let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
+        // gradient accumulation on the device: each stretch is added there, and only the
+        // step's last contribution leaves for the host (`rules::device_accumulation`)
+        let on_device = rules::device_accumulation(self.plan);
+        let to_host = !on_device || (self.last_micro && !more);
+        let device_add = |out: u64| Self::seconds(out, copies.device_to_device.value);
         for chunk in 0..chunks {
             let k = stretch.min(shard - chunk * stretch);
             let out = 4 * k;
+            if on_device {
+                if world > 1 {
+                    let bucket = wire * world * k;
+                    let pack = Self::seconds(bucket, copies.device_to_device.value);
+                    self.clocks.run(Track::Collectives, "d2h", Some(u), pack, bucket);
+                    let rs = self.collective(bucket);
+                    self.clocks.run(Track::Collectives, "reduce", Some(u), rs, bucket);
+                }
+                self.clocks
+                    .run(Track::Collectives, "device_add", Some(u), device_add(out), 0);
+                if to_host {
+                    let what = if world == 1 { "d2h" } else { "copy_out" };
+                    if self.cuda() || world == 1 {
+                        let rate = if self.cuda() {
+                            copies.d2h_pageable.value
+                        } else {
+                            copies.host_memcpy.value
+                        };
+                        self.clocks
+                            .run(Track::Collectives, what, Some(u), Self::seconds(out, rate), out);
+                    }
+                    self.pcie[1] += if self.cuda() { out } else { 0 };
+                    let add = Self::seconds(out, copies.host_add.value);
+                    self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
+                }
+                continue;
+            }
             if world == 1 {
                 // nothing travels: the stretch widened straight to the host, then added
                 let rate = if self.cuda() {
@@ -465,7 +505,7 @@ impl<'a> Replay<'a> {
             let add = Self::seconds(out, copies.host_add.value);
             self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
         }
-        if nvme {
+        if nvme && to_host {
             // the gradient's swap chunks: read back (once a reduction of the step has
             // stored some) and written, on the lane thread
             let elements = self.optimizer_len(u);
