@@ -321,3 +321,54 @@ fn device_sums_of_gradient_accumulation_fit_the_gpu_or_stay_on_the_host() {
         "train.accumulate_on_device=true"
     ]));
 }
+
+/// Stage 3 keeps gathered units on a GPU for the whole step, the largest that fit its
+/// memory (by raising `stage3_param_persistence_threshold`, which `plan` reports), and
+/// none where none fits; on a CPU only when `train.keep_gathered` asks.
+#[test]
+fn gathered_units_stay_on_the_gpu_as_far_as_its_memory_has_room() {
+    let on_gpu = |memory: Option<u64>, sets: &[&str]| {
+        let config = json!({
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "bf16": { "enabled": true },
+            "zero_optimization": { "stage": 3, "stage3_param_persistence_threshold": 0 },
+            "model": { "preset": "llama-tiny", "num_hidden_layers": 8 },
+            "data": { "synthetic": "markov", "seq_len": 32 },
+            "train": { "steps": 2, "devices": 2, "accelerator": "cuda" }
+        });
+        let facts = DeviceFacts {
+            cuda_bf16: true,
+            cuda_devices: 2,
+            cuda_memory: memory,
+        };
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        from_json(config, &sets, facts).unwrap().plan
+    };
+    let numels = on_gpu(None, &[]).model.config.unit_numels();
+    let largest = numels.iter().copied().max().unwrap();
+    let all = on_gpu(None, &[]);
+    assert_eq!(all.zero.param_persistence_threshold, largest);
+    assert!(all.auto.iter().any(|c| c.key == "train.keep_gathered"));
+    let off = on_gpu(None, &["train.keep_gathered=false"]);
+    assert_eq!(off.zero.param_persistence_threshold, 0);
+    // a budget between "nothing kept" and "everything kept" keeps the smaller units
+    let (low, high) = (predict(&off).total, predict(&all).total);
+    assert!(low < high, "{:?} vs {:?}", predict(&off), predict(&all));
+    let some = on_gpu(Some((low + high) / 2), &[]);
+    let t = some.zero.param_persistence_threshold;
+    assert!(predict(&some).total <= (low + high) / 2);
+    assert!(t < largest && (t == 0 || numels.contains(&t)), "{t}");
+    assert_eq!(on_gpu(Some(low), &[]).zero.param_persistence_threshold, 0);
+    let cpu = |sets: &[&str]| plan(2, 3, "cpu", sets).zero.param_persistence_threshold;
+    let cpu_largest = plan(2, 3, "cpu", &[])
+        .model
+        .config
+        .unit_numels()
+        .into_iter()
+        .max()
+        .unwrap();
+    let given = cpu(&["train.keep_gathered=false"]);
+    assert_eq!(cpu(&[]), given);
+    assert_eq!(cpu(&["train.keep_gathered=true"]), given.max(cpu_largest));
+}

@@ -25,15 +25,15 @@ fn waited_for(sim: &Simulation, track: Track) -> f64 {
 }
 
 /// llama-1b on one GPU with parameters and optimizer in host memory (bf16, 8
-/// micro-batches): every unit but the final one crosses h2d twice per micro-batch (forward
-/// and backward: nothing is kept), the final unit once and the tied embedding a third time
+/// micro-batches), with `train.keep_gathered` off: every unit but the final one crosses
+/// h2d twice per micro-batch (forward and backward: nothing is kept), the final unit once and the tied embedding a third time
 /// (for the LM head), in bf16: 2·2·8 = 32 bytes in per parameter, ± those shares. The
 /// gradients accumulate on the device over the micro-batches and leave it once per step,
 /// in fp32: 4 bytes out. The layout's minimum is 2 bytes each way.
 #[test]
 fn pcie_bytes_per_parameter_follow_the_engines_schedule() {
     let profile = Profile::load("h100-pcie5").unwrap();
-    let plan = plan_on("llama-1b-1gpu-cpu.json", &[], &profile);
+    let plan = plan_on("llama-1b-1gpu-cpu.json", &["train.keep_gathered=false"], &profile);
     assert_eq!(plan.precision.name(), "bf16");
     let sim = simulate(&plan, &profile);
     let config = &plan.model.config;
@@ -53,6 +53,15 @@ fn pcie_bytes_per_parameter_follow_the_engines_schedule() {
     );
     assert_eq!(sim.pcie_minimum_per_param, 4.0);
     assert!(sim.mfu > 0.0 && sim.mfu < 1.0, "{}", sim.mfu);
+    // as shipped, the GPU's memory keeps every unit gathered for the step: each crosses
+    // once, after its update
+    let kept = plan_on("llama-1b-1gpu-cpu.json", &[], &profile);
+    assert!(kept.zero.param_persistence_threshold >= config.unit_numels().into_iter().max().unwrap());
+    let [h2d, d2h] = simulate(&kept, &profile).pcie_bytes_per_param;
+    assert!(
+        (h2d - 2.0).abs() < 0.01 && (d2h - 4.0).abs() < 0.01,
+        "{h2d} + {d2h}"
+    );
 }
 
 /// A prefetch bucket that holds the next units lets gathers run ahead of compute; a
@@ -62,7 +71,9 @@ fn prefetch_hides_gathers_that_no_prefetch_exposes() {
     let profile = Profile::load("h100-pcie5").unwrap();
     let run = |bucket: &str| {
         let set = format!("zero_optimization.stage3_prefetch_bucket_size={bucket}");
-        simulate(&plan_on("llama-13b-2gpu-cpu.json", &[&set], &profile), &profile)
+        // every unit fetched for each use (kept gathered, none would be fetched again)
+        let sets = [set.as_str(), "train.keep_gathered=false"];
+        simulate(&plan_on("llama-13b-2gpu-cpu.json", &sets, &profile), &profile)
     };
     let (ahead, none) = (run("auto"), run("0"));
     assert!(
@@ -107,16 +118,15 @@ fn a_dry_run_of_llama_70b_on_eight_gpus() {
 /// The replay moves the bytes the engine moves: per phase of the breakdown (gathers,
 /// reductions, copies each way, NVMe reads and writes), the simulated step's bytes equal
 /// the real run's in a steady step, for the default config and variants that change the
-/// schedule (stage, tiers, precision, persistent units, reduction chunks, micro-batches,
-/// ranks). Bytes do not depend
-/// on the profile's rates, so a shipped profile run as a CPU serves; the times are checked
+/// schedule (stage, tiers, precision, persistent and kept units, reduction chunks,
+/// micro-batches, sums on the device, ranks). Bytes do not depend on the profile's rates, so a shipped profile run as a CPU serves; the times are checked
 /// against real runs by `scripts/sim_check.sh` (README), not here.
 #[test]
 fn the_replay_moves_the_bytes_the_engine_moves() {
     const PARAM_NVME: &str = "(the parameters' NVMe directory)";
     let mut profile = Profile::load("h100-pcie5").unwrap();
     profile.device = "cpu".into();
-    let variants: [&[&str]; 14] = [
+    let variants: [&[&str]; 15] = [
         &["bf16.enabled=true"],
         &["zero_optimization.stage3_param_persistence_threshold=100000"],
         &["zero_optimization.overlap_comm=false", "train.devices=1"],
@@ -133,6 +143,11 @@ fn the_replay_moves_the_bytes_the_engine_moves() {
         &["zero_optimization.reduce_bucket_size=20000"],
         &["gradient_accumulation_steps=2", "train.devices=4"],
         &["gradient_accumulation_steps=3", "train.accumulate_on_device=true"],
+        &[
+            "gradient_accumulation_steps=2",
+            "train.keep_gathered=true",
+            "train.accumulate_on_device=true",
+        ],
         &[
             "gradient_accumulation_steps=2",
             "train.accumulate_on_device=true",

@@ -230,4 +230,8 @@ pub struct TrainSection {
     /// Gradient accumulation's sums on the device: "auto" (on a GPU, where they fit the
     /// budget), true or false.
     pub accumulate_on_device: Option<Flag>,
+    /// Stage 3: gathered units stay on the device for the whole step instead of being
+    /// gathered again for backward and every micro-batch: "auto" (on a GPU, as many as
+    /// fit its memory), true or false.
+    pub keep_gathered: Option<Flag>,
 }

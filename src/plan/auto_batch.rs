@@ -144,10 +144,72 @@ pub(super) fn fit_device_sums(plan: &mut Plan, facts: DeviceFacts) {
         None if plan.train.accelerator == Accelerator::Cpu => false,
         None => {
             plan.zero.device_accumulation = true;
-            match budget(plan, facts) {
+            let fits = match budget(plan, facts) {
                 (Some(budget), _) => crate::plan::memory::predict(plan).total <= budget,
                 (None, _) => true,
+            };
+            if fits && crate::plan::rules::device_accumulation(plan) {
+                plan.auto.push(AutoChoice {
+                    key: "train.accumulate_on_device",
+                    value: 1,
+                    why: "on: gradient sums stay on the GPU over the micro-batches and leave it once per step; its memory has room"
+                        .into(),
+                });
+            }
+            fits
+        }
+    };
+}
+
+/// Stage 3: which gathered units stay on the device for the whole step (gathered once per
+/// step, after the update, instead of for every forward and backward), as
+/// `train.keep_gathered` says: for "auto", on a GPU, the largest units that fit its memory
+/// beside everything else the plan holds there. The engine keeps units of at most
+/// `stage3_param_persistence_threshold` elements gathered, so the choice raises that
+/// threshold (never lowers it) and says so beside the batch keys.
+pub(super) fn fit_gathered(plan: &mut Plan, facts: DeviceFacts) {
+    if plan.zero.stage != 3 {
+        return;
+    }
+    let numels = plan.model.config.unit_numels();
+    let largest = numels.iter().copied().max().unwrap_or(0);
+    let given = plan.zero.param_persistence_threshold;
+    let threshold = match plan.train.keep_gathered {
+        Some(false) => return,
+        Some(true) => largest,
+        None if plan.train.accelerator == Accelerator::Cpu => return,
+        None => {
+            let mut sizes: Vec<usize> = numels.iter().copied().filter(|&n| n > given).collect();
+            sizes.sort_unstable();
+            sizes.dedup();
+            let fits = |t: usize| {
+                let mut p = plan.clone();
+                p.zero.param_persistence_threshold = t;
+                match budget(&p, facts) {
+                    (Some(budget), _) => crate::plan::memory::predict(&p).total <= budget,
+                    (None, _) => true,
+                }
+            };
+            match sizes.into_iter().rev().find(|&t| fits(t)) {
+                Some(t) => t,
+                None => return,
             }
         }
     };
+    if threshold <= given {
+        return;
+    }
+    plan.zero.param_persistence_threshold = threshold;
+    if plan.train.keep_gathered.is_none() {
+        let kept = numels.iter().filter(|&&n| n <= threshold).count();
+        plan.auto.push(AutoChoice {
+            key: "train.keep_gathered",
+            value: kept,
+            why: format!(
+                "of {} units stay gathered for the whole step, the most that fit the GPU's memory: \
+                 stage3_param_persistence_threshold {given} → {threshold}",
+                numels.len()
+            ),
+        });
+    }
 }

@@ -94,6 +94,7 @@ impl Plan {
         };
         super::auto_batch::decide(&mut plan, auto, facts);
         super::auto_batch::fit_device_sums(&mut plan, facts);
+        super::auto_batch::fit_gathered(&mut plan, facts);
         Ok(plan)
     }
 
@@ -164,6 +165,10 @@ fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError
             some => Some(positive("train.device_memory", some, 1)? as u64),
         },
         accumulate_on_device: match t.accumulate_on_device {
+            None | Some(Flag::Auto) => None,
+            Some(Flag::Value(on)) => Some(on),
+        },
+        keep_gathered: match t.keep_gathered {
             None | Some(Flag::Auto) => None,
             Some(Flag::Value(on)) => Some(on),
         },

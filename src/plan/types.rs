@@ -266,6 +266,8 @@ pub struct Train {
     pub device_memory: Option<u64>,
     /// `train.accumulate_on_device`: None for "auto".
     pub accumulate_on_device: Option<bool>,
+    /// `train.keep_gathered`: None for "auto".
+    pub keep_gathered: Option<bool>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -221,6 +221,9 @@ impl Simulation {
             plan.data.seq_len,
             plan.batch.gradient_accumulation_steps
         ));
+        for choice in &plan.auto {
+            line(&mut out, choice.key, format!("{} ({})", choice.value, choice.why));
+        }
         line(&mut out, "step time", format!("{:.3} s", self.step_s));
         line(
             &mut out,
