@@ -173,6 +173,10 @@ fn copies(threads: usize) -> anyhow::Result<Copies> {
         }
         Ok(())
     })?;
+    let add_all = gb_s(bytes, || {
+        crate::engine::grads::add_f32(&mut dst, &src);
+        Ok(())
+    })?;
     tch::set_num_threads(threads as i32);
     let a = Tensor::f_ones([N as i64], (Kind::Float, Device::Cpu))?;
     let mut b = Tensor::f_zeros([N as i64], (Kind::Float, Device::Cpu))?;
@@ -198,6 +202,10 @@ fn copies(threads: usize) -> anyhow::Result<Copies> {
         host_add: Figure::new(
             add,
             "a one-thread fp32 a += b over 256 MiB, `tierzero bench profile`",
+        ),
+        host_add_parallel: Figure::new(
+            add_all,
+            "the engine's accumulator add (every core) over 256 MiB, `tierzero bench profile`",
         ),
     })
 }

@@ -100,29 +100,65 @@ impl Grads {
     }
 }
 
-/// `g[i] += x[i]`.
+use crate::plan::rules::PARALLEL_CHUNK;
+
+/// Elements of one block of Σ g² (`sum_squares_*`): a divisor of the swap store's chunk
+/// alignment (4096 elements), so that a sum continued chunk by chunk is the whole's.
+pub const NORM_BLOCK: usize = 4096;
+
+/// `g[i] += x[i]`, on every core for long stretches (element-wise: the same bits).
 pub fn add_f32(g: &mut [f32], x: &[f32]) {
-    for (g, &x) in g.iter_mut().zip(x) {
-        *g += x;
+    use rayon::prelude::*;
+    let add = |g: &mut [f32], x: &[f32]| {
+        for (g, &x) in g.iter_mut().zip(x) {
+            *g += x;
+        }
+    };
+    if g.len() <= PARALLEL_CHUNK {
+        return add(g, x);
     }
+    g.par_chunks_mut(PARALLEL_CHUNK)
+        .zip(x.par_chunks(PARALLEL_CHUNK))
+        .for_each(|(g, x)| add(g, x));
 }
 
-/// `g[i] += x[i]` on bf16 bits: added in fp32, rounded once (to nearest even).
+/// `g[i] += x[i]` on bf16 bits: added in fp32, rounded once (to nearest even); on every
+/// core for long stretches.
 pub fn add_bf16(g: &mut [u16], x: &[f32]) {
-    for (g, &x) in g.iter_mut().zip(x) {
-        *g = f32_to_bf16(bf16_to_f32(*g) + x);
+    use rayon::prelude::*;
+    let add = |g: &mut [u16], x: &[f32]| {
+        for (g, &x) in g.iter_mut().zip(x) {
+            *g = f32_to_bf16(bf16_to_f32(*g) + x);
+        }
+    };
+    if g.len() <= PARALLEL_CHUNK {
+        return add(g, x);
     }
+    g.par_chunks_mut(PARALLEL_CHUNK)
+        .zip(x.par_chunks(PARALLEL_CHUNK))
+        .for_each(|(g, x)| add(g, x));
 }
 
-/// `from` + Σ g², folded in element order in f64 (so a sum continued chunk by chunk is the
-/// sum over the whole).
+/// `from` + Σ g² in f64: each block of [`NORM_BLOCK`] elements folded in element order,
+/// the blocks (computed on every core) added in order. A sum continued from a stretch
+/// that ends on a block boundary is the sum over the whole.
 pub fn sum_squares_f32(from: f64, g: &[f32]) -> f64 {
-    g.iter().fold(from, |s, &x| s + f64::from(x) * f64::from(x))
+    blocked(from, g, |x| f64::from(x) * f64::from(x))
 }
 
 /// [`sum_squares_f32`] of bf16 bits.
 pub fn sum_squares_bf16(from: f64, g: &[u16]) -> f64 {
-    g.iter().fold(from, |s, &b| s + f64::from(bf16_to_f32(b)).powi(2))
+    blocked(from, g, |b| f64::from(bf16_to_f32(b)).powi(2))
+}
+
+fn blocked<T: Copy + Sync>(from: f64, g: &[T], square: impl Fn(T) -> f64 + Sync) -> f64 {
+    use rayon::prelude::*;
+    let block = |b: &[T]| b.iter().fold(0.0, |s, &x| s + square(x));
+    if g.len() <= PARALLEL_CHUNK {
+        return g.chunks(NORM_BLOCK).fold(from, |s, b| s + block(b));
+    }
+    let sums: Vec<f64> = g.par_chunks(NORM_BLOCK).map(block).collect();
+    sums.into_iter().fold(from, |s, b| s + b)
 }
 
 #[cfg(test)]
@@ -144,5 +180,41 @@ mod tests {
         f.add(0, &[0.5, 0.25]);
         assert_eq!(f.sum_squares(0..2), 1.0 + 0.25);
         assert_eq!((f.bytes(), g.bytes()), (8, 6));
+    }
+
+    /// The passes on every core are the one-thread passes' bits: the additions element
+    /// by element; Σ g² by blocks, whether over the whole or continued stretch by stretch
+    /// from block boundaries (as the swap store's chunks are), in f32 and in bf16.
+    #[test]
+    fn passes_on_every_core_equal_the_one_thread_definitions() {
+        let n = 5 * PARALLEL_CHUNK + 1234;
+        let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0).collect();
+        let start: Vec<f32> = (0..n).map(|i| (i % 31) as f32 * 0.37).collect();
+        let mut parallel = start.clone();
+        add_f32(&mut parallel, &x);
+        let serial: Vec<f32> = start.iter().zip(&x).map(|(a, b)| a + b).collect();
+        assert_eq!(parallel, serial);
+        let bits: Vec<u16> = start.iter().map(|&v| f32_to_bf16(v)).collect();
+        let mut parallel16 = bits.clone();
+        add_bf16(&mut parallel16, &x);
+        let serial16: Vec<u16> = bits
+            .iter()
+            .zip(&x)
+            .map(|(&g, &x)| f32_to_bf16(bf16_to_f32(g) + x))
+            .collect();
+        assert_eq!(parallel16, serial16);
+        let definition = |g: &[f32]| {
+            g.chunks(NORM_BLOCK)
+                .map(|b| b.iter().fold(0.0, |s, &x| s + f64::from(x) * f64::from(x)))
+                .fold(0.0, |s, b| s + b)
+        };
+        let whole = sum_squares_f32(0.0, &x);
+        assert_eq!(whole.to_bits(), definition(&x).to_bits());
+        let stretch = 3 * NORM_BLOCK;
+        let continued = x.chunks(stretch).fold(0.0, sum_squares_f32);
+        assert_eq!(continued.to_bits(), whole.to_bits());
+        let widened: Vec<f32> = bits.iter().map(|&b| bf16_to_f32(b)).collect();
+        let continued16 = bits.chunks(stretch).fold(0.0, sum_squares_bf16);
+        assert_eq!(continued16.to_bits(), definition(&widened).to_bits());
     }
 }

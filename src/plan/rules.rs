@@ -19,6 +19,10 @@ pub fn chunk_elements(plan: &Plan) -> usize {
     plan.zero.reduce_bucket_size.clamp(1, CHUNK_LIMIT)
 }
 
+/// Elements each core takes at a time in the engine's element-wise passes over gradient
+/// accumulators (the add and Σ g²); a stretch no longer is done on one thread.
+pub const PARALLEL_CHUNK: usize = 1 << 15;
+
 /// Gathers issued ahead of the one the compute thread waits for, at most (DeepSpeed
 /// bounds its in-flight all-gathers the same way).
 pub const MAX_IN_FLIGHT: usize = 2;

@@ -87,6 +87,8 @@ pub struct Copies {
     pub host_memcpy_parallel: Figure,
     /// One thread's fp32 `a += b` over host buffers, in bytes of `b` per second.
     pub host_add: Figure,
+    /// Every core's fp32 `a += b` (the engine's accumulator add on long stretches).
+    pub host_add_parallel: Figure,
 }
 
 /// The link collectives run over: a ring's bus bandwidth and a per-call latency.

@@ -122,6 +122,17 @@ impl<'a> Replay<'a> {
         )
     }
 
+    /// The host's accumulator add over a stretch of `elements`: on every core when it is
+    /// long (`rules::PARALLEL_CHUNK`), else one thread's.
+    fn host_add(&self, elements: u64) -> f64 {
+        let copies = &self.profile.copies;
+        if elements as usize > rules::PARALLEL_CHUNK {
+            copies.host_add_parallel.value
+        } else {
+            copies.host_add.value
+        }
+    }
+
     fn seconds(bytes: u64, gb_s: f64) -> f64 {
         bytes as f64 / (gb_s * GB)
     }
@@ -421,7 +432,10 @@ impl<'a> Replay<'a> {
                 Track::Compute,
                 "host_add",
                 Some(u),
-                Self::seconds(bytes, copies.host_add.value),
+                Self::seconds(
+                    bytes,
+                    self.host_add((rules::chunk_elements(self.plan) as u64).min(part.padded as u64)),
+                ),
                 0,
             );
             self.pcie[1] += if self.cuda() { bytes } else { 0 };
@@ -471,7 +485,7 @@ impl<'a> Replay<'a> {
                             .run(Track::Collectives, what, Some(u), Self::seconds(out, rate), out);
                     }
                     self.pcie[1] += if self.cuda() { out } else { 0 };
-                    let add = Self::seconds(out, copies.host_add.value);
+                    let add = Self::seconds(out, self.host_add(k));
                     self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
                 }
                 continue;
@@ -486,7 +500,7 @@ impl<'a> Replay<'a> {
                 self.clocks
                     .run(Track::Collectives, "d2h", Some(u), Self::seconds(out, rate), out);
                 self.pcie[1] += if self.cuda() { out } else { 0 };
-                let add = Self::seconds(out, copies.host_add.value);
+                let add = Self::seconds(out, self.host_add(k));
                 self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
                 continue;
             }
@@ -502,7 +516,7 @@ impl<'a> Replay<'a> {
                     .run(Track::Collectives, "copy_out", Some(u), copy, out);
                 self.pcie[1] += out;
             }
-            let add = Self::seconds(out, copies.host_add.value);
+            let add = Self::seconds(out, self.host_add(k));
             self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
         }
         if nvme && to_host {
@@ -548,9 +562,9 @@ impl<'a> Replay<'a> {
             seconds += self.collective(bytes) * 2.0;
         }
         if !rules::nvme_gradients(self.plan) {
-            // sum_squares: a serial pass over every accumulator
+            // Σ g²: a pass over every accumulator, on every core
             let elements: u64 = (0..self.parts.len()).map(|u| self.optimizer_len(u)).sum();
-            seconds += Self::seconds(elements * 4, self.profile.copies.host_memcpy.value);
+            seconds += Self::seconds(elements * 4, self.profile.copies.host_memcpy_parallel.value);
         }
         self.clocks.run(Track::Compute, "reduce", None, seconds, 0);
         // install_all: every update of the last step is in before this step's goes out
