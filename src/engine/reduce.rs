@@ -43,6 +43,9 @@ pub struct ChunkBuffers {
     bucket: Option<Tensor>,
     reduced: Option<Tensor>,
     host: Vec<f32>,
+    /// Pinned host memory a GPU's device sum is copied into when it is flushed (a copy
+    /// at the link's DMA speed; a pageable one goes through a bounce buffer).
+    pinned: Option<Tensor>,
 }
 
 impl ChunkBuffers {
@@ -53,6 +56,7 @@ impl ChunkBuffers {
             bucket: None,
             reduced: None,
             host: Vec::new(),
+            pinned: None,
         }
     }
 
@@ -280,7 +284,27 @@ fn flush<A: Accumulate + ?Sized>(
     let Some(acc) = acc else {
         return Err(no_accumulator(rank));
     };
-    let values = host_f32(dst, &mut buffers.host).map_err(|source| EngineError::Torch { rank, source })?;
+    let torch_err = |source| EngineError::Torch { rank, source };
+    if dst.device() == tch::Device::Cpu {
+        let values = host_f32(dst, &mut buffers.host).map_err(torch_err)?;
+        return acc.add(start, values, track);
+    }
+    // a GPU's sum: into pinned memory in one DMA copy, read there
+    let bytes = 4 * dst.numel();
+    if buffers.pinned.as_ref().is_none_or(|p| p.numel() < bytes) {
+        buffers.pinned = Some(torch::shim::pinned_bytes(bytes).map_err(torch_err)?);
+    }
+    let Some(pinned) = buffers.pinned.as_ref() else {
+        return Err(no_accumulator(rank));
+    };
+    let mut host = pinned
+        .f_narrow(0, 0, bytes as i64)
+        .and_then(|p| p.f_view_dtype(Kind::Float))
+        .map_err(torch_err)?;
+    host.f_copy_(dst).map_err(torch_err)?;
+    // SAFETY: the pinned buffer is this reduction's own; the copy into it was synchronous
+    // and nothing writes it while the slice is read
+    let values = unsafe { torch::host_slice::<f32>(&host, dst.numel()) }.map_err(torch_err)?;
     acc.add(start, values, track)
 }
 

@@ -474,10 +474,11 @@ impl<'a> Replay<'a> {
                 self.clocks
                     .run(Track::Collectives, "device_add", Some(u), device_add(out), 0);
                 if to_host {
+                    // the sum leaves in one DMA copy into pinned memory
                     let what = if world == 1 { "d2h" } else { "copy_out" };
                     if self.cuda() || world == 1 {
                         let rate = if self.cuda() {
-                            copies.d2h_pageable.value
+                            copies.d2h_pinned.value
                         } else {
                             copies.host_memcpy.value
                         };
