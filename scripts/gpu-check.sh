@@ -62,14 +62,14 @@ if part bench; then
   run bench-h2d "$BIN" bench h2d --size-mb 256
 fi
 
-tiny() { # name, accelerator, param tier, optimizer tier
+tiny() { # name, accelerator, param tier, optimizer tier, more train arguments
   "$BIN" train --config configs/default.json --devices 1 \
     --set train.accelerator="$2" --set train.steps=40 --set train.output_dir="$WORK/$1" \
     --set bf16.enabled=true --set zero_optimization.stage=3 \
     --set zero_optimization.offload_param.device="$3" \
     --set zero_optimization.offload_param.nvme_path="$WORK/$1/nvme-param" \
     --set zero_optimization.offload_optimizer.device="$4" \
-    --set zero_optimization.offload_optimizer.nvme_path="$WORK/$1/nvme-opt"
+    --set zero_optimization.offload_optimizer.nvme_path="$WORK/$1/nvme-opt" "${@:5}"
 }
 compare() { # reference run, run compared with it (names under $WORK)
   $PY - "$WORK/$1/metrics.jsonl" "$WORK/$2/metrics.jsonl" "$1" "$2" <<'PYEOF' | tee -a "$OUT/summary.txt"
@@ -108,6 +108,16 @@ part tiny && for tiers in "none none" "cpu cpu" "nvme nvme"; do
     --set zero_optimization.offload_param.device="$1" --set zero_optimization.offload_optimizer.device="$2"
   compare "tiny-$1-cpu" "tiny-$1-cuda"
 done
+# gradient accumulation: on the GPU "auto" keeps the sums on the device (flushed through
+# pinned memory once per step) and every unit gathered for the step; on the CPU neither
+if part tiny; then
+  for tiers in "cpu cpu" "nvme nvme"; do
+    set -- $tiers
+    run "tiny-accum-$1-cpu" tiny "tiny-accum-$1-cpu" cpu "$1" "$2" --set gradient_accumulation_steps=4
+    run "tiny-accum-$1-cuda" tiny "tiny-accum-$1-cuda" cuda "$1" "$2" --set gradient_accumulation_steps=4
+    compare "tiny-accum-$1-cpu" "tiny-accum-$1-cuda"
+  done
+fi
 
 # NCCL in training: with two or more GPUs, torchrun starts 2 processes × 1 GPU whose
 # communicators join through the agent's TCPStore, and one process's 2 CUDA ranks join
