@@ -280,6 +280,26 @@ fn the_allocator_peak_rises_with_the_prefetch_bucket() {
     assert!(large_predicted > small_predicted);
 }
 
+/// A plan on 2 GPUs of `memory` bytes each (None: unknown), with accumulation 2.
+fn gpu_plan(memory: Option<u64>, zero: serde_json::Value, model: serde_json::Value, sets: &[&str]) -> Plan {
+    let config = json!({
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "bf16": { "enabled": true },
+        "zero_optimization": zero,
+        "model": model,
+        "data": { "synthetic": "markov", "seq_len": 32 },
+        "train": { "steps": 2, "devices": 2, "accelerator": "cuda" }
+    });
+    let facts = DeviceFacts {
+        cuda_bf16: true,
+        cuda_devices: 2,
+        cuda_memory: memory,
+    };
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    from_json(config, &sets, facts).unwrap().plan
+}
+
 /// Gradient accumulation keeps its sums on the device (4 bytes per partition element in
 /// the device row): on a GPU where its memory has room for them, not where it has not;
 /// on a CPU (whose device memory is the host's, where the accumulators are) only when
@@ -287,22 +307,9 @@ fn the_allocator_peak_rises_with_the_prefetch_bucket() {
 #[test]
 fn device_sums_of_gradient_accumulation_fit_the_gpu_or_stay_on_the_host() {
     use tierzero::plan::rules::device_accumulation;
-    let on_gpu = |memory: Option<u64>| {
-        let config = json!({
-            "train_micro_batch_size_per_gpu": 2,
-            "gradient_accumulation_steps": 2,
-            "bf16": { "enabled": true },
-            "zero_optimization": { "stage": 3, "offload_optimizer": { "device": "cpu" } },
-            "model": { "preset": "gpt2-tiny" },
-            "data": { "synthetic": "markov", "seq_len": 32 },
-            "train": { "steps": 2, "devices": 2, "accelerator": "cuda" }
-        });
-        let facts = DeviceFacts {
-            cuda_bf16: true,
-            cuda_devices: 2,
-            cuda_memory: memory,
-        };
-        from_json(config, &[], facts).unwrap().plan
+    let on_gpu = |memory| {
+        let zero = json!({ "stage": 3, "offload_optimizer": { "device": "cpu" } });
+        gpu_plan(memory, zero, json!({ "preset": "gpt2-tiny" }), &[])
     };
     let roomy = on_gpu(None);
     assert!(device_accumulation(&roomy));
@@ -327,23 +334,14 @@ fn device_sums_of_gradient_accumulation_fit_the_gpu_or_stay_on_the_host() {
 /// none where none fits; on a CPU only when `train.keep_gathered` asks.
 #[test]
 fn gathered_units_stay_on_the_gpu_as_far_as_its_memory_has_room() {
-    let on_gpu = |memory: Option<u64>, sets: &[&str]| {
-        let config = json!({
-            "train_micro_batch_size_per_gpu": 2,
-            "gradient_accumulation_steps": 2,
-            "bf16": { "enabled": true },
-            "zero_optimization": { "stage": 3, "stage3_param_persistence_threshold": 0 },
-            "model": { "preset": "llama-tiny", "num_hidden_layers": 8 },
-            "data": { "synthetic": "markov", "seq_len": 32 },
-            "train": { "steps": 2, "devices": 2, "accelerator": "cuda" }
-        });
-        let facts = DeviceFacts {
-            cuda_bf16: true,
-            cuda_devices: 2,
-            cuda_memory: memory,
-        };
-        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
-        from_json(config, &sets, facts).unwrap().plan
+    let on_gpu = |memory, sets: &[&str]| {
+        let zero = json!({ "stage": 3, "stage3_param_persistence_threshold": 0 });
+        gpu_plan(
+            memory,
+            zero,
+            json!({ "preset": "llama-tiny", "num_hidden_layers": 8 }),
+            sets,
+        )
     };
     let numels = on_gpu(None, &[]).model.config.unit_numels();
     let largest = numels.iter().copied().max().unwrap();

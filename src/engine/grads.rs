@@ -108,35 +108,26 @@ pub const NORM_BLOCK: usize = 4096;
 
 /// `g[i] += x[i]`, on every core for long stretches (element-wise: the same bits).
 pub fn add_f32(g: &mut [f32], x: &[f32]) {
-    use rayon::prelude::*;
-    let add = |g: &mut [f32], x: &[f32]| {
-        for (g, &x) in g.iter_mut().zip(x) {
-            *g += x;
-        }
-    };
-    if g.len() <= PARALLEL_CHUNK {
-        return add(g, x);
-    }
-    g.par_chunks_mut(PARALLEL_CHUNK)
-        .zip(x.par_chunks(PARALLEL_CHUNK))
-        .for_each(|(g, x)| add(g, x));
+    each(g, x, |g, x| *g += x);
 }
 
 /// `g[i] += x[i]` on bf16 bits: added in fp32, rounded once (to nearest even); on every
 /// core for long stretches.
 pub fn add_bf16(g: &mut [u16], x: &[f32]) {
+    each(g, x, |g, x| *g = f32_to_bf16(bf16_to_f32(*g) + x));
+}
+
+/// `f(g[i], x[i])` for every element, on every core for stretches longer than
+/// [`PARALLEL_CHUNK`].
+fn each<T: Send>(g: &mut [T], x: &[f32], f: impl Fn(&mut T, f32) + Sync) {
     use rayon::prelude::*;
-    let add = |g: &mut [u16], x: &[f32]| {
-        for (g, &x) in g.iter_mut().zip(x) {
-            *g = f32_to_bf16(bf16_to_f32(*g) + x);
-        }
-    };
+    let run = |g: &mut [T], x: &[f32]| g.iter_mut().zip(x).for_each(|(g, &x)| f(g, x));
     if g.len() <= PARALLEL_CHUNK {
-        return add(g, x);
+        return run(g, x);
     }
     g.par_chunks_mut(PARALLEL_CHUNK)
         .zip(x.par_chunks(PARALLEL_CHUNK))
-        .for_each(|(g, x)| add(g, x));
+        .for_each(|(g, x)| run(g, x));
 }
 
 /// `from` + Σ g² in f64: each block of [`NORM_BLOCK`] elements folded in element order,

@@ -291,11 +291,13 @@ fn flush<A: Accumulate + ?Sized>(
     }
     // a GPU's sum: into pinned memory in one DMA copy, read there
     let bytes = 4 * dst.numel();
-    if buffers.pinned.as_ref().is_none_or(|p| p.numel() < bytes) {
-        buffers.pinned = Some(torch::shim::pinned_bytes(bytes).map_err(torch_err)?);
-    }
-    let Some(pinned) = buffers.pinned.as_ref() else {
-        return Err(no_accumulator(rank));
+    let pinned = match &buffers.pinned {
+        Some(p) if p.numel() >= bytes => p.shallow_clone(),
+        _ => {
+            let p = torch::shim::pinned_bytes(bytes).map_err(torch_err)?;
+            buffers.pinned = Some(p.shallow_clone());
+            p
+        }
     };
     let mut host = pinned
         .f_narrow(0, 0, bytes as i64)
@@ -449,6 +451,21 @@ mod tests {
     use crate::engine::grads::Grads;
     use crate::plan::rules::CHUNK_LIMIT;
 
+    /// `body` on each rank of a `Local` group of `world`, each on a thread of its own;
+    /// the results in rank order.
+    fn on_ranks<R: Send>(world: usize, body: impl Fn(Local) -> R + Sync) -> Vec<R> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = Local::group(world)
+                .into_iter()
+                .map(|comm| {
+                    let body = &body;
+                    s.spawn(move || body(comm))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
     /// Every chunking (stretches of 1, 7, 64 elements, and the whole) leaves each rank
     /// the bits one reduce-scatter of the whole padded gradient gives it, added to what
     /// its accumulator held; replicas get the whole gradient added.
@@ -456,62 +473,54 @@ mod tests {
     fn chunked_reduction_equals_one_reduce_scatter_bit_for_bit() {
         for world in 1..=3 {
             let part = Partition::new(1000, world);
-            let results = std::thread::scope(|s| {
-                let handles: Vec<_> = Local::group(world)
-                    .into_iter()
-                    .map(|comm| {
-                        s.spawn(move || {
-                            let rank = comm.rank();
-                            let values: Vec<f32> = (0..part.numel)
-                                .map(|i| ((i * 31 + rank * 7) % 97) as f32 / 9.0 - 3.3)
-                                .collect();
-                            let grad = Tensor::from_slice(&values);
-                            let start: Vec<f32> = (0..part.shard).map(|i| i as f32 * 0.01).collect();
-                            // the reference: the whole padded gradient at once
-                            let mut full = values.clone();
-                            full.resize(part.padded, 0.0);
-                            let mut mine = vec![0f32; part.shard];
-                            comm.reduce_scatter(&full, &mut mine, ReduceOp::Avg).unwrap();
-                            let expected: Vec<f32> = start.iter().zip(&mine).map(|(a, b)| a + b).collect();
-                            let mut outcomes = Vec::new();
-                            for chunk in [world, 7 * world, 64 * world, usize::MAX] {
-                                let mut acc = Grads::from_f32(&start).unwrap();
-                                let mut buffers = ChunkBuffers::new(Kind::Float, CHUNK_LIMIT);
-                                let track = Track::disabled();
-                                reduce_into(
-                                    &comm,
-                                    Target::Shard,
-                                    0,
-                                    &grad,
-                                    part,
-                                    Some(&mut acc),
-                                    None,
-                                    &mut buffers,
-                                    &track,
-                                    chunk,
-                                )
-                                .unwrap();
-                                let mut replica = Grads::from_f32(&vec![1.0; part.padded]).unwrap();
-                                reduce_into(
-                                    &comm,
-                                    Target::Replica,
-                                    0,
-                                    &grad,
-                                    part,
-                                    Some(&mut replica),
-                                    None,
-                                    &mut buffers,
-                                    &track,
-                                    chunk,
-                                )
-                                .unwrap();
-                                outcomes.push((acc, replica));
-                            }
-                            (expected, full, outcomes)
-                        })
-                    })
+            let results = on_ranks(world, |comm| {
+                let rank = comm.rank();
+                let values: Vec<f32> = (0..part.numel)
+                    .map(|i| ((i * 31 + rank * 7) % 97) as f32 / 9.0 - 3.3)
                     .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+                let grad = Tensor::from_slice(&values);
+                let start: Vec<f32> = (0..part.shard).map(|i| i as f32 * 0.01).collect();
+                // the reference: the whole padded gradient at once
+                let mut full = values.clone();
+                full.resize(part.padded, 0.0);
+                let mut mine = vec![0f32; part.shard];
+                comm.reduce_scatter(&full, &mut mine, ReduceOp::Avg).unwrap();
+                let expected: Vec<f32> = start.iter().zip(&mine).map(|(a, b)| a + b).collect();
+                let mut outcomes = Vec::new();
+                for chunk in [world, 7 * world, 64 * world, usize::MAX] {
+                    let mut acc = Grads::from_f32(&start).unwrap();
+                    let mut buffers = ChunkBuffers::new(Kind::Float, CHUNK_LIMIT);
+                    let track = Track::disabled();
+                    reduce_into(
+                        &comm,
+                        Target::Shard,
+                        0,
+                        &grad,
+                        part,
+                        Some(&mut acc),
+                        None,
+                        &mut buffers,
+                        &track,
+                        chunk,
+                    )
+                    .unwrap();
+                    let mut replica = Grads::from_f32(&vec![1.0; part.padded]).unwrap();
+                    reduce_into(
+                        &comm,
+                        Target::Replica,
+                        0,
+                        &grad,
+                        part,
+                        Some(&mut replica),
+                        None,
+                        &mut buffers,
+                        &track,
+                        chunk,
+                    )
+                    .unwrap();
+                    outcomes.push((acc, replica));
+                }
+                (expected, full, outcomes)
             });
             for (expected, full, outcomes) in results {
                 for (acc, replica) in outcomes {
@@ -535,73 +544,64 @@ mod tests {
     fn device_sums_flush_the_bits_of_host_accumulation() {
         for world in 1..=3 {
             let part = Partition::new(1000, world);
-            let results = std::thread::scope(|s| {
-                let handles: Vec<_> = Local::group(world)
-                    .into_iter()
-                    .map(|comm| {
-                        s.spawn(move || {
-                            let rank = comm.rank();
-                            let grads: Vec<Tensor> = (0..3)
-                                .map(|m| {
-                                    let len = if m == 1 { 600 } else { part.numel };
-                                    let values: Vec<f32> = (0..len)
-                                        .map(|i| ((i * 37 + rank * 11 + m * 5) % 89) as f32 / 7.0 - 5.1)
-                                        .collect();
-                                    Tensor::from_slice(&values)
-                                })
-                                .collect();
-                            let track = Track::disabled();
-                            let mut pairs = Vec::new();
-                            for chunk in [world, 7 * world, usize::MAX] {
-                                let mut buffers = ChunkBuffers::new(Kind::Float, CHUNK_LIMIT);
-                                let mut host = Grads::zeros(part.shard, false).unwrap();
-                                for g in &grads {
-                                    let acc = Some(&mut host);
-                                    reduce_into(
-                                        &comm,
-                                        Target::Shard,
-                                        0,
-                                        g,
-                                        part,
-                                        acc,
-                                        None,
-                                        &mut buffers,
-                                        &track,
-                                        chunk,
-                                    )
-                                    .unwrap();
-                                }
-                                let mut flushed = Grads::zeros(part.shard, false).unwrap();
-                                let sum =
-                                    Tensor::full([part.shard as i64], 7.0, (Kind::Float, tch::Device::Cpu));
-                                for (m, g) in grads.iter().enumerate() {
-                                    let on = OnDevice {
-                                        acc: sum.shallow_clone(),
-                                        first: m == 0,
-                                        flush: m == 2,
-                                    };
-                                    let acc = (m == 2).then_some(&mut flushed);
-                                    reduce_into(
-                                        &comm,
-                                        Target::Shard,
-                                        0,
-                                        g,
-                                        part,
-                                        acc,
-                                        Some(&on),
-                                        &mut buffers,
-                                        &track,
-                                        chunk,
-                                    )
-                                    .unwrap();
-                                }
-                                pairs.push((host, flushed));
-                            }
-                            pairs
-                        })
+            let results = on_ranks(world, |comm| {
+                let rank = comm.rank();
+                let grads: Vec<Tensor> = (0..3)
+                    .map(|m| {
+                        let len = if m == 1 { 600 } else { part.numel };
+                        let values: Vec<f32> = (0..len)
+                            .map(|i| ((i * 37 + rank * 11 + m * 5) % 89) as f32 / 7.0 - 5.1)
+                            .collect();
+                        Tensor::from_slice(&values)
                     })
                     .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+                let track = Track::disabled();
+                let mut pairs = Vec::new();
+                for chunk in [world, 7 * world, usize::MAX] {
+                    let mut buffers = ChunkBuffers::new(Kind::Float, CHUNK_LIMIT);
+                    let mut host = Grads::zeros(part.shard, false).unwrap();
+                    for g in &grads {
+                        let acc = Some(&mut host);
+                        reduce_into(
+                            &comm,
+                            Target::Shard,
+                            0,
+                            g,
+                            part,
+                            acc,
+                            None,
+                            &mut buffers,
+                            &track,
+                            chunk,
+                        )
+                        .unwrap();
+                    }
+                    let mut flushed = Grads::zeros(part.shard, false).unwrap();
+                    let sum = Tensor::full([part.shard as i64], 7.0, (Kind::Float, tch::Device::Cpu));
+                    for (m, g) in grads.iter().enumerate() {
+                        let on = OnDevice {
+                            acc: sum.shallow_clone(),
+                            first: m == 0,
+                            flush: m == 2,
+                        };
+                        let acc = (m == 2).then_some(&mut flushed);
+                        reduce_into(
+                            &comm,
+                            Target::Shard,
+                            0,
+                            g,
+                            part,
+                            acc,
+                            Some(&on),
+                            &mut buffers,
+                            &track,
+                            chunk,
+                        )
+                        .unwrap();
+                    }
+                    pairs.push((host, flushed));
+                }
+                pairs
             });
             for (host, flushed) in results.into_iter().flatten() {
                 let (Grads::F32(host), Grads::F32(flushed)) = (host, flushed) else {
@@ -618,38 +618,29 @@ mod tests {
     #[test]
     fn a_gradient_shorter_than_its_unit_reduces_the_rest_as_zeros() {
         let part = Partition::new(1000, 2);
-        let results = std::thread::scope(|s| {
-            let handles: Vec<_> = Local::group(2)
-                .into_iter()
-                .map(|comm| {
-                    s.spawn(move || {
-                        let values: Vec<f32> = (0..600).map(|i| (i + comm.rank()) as f32 * 0.5).collect();
-                        let mut full = values.clone();
-                        full.resize(part.padded, 0.0);
-                        let mut expected = vec![0f32; part.shard];
-                        comm.reduce_scatter(&full, &mut expected, ReduceOp::Avg).unwrap();
-                        let mut acc = Grads::zeros(part.shard, false).unwrap();
-                        let (mut buffers, track) =
-                            (ChunkBuffers::new(Kind::Float, CHUNK_LIMIT), Track::disabled());
-                        let grad = Tensor::from_slice(&values);
-                        reduce_into(
-                            &comm,
-                            Target::Shard,
-                            0,
-                            &grad,
-                            part,
-                            Some(&mut acc),
-                            None,
-                            &mut buffers,
-                            &track,
-                            64,
-                        )
-                        .unwrap();
-                        (acc, expected)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        let results = on_ranks(2, |comm| {
+            let values: Vec<f32> = (0..600).map(|i| (i + comm.rank()) as f32 * 0.5).collect();
+            let mut full = values.clone();
+            full.resize(part.padded, 0.0);
+            let mut expected = vec![0f32; part.shard];
+            comm.reduce_scatter(&full, &mut expected, ReduceOp::Avg).unwrap();
+            let mut acc = Grads::zeros(part.shard, false).unwrap();
+            let (mut buffers, track) = (ChunkBuffers::new(Kind::Float, CHUNK_LIMIT), Track::disabled());
+            let grad = Tensor::from_slice(&values);
+            reduce_into(
+                &comm,
+                Target::Shard,
+                0,
+                &grad,
+                part,
+                Some(&mut acc),
+                None,
+                &mut buffers,
+                &track,
+                64,
+            )
+            .unwrap();
+            (acc, expected)
         });
         for (acc, expected) in results {
             let Grads::F32(acc) = acc else { unreachable!() };

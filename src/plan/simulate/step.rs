@@ -244,6 +244,17 @@ impl<'a> Replay<'a> {
         }
     }
 
+    /// A copy out of the device: from pinned or pageable host memory on a GPU, a memcpy
+    /// on a CPU.
+    fn d2h_rate(&self, pinned: bool) -> f64 {
+        let c = &self.profile.copies;
+        match (self.cuda(), pinned) {
+            (false, _) => c.host_memcpy.value,
+            (true, true) => c.d2h_pinned.value,
+            (true, false) => c.d2h_pageable.value,
+        }
+    }
+
     /// Issues the fetch of unit `u` (stage 3): its shard to the device, then the
     /// all-gather on the collectives lane. Returns the gathered unit's mark.
     fn issue_fetch(&mut self, u: usize) -> Mark {
@@ -421,13 +432,8 @@ impl<'a> Replay<'a> {
         if self.stage() < 2 {
             // widen to fp32 and copy to the host accumulator, in the compute thread
             let bytes = part.padded as u64 * 4;
-            let rate = if self.cuda() {
-                copies.d2h_pageable.value
-            } else {
-                copies.host_memcpy.value
-            };
-            self.clocks
-                .run(Track::Compute, "d2h", Some(u), Self::seconds(bytes, rate), bytes);
+            let copy = Self::seconds(bytes, self.d2h_rate(false));
+            self.clocks.run(Track::Compute, "d2h", Some(u), copy, bytes);
             self.clocks.run(
                 Track::Compute,
                 "host_add",
@@ -463,60 +469,31 @@ impl<'a> Replay<'a> {
         for chunk in 0..chunks {
             let k = stretch.min(shard - chunk * stretch);
             let out = 4 * k;
+            if world > 1 {
+                let bucket = wire * world * k;
+                let pack = Self::seconds(bucket, copies.device_to_device.value);
+                self.clocks.run(Track::Collectives, "d2h", Some(u), pack, bucket);
+                let rs = self.collective(bucket);
+                self.clocks.run(Track::Collectives, "reduce", Some(u), rs, bucket);
+            }
             if on_device {
-                if world > 1 {
-                    let bucket = wire * world * k;
-                    let pack = Self::seconds(bucket, copies.device_to_device.value);
-                    self.clocks.run(Track::Collectives, "d2h", Some(u), pack, bucket);
-                    let rs = self.collective(bucket);
-                    self.clocks.run(Track::Collectives, "reduce", Some(u), rs, bucket);
-                }
                 self.clocks
                     .run(Track::Collectives, "device_add", Some(u), device_add(out), 0);
-                if to_host {
-                    // the sum leaves in one DMA copy into pinned memory
-                    let what = if world == 1 { "d2h" } else { "copy_out" };
-                    if self.cuda() || world == 1 {
-                        let rate = if self.cuda() {
-                            copies.d2h_pinned.value
-                        } else {
-                            copies.host_memcpy.value
-                        };
-                        self.clocks
-                            .run(Track::Collectives, what, Some(u), Self::seconds(out, rate), out);
-                    }
-                    self.pcie[1] += if self.cuda() { out } else { 0 };
-                    let add = Self::seconds(out, self.host_add(k));
-                    self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
-                }
+            }
+            if !to_host {
                 continue;
             }
+            // to the host as fp32 (a device sum in one DMA copy into pinned memory, else
+            // a blocking pageable copy): with one rank the stretch straight from the
+            // gradient, else the reduced stretch, which only a GPU copies; then the add
+            let copy = Self::seconds(out, self.d2h_rate(on_device));
             if world == 1 {
-                // nothing travels: the stretch widened straight to the host, then added
-                let rate = if self.cuda() {
-                    copies.d2h_pageable.value
-                } else {
-                    copies.host_memcpy.value
-                };
-                self.clocks
-                    .run(Track::Collectives, "d2h", Some(u), Self::seconds(out, rate), out);
-                self.pcie[1] += if self.cuda() { out } else { 0 };
-                let add = Self::seconds(out, self.host_add(k));
-                self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
-                continue;
-            }
-            let bucket = wire * world * k;
-            let pack = Self::seconds(bucket, copies.device_to_device.value);
-            self.clocks.run(Track::Collectives, "d2h", Some(u), pack, bucket);
-            let rs = self.collective(bucket);
-            self.clocks.run(Track::Collectives, "reduce", Some(u), rs, bucket);
-            // widen to fp32, a blocking copy to the host, a one-thread add
-            if self.cuda() {
-                let copy = Self::seconds(out, copies.d2h_pageable.value);
+                self.clocks.run(Track::Collectives, "d2h", Some(u), copy, out);
+            } else if self.cuda() {
                 self.clocks
                     .run(Track::Collectives, "copy_out", Some(u), copy, out);
-                self.pcie[1] += out;
             }
+            self.pcie[1] += if self.cuda() { out } else { 0 };
             let add = Self::seconds(out, self.host_add(k));
             self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
         }
