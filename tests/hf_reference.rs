@@ -28,7 +28,7 @@ pub(crate) fn logits(model: &Model, weights: &[Vec<f32>]) -> (Tensor, f64) {
         .collect();
     let mut x = tokens;
     for (u, p) in params.iter().enumerate() {
-        x = model.forward_unit(u, p, &x).unwrap();
+        x = model.forward_unit(u, p, &x, None).unwrap();
     }
     let h = model.config.hidden_size as i64;
     let head = if model.config.tie_word_embeddings {

@@ -2,6 +2,7 @@
 
 mod adam_torch;
 mod breakdown;
+mod chat_data;
 mod checkpoint;
 mod checkpoint_crash;
 mod checkpoint_process;

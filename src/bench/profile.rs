@@ -14,6 +14,7 @@ use super::adam::{run as adam_bench, AdamBenchArgs};
 use super::comm::{run as comm_bench, Backend, CommBenchArgs};
 use super::median;
 use super::nvme::{run as nvme_bench, NvmeBenchArgs};
+use crate::model::head::Weight;
 use crate::model::Model;
 use crate::plan::simulate::flops;
 use crate::plan::simulate::profile::{Compute, Copies, CpuAdam, Figure, Link, Nvme, Profile, Rate, Work};
@@ -87,15 +88,15 @@ fn one_rank_rates(
     let targets = Tensor::f_randint(config.vocab_size as i64, [rows, seq], (Kind::Int64, Device::Cpu))?;
     barrier.wait();
     let forward = timed(|| {
-        let _ = model.forward_unit(1, &params, &x)?;
+        let _ = model.forward_unit(1, &params, &x, None)?;
         Ok(())
     })?;
     let backward = timed(|| {
-        let _ = model.backward_unit(1, &params, &x, &dy)?;
+        let _ = model.backward_unit(1, &params, &x, &dy, None)?;
         Ok(())
     })?;
     let head = timed(|| {
-        model.backward_final(&final_params, embedding.as_ref(), &x, &targets, 1.0)?;
+        model.backward_final(&final_params, embedding.as_ref(), &x, &targets, Weight::Mean(1.0))?;
         Ok(())
     })?;
     let block = model.units[1].numel;
@@ -228,7 +229,7 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
     let p = Tensor::f_randn([small.units[1].numel as i64], (Kind::Float, Device::Cpu))?;
     let x = Tensor::f_randn([1, 8, 64], (Kind::Float, Device::Cpu))?;
     let overhead = timed(|| {
-        let _ = small.forward_unit(1, &p, &x)?;
+        let _ = small.forward_unit(1, &p, &x, None)?;
         Ok(())
     })?;
     let mut rates = Vec::new();

@@ -197,6 +197,19 @@ pub struct DataSection {
     pub dtype: Option<String>,
     pub tokenizer: Option<PathBuf>,
     pub seq_len: Option<Num>,
+    /// Records: count prompt tokens in the loss too (default: only completions and
+    /// assistant turns count).
+    pub train_on_prompt: Option<bool>,
+    /// Records: pack samples into rows, each attending only to itself (default true);
+    /// false pads one sample per row.
+    pub packing: Option<bool>,
+    /// Records: the fraction of samples held out for evaluation.
+    pub eval_fraction: Option<f64>,
+    /// Records: a data set of its own for evaluation.
+    pub eval_path: Option<PathBuf>,
+    /// A chat template (a Jinja file, or a tokenizer_config.json with `chat_template`)
+    /// in place of the tokenizer's.
+    pub chat_template: Option<PathBuf>,
 }
 
 /// tierzero: the run itself.

@@ -6,18 +6,11 @@
 //! by the tokenizer's end-of-text token when it has one (`<|endoftext|>`,
 //! `<|end_of_text|>`, `</s>`, `<eos>`).
 
+use super::encode::EOS_CANDIDATES;
+use super::samples::fnv1a;
 use super::DataError;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
-
-const EOS_CANDIDATES: &[&str] = &["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];
-
-fn fnv1a(bytes: &[u8], mut h: u64) -> u64 {
-    for &b in bytes {
-        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
 
 /// Tokenizes `text` with `tokenizer` unless an up-to-date cache exists; returns the
 /// cache path (u32 tokens).

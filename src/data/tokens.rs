@@ -7,12 +7,17 @@ use super::DataError;
 use crate::plan::TokenDtype;
 use memmap2::Mmap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+#[derive(Clone)]
 pub struct TokenFile {
     path: PathBuf,
-    map: Mmap,
+    map: Arc<Mmap>,
     dtype: TokenDtype,
+    /// Tokens in the file.
     tokens: usize,
+    /// The tokens windows are drawn from (a held-out split takes the tail).
+    range: std::ops::Range<usize>,
 }
 
 impl TokenFile {
@@ -56,9 +61,10 @@ impl TokenFile {
         }
         let f = TokenFile {
             path: path.to_path_buf(),
-            map,
+            map: Arc::new(map),
             dtype,
             tokens,
+            range: 0..tokens,
         };
         // a cheap guard against the wrong dtype or vocabulary: scan the first MiB
         let probe = tokens.min(1 << 18);
@@ -92,8 +98,32 @@ impl TokenFile {
         }
     }
 
+    /// The file split into training tokens and the last `fraction` held out, each
+    /// holding at least one window of `seq_len + 1` tokens.
+    pub fn split(&self, fraction: f64, seq_len: usize) -> Result<(TokenFile, TokenFile), DataError> {
+        let cut = ((self.tokens as f64) * (1.0 - fraction)) as usize;
+        if cut < seq_len + 1 || self.tokens - cut < seq_len + 1 {
+            return Err(DataError::Invalid {
+                path: self.path.clone(),
+                message: format!(
+                    "{} tokens cannot be split {:.0}/{:.0} % with a window of data.seq_len + 1 = {} on each side; \
+                     change data.eval_fraction or add data",
+                    self.tokens,
+                    100.0 * (1.0 - fraction),
+                    100.0 * fraction,
+                    seq_len + 1
+                ),
+            });
+        }
+        let mut train = self.clone();
+        let mut eval = self.clone();
+        train.range = 0..cut;
+        eval.range = cut..self.tokens;
+        Ok((train, eval))
+    }
+
     pub fn sample(&self, key: u64, seq_len: usize) -> (Vec<i64>, Vec<i64>) {
-        let start = (key % (self.tokens - seq_len) as u64) as usize;
+        let start = self.range.start + (key % (self.range.len() - seq_len) as u64) as usize;
         let window: Vec<i64> = (start..start + seq_len + 1).map(|i| self.token(i)).collect();
         (window[..seq_len].to_vec(), window[1..].to_vec())
     }

@@ -33,13 +33,14 @@ use super::reduce::Reducer;
 use super::setup::{device_reservations, device_streams, host_pinning, unit_start};
 use super::units::{Home, Units};
 use crate::comm::{Collective, ReduceOp};
-use crate::data::Dataset;
+use crate::data::{Batch, Dataset};
 use crate::device::cpu::{CpuDevice, Reservation};
 use crate::device::lanes::{Lane, Streams};
 use crate::metrics::timeline::Phase;
 use crate::metrics::trace::TierBytes;
+use crate::model::head::Weight;
 use crate::model::layout::UnitKind;
-use crate::model::Model;
+use crate::model::{Model, Segments};
 use crate::plan::partition::Partition;
 use crate::plan::rules::{bf16_gradients, nvme_gradients, pipeline_sets};
 use crate::plan::schedule::{learning_rate, LossScaler};
@@ -518,6 +519,14 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let shape = [rows as i64, seq as i64];
         let tokens = torch::tensor_tokens(&batch.inputs, &shape, self.compute).map_err(self.torch_err())?;
         let targets = torch::tensor_tokens(&batch.targets, &shape, self.compute).map_err(self.torch_err())?;
+        let segments = self.segments(&batch)?;
+        // the loss is the mean over the global batch's counted tokens: known in advance
+        // where samples count different numbers of tokens, so each micro-batch weighs its
+        // tokens by it (the reduction averages over ranks, hence the world size)
+        let weight = match self.dataset.counted(step) {
+            Some(total) => Weight::PerToken(loss_scale * self.comm.world() as f64 / total.max(1) as f64),
+            None => Weight::Mean(loss_scale / accumulation as f64),
+        };
         self.tracks.compute.record(Phase::Forward, None, data_start, 0);
         // forward, keeping each unit's input (activation checkpoints on the device)
         let mut kept = vec![self.device.reserve(8 * (rows * seq) as u64, "token ids")?];
@@ -528,7 +537,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 .tracks
                 .compute
                 .span(Phase::Forward, Some(u), 0, || {
-                    let y = self.model.forward_unit(u, &params, &inputs[u])?;
+                    let y = self
+                        .model
+                        .forward_unit(u, &params, &inputs[u], segments.as_ref())?;
                     self.settle().map(|()| y)
                 })
                 .map_err(self.torch_err())?;
@@ -554,7 +565,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 tied.as_ref().map(|t| &t.0),
                 &inputs[last],
                 &targets,
-                loss_scale / accumulation as f64,
+                weight,
             )
             .map_err(self.torch_err())?;
         self.settle().map_err(self.torch_err())?;
@@ -562,7 +573,10 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             .compute
             .record(Phase::Backward, Some(last), final_start, 0);
         drop((params, gathered, tied));
-        let loss = last_unit.loss_sum / last_unit.count.max(1) as f64 / accumulation as f64;
+        let loss = match weight {
+            Weight::PerToken(w) => last_unit.loss_sum * w / loss_scale,
+            Weight::Mean(_) => last_unit.loss_sum / last_unit.count.max(1) as f64 / accumulation as f64,
+        };
         self.grads
             .accumulate(last, &last_unit.params, (&self.comm, &self.tracks.compute), false)?;
         if let Some(t) = &last_unit.tied {
@@ -578,7 +592,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 .tracks
                 .compute
                 .span(Phase::Backward, Some(u), 0, || {
-                    let grads = self.model.backward_unit(u, &params, &inputs[u], &grad_out)?;
+                    let grads =
+                        self.model
+                            .backward_unit(u, &params, &inputs[u], &grad_out, segments.as_ref())?;
                     self.settle().map(|()| grads)
                 })
                 .map_err(self.torch_err())?;
@@ -590,6 +606,16 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         }
         drop(kept);
         Ok(loss)
+    }
+
+    /// The attention layout of a batch whose rows hold packed samples.
+    fn segments(&self, batch: &Batch) -> Result<Option<Segments>, EngineError> {
+        batch
+            .segments
+            .as_ref()
+            .map(|s| Segments::new(s, batch.rows, batch.seq_len, self.compute))
+            .transpose()
+            .map_err(self.torch_err())
     }
 
     /// fp32 master weights of this rank's optimizer partition of unit `u`, with where
@@ -652,11 +678,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 torch::tensor_tokens(&batch.inputs, &shape, self.compute).map_err(self.torch_err())?;
             let targets =
                 torch::tensor_tokens(&batch.targets, &shape, self.compute).map_err(self.torch_err())?;
+            let segments = self.segments(&batch)?;
             for u in 0..last {
                 let (params, _gathered) = self.fetch(None, u)?;
                 x = self
                     .model
-                    .forward_unit(u, &params, &x)
+                    .forward_unit(u, &params, &x, segments.as_ref())
                     .map_err(self.torch_err())?;
             }
             let (params, _gathered) = self.fetch(None, last)?;

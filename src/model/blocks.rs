@@ -115,11 +115,68 @@ fn linear(x: &Tensor, weight_out_in: &Tensor) -> Result<Tensor, TchError> {
     x.f_matmul(&weight_out_in.f_tr()?)
 }
 
+/// Keys and values of a generation's earlier positions, one block's, grown by each
+/// call.
+#[derive(Default)]
+pub struct Kv {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+}
+
+/// How a block's queries see keys: causally along the row, under a packed row's mask
+/// ([B, 1, T, T], true where a query may attend), or after the cached keys and values
+/// of earlier positions (generation).
+pub enum Attend<'a> {
+    Causal,
+    Masked(&'a Tensor),
+    Cached(&'a mut Kv),
+}
+
+/// Appends `new` to a cached [B, heads, past, hd] tensor along positions.
+fn extend(cached: &mut Option<Tensor>, new: Tensor) -> Result<Tensor, TchError> {
+    let whole = match cached.take() {
+        Some(past) => Tensor::f_cat(&[&past, &new], 2)?,
+        None => new,
+    };
+    *cached = Some(whole.shallow_clone());
+    Ok(whole)
+}
+
+/// Scaled dot-product attention of q over k, v as `attend` says.
+fn attention(q: &Tensor, k: Tensor, v: Tensor, attend: Attend, gqa: bool) -> Result<Tensor, TchError> {
+    let sdpa = |k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: bool| {
+        Tensor::f_scaled_dot_product_attention(q, k, v, mask, 0.0, causal, None, gqa)
+    };
+    match attend {
+        Attend::Causal => sdpa(&k, &v, None, true),
+        Attend::Masked(mask) => sdpa(&k, &v, Some(mask), false),
+        Attend::Cached(kv) => {
+            let past = kv.k.as_ref().map_or(0, |k| k.size()[2]);
+            let (k, v) = (extend(&mut kv.k, k)?, extend(&mut kv.v, v)?);
+            let t = q.size()[2];
+            match (past, t) {
+                (0, _) => sdpa(&k, &v, None, true),
+                (_, 1) => sdpa(&k, &v, None, false),
+                _ => {
+                    // query i sits at position past + i
+                    let rows = Tensor::f_arange(t, (tch::Kind::Int64, q.device()))?.f_add_scalar(past)?;
+                    let cols = Tensor::f_arange(past + t, (tch::Kind::Int64, q.device()))?;
+                    let mask = cols.f_unsqueeze(0)?.f_le_tensor(&rows.f_unsqueeze(1)?)?;
+                    sdpa(&k, &v, Some(&mask), false)
+                }
+            }
+        }
+    }
+}
+
+/// A Llama block. `rope` is (cos, sin) at the rows' positions: [T, hd] for rows of one
+/// sequence, [B, 1, T, hd] gathered at packed rows' positions.
 pub fn llama_block(
     config: &ModelConfig,
     p: &Params,
     x: &Tensor,
     rope: &(Tensor, Tensor),
+    attend: Attend,
 ) -> Result<Tensor, TchError> {
     let (heads, kv_heads) = (
         config.num_attention_heads as i64,
@@ -133,16 +190,7 @@ pub fn llama_block(
         apply_rope(&q, &rope.0, &rope.1)?,
         apply_rope(&k, &rope.0, &rope.1)?,
     );
-    let attn = Tensor::f_scaled_dot_product_attention(
-        &q,
-        &k,
-        &v,
-        None::<Tensor>,
-        0.0,
-        true,
-        None,
-        kv_heads != heads,
-    )?;
+    let attn = attention(&q, k, v, attend, kv_heads != heads)?;
     let x = x.f_add(&linear(&merge_heads(&attn)?, &p.get("o_proj.weight")?)?)?;
     let h = rms_norm(&x, &p.get("post_attention_layernorm.weight")?, config.norm_eps)?;
     let gate = linear(&h, &p.get("gate_proj.weight")?)?.f_silu()?;
@@ -155,7 +203,7 @@ fn conv1d(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Result<Tensor, TchError
     x.f_matmul(weight)?.f_add(bias)
 }
 
-pub fn gpt2_block(config: &ModelConfig, p: &Params, x: &Tensor) -> Result<Tensor, TchError> {
+pub fn gpt2_block(config: &ModelConfig, p: &Params, x: &Tensor, attend: Attend) -> Result<Tensor, TchError> {
     let heads = config.num_attention_heads as i64;
     let hidden = config.hidden_size as i64;
     let h = layer_norm(x, &p.get("ln_1.weight")?, &p.get("ln_1.bias")?, config.norm_eps)?;
@@ -166,7 +214,7 @@ pub fn gpt2_block(config: &ModelConfig, p: &Params, x: &Tensor) -> Result<Tensor
         split_heads(&parts[1], heads)?,
         split_heads(&parts[2], heads)?,
     );
-    let attn = Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false)?;
+    let attn = attention(&q, k, v, attend, false)?;
     let x = x.f_add(&conv1d(
         &merge_heads(&attn)?,
         &p.get("attn.c_proj.weight")?,
@@ -181,15 +229,31 @@ pub fn gpt2_block(config: &ModelConfig, p: &Params, x: &Tensor) -> Result<Tensor
     )?)
 }
 
-/// Token (and, for GPT-2, position) embeddings: tokens [B, T] → [B, T, H].
-pub fn embed(config: &ModelConfig, p: &Params, tokens: &Tensor) -> Result<Tensor, TchError> {
+/// Token (and, for GPT-2, position) embeddings: tokens [B, T] → [B, T, H]. `positions`
+/// [B, T] are packed rows' positions; without them a row's positions are 0..T.
+pub fn embed(
+    config: &ModelConfig,
+    p: &Params,
+    tokens: &Tensor,
+    positions: Option<&Tensor>,
+) -> Result<Tensor, TchError> {
     match config.architecture {
         Architecture::Llama => Tensor::f_embedding(&p.get("embed_tokens.weight")?, tokens, -1, false, false),
         Architecture::Gpt2 => {
-            let t = tokens.size()[1];
             let wte = Tensor::f_embedding(&p.get("wte.weight")?, tokens, -1, false, false)?;
-            let wpe = p.get("wpe.weight")?.f_narrow(0, 0, t)?;
-            wte.f_add(&wpe.f_unsqueeze(0)?)
+            match positions {
+                Some(positions) => wte.f_add(&Tensor::f_embedding(
+                    &p.get("wpe.weight")?,
+                    positions,
+                    -1,
+                    false,
+                    false,
+                )?),
+                None => {
+                    let wpe = p.get("wpe.weight")?.f_narrow(0, 0, tokens.size()[1])?;
+                    wte.f_add(&wpe.f_unsqueeze(0)?)
+                }
+            }
         }
     }
 }

@@ -153,14 +153,24 @@ fn loss_sum_in(
     Ok((total, count))
 }
 
-/// Gradients of `scale · loss_sum / count` with respect to h [.., H] (as fp32, h's
+/// What the head's gradients are taken of.
+#[derive(Clone, Copy, Debug)]
+pub enum Weight {
+    /// `s · loss_sum / count`: the mean over this batch's counted tokens, scaled.
+    Mean(f64),
+    /// `f · loss_sum`: each counted token weighs `f` (the mean over a larger batch whose
+    /// count is known in advance).
+    PerToken(f64),
+}
+
+/// Gradients of the loss weighted by `weight` with respect to h [.., H] (as fp32, h's
 /// shape) and W [V, H] (in W's kind), with the loss sum and `count`, the number of
 /// counted tokens.
 pub fn backward(
     h: &Tensor,
     weight: &Tensor,
     targets: &Tensor,
-    scale: f64,
+    scale: Weight,
 ) -> Result<(Tensor, Tensor, f64, i64), TchError> {
     backward_in(h, weight, targets, scale, None)
 }
@@ -170,13 +180,16 @@ fn backward_in(
     h: &Tensor,
     weight: &Tensor,
     targets: &Tensor,
-    scale: f64,
+    scale: Weight,
     rows: Option<i64>,
 ) -> Result<(Tensor, Tensor, f64, i64), TchError> {
     let (hf, tg) = flatten(h, targets)?;
     let n = tg.size()[0];
     let count = tg.f_ge(0)?.f_sum(Kind::Int64)?.f_int64_value(&[])?;
-    let factor = scale / count.max(1) as f64;
+    let factor = match scale {
+        Weight::Mean(s) => s / count.max(1) as f64,
+        Weight::PerToken(f) => f,
+    };
     let slices = Slices::new(weight, rows);
     let dh = Tensor::f_zeros_like(&hf)?;
     let dw = Tensor::f_zeros_like(weight)?;
@@ -260,14 +273,15 @@ mod tests {
         }
         let scale = 2.5;
         let (loss, count) = loss_sum(&h, &w, &targets).unwrap();
-        let (dh, dw, loss_b, count_b) = backward(&h, &w, &targets, scale).unwrap();
+        let (dh, dw, loss_b, count_b) = backward(&h, &w, &targets, Weight::Mean(scale)).unwrap();
         assert_eq!((count, count_b), (1396, 1396));
         // the vocabulary in slices of 7 rows (the last of 1), and a bf16 weight whose
         // gradient comes back in bf16
         let (loss_s, _) = loss_sum_in(&h, &w, &targets, Some(7)).unwrap();
-        let (dh_s, dw_s, loss_sb, _) = backward_in(&h, &w, &targets, scale, Some(7)).unwrap();
+        let (dh_s, dw_s, loss_sb, _) =
+            backward_in(&h, &w, &targets, Weight::PerToken(scale / 1396.0), Some(7)).unwrap();
         let w16 = w.to_kind(Kind::BFloat16);
-        let (_, dw16, _, _) = backward_in(&h, &w16, &targets, scale, Some(7)).unwrap();
+        let (_, dw16, _, _) = backward_in(&h, &w16, &targets, Weight::Mean(scale), Some(7)).unwrap();
         assert_eq!(dw16.kind(), Kind::BFloat16);
 
         let hr = h.detach().set_requires_grad(true);

@@ -3,6 +3,7 @@
 //! - model shapes (presets, Hugging Face `config.json`) are `config::model`
 //! - `layout.rs`: tensor names, shapes and offsets inside each unit's flat buffer
 //! - `blocks.rs`: Llama and GPT-2 blocks, embeddings, final norms (tch)
+//! - `chat.rs`: chat templates rendered as transformers renders them, with assistant spans
 //! - `head.rs`: chunked LM head + cross-entropy with a hand-written backward
 //! - `hf.rs`, `safetensors.rs`: Hugging Face directories and the container they use
 //!
@@ -13,6 +14,7 @@
 //! unit boundaries).
 
 pub mod blocks;
+pub mod chat;
 pub mod head;
 pub mod hf;
 pub mod layout;
@@ -20,7 +22,7 @@ pub mod safetensors;
 
 use crate::config::model::{Architecture, ModelConfig};
 use crate::torch::shim;
-use blocks::Params;
+use blocks::{Attend, Params};
 use layout::{UnitKind, UnitLayout};
 use std::sync::Mutex;
 use tch::{Kind, TchError, Tensor};
@@ -31,6 +33,65 @@ pub struct Model {
     /// Element type of parameters and activations.
     pub kind: Kind,
     rope: Mutex<Vec<(i64, tch::Device, Tensor, Tensor)>>,
+}
+
+/// How the samples packed into a micro-batch's rows attend: each token only to earlier
+/// tokens of its own sample, at positions counted from its sample's start.
+pub struct Segments {
+    /// [B, T] int64 positions within each sample.
+    pub positions: Tensor,
+    /// [B, 1, T, T] bool, true where a query may attend (block-diagonal causal).
+    pub mask: Tensor,
+}
+
+impl Segments {
+    /// From each token's sample number within its row ([B, T], row-major, samples
+    /// contiguous), on `device`.
+    pub fn new(segment: &[i64], rows: usize, seq: usize, device: tch::Device) -> Result<Segments, TchError> {
+        let mut positions = Vec::with_capacity(segment.len());
+        for row in segment.chunks(seq) {
+            let mut start = 0;
+            for (j, s) in row.iter().enumerate() {
+                if j > 0 && *s != row[j - 1] {
+                    start = j;
+                }
+                positions.push((j - start) as i64);
+            }
+        }
+        let shape = [rows as i64, seq as i64];
+        let positions = Tensor::f_from_slice(&positions)?.f_view(shape)?.f_to(device)?;
+        let ids = Tensor::f_from_slice(segment)?.f_view(shape)?.f_to(device)?;
+        let same = ids.f_unsqueeze(2)?.f_eq_tensor(&ids.f_unsqueeze(1)?)?;
+        let causal = Tensor::f_ones([seq as i64, seq as i64], (Kind::Bool, device))?.f_tril(0)?;
+        let mask = same.f_logical_and(&causal)?.f_unsqueeze(1)?;
+        Ok(Segments { positions, mask })
+    }
+}
+
+/// Where a unit's rows sit: positions `start..start + T` of one sequence, or packed
+/// rows' own.
+#[derive(Clone, Copy)]
+enum Positions<'a> {
+    From(i64),
+    Packed(&'a Tensor),
+}
+
+/// A generation's keys and values, per unit (only blocks fill theirs), and how many
+/// positions they cover.
+#[derive(Default)]
+pub struct Cache {
+    units: Vec<blocks::Kv>,
+    len: i64,
+}
+
+impl Cache {
+    pub fn len(&self) -> i64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }
 
 /// Gradients of the final unit.
@@ -82,33 +143,128 @@ impl Model {
     }
 
     /// Forward of unit `u` (not the final one) under no_grad: tokens or hidden → hidden.
-    pub fn forward_unit(&self, u: usize, params: &Tensor, input: &Tensor) -> Result<Tensor, TchError> {
-        tch::no_grad(|| self.forward_graph(u, params, input))
+    pub fn forward_unit(
+        &self,
+        u: usize,
+        params: &Tensor,
+        input: &Tensor,
+        segments: Option<&Segments>,
+    ) -> Result<Tensor, TchError> {
+        tch::no_grad(|| self.forward_graph(u, params, input, segments))
     }
 
-    fn forward_graph(&self, u: usize, params: &Tensor, input: &Tensor) -> Result<Tensor, TchError> {
+    fn forward_graph(
+        &self,
+        u: usize,
+        params: &Tensor,
+        input: &Tensor,
+        segments: Option<&Segments>,
+    ) -> Result<Tensor, TchError> {
+        match segments {
+            None => self.run_unit(u, params, input, Positions::From(0), Attend::Causal),
+            Some(s) => self.run_unit(
+                u,
+                params,
+                input,
+                Positions::Packed(&s.positions),
+                Attend::Masked(&s.mask),
+            ),
+        }
+    }
+
+    /// Unit `u` on rows at `positions`, its blocks attending as `attend` says.
+    fn run_unit(
+        &self,
+        u: usize,
+        params: &Tensor,
+        input: &Tensor,
+        positions: Positions,
+        attend: Attend,
+    ) -> Result<Tensor, TchError> {
         let layout = &self.units[u];
         let p = Params::new(layout, params);
+        let (t, device) = (input.size()[1], input.device());
         match layout.kind {
-            UnitKind::Embedding => blocks::embed(&self.config, &p, input),
+            UnitKind::Embedding => {
+                let at = match positions {
+                    Positions::From(0) => None,
+                    Positions::From(start) => Some(
+                        Tensor::f_arange_start(start, start + t, (Kind::Int64, device))?.f_unsqueeze(0)?,
+                    ),
+                    Positions::Packed(p) => Some(p.shallow_clone()),
+                };
+                blocks::embed(&self.config, &p, input, at.as_ref())
+            }
             UnitKind::Block(_) => match self.config.architecture {
-                Architecture::Llama => blocks::llama_block(
-                    &self.config,
-                    &p,
-                    input,
-                    &self.rope(input.size()[1], input.device())?,
-                ),
-                Architecture::Gpt2 => blocks::gpt2_block(&self.config, &p, input),
+                Architecture::Llama => {
+                    let rope = match positions {
+                        Positions::From(start) => {
+                            // a generation's growing length takes tables by powers of two
+                            // (a table's rows do not depend on its length)
+                            let len = if start == 0 {
+                                t
+                            } else {
+                                (start + t)
+                                    .max(1)
+                                    .cast_unsigned()
+                                    .next_power_of_two()
+                                    .cast_signed()
+                            };
+                            let (cos, sin) = self.rope(len, device)?;
+                            (cos.f_narrow(0, start, t)?, sin.f_narrow(0, start, t)?)
+                        }
+                        Positions::Packed(at) => {
+                            let (cos, sin) = self.rope(t, device)?;
+                            let gather = |table: &Tensor| {
+                                let s = at.size();
+                                table
+                                    .f_index_select(0, &at.f_view([-1])?)?
+                                    .f_view([s[0], 1, s[1], -1])
+                            };
+                            (gather(&cos)?, gather(&sin)?)
+                        }
+                    };
+                    blocks::llama_block(&self.config, &p, input, &rope, attend)
+                }
+                Architecture::Gpt2 => blocks::gpt2_block(&self.config, &p, input, attend),
             },
             UnitKind::Final => blocks::final_norm(&self.config, &p, input),
         }
     }
 
+    /// Logits (fp32, [V]) of the token after `tokens` ([1, t]), which continue the
+    /// sequence `cache` holds; the cache grows by them (generation, one sequence: each
+    /// token's keys and values computed once).
+    pub fn decode(&self, params: &[Tensor], tokens: &Tensor, cache: &mut Cache) -> Result<Tensor, TchError> {
+        let last = self.units.len() - 1;
+        if cache.units.len() != self.units.len() {
+            cache.units = (0..self.units.len()).map(|_| blocks::Kv::default()).collect();
+        }
+        let start = cache.len;
+        let mut x = tokens.shallow_clone();
+        tch::no_grad(|| -> Result<Tensor, TchError> {
+            for (u, kv) in cache.units.iter_mut().enumerate() {
+                x = self.run_unit(u, &params[u], &x, Positions::From(start), Attend::Cached(kv))?;
+            }
+            cache.len += tokens.size()[1];
+            let tied = self.config.tie_word_embeddings.then(|| &params[0]);
+            let w = self.head_weight(&params[last], tied)?.f_to_kind(Kind::Float)?;
+            let h = x.f_select(1, -1)?.f_to_kind(Kind::Float)?;
+            h.f_matmul(&w.f_tr()?)?.f_squeeze_dim(0)
+        })
+    }
+
     /// Forward of unit `u` inside the caller's autograd graph (tests build whole-model
     /// references with it). Panics on a tch error.
     #[doc(hidden)]
-    pub fn forward_graph_for_tests(&self, u: usize, params: &Tensor, input: &Tensor) -> Tensor {
-        self.forward_graph(u, params, input)
+    pub fn forward_graph_for_tests(
+        &self,
+        u: usize,
+        params: &Tensor,
+        input: &Tensor,
+        segments: Option<&Segments>,
+    ) -> Tensor {
+        self.forward_graph(u, params, input, segments)
             .unwrap_or_else(|e| panic!("unit {u}: {e}"))
     }
 
@@ -121,7 +277,7 @@ impl Model {
         targets: &Tensor,
     ) -> Result<(f64, i64), TchError> {
         tch::no_grad(|| {
-            let h = self.forward_graph(self.units.len() - 1, params, x)?;
+            let h = self.forward_graph(self.units.len() - 1, params, x, None)?;
             head::loss_sum(&h, &self.head_weight(params, tied)?, targets)
         })
     }
@@ -134,6 +290,7 @@ impl Model {
         params: &Tensor,
         input: &Tensor,
         grad_out: &Tensor,
+        segments: Option<&Segments>,
     ) -> Result<(Tensor, Option<Tensor>), TchError> {
         let leaf = params.f_detach()?.f_set_requires_grad(true)?;
         let is_block = matches!(self.units[u].kind, UnitKind::Block(_));
@@ -142,7 +299,7 @@ impl Model {
         } else {
             input.shallow_clone()
         };
-        let y = self.forward_graph(u, &leaf, &x)?;
+        let y = self.forward_graph(u, &leaf, &x, segments)?;
         let dy = grad_out.f_to_kind(y.kind())?;
         let inputs: Vec<&Tensor> = if is_block { vec![&leaf, &x] } else { vec![&leaf] };
         let mut grads = shim::grad(&[&y], &[&dy], &inputs, false)?;
@@ -156,21 +313,22 @@ impl Model {
         Ok((grad_params, grad_input))
     }
 
-    /// Backward of the final unit for loss `scale · Σloss / count`.
+    /// Backward of the final unit for the loss weighted by `weight`.
     pub fn backward_final(
         &self,
         params: &Tensor,
         tied: Option<&Tensor>,
         x: &Tensor,
         targets: &Tensor,
-        scale: f64,
+        weight: head::Weight,
     ) -> Result<FinalGrads, TchError> {
         let last = self.units.len() - 1;
         let leaf = params.f_detach()?.f_set_requires_grad(true)?;
         let x_leaf = x.f_detach()?.f_set_requires_grad(true)?;
-        let h = self.forward_graph(last, &leaf, &x_leaf)?;
-        let weight = tch::no_grad(|| self.head_weight(params, tied))?;
-        let (dh, dw, loss_sum, count) = head::backward(&h.f_detach()?, &weight, targets, scale)?;
+        // the final unit is the norm: it works token by token, no segments needed
+        let h = self.forward_graph(last, &leaf, &x_leaf, None)?;
+        let head_weight = tch::no_grad(|| self.head_weight(params, tied))?;
+        let (dh, dw, loss_sum, count) = head::backward(&h.f_detach()?, &head_weight, targets, weight)?;
         let dh = dh.f_to_kind(h.kind())?;
         let mut grads = shim::grad(&[&h], &[&dh], &[&leaf, &x_leaf], false)?;
         let missing = || TchError::Kind("autograd returned no gradient for the final unit".into());

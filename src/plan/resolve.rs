@@ -29,7 +29,7 @@ impl Plan {
     pub fn build(ds: &DsConfig, facts: DeviceFacts, warnings: &mut Vec<String>) -> Result<Plan, ConfigError> {
         let train = build_train(ds.train.clone().unwrap_or_default(), facts)?;
         let model = build_model(ds.model.clone().unwrap_or_default())?;
-        let data = build_data(ds.data.clone().unwrap_or_default(), &model.config)?;
+        let data = build_data(ds.data.clone().unwrap_or_default(), &model)?;
         let world_size = train.devices * train.launch.nnodes;
         let (batch, auto) = build_batch(ds, world_size)?;
         let precision = build_precision(ds, facts)?;
@@ -284,7 +284,8 @@ fn build_model(m: ModelSection) -> Result<ModelPlan, ConfigError> {
     })
 }
 
-fn build_data(d: DataSection, model: &ModelConfig) -> Result<Data, ConfigError> {
+fn build_data(d: DataSection, plan: &ModelPlan) -> Result<Data, ConfigError> {
+    let model = &plan.config;
     let seq_len = positive("data.seq_len", d.seq_len, 128.min(model.max_position_embeddings))?;
     if seq_len > model.max_position_embeddings {
         return Err(ConfigError::invalid(
@@ -296,6 +297,7 @@ fn build_data(d: DataSection, model: &ModelConfig) -> Result<Data, ConfigError> 
             "shorten data.seq_len or raise model.max_position_embeddings",
         ));
     }
+    let records_of = d.clone();
     let source = match (d.synthetic, d.path) {
         (Some(_), Some(_)) => {
             return Err(ConfigError::invalid(
@@ -334,12 +336,14 @@ fn build_data(d: DataSection, model: &ModelConfig) -> Result<Data, ConfigError> 
                     };
                     DataSource::Tokens { path, dtype }
                 }
-                "txt" | "jsonl" => {
-                    let tokenizer = d.tokenizer.ok_or_else(|| {
+                _ if extension == "txt" || extension == "jsonl" || path.is_dir() => {
+                    // the model directory's tokenizer, as the HF Trainer uses the model's
+                    let beside_model = plan.hf_dir.as_ref().map(|d| d.join("tokenizer.json"));
+                    let tokenizer = d.tokenizer.clone().or(beside_model).ok_or_else(|| {
                         ConfigError::invalid(
                             "data.tokenizer",
                             format!("{} is text and needs a tokenizer", path.display()),
-                            "set data.tokenizer to a tokenizer.json",
+                            "set data.tokenizer to a tokenizer.json (or model.hf_dir to a model directory with one)",
                         )
                     })?;
                     DataSource::Text { path, tokenizer }
@@ -348,13 +352,75 @@ fn build_data(d: DataSection, model: &ModelConfig) -> Result<Data, ConfigError> 
                     return Err(ConfigError::invalid(
                         "data.path",
                         format!("{} has an unknown extension", path.display()),
-                        "use a .bin token file or a .txt/.jsonl text file",
+                        "use a .bin token file, a .txt or .jsonl file, or a directory of .jsonl files",
                     ))
                 }
             }
         }
     };
-    Ok(Data { source, seq_len })
+    let records = build_records(&records_of, &source)?;
+    Ok(Data {
+        source,
+        seq_len,
+        records,
+    })
+}
+
+/// The record options, refused where the data has no records.
+fn build_records(d: &DataSection, source: &DataSource) -> Result<Records, ConfigError> {
+    let text = match source {
+        DataSource::Text { path, .. } => path.extension().and_then(|e| e.to_str()) != Some("txt"),
+        _ => false,
+    };
+    let given = [
+        ("data.train_on_prompt", d.train_on_prompt.is_some()),
+        ("data.packing", d.packing.is_some()),
+        ("data.chat_template", d.chat_template.is_some()),
+    ];
+    if let (false, Some((key, _))) = (text, given.iter().find(|(_, g)| *g)) {
+        return Err(ConfigError::invalid(
+            *key,
+            "applies to .jsonl records (text, prompt/completion or chat), not to this data",
+            "remove it, or point data.path at a .jsonl file or a directory of them",
+        ));
+    }
+    let eval = match (d.eval_fraction, &d.eval_path) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::invalid(
+                "data.eval_fraction",
+                "both data.eval_fraction and data.eval_path are set",
+                "keep one of them",
+            ))
+        }
+        (Some(f), None) if !(f > 0.0 && f < 1.0) => {
+            return Err(ConfigError::invalid(
+                "data.eval_fraction",
+                format!("{f} is not between 0 and 1"),
+                "hold out a fraction such as 0.05",
+            ))
+        }
+        (Some(fraction), None) => EvalSplit::Fraction { fraction },
+        (None, Some(path)) => EvalSplit::Path { path: path.clone() },
+        (None, None) => EvalSplit::Train,
+    };
+    if !matches!(eval, EvalSplit::Train) && !matches!(source, DataSource::Text { .. }) {
+        return Err(ConfigError::invalid(
+            if d.eval_path.is_some() {
+                "data.eval_path"
+            } else {
+                "data.eval_fraction"
+            },
+            "applies to text and record data, not to token files or synthetic data",
+            "remove it",
+        ));
+    }
+    Ok(Records {
+        train_on_prompt: d.train_on_prompt.unwrap_or(false),
+        packing: d.packing.unwrap_or(true),
+        packing_given: d.packing.is_some(),
+        eval,
+        chat_template: d.chat_template.clone(),
+    })
 }
 
 /// DeepSpeed's `_set_batch_related_parameters`. `"auto"` means "not given", except that

@@ -245,6 +245,31 @@ pub const SYNTHETIC: &[&str] = &["markov", "addition", "recall"];
 pub struct Data {
     pub source: DataSource,
     pub seq_len: usize,
+    pub records: Records,
+}
+
+/// How record data sets (prompt/completion, chat) become samples.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Records {
+    pub train_on_prompt: bool,
+    pub packing: bool,
+    /// `data.packing` was given: a `.jsonl` of `{"text"}` records is then read as
+    /// samples, not as a stream of documents.
+    pub packing_given: bool,
+    pub eval: EvalSplit,
+    pub chat_template: Option<PathBuf>,
+}
+
+/// What `eval` reads.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum EvalSplit {
+    /// The training data (no held-out split).
+    Train,
+    /// A fraction of the samples, held out of training.
+    Fraction { fraction: f64 },
+    /// A data set of its own.
+    Path { path: PathBuf },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -50,6 +50,9 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     if let (Some(floor), true) = (loss_floor, options.write_outputs) {
         println!("synthetic data: a perfect model reaches a loss of {floor:.4}");
     }
+    if let (Some(line), true) = (prepared.dataset.describe(), options.write_outputs) {
+        println!("{line}");
+    }
     crate::metrics::host::reuse_freed_memory();
     tch::set_num_threads(rank_threads(plan) as i32);
 
