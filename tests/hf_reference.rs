@@ -12,7 +12,7 @@ use tierzero::plan::{load, DeviceFacts};
 use tierzero::run::initial_weights;
 use tierzero::torch::tensor_f32;
 
-fn plan_for(sets: &[String]) -> tierzero::plan::Plan {
+pub(crate) fn plan_for(sets: &[String]) -> tierzero::plan::Plan {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/default.json");
     load(&path, sets, DeviceFacts::default()).unwrap().plan
 }
@@ -67,8 +67,23 @@ fn is_perturbed(name: &str) -> bool {
     name.ends_with(".bias") || name.contains("norm") || name.contains(".ln_")
 }
 
+/// The plan's seeded initial weights with every norm scale and bias perturbed.
+pub(crate) fn perturbed_weights(plan: &tierzero::plan::Plan) -> Vec<Vec<f32>> {
+    let model = Model::new(plan.model.config.clone(), Kind::Float);
+    let mut weights = initial_weights(plan).unwrap();
+    let mut perturbed_count = 0;
+    for (unit, w) in model.units.iter().zip(&mut weights) {
+        for spec in unit.params.iter().filter(|p| is_perturbed(&p.name)) {
+            w[spec.offset..spec.offset + spec.numel].copy_from_slice(&perturbed(&spec.name, spec.numel));
+            perturbed_count += 1;
+        }
+    }
+    assert!(perturbed_count >= 5, "only {perturbed_count} tensors perturbed");
+    weights
+}
+
 /// A JSON array of strings.
-fn strings(array: &serde_json::Value) -> Vec<String> {
+pub(crate) fn strings(array: &serde_json::Value) -> Vec<String> {
     array
         .as_array()
         .unwrap()
@@ -120,18 +135,7 @@ fn logits_match_transformers_with_random_norms_biases_and_llama3_rope() {
             assert_eq!(scaling.factor, 4.0, "{name}");
         }
         let model = Model::new(config.clone(), Kind::Float);
-        let mut weights = initial_weights(&plan).unwrap();
-        let mut perturbed_count = 0;
-        for (unit, w) in model.units.iter().zip(&mut weights) {
-            for spec in unit.params.iter().filter(|p| is_perturbed(&p.name)) {
-                w[spec.offset..spec.offset + spec.numel].copy_from_slice(&perturbed(&spec.name, spec.numel));
-                perturbed_count += 1;
-            }
-        }
-        assert!(
-            perturbed_count >= 5,
-            "{name}: only {perturbed_count} tensors perturbed"
-        );
+        let weights = perturbed_weights(&plan);
         // Through tierzero's export and import: the file holds exactly the tensors
         // transformers' save_pretrained writes for this model.
         let dir = tempfile::tempdir().unwrap();

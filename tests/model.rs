@@ -221,3 +221,50 @@ fn packed_samples_compute_what_each_computes_alone() {
         }
     }
 }
+
+/// Generation's cached decoding computes the logits a full forward pass computes at
+/// every position: the prompt in one pass, then a chunk of three tokens after it (a
+/// mask over cached and new keys), then one token at a time.
+#[test]
+fn cached_decoding_equals_the_full_forward_pass() {
+    for (preset, tie) in [("llama-tiny", false), ("llama-tiny", true), ("gpt2-tiny", true)] {
+        let mut config = ModelConfig::preset(preset).unwrap();
+        config.tie_word_embeddings = tie || preset == "gpt2-tiny";
+        let model = Model::new(config, Kind::Float);
+        let p = params(&model, 4);
+        let v = model.config.vocab_size as i64;
+        let ids: Vec<i64> = (0..12).map(|i| (i * 11 + 2) % v).collect();
+        let mut x = Tensor::from_slice(&ids).view([1, 12]);
+        for (u, params) in p.iter().enumerate().take(p.len() - 1) {
+            x = model.forward_unit(u, params, &x, None).unwrap();
+        }
+        let last = p.len() - 1;
+        let h = model.forward_unit(last, &p[last], &x, None).unwrap();
+        let hd = model.config.hidden_size as i64;
+        let w = if model.config.tie_word_embeddings {
+            p[0].narrow(0, 0, v * hd).view([v, hd])
+        } else {
+            let spec = model.units[last].param("lm_head.weight").unwrap();
+            p[last]
+                .narrow(0, spec.offset as i64, spec.numel as i64)
+                .view([v, hd])
+        };
+        let full = h.squeeze_dim(0).matmul(&w.tr());
+        let mut cache = tierzero::model::Cache::default();
+        let mut at = 0;
+        for chunk in [5, 3, 1, 1, 1, 1] {
+            let tokens = Tensor::from_slice(&ids[at..at + chunk]).view([1, chunk as i64]);
+            let logits = model.decode(&p, &tokens, &mut cache).unwrap();
+            at += chunk;
+            assert_eq!(cache.len(), at as i64);
+            let want = full.get(at as i64 - 1);
+            let diff = (&logits - &want).abs().max().double_value(&[]);
+            let scale = want.abs().max().double_value(&[]);
+            assert!(
+                diff <= 1e-5 * scale,
+                "{preset} tie={tie} position {}: {diff:e} of {scale:e}",
+                at - 1
+            );
+        }
+    }
+}

@@ -12,6 +12,7 @@ mod cuda;
 mod default_run;
 mod disk_faults;
 mod estimate;
+mod generate;
 mod hf_reference;
 mod host_memory;
 mod launch;

@@ -1,11 +1,12 @@
 //! The commands, one file each: `train`, `plan`, `estimate`, `bench`, `export`,
-//! `rendezvous`, `inspect`, `eval`; `common.rs` holds what they share.
+//! `rendezvous`, `inspect`, `eval`, `generate`; `common.rs` holds what they share.
 
 mod bench;
 mod common;
 mod estimate;
 mod eval;
 mod export;
+mod generate;
 mod inspect;
 mod plan;
 mod rendezvous;
@@ -36,6 +37,9 @@ pub enum Command {
     Inspect(inspect::InspectArgs),
     /// Mean loss over `train.eval_batches` batches.
     Eval(eval::EvalArgs),
+    /// Continue a prompt, chat messages or token ids with a checkpoint or a Hugging Face
+    /// directory (greedy, or sampled with --temperature/--top-k/--top-p).
+    Generate(generate::GenerateArgs),
 }
 
 /// Runs one command.
@@ -49,5 +53,6 @@ pub fn run(command: Command) -> Result<(), Failure> {
         Command::Rendezvous(args) => rendezvous::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Eval(args) => eval::run(args),
+        Command::Generate(args) => generate::run(args),
     }
 }

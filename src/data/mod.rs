@@ -288,7 +288,7 @@ impl SampleSet {
 
 /// The chat template to use and the file it comes from (or would come from): the
 /// configured one (a Jinja file or a tokenizer_config.json), else the tokenizer's.
-fn chat_template(
+pub fn chat_template(
     configured: Option<&Path>,
     tokenizer: &Path,
 ) -> Result<(Option<ChatTemplate>, PathBuf), DataError> {

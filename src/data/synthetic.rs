@@ -111,6 +111,14 @@ impl Corpus {
         total / seq_len as f64
     }
 
+    /// The Markov chain's possible successors of `state` (generation tests check
+    /// continuations against them).
+    pub fn successors(&self, state: i64) -> Vec<i64> {
+        self.chain
+            .get(state as usize)
+            .map_or(Vec::new(), |row| row.iter().map(|&(to, _)| to).collect())
+    }
+
     /// One sample: `seq_len` inputs and the `seq_len` next tokens as targets, with
     /// unpredictable positions marked -1.
     pub fn sample(&self, key: u64, seq_len: usize) -> (Vec<i64>, Vec<i64>) {

@@ -530,6 +530,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         self.tracks.compute.record(Phase::Forward, None, data_start, 0);
         // forward, keeping each unit's input (activation checkpoints on the device)
         let mut kept = vec![self.device.reserve(8 * (rows * seq) as u64, "token ids")?];
+        if let Some(s) = &segments {
+            // the mask ([B, 1, T, T] bools) and positions of packed rows
+            let bytes = (s.mask.numel() + 8 * s.positions.numel()) as u64;
+            kept.push(self.device.reserve(bytes, "packed rows' attention mask")?);
+        }
         let mut inputs = vec![tokens];
         for u in 0..last {
             let (params, _gathered) = self.fetch(prefetch.as_deref_mut(), u)?;

@@ -4,6 +4,7 @@
 //! - `layout.rs`: tensor names, shapes and offsets inside each unit's flat buffer
 //! - `blocks.rs`: Llama and GPT-2 blocks, embeddings, final norms (tch)
 //! - `chat.rs`: chat templates rendered as transformers renders them, with assistant spans
+//! - `generate.rs`: generation with a key/value cache, greedy or sampled
 //! - `head.rs`: chunked LM head + cross-entropy with a hand-written backward
 //! - `hf.rs`, `safetensors.rs`: Hugging Face directories and the container they use
 //!
@@ -15,6 +16,7 @@
 
 pub mod blocks;
 pub mod chat;
+pub mod generate;
 pub mod head;
 pub mod hf;
 pub mod layout;

@@ -5,7 +5,7 @@
 //! exp_avg, exp_avg_sq: 12 bytes per parameter), each divided by the world size from the
 //! stage that shards it, and placed on the tier the config chooses.
 
-use super::{Plan, Scheduler, Tier};
+use super::{Data, DataSource, EvalSplit, Plan, Scheduler, Tier};
 use std::fmt::Write;
 
 /// One row of the model-state table.
@@ -156,7 +156,7 @@ pub fn plan_table(plan: &Plan) -> String {
         "communication_data_type",
         format!("{} (gradients between ranks)", plan.communication.name()),
     );
-    row(&mut out, "data", format!("{:?}", plan.data.source));
+    row(&mut out, "data", describe_data(&plan.data));
     let launch = &plan.train.launch;
     let nodes = if launch.nnodes > 1 {
         format!(
@@ -230,4 +230,37 @@ pub fn plan_table(plan: &Plan) -> String {
         plan.train.output_dir.display().to_string(),
     );
     out
+}
+
+/// The data source in words, with the record options where they apply.
+fn describe_data(data: &Data) -> String {
+    let r = &data.records;
+    match &data.source {
+        DataSource::Synthetic { name } => format!("synthetic {name}"),
+        DataSource::Tokens { path, dtype } => format!("{} ({dtype:?} tokens)", path.display()),
+        DataSource::Text { path, tokenizer } => {
+            let eval = match &r.eval {
+                EvalSplit::Train => String::new(),
+                EvalSplit::Fraction { fraction } => format!(", {:.0}% held out for eval", 100.0 * fraction),
+                EvalSplit::Path { path } => format!(", eval on {}", path.display()),
+            };
+            if path.extension().and_then(|e| e.to_str()) == Some("txt") {
+                return format!("{} (tokenizer {}{eval})", path.display(), tokenizer.display());
+            }
+            let records = format!(
+                "records {}, {}",
+                if r.packing { "packed" } else { "padded" },
+                if r.train_on_prompt {
+                    "every token trained"
+                } else {
+                    "completions and assistant turns trained"
+                }
+            );
+            format!(
+                "{} (tokenizer {}; {records}{eval})",
+                path.display(),
+                tokenizer.display()
+            )
+        }
+    }
 }
