@@ -2,7 +2,8 @@
 //! weights, perturbed norms and biases), exported and read back as a Hugging Face
 //! directory, continue a prompt greedily with exactly the tokens transformers'
 //! `generate` chose (`tests/data/generate_reference.json`, from
-//! `tests/data/generate_reference.py`).
+//! `tests/data/generate_reference.py`; Mistral, Qwen2 and Qwen3 from
+//! `tests/data/families_reference.py`).
 
 use crate::hf_reference::{perturbed_weights, plan_for, strings};
 use tierzero::model::generate::Sampling;
@@ -18,8 +19,23 @@ fn greedy_generation_equals_transformers_generate() {
     .unwrap();
     let expected: serde_json::Value = serde_json::from_str(&text).unwrap();
     let prompt: Vec<i64> = serde_json::from_value(expected["prompt"].clone()).unwrap();
-    for name in ["llama-untied", "llama-tied", "gpt2"] {
-        let case = &expected[name];
+    let families: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/families_reference.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let cases = ["llama-untied", "llama-tied", "gpt2"]
+        .iter()
+        .map(|n| (n, &expected[n]))
+        .chain(
+            ["mistral-tiny", "qwen2-tiny", "qwen3-tiny"]
+                .iter()
+                .map(|n| (n, &families[n])),
+        );
+    for (name, case) in cases {
         let plan = plan_for(&strings(&case["sets"]));
         let weights = perturbed_weights(&plan);
         let dir = tempfile::tempdir().unwrap();

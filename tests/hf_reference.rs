@@ -116,11 +116,38 @@ const TOLERANCE: f64 = 2e-5;
 
 #[test]
 fn logits_match_transformers_with_random_norms_biases_and_llama3_rope() {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/hf_reference.json"
-    ))
-    .unwrap();
+    check_logits("hf_reference.json");
+}
+
+/// Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms, head width 32 beside a
+/// hidden size of 64 over 4 heads) against transformers' own classes; the export's
+/// config.json reads back as the same shape.
+#[test]
+fn llama_relatives_match_transformers_and_round_trip_their_config() {
+    check_logits("families_reference.json");
+    for preset in ["mistral-tiny", "qwen2-tiny", "qwen3-tiny"] {
+        let plan = plan_for(&[format!("model.preset={preset}")]);
+        let dir = tempfile::tempdir().unwrap();
+        let weights = initial_weights(&plan).unwrap();
+        hf::save(
+            dir.path(),
+            &plan.model.config,
+            &weights,
+            SaveDtype::F32,
+            usize::MAX,
+        )
+        .unwrap();
+        let config = tierzero::config::model::ModelConfig::from_hf_dir(dir.path()).unwrap();
+        assert_eq!(config, plan.model.config, "{preset}");
+    }
+}
+
+/// Every case of a reference file: exported names, logits and loss.
+fn check_logits(file: &str) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(file);
+    let text = std::fs::read_to_string(path).unwrap();
     let expected: serde_json::Value = serde_json::from_str(&text).unwrap();
     let mut worst: f64 = 0.0;
     for (name, case) in expected.as_object().unwrap() {
@@ -294,4 +321,46 @@ fn llama3_rope_tables_match_transformers_at_llama_3_2_1b_settings() {
             }
         }
     }
+}
+
+/// A relative's config.json key whose value the blocks do not implement is refused by
+/// name; Mistral's attention window bounds the sequence length.
+#[test]
+fn relatives_refuse_what_they_do_not_implement_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = plan_for(&["model.preset=qwen3-tiny".to_string()]);
+    let base = hf::config_json(&plan.model.config, SaveDtype::F32);
+    for (key, value, words) in [
+        ("hidden_act", serde_json::json!("gelu"), "SwiGLU"),
+        ("attention_dropout", serde_json::json!(0.1), "no dropout"),
+        (
+            "layer_types",
+            serde_json::json!(["full_attention", "sliding_attention"]),
+            "full attention",
+        ),
+        ("mlp_bias", serde_json::json!(true), "no biases"),
+        ("model_type", serde_json::json!("phi3"), "not supported"),
+    ] {
+        let mut c = base.clone();
+        c[key] = value;
+        std::fs::write(dir.path().join("config.json"), c.to_string()).unwrap();
+        let e = tierzero::config::model::ModelConfig::from_hf_dir(dir.path()).unwrap_err();
+        assert!(e.contains(key) || key == "model_type", "{key}: {e}");
+        assert!(e.contains(words), "{key}: {e}");
+    }
+    let e = tierzero::plan::load(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/default.json"),
+        &[
+            "model.preset=mistral-tiny".to_string(),
+            "data.seq_len=300".to_string(),
+        ],
+        DeviceFacts::default(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("data.seq_len") && e.contains("sliding_window (256)"),
+        "{e}"
+    );
 }

@@ -9,10 +9,12 @@
 //! - `ds.rs`: the serde mirror
 //! - `keys.rs`: unnamed keys (DeepSpeed-known and accepted, or unknown with a suggestion)
 //! - `overrides.rs`: `--set a.b=c`
-//! - `model.rs`: model shapes: presets and Hugging Face `config.json`
+//! - `model.rs`: model shapes and presets
+//! - `hf_model.rs`: model shapes from a Hugging Face `config.json`
 
 pub mod ds;
 mod error;
+mod hf_model;
 pub mod keys;
 pub mod model;
 pub mod overrides;

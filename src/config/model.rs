@@ -7,7 +7,6 @@
 //! GPT-2: 124,439,808 — both from the published checkpoints' tensor shapes).
 
 use serde::{Deserialize, Serialize};
-use std::path::Path;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -25,6 +24,18 @@ pub struct RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
+/// The Llama-shaped families: one block, with what each adds (fields of
+/// [`ModelConfig`]); the name is what `config.json` calls the model on export.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    #[default]
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
     pub architecture: Architecture,
@@ -40,12 +51,31 @@ pub struct ModelConfig {
     pub rope_scaling: Option<RopeScaling>,
     /// RMSNorm eps (Llama) or LayerNorm eps (GPT-2).
     pub norm_eps: f64,
+    /// Which Llama-shaped family (Llama for GPT-2, where it means nothing).
+    #[serde(default)]
+    pub family: Family,
+    /// q, k and v projections carry biases (Qwen2; `attention_bias`).
+    #[serde(default)]
+    pub attention_bias: bool,
+    /// Each head's q and k pass an RMSNorm before RoPE (Qwen3).
+    #[serde(default)]
+    pub qk_norm: bool,
+    /// A head width other than hidden_size / num_attention_heads (`head_dim`).
+    #[serde(default)]
+    pub attention_head_dim: Option<usize>,
+    /// The attention window the model was trained with (Mistral's `sliding_window`):
+    /// longer sequences are refused.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
 }
 
 /// Preset names, smallest first.
 pub const PRESETS: &[&str] = &[
     "llama-tiny",
     "gpt2-tiny",
+    "mistral-tiny",
+    "qwen2-tiny",
+    "qwen3-tiny",
     "gpt2-124m",
     "llama-1b",
     "llama-8b",
@@ -54,6 +84,30 @@ pub const PRESETS: &[&str] = &[
 ];
 
 impl ModelConfig {
+    /// A Llama shape with every family feature off (the base the presets and readers
+    /// fill in).
+    pub fn plain() -> ModelConfig {
+        ModelConfig {
+            architecture: Architecture::Llama,
+            hidden_size: 0,
+            intermediate_size: 0,
+            num_hidden_layers: 0,
+            num_attention_heads: 0,
+            num_key_value_heads: 0,
+            vocab_size: 0,
+            max_position_embeddings: 0,
+            tie_word_embeddings: false,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            norm_eps: 1e-5,
+            family: Family::Llama,
+            attention_bias: false,
+            qk_norm: false,
+            attention_head_dim: None,
+            sliding_window: None,
+        }
+    }
+
     /// A preset by name; `None` for an unknown name.
     pub fn preset(name: &str) -> Option<ModelConfig> {
         let llama3_scaling = |factor: f64| {
@@ -77,6 +131,7 @@ impl ModelConfig {
             rope_theta: theta,
             rope_scaling: scaling,
             norm_eps: 1e-5,
+            ..ModelConfig::plain()
         };
         let gpt2 = |h, l, heads, v, pos| ModelConfig {
             architecture: Architecture::Gpt2,
@@ -91,9 +146,34 @@ impl ModelConfig {
             rope_theta: 0.0,
             rope_scaling: None,
             norm_eps: 1e-5,
+            ..ModelConfig::plain()
         };
+        // tiny members of the other Llama families (tests, examples)
+        let tiny = llama(64, 176, 2, 4, 2, 256, 512, false, 10000.0, None);
         Some(match name {
-            "llama-tiny" => llama(64, 176, 2, 4, 2, 256, 512, false, 10000.0, None),
+            "llama-tiny" => tiny,
+            "mistral-tiny" => ModelConfig {
+                family: Family::Mistral,
+                sliding_window: Some(256),
+                ..tiny
+            },
+            "qwen2-tiny" => ModelConfig {
+                family: Family::Qwen2,
+                attention_bias: true,
+                tie_word_embeddings: true,
+                rope_theta: 1_000_000.0,
+                norm_eps: 1e-6,
+                ..tiny
+            },
+            "qwen3-tiny" => ModelConfig {
+                family: Family::Qwen3,
+                qk_norm: true,
+                attention_head_dim: Some(32),
+                tie_word_embeddings: true,
+                rope_theta: 1_000_000.0,
+                norm_eps: 1e-6,
+                ..tiny
+            },
             "gpt2-tiny" => gpt2(64, 2, 4, 256, 512),
             "gpt2-124m" => gpt2(768, 12, 12, 50257, 1024),
             // Llama-3.2-1B
@@ -141,74 +221,14 @@ impl ModelConfig {
         })
     }
 
-    /// Reads a Hugging Face `config.json` (`LlamaForCausalLM` or `GPT2LMHeadModel`).
-    pub fn from_hf_dir(dir: &Path) -> Result<ModelConfig, String> {
-        let path = dir.join("config.json");
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))?;
-        let get = |key: &str| {
-            json.get(key)
-                .and_then(serde_json::Value::as_u64)
-                .map(|v| v as usize)
-        };
-        let require =
-            |key: &str| get(key).ok_or_else(|| format!("{} has no integer `{key}`", path.display()));
-        let model_type = json.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
-        match model_type {
-            "llama" => {
-                let heads = require("num_attention_heads")?;
-                llama_unsupported_keys(&json, &path, heads)?;
-                let (rope_theta, rope_scaling) = llama_rope(&json, &path)?;
-                Ok(ModelConfig {
-                    architecture: Architecture::Llama,
-                    hidden_size: require("hidden_size")?,
-                    intermediate_size: require("intermediate_size")?,
-                    num_hidden_layers: require("num_hidden_layers")?,
-                    num_attention_heads: heads,
-                    num_key_value_heads: get("num_key_value_heads").unwrap_or(heads),
-                    vocab_size: require("vocab_size")?,
-                    max_position_embeddings: get("max_position_embeddings").unwrap_or(2048),
-                    tie_word_embeddings: json
-                        .get("tie_word_embeddings")
-                        .and_then(|v| v.as_bool())
-                        .unwrap_or(false),
-                    rope_theta,
-                    rope_scaling,
-                    norm_eps: json.get("rms_norm_eps").and_then(|v| v.as_f64()).unwrap_or(1e-6),
-                })
-            }
-            "gpt2" => {
-                gpt2_unsupported_keys(&json, &path)?;
-                let hidden = require("n_embd")?;
-                Ok(ModelConfig {
-                    architecture: Architecture::Gpt2,
-                    hidden_size: hidden,
-                    intermediate_size: get("n_inner").unwrap_or(4 * hidden),
-                    num_hidden_layers: require("n_layer")?,
-                    num_attention_heads: require("n_head")?,
-                    num_key_value_heads: require("n_head")?,
-                    vocab_size: require("vocab_size")?,
-                    max_position_embeddings: get("n_positions").unwrap_or(1024),
-                    tie_word_embeddings: true,
-                    rope_theta: 0.0,
-                    rope_scaling: None,
-                    norm_eps: json
-                        .get("layer_norm_epsilon")
-                        .and_then(|v| v.as_f64())
-                        .unwrap_or(1e-5),
-                })
-            }
-            other => Err(format!(
-                "{}: model_type {other:?} is not supported (supported: \"llama\", \"gpt2\")",
-                path.display()
-            )),
-        }
+    pub fn head_dim(&self) -> usize {
+        self.attention_head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
-    pub fn head_dim(&self) -> usize {
-        self.hidden_size / self.num_attention_heads.max(1)
+    /// Width of all heads' queries (and of the attention output).
+    pub fn q_width(&self) -> usize {
+        self.num_attention_heads * self.head_dim()
     }
 
     /// Checks the shape is one the blocks can run; the message names the field.
@@ -227,7 +247,7 @@ impl ModelConfig {
                 return Err(format!("model.{name} must be positive"));
             }
         }
-        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+        if self.attention_head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(format!(
                 "model.hidden_size ({}) must be a multiple of model.num_attention_heads ({})",
                 self.hidden_size, self.num_attention_heads
@@ -251,7 +271,10 @@ impl ModelConfig {
         let kv = self.num_key_value_heads * self.head_dim();
         let (embedding, block, final_norm) = match self.architecture {
             Architecture::Llama => {
-                let attention = h * h + 2 * h * kv + h * h;
+                let q = self.q_width();
+                let biases = if self.attention_bias { q + 2 * kv } else { 0 };
+                let norms = if self.qk_norm { 2 * self.head_dim() } else { 0 };
+                let attention = h * q + 2 * h * kv + q * h + biases + norms;
                 let mlp = 3 * h * i;
                 (v * h, attention + mlp + 2 * h, h)
             }
@@ -286,143 +309,8 @@ impl ModelConfig {
             } else {
                 0
             };
-        6.0 * non_embedding as f64 + 12.0 * (self.num_hidden_layers * self.hidden_size * seq_len) as f64
+        6.0 * non_embedding as f64 + 12.0 * (self.num_hidden_layers * self.q_width() * seq_len) as f64
     }
-}
-
-/// RoPE settings of a Llama `config.json`, in either of the forms transformers writes:
-/// `rope_parameters` (transformers 5: `rope_theta`, `rope_type`, the scaling fields) or
-/// top-level `rope_theta` + `rope_scaling` (transformers 4). A form tierzero cannot run,
-/// or two forms that disagree, is an error naming the key: never a silent default.
-fn llama_rope(json: &serde_json::Value, path: &Path) -> Result<(f64, Option<RopeScaling>), String> {
-    let present = |key: &str| json.get(key).filter(|v| !v.is_null());
-    let old_theta = match present("rope_theta") {
-        None => None,
-        Some(v) => Some(
-            v.as_f64()
-                .ok_or_else(|| format!("{}: `rope_theta` is not a number", path.display()))?,
-        ),
-    };
-    let old = match present("rope_scaling") {
-        None => None,
-        Some(s) => rope_scaling(s, "rope_scaling", path)?,
-    };
-    let Some(params) = present("rope_parameters") else {
-        // transformers' LlamaConfig default theta when the key is absent.
-        return Ok((old_theta.unwrap_or(10000.0), old));
-    };
-    let theta = params
-        .get("rope_theta")
-        .and_then(serde_json::Value::as_f64)
-        .ok_or_else(|| format!("{}: `rope_parameters` has no number `rope_theta`", path.display()))?;
-    let scaling = rope_scaling(params, "rope_parameters", path)?;
-    if old_theta.is_some_and(|t| t != theta) || (present("rope_scaling").is_some() && old != scaling) {
-        return Err(format!(
-            "{}: `rope_parameters` and the top-level `rope_theta`/`rope_scaling` disagree; keep one form",
-            path.display()
-        ));
-    }
-    Ok((theta, scaling))
-}
-
-/// The frequency scaling of a `rope_scaling` or `rope_parameters` object (`key` names it):
-/// none for `rope_type` "default", Llama-3's four fields (all required, as transformers
-/// requires them) for "llama3", an error for any other type.
-fn rope_scaling(s: &serde_json::Value, key: &str, path: &Path) -> Result<Option<RopeScaling>, String> {
-    let kind = s
-        .get("rope_type")
-        .or_else(|| s.get("type"))
-        .and_then(|v| v.as_str());
-    match kind {
-        Some("default") => return Ok(None),
-        None if key == "rope_parameters" => return Ok(None),
-        Some("llama3") => {}
-        other => {
-            return Err(format!(
-                "{}: `{key}.rope_type` {other:?} is not supported (supported: \"default\", \"llama3\")",
-                path.display()
-            ))
-        }
-    }
-    let number = |k: &str| {
-        s.get(k).and_then(serde_json::Value::as_f64).ok_or_else(|| {
-            format!(
-                "{}: `{key}` of type \"llama3\" has no number `{k}`",
-                path.display()
-            )
-        })
-    };
-    Ok(Some(RopeScaling {
-        factor: number("factor")?,
-        low_freq_factor: number("low_freq_factor")?,
-        high_freq_factor: number("high_freq_factor")?,
-        original_max_position_embeddings: number("original_max_position_embeddings")? as usize,
-    }))
-}
-
-/// GPT-2 `config.json` keys whose non-default values change the model in ways tierzero's
-/// blocks do not implement (GELU-tanh, attention scaled by 1/√head_dim only, attention
-/// in the blocks' precision): an error naming the key, not a model that silently differs.
-fn gpt2_unsupported_keys(json: &serde_json::Value, path: &Path) -> Result<(), String> {
-    let unsupported = |key: &str, why: String| Err(format!("{}: `{key}` {why}", path.display()));
-    if let Some(act) = json.get("activation_function").and_then(|v| v.as_str()) {
-        // transformers' "gelu_new" and "gelu_pytorch_tanh" are the same tanh approximation
-        if !["gelu_new", "gelu_pytorch_tanh"].contains(&act) {
-            return unsupported(
-                "activation_function",
-                format!("is {act:?}; tierzero's GPT-2 MLP uses the tanh GELU (\"gelu_new\")"),
-            );
-        }
-    }
-    let flag = |key: &str| json.get(key).and_then(serde_json::Value::as_bool);
-    if flag("scale_attn_weights") == Some(false) {
-        return unsupported(
-            "scale_attn_weights",
-            "is false; tierzero's GPT-2 attention always scales by 1/√head_dim".into(),
-        );
-    }
-    for key in ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"] {
-        if flag(key) == Some(true) {
-            return unsupported(
-                key,
-                "is true; tierzero's GPT-2 attention does not implement it (set it to false or drop it)"
-                    .into(),
-            );
-        }
-    }
-    Ok(())
-}
-
-/// Llama `config.json` keys that would change the model in ways tierzero's blocks do not
-/// implement: an error naming the key rather than a model that silently differs.
-fn llama_unsupported_keys(json: &serde_json::Value, path: &Path, heads: usize) -> Result<(), String> {
-    let unsupported = |key: &str, why: String| Err(format!("{}: `{key}` {why}", path.display()));
-    for key in ["attention_bias", "mlp_bias"] {
-        if json.get(key).and_then(serde_json::Value::as_bool) == Some(true) {
-            return unsupported(key, "is true; tierzero's Llama blocks have no biases".into());
-        }
-    }
-    if let Some(act) = json.get("hidden_act").and_then(|v| v.as_str()) {
-        if act != "silu" {
-            return unsupported(
-                "hidden_act",
-                format!("is {act:?}; tierzero's Llama MLP is SwiGLU (\"silu\")"),
-            );
-        }
-    }
-    let hidden = json
-        .get("hidden_size")
-        .and_then(serde_json::Value::as_u64)
-        .unwrap_or(0) as usize;
-    if let Some(head_dim) = json.get("head_dim").and_then(serde_json::Value::as_u64) {
-        if heads > 0 && head_dim as usize != hidden / heads {
-            return unsupported(
-                "head_dim",
-                format!("is {head_dim}, not hidden_size / num_attention_heads = {}; tierzero does not support a separate head_dim", hidden / heads),
-            );
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -541,7 +429,6 @@ mod tests {
             (json!({"attention_bias": true}), "`attention_bias` is true"),
             (json!({"mlp_bias": true}), "`mlp_bias` is true"),
             (json!({"hidden_act": "gelu"}), "`hidden_act` is \"gelu\""),
-            (json!({"head_dim": 32}), "`head_dim` is 32"),
         ];
         for (extra, want) in cases {
             let e = llama_json_error(extra.clone());

@@ -1,7 +1,10 @@
 //! Transformer blocks and embeddings as functions of (flat parameters, input).
 //!
 //! Llama (RMSNorm, RoPE with Llama-3 frequency scaling, grouped-query attention through
-//! `scaled_dot_product_attention`, SwiGLU) follows Hugging Face `modeling_llama.py`;
+//! `scaled_dot_product_attention`, SwiGLU) follows Hugging Face `modeling_llama.py`, with
+//! what its relatives add: q/k/v biases (`modeling_qwen2.py`), per-head q/k RMSNorm
+//! before RoPE and a head width of its own (`modeling_qwen3.py`); Mistral is Llama's
+//! block;
 //! GPT-2 (LayerNorm, learned positions, GELU-tanh, Conv1D weights stored [in, out])
 //! follows `modeling_gpt2.py`. Norm statistics are computed in fp32 as HF does.
 
@@ -183,9 +186,20 @@ pub fn llama_block(
         config.num_key_value_heads as i64,
     );
     let h = rms_norm(x, &p.get("input_layernorm.weight")?, config.norm_eps)?;
-    let q = split_heads(&linear(&h, &p.get("q_proj.weight")?)?, heads)?;
-    let k = split_heads(&linear(&h, &p.get("k_proj.weight")?)?, kv_heads)?;
-    let v = split_heads(&linear(&h, &p.get("v_proj.weight")?)?, kv_heads)?;
+    // q, k, v [B, heads, T, hd], with Qwen2's biases and Qwen3's per-head norms
+    let project = |name: &str, heads: i64| -> Result<Tensor, TchError> {
+        let mut y = linear(&h, &p.get(&format!("self_attn.{name}.weight"))?)?;
+        if config.attention_bias {
+            y = y.f_add(&p.get(&format!("self_attn.{name}.bias"))?)?;
+        }
+        split_heads(&y, heads)
+    };
+    let (mut q, mut k) = (project("q_proj", heads)?, project("k_proj", kv_heads)?);
+    let v = project("v_proj", kv_heads)?;
+    if config.qk_norm {
+        q = rms_norm(&q, &p.get("self_attn.q_norm.weight")?, config.norm_eps)?;
+        k = rms_norm(&k, &p.get("self_attn.k_norm.weight")?, config.norm_eps)?;
+    }
     let (q, k) = (
         apply_rope(&q, &rope.0, &rope.1)?,
         apply_rope(&k, &rope.0, &rope.1)?,

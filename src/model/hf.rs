@@ -11,7 +11,7 @@
 
 use super::layout::{units, UnitLayout};
 use super::safetensors;
-use crate::config::model::{Architecture, ModelConfig};
+use crate::config::model::{Architecture, Family, ModelConfig};
 use memmap2::Mmap;
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
@@ -72,31 +72,52 @@ pub fn config_json(config: &ModelConfig, dtype: SaveDtype) -> Value {
         SaveDtype::F16 => "float16",
     };
     match config.architecture {
-        Architecture::Llama => json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": config.hidden_size,
-            "intermediate_size": config.intermediate_size,
-            "num_hidden_layers": config.num_hidden_layers,
-            "num_attention_heads": config.num_attention_heads,
-            "num_key_value_heads": config.num_key_value_heads,
-            "vocab_size": config.vocab_size,
-            "max_position_embeddings": config.max_position_embeddings,
-            "rms_norm_eps": config.norm_eps,
-            "rope_theta": config.rope_theta,
-            "rope_scaling": config.rope_scaling.map(|s| json!({
-                "rope_type": "llama3",
-                "factor": s.factor,
-                "low_freq_factor": s.low_freq_factor,
-                "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_position_embeddings,
-            })),
-            "tie_word_embeddings": config.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": false,
-            "mlp_bias": false,
-            "torch_dtype": torch_dtype,
-        }),
+        Architecture::Llama => {
+            let (model_type, class) = match config.family {
+                Family::Llama => ("llama", "LlamaForCausalLM"),
+                Family::Mistral => ("mistral", "MistralForCausalLM"),
+                Family::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
+                Family::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+            };
+            let mut c = json!({
+                "architectures": [class],
+                "model_type": model_type,
+                "hidden_size": config.hidden_size,
+                "intermediate_size": config.intermediate_size,
+                "num_hidden_layers": config.num_hidden_layers,
+                "num_attention_heads": config.num_attention_heads,
+                "num_key_value_heads": config.num_key_value_heads,
+                "head_dim": config.head_dim(),
+                "vocab_size": config.vocab_size,
+                "max_position_embeddings": config.max_position_embeddings,
+                "rms_norm_eps": config.norm_eps,
+                "rope_theta": config.rope_theta,
+                "rope_scaling": config.rope_scaling.map(|s| json!({
+                    "rope_type": "llama3",
+                    "factor": s.factor,
+                    "low_freq_factor": s.low_freq_factor,
+                    "high_freq_factor": s.high_freq_factor,
+                    "original_max_position_embeddings": s.original_max_position_embeddings,
+                })),
+                "tie_word_embeddings": config.tie_word_embeddings,
+                "hidden_act": "silu",
+                "torch_dtype": torch_dtype,
+            });
+            match config.family {
+                Family::Llama | Family::Qwen3 => {
+                    c["attention_bias"] = json!(config.attention_bias);
+                    if config.family == Family::Llama {
+                        c["mlp_bias"] = json!(false);
+                    }
+                }
+                Family::Mistral => c["sliding_window"] = json!(config.sliding_window),
+                Family::Qwen2 => {
+                    c["use_sliding_window"] = json!(config.sliding_window.is_some());
+                    c["sliding_window"] = json!(config.sliding_window);
+                }
+            }
+            c
+        }
         Architecture::Gpt2 => json!({
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",

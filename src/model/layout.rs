@@ -139,22 +139,29 @@ pub fn units(config: &ModelConfig) -> Vec<UnitLayout> {
                 UnitKind::Embedding,
                 vec![s("model.embed_tokens.weight".into(), vec![v, h], std)],
             ));
+            let q = config.q_width() as i64;
+            let hd = config.head_dim() as i64;
             for l in 0..config.num_hidden_layers {
                 let p = |n: &str| format!("model.layers.{l}.{n}");
-                out.push(UnitLayout::new(
-                    UnitKind::Block(l),
-                    vec![
-                        s(p("input_layernorm.weight"), vec![h], Init::Ones),
-                        s(p("self_attn.q_proj.weight"), vec![h, h], std),
-                        s(p("self_attn.k_proj.weight"), vec![kv, h], std),
-                        s(p("self_attn.v_proj.weight"), vec![kv, h], std),
-                        s(p("self_attn.o_proj.weight"), vec![h, h], std),
-                        s(p("post_attention_layernorm.weight"), vec![h], Init::Ones),
-                        s(p("mlp.gate_proj.weight"), vec![i, h], std),
-                        s(p("mlp.up_proj.weight"), vec![i, h], std),
-                        s(p("mlp.down_proj.weight"), vec![h, i], std),
-                    ],
-                ));
+                let mut block = vec![s(p("input_layernorm.weight"), vec![h], Init::Ones)];
+                for (name, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+                    block.push(s(p(&format!("self_attn.{name}.weight")), vec![rows, h], std));
+                    if config.attention_bias {
+                        block.push(s(p(&format!("self_attn.{name}.bias")), vec![rows], Init::Zeros));
+                    }
+                }
+                block.push(s(p("self_attn.o_proj.weight"), vec![h, q], std));
+                if config.qk_norm {
+                    block.push(s(p("self_attn.q_norm.weight"), vec![hd], Init::Ones));
+                    block.push(s(p("self_attn.k_norm.weight"), vec![hd], Init::Ones));
+                }
+                block.extend([
+                    s(p("post_attention_layernorm.weight"), vec![h], Init::Ones),
+                    s(p("mlp.gate_proj.weight"), vec![i, h], std),
+                    s(p("mlp.up_proj.weight"), vec![i, h], std),
+                    s(p("mlp.down_proj.weight"), vec![h, i], std),
+                ]);
+                out.push(UnitLayout::new(UnitKind::Block(l), block));
             }
             let mut last = vec![s("model.norm.weight".into(), vec![h], Init::Ones)];
             if !config.tie_word_embeddings {

@@ -297,6 +297,15 @@ fn build_data(d: DataSection, plan: &ModelPlan) -> Result<Data, ConfigError> {
             "shorten data.seq_len or raise model.max_position_embeddings",
         ));
     }
+    if let Some(window) = model.sliding_window.filter(|&w| seq_len > w) {
+        return Err(ConfigError::invalid(
+            "data.seq_len",
+            format!(
+                "{seq_len} exceeds the model's sliding_window ({window}); tierzero attends over the whole sequence, which this model was not trained to do past its window"
+            ),
+            format!("set data.seq_len to {window} or less"),
+        ));
+    }
     let records_of = d.clone();
     let source = match (d.synthetic, d.path) {
         (Some(_), Some(_)) => {

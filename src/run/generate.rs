@@ -212,10 +212,14 @@ impl Generator {
         if prompt.is_empty() {
             return Err(GenerateError::Input("the prompt is empty".into()));
         }
-        let room = self.model.config.max_position_embeddings;
+        let config = &self.model.config;
+        let room = config
+            .sliding_window
+            .unwrap_or(usize::MAX)
+            .min(config.max_position_embeddings);
         if prompt.len() + max_new > room {
             return Err(GenerateError::Input(format!(
-                "{} prompt tokens + {max_new} new ones exceed the model's {room} positions; lower --max-new-tokens",
+                "{} prompt tokens + {max_new} new ones exceed the model's {room} positions (max_position_embeddings, sliding_window); lower --max-new-tokens",
                 prompt.len()
             )));
         }

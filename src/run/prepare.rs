@@ -106,14 +106,15 @@ impl Prepared {
     }
 }
 
-/// Mean loss over `train.eval_batches` held-out batches, on every rank, without training.
-pub fn evaluate(plan: &Plan) -> Result<f64, TrainError> {
+/// Mean loss over `train.eval_batches` held-out batches, on every rank, without training,
+/// of `checkpoint`'s weights or the plan's starting ones.
+pub fn evaluate(plan: &Plan, checkpoint: Option<&std::path::Path>) -> Result<f64, TrainError> {
     if plan.train.launch.nnodes > 1 {
         return Err(TrainError::OneProcess(
             "tierzero eval runs in one process; drop --nnodes (or train.nnodes)",
         ));
     }
-    let prepared = Prepared::new(plan, None)?;
+    let prepared = Prepared::new(plan, checkpoint)?;
     let world = plan.world_size;
     let losses: Vec<Result<f64, TrainError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = local_comms(world, false)
