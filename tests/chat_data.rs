@@ -435,3 +435,60 @@ fn a_chat_fine_tune_learns_the_answers_and_not_the_prompts() {
         "the prompts were learned: every token's loss is {every_token}"
     );
 }
+
+/// Parquet files as pyarrow writes them (snappy with two row groups, zstd; nested
+/// list-of-struct messages) give the samples their JSON-lines twins give; a directory
+/// of shards is one data set; a column of the wrong type is named with its row.
+#[test]
+fn parquet_records_read_as_their_json_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in [
+        "chat.parquet",
+        "chat.jsonl",
+        "prompt.parquet",
+        "prompt.jsonl",
+        "bad.parquet",
+    ] {
+        std::fs::copy(chat_dir().join(name), dir.path().join(name)).unwrap();
+    }
+    for stem in ["chat", "prompt"] {
+        let open = |ext: &str| {
+            let p = plan(
+                &dir.path().join(format!("{stem}.{ext}")),
+                4,
+                1,
+                1,
+                json!({ "packing": false }),
+            );
+            Dataset::open(&p).unwrap()
+        };
+        let (parquet, jsonl) = (open("parquet"), open("jsonl"));
+        assert_eq!(parquet.describe(), jsonl.describe(), "{stem}");
+        for step in 0..3 {
+            assert_eq!(
+                parquet.batch(3, 0, step, 0, 4, 48),
+                jsonl.batch(3, 0, step, 0, 4, 48),
+                "{stem}"
+            );
+        }
+    }
+    // the shards of a directory, in name order: chat then prompt records
+    let shards = dir.path().join("shards");
+    std::fs::create_dir(&shards).unwrap();
+    std::fs::copy(chat_dir().join("chat.parquet"), shards.join("a.parquet")).unwrap();
+    std::fs::copy(chat_dir().join("prompt.jsonl"), shards.join("b.jsonl")).unwrap();
+    let both = Dataset::open(&plan(&shards, 4, 1, 1, json!({}))).unwrap();
+    assert!(
+        both.describe().unwrap().starts_with("data: 15 samples"),
+        "{:?}",
+        both.describe()
+    );
+    let e = Dataset::open(&plan(&dir.path().join("bad.parquet"), 4, 1, 1, json!({})))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("bad.parquet") && e.contains("row 1: messages[0].content is not a string"),
+        "{e}"
+    );
+}

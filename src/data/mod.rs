@@ -88,8 +88,12 @@ impl Dataset {
                 })
             }
             DataSource::Text { path, tokenizer } => {
-                let stream = path.extension().and_then(|e| e.to_str()) == Some("txt")
-                    || (!plan.data.records.packing_given && records::first_is_text(&records::files(path)?)?);
+                // a .txt, or a .jsonl of documents, is a stream; other records are samples
+                let extension = path.extension().and_then(|e| e.to_str());
+                let stream = extension == Some("txt")
+                    || (extension == Some("jsonl")
+                        && !plan.data.records.packing_given
+                        && records::first_is_text(&records::files(path)?)?);
                 if !stream {
                     return SampleSet::open(plan, path, tokenizer).map(Dataset::Samples);
                 }

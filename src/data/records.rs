@@ -1,6 +1,8 @@
-//! Records of fine-tuning data sets, as the Hugging Face ecosystem writes them, one JSON
-//! object per line of a `.jsonl` file (a directory of them is one data set, read in name
-//! order). The kind is detected per record:
+//! Records of fine-tuning data sets, as the Hugging Face ecosystem writes them: one JSON
+//! object per line of a `.jsonl` file, or one row of a `.parquet` file (what `datasets`
+//! saves and the Hub serves; read with the Apache Arrow project's `parquet` crate, each
+//! row as the JSON object its columns make). A directory of such files is one data set,
+//! read in name order. The kind is detected per record:
 //!
 //! - `{"text": …}`: a document, every token trained;
 //! - `{"prompt": …, "completion": …}`: strings, or lists of chat messages (TRL's
@@ -79,7 +81,16 @@ fn messages_of(field: &str, value: Value) -> Result<Vec<Value>, String> {
     Ok(messages)
 }
 
-/// The `.jsonl` files of a data set: the file itself, or a directory's, in name order.
+/// Extensions of record files.
+const EXTENSIONS: [&str; 2] = ["jsonl", "parquet"];
+
+fn is_records(path: &Path) -> bool {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| EXTENSIONS.contains(&e))
+}
+
+/// The record files of a data set: the file itself, or a directory's, in name order.
 pub fn files(path: &Path) -> Result<Vec<PathBuf>, DataError> {
     if !path.is_dir() {
         return Ok(vec![path.to_path_buf()]);
@@ -91,7 +102,7 @@ pub fn files(path: &Path) -> Result<Vec<PathBuf>, DataError> {
     let mut files = Vec::new();
     for entry in std::fs::read_dir(path).map_err(read)? {
         let p = entry.map_err(read)?.path();
-        if p.extension().and_then(|e| e.to_str()) == Some("jsonl") {
+        if is_records(&p) {
             files.push(p);
         }
     }
@@ -99,38 +110,65 @@ pub fn files(path: &Path) -> Result<Vec<PathBuf>, DataError> {
     if files.is_empty() {
         return Err(DataError::Invalid {
             path: path.to_path_buf(),
-            message: "the directory has no .jsonl files".into(),
+            message: "the directory has no .jsonl or .parquet files".into(),
         });
     }
     Ok(files)
 }
 
 /// Calls `each` with every record of `files` in order; an error names the file and
-/// line.
+/// line (or row).
 pub fn for_each(
     files: &[PathBuf],
     mut each: impl FnMut(Record) -> Result<(), String>,
 ) -> Result<(), DataError> {
     for file in files {
-        let f = std::fs::File::open(file).map_err(|source| DataError::Read {
-            path: file.clone(),
-            source,
-        })?;
-        for (number, line) in std::io::BufReader::new(f).lines().enumerate() {
-            let invalid = |message: String| DataError::Invalid {
-                path: file.clone(),
-                message: format!("line {}: {message}", number + 1),
-            };
-            let line = line.map_err(|source| DataError::Read {
-                path: file.clone(),
-                source,
-            })?;
-            if line.trim().is_empty() {
-                continue;
-            }
-            let value = serde_json::from_str(&line).map_err(|e| invalid(format!("not JSON: {e}")))?;
-            each(Record::parse(value).map_err(invalid)?).map_err(invalid)?;
+        if file.extension().and_then(|e| e.to_str()) == Some("parquet") {
+            parquet_rows(file, &mut each)?;
+        } else {
+            jsonl_lines(file, &mut each)?;
         }
+    }
+    Ok(())
+}
+
+fn jsonl_lines(file: &Path, each: &mut impl FnMut(Record) -> Result<(), String>) -> Result<(), DataError> {
+    let read = |source| DataError::Read {
+        path: file.to_path_buf(),
+        source,
+    };
+    let f = std::fs::File::open(file).map_err(read)?;
+    for (number, line) in std::io::BufReader::new(f).lines().enumerate() {
+        let invalid = |message: String| DataError::Invalid {
+            path: file.to_path_buf(),
+            message: format!("line {}: {message}", number + 1),
+        };
+        let line = line.map_err(read)?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let value = serde_json::from_str(&line).map_err(|e| invalid(format!("not JSON: {e}")))?;
+        each(Record::parse(value).map_err(invalid)?).map_err(invalid)?;
+    }
+    Ok(())
+}
+
+fn parquet_rows(file: &Path, each: &mut impl FnMut(Record) -> Result<(), String>) -> Result<(), DataError> {
+    use parquet::file::reader::SerializedFileReader;
+    let invalid = |message: String| DataError::Invalid {
+        path: file.to_path_buf(),
+        message,
+    };
+    let f = std::fs::File::open(file).map_err(|source| DataError::Read {
+        path: file.to_path_buf(),
+        source,
+    })?;
+    let reader =
+        SerializedFileReader::new(f).map_err(|e| invalid(format!("not a readable Parquet file: {e}")))?;
+    for (number, row) in reader.into_iter().enumerate() {
+        let at = |message: String| invalid(format!("row {}: {message}", number + 1));
+        let row = row.map_err(|e| at(e.to_string()))?;
+        each(Record::parse(row.to_json_value()).map_err(at)?).map_err(at)?;
     }
     Ok(())
 }

@@ -345,7 +345,7 @@ fn build_data(d: DataSection, plan: &ModelPlan) -> Result<Data, ConfigError> {
                     };
                     DataSource::Tokens { path, dtype }
                 }
-                _ if extension == "txt" || extension == "jsonl" || path.is_dir() => {
+                _ if ["txt", "jsonl", "parquet"].contains(&extension) || path.is_dir() => {
                     // the model directory's tokenizer, as the HF Trainer uses the model's
                     let beside_model = plan.hf_dir.as_ref().map(|d| d.join("tokenizer.json"));
                     let tokenizer = d.tokenizer.clone().or(beside_model).ok_or_else(|| {
@@ -361,7 +361,7 @@ fn build_data(d: DataSection, plan: &ModelPlan) -> Result<Data, ConfigError> {
                     return Err(ConfigError::invalid(
                         "data.path",
                         format!("{} has an unknown extension", path.display()),
-                        "use a .bin token file, a .txt or .jsonl file, or a directory of .jsonl files",
+                        "use a .bin token file, a .txt, .jsonl or .parquet file, or a directory of .jsonl/.parquet files",
                     ))
                 }
             }
