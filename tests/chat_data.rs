@@ -361,35 +361,46 @@ fn chat_data_trains_the_same_for_any_split_of_the_global_batch() {
             "stage3_param_persistence_threshold": 0,
             "offload_optimizer": { "device": "cpu" }
         });
-        c["optimizer"] = json!({ "type": "AdamW", "params": { "lr": 1e-2, "eps": 1e-3 } });
-        let plan = from_json(c, &[], DeviceFacts::default()).unwrap().plan;
-        let options = TrainOptions {
-            collect_master: true,
-            lanes: Some(CHECKED),
-            ..TrainOptions::default()
-        };
-        train(&plan, options).unwrap()
+        checked_run(c)
     };
     let reference = run(8, 1, 1);
     for (micro, accumulation, world) in [(4, 2, 1), (2, 2, 2), (1, 4, 2)] {
         let r = run(micro, accumulation, world);
-        let what = format!("{micro} × {accumulation} × {world}");
-        for (a, b) in r.steps.iter().zip(&reference.steps) {
-            assert!(
-                (a.loss - b.loss).abs() <= 1e-5 * b.loss,
-                "{what}: loss {} vs {}",
-                a.loss,
-                b.loss
-            );
-        }
-        for (u, (a, b)) in r.master.iter().zip(&reference.master).enumerate() {
-            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-            assert!(
-                diff <= 2e-6 * scale,
-                "{what}: unit {u}: max |Δ| {diff:e} vs max |w| {scale:e}"
-            );
-        }
+        assert_same_training(&r, &reference, &format!("{micro} × {accumulation} × {world}"));
+    }
+}
+
+/// A run of `config` (Adam's eps 1e-3, see above) under checked lanes, with its master
+/// weights.
+fn checked_run(mut config: Value) -> tierzero::run::TrainResult {
+    config["optimizer"] = json!({ "type": "AdamW", "params": { "lr": 1e-2, "eps": 1e-3 } });
+    let plan = from_json(config, &[], DeviceFacts::default()).unwrap().plan;
+    let options = TrainOptions {
+        collect_master: true,
+        lanes: Some(CHECKED),
+        ..TrainOptions::default()
+    };
+    train(&plan, options).unwrap()
+}
+
+/// The same losses (1e-5 relative) and master weights (2e-6 of each unit's largest).
+fn assert_same_training(got: &tierzero::run::TrainResult, want: &tierzero::run::TrainResult, what: &str) {
+    for (a, b) in got.steps.iter().zip(&want.steps) {
+        assert!(
+            (a.loss - b.loss).abs() <= 1e-5 * b.loss,
+            "{what}: step {} loss {} vs {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+    for (u, (a, b)) in got.master.iter().zip(&want.master).enumerate() {
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            diff <= 2e-6 * scale,
+            "{what}: unit {u}: max |Δ| {diff:e} vs max |w| {scale:e}"
+        );
     }
 }
 
@@ -567,31 +578,7 @@ fn packed_rows_train_what_one_sample_per_row_trains() {
         );
         c["data"].as_object_mut().unwrap().remove("chat_template");
         c["zero_optimization"] = json!({ "stage": 3, "stage3_param_persistence_threshold": 0 });
-        c["optimizer"] = json!({ "type": "AdamW", "params": { "lr": 1e-2, "eps": 1e-3 } });
-        let plan = from_json(c, &[], DeviceFacts::default()).unwrap().plan;
-        let options = TrainOptions {
-            collect_master: true,
-            lanes: Some(CHECKED),
-            ..TrainOptions::default()
-        };
-        train(&plan, options).unwrap()
+        checked_run(c)
     };
-    let (packed, padded) = (run(2, true), run(4, false));
-    for (a, b) in packed.steps.iter().zip(&padded.steps) {
-        assert!(
-            (a.loss - b.loss).abs() <= 1e-5 * b.loss,
-            "step {}: {} vs {}",
-            a.step,
-            a.loss,
-            b.loss
-        );
-    }
-    for (u, (a, b)) in packed.master.iter().zip(&padded.master).enumerate() {
-        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-        assert!(
-            diff <= 2e-6 * scale,
-            "unit {u}: max |Δ| {diff:e} vs max |w| {scale:e}"
-        );
-    }
+    assert_same_training(&run(2, true), &run(4, false), "packed against padded");
 }

@@ -20,10 +20,9 @@ import tempfile
 
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_reference import batch, is_perturbed, perturbed  # noqa: E402
+from hf_reference import batch, load_perturbed  # noqa: E402
 from generate_reference import NEW, PROMPT  # noqa: E402
 
 MODELS = ["mistral-tiny", "qwen2-tiny", "qwen3-tiny"]
@@ -39,17 +38,7 @@ def main():
             for s in sets:
                 args += ["--set", s]
             subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
-            model, info = AutoModelForCausalLM.from_pretrained(
-                d, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-            )
-            problems = {k: sorted(v) for k, v in info.items() if v}
-            if problems:
-                sys.exit(f"{name}: transformers loading tierzero's export reports {problems}")
-            model.eval()
-            with torch.no_grad():
-                for param_name, p in model.named_parameters():
-                    if is_perturbed(param_name):
-                        p.copy_(torch.tensor(perturbed(param_name, p.numel()), dtype=torch.float64).view(p.shape))
+            model = load_perturbed(d, name)
             with safe_open(f"{d}/model.safetensors", "pt") as f:
                 keys = sorted(f.keys())
             tokens, targets = batch(model.config.vocab_size)

@@ -15,10 +15,9 @@ import sys
 import tempfile
 
 import torch
-from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_reference import is_perturbed, perturbed  # noqa: E402
+from hf_reference import load_perturbed  # noqa: E402
 
 MODELS = {
     "llama-untied": ["model.preset=llama-tiny", "model.tie_word_embeddings=false"],
@@ -38,12 +37,7 @@ def main():
             for s in sets:
                 args += ["--set", s]
             subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
-            model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
-            model.eval()
-            with torch.no_grad():
-                for param_name, p in model.named_parameters():
-                    if is_perturbed(param_name):
-                        p.copy_(torch.tensor(perturbed(param_name, p.numel()), dtype=torch.float64).view(p.shape))
+            model = load_perturbed(d, name)
             model.generation_config.eos_token_id = None
             model.generation_config.pad_token_id = 0
             with torch.no_grad():

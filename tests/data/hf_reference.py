@@ -57,6 +57,23 @@ def is_perturbed(name):
     return name.endswith(".bias") or "norm" in name or ".ln_" in name
 
 
+def load_perturbed(directory, name):
+    """transformers' model of an exported directory (no missing or unexpected keys
+    allowed), with every norm scale and bias perturbed."""
+    model, info = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    problems = {k: sorted(v) for k, v in info.items() if v}
+    if problems:
+        sys.exit(f"{name}: transformers loading tierzero's export reports {problems}")
+    model.eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if is_perturbed(param_name):
+                p.copy_(torch.tensor(perturbed(param_name, p.numel()), dtype=torch.float64).view(p.shape))
+    return model
+
+
 def batch(vocab):
     tokens = [(i * 7 + 3) % vocab for i in range(32)]
     targets = [(i * 5 + 1) % vocab for i in range(32)]
@@ -89,17 +106,7 @@ def main():
             subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
             if rope:
                 add_rope(d, rope)
-            model, info = AutoModelForCausalLM.from_pretrained(
-                d, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-            )
-            problems = {k: sorted(v) for k, v in info.items() if v}
-            if problems:
-                sys.exit(f"{name}: transformers loading tierzero's export reports {problems}")
-            model.eval()
-            with torch.no_grad():
-                for param_name, p in model.named_parameters():
-                    if is_perturbed(param_name):
-                        p.copy_(torch.tensor(perturbed(param_name, p.numel()), dtype=torch.float64).view(p.shape))
+            model = load_perturbed(d, name)
             saved = f"{tmp}/{name}-saved"
             model.save_pretrained(saved)
             with safe_open(f"{saved}/model.safetensors", "pt") as f:
