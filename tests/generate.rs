@@ -5,9 +5,8 @@
 //! `tests/data/generate_reference.py`; Mistral, Qwen2 and Qwen3 from
 //! `tests/data/families_reference.py`).
 
-use crate::hf_reference::{perturbed_weights, plan_for, strings};
+use crate::hf_reference::{exported, perturbed_weights, plan_for, strings};
 use tierzero::model::generate::Sampling;
-use tierzero::model::hf::{self, SaveDtype};
 use tierzero::run::generate::{Generator, Prompt, Weights};
 
 #[test]
@@ -37,16 +36,7 @@ fn greedy_generation_equals_transformers_generate() {
         );
     for (name, case) in cases {
         let plan = plan_for(&strings(&case["sets"]));
-        let weights = perturbed_weights(&plan);
-        let dir = tempfile::tempdir().unwrap();
-        hf::save(
-            dir.path(),
-            &plan.model.config,
-            &weights,
-            SaveDtype::F32,
-            usize::MAX,
-        )
-        .unwrap();
+        let dir = exported(&plan, &perturbed_weights(&plan));
         let generator = Generator::open(Weights::Hf(dir.path()), None, tch::Device::Cpu).unwrap();
         let ids = generator.encode(&Prompt::Ids(prompt.clone())).unwrap();
         let got = generator.generate(&ids, 24, &Sampling::greedy()).unwrap();

@@ -82,6 +82,20 @@ pub(crate) fn perturbed_weights(plan: &tierzero::plan::Plan) -> Vec<Vec<f32>> {
     weights
 }
 
+/// `weights` of the plan's model written as a Hugging Face directory (fp32, one file).
+pub(crate) fn exported(plan: &tierzero::plan::Plan, weights: &[Vec<f32>]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    hf::save(
+        dir.path(),
+        &plan.model.config,
+        weights,
+        SaveDtype::F32,
+        usize::MAX,
+    )
+    .unwrap();
+    dir
+}
+
 /// A JSON array of strings.
 pub(crate) fn strings(array: &serde_json::Value) -> Vec<String> {
     array
@@ -127,16 +141,7 @@ fn llama_relatives_match_transformers_and_round_trip_their_config() {
     check_logits("families_reference.json");
     for preset in ["mistral-tiny", "qwen2-tiny", "qwen3-tiny"] {
         let plan = plan_for(&[format!("model.preset={preset}")]);
-        let dir = tempfile::tempdir().unwrap();
-        let weights = initial_weights(&plan).unwrap();
-        hf::save(
-            dir.path(),
-            &plan.model.config,
-            &weights,
-            SaveDtype::F32,
-            usize::MAX,
-        )
-        .unwrap();
+        let dir = exported(&plan, &initial_weights(&plan).unwrap());
         let config = tierzero::config::model::ModelConfig::from_hf_dir(dir.path()).unwrap();
         assert_eq!(config, plan.model.config, "{preset}");
     }

@@ -31,6 +31,21 @@ fn batch(vocab: i64) -> (Tensor, Tensor) {
     (tokens, Tensor::from_slice(&targets).view([2, 16]))
 }
 
+/// The LM head [V, H] as a view of the units' parameters: the final unit's own, or the
+/// tied embedding.
+fn head_matrix(model: &Model, p: &[Tensor]) -> Tensor {
+    let (v, hd) = (model.config.vocab_size as i64, model.config.hidden_size as i64);
+    let last = p.len() - 1;
+    if model.config.tie_word_embeddings {
+        p[0].narrow(0, 0, v * hd).view([v, hd])
+    } else {
+        let spec = model.units[last].param("lm_head.weight").unwrap();
+        p[last]
+            .narrow(0, spec.offset as i64, spec.numel as i64)
+            .view([v, hd])
+    }
+}
+
 fn reference_grads(model: &Model, p: &[Tensor], tokens: &Tensor, targets: &Tensor) -> (f64, Vec<Tensor>) {
     let leaves: Vec<Tensor> = p.iter().map(|t| t.detach().set_requires_grad(true)).collect();
     let last = leaves.len() - 1;
@@ -40,15 +55,8 @@ fn reference_grads(model: &Model, p: &[Tensor], tokens: &Tensor, targets: &Tenso
         x = model.forward_graph_for_tests(u, leaf, &x, None);
     }
     let h = model.forward_graph_for_tests(last, &leaves[last], &x, None);
-    let (v, hd) = (model.config.vocab_size as i64, model.config.hidden_size as i64);
-    let w = if model.config.tie_word_embeddings {
-        leaves[0].narrow(0, 0, v * hd).view([v, hd])
-    } else {
-        let spec = model.units[last].param("lm_head.weight").unwrap();
-        leaves[last]
-            .narrow(0, spec.offset as i64, spec.numel as i64)
-            .view([v, hd])
-    };
+    let hd = model.config.hidden_size as i64;
+    let w = head_matrix(model, &leaves);
     let logits = h.reshape([-1, hd]).matmul(&w.tr());
     let tg = targets.reshape([-1]);
     let valid = tg.ge(0);
@@ -240,16 +248,7 @@ fn cached_decoding_equals_the_full_forward_pass() {
         }
         let last = p.len() - 1;
         let h = model.forward_unit(last, &p[last], &x, None).unwrap();
-        let hd = model.config.hidden_size as i64;
-        let w = if model.config.tie_word_embeddings {
-            p[0].narrow(0, 0, v * hd).view([v, hd])
-        } else {
-            let spec = model.units[last].param("lm_head.weight").unwrap();
-            p[last]
-                .narrow(0, spec.offset as i64, spec.numel as i64)
-                .view([v, hd])
-        };
-        let full = h.squeeze_dim(0).matmul(&w.tr());
+        let full = h.squeeze_dim(0).matmul(&head_matrix(&model, &p).tr());
         let mut cache = tierzero::model::Cache::default();
         let mut at = 0;
         for chunk in [5, 3, 1, 1, 1, 1] {
