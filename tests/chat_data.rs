@@ -12,6 +12,7 @@ use tierzero::engine::context::LaneOptions;
 use tierzero::engine::prefetch::DroppedWait;
 use tierzero::model::chat::ChatTemplate;
 use tierzero::plan::{from_json, DeviceFacts, Plan};
+use tierzero::run::generate::{Generator, Prompt, Weights};
 use tierzero::run::{train, TrainOptions};
 
 pub fn chat_dir() -> PathBuf {
@@ -581,4 +582,41 @@ fn packed_rows_train_what_one_sample_per_row_trains() {
         checked_run(c)
     };
     assert_same_training(&run(2, true), &run(4, false), "packed against padded");
+}
+
+/// An export of a chat fine-tune carries the template training used (here
+/// `data.chat_template`, not the tokenizer's) as `chat_template.jinja`, which
+/// transformers reads first and `generate --hf` finds: the same prompt ids, the same
+/// greedy answer as from the checkpoint.
+#[test]
+fn an_export_carries_the_chat_template_training_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("chat.jsonl");
+    write_chat(&data, 16);
+    let mut c = config(&data, 4, 1, 1, json!({}));
+    c["train"]["output_dir"] = json!(dir.path().join("run"));
+    c["train"]["steps"] = json!(2);
+    let plan = from_json(c, &[], DeviceFacts::default()).unwrap().plan;
+    let options = TrainOptions {
+        save_checkpoints: true,
+        ..TrainOptions::default()
+    };
+    train(&plan, options).unwrap();
+    let checkpoint = dir.path().join("run/checkpoints/latest");
+    let out = dir.path().join("hf");
+    tierzero::checkpoint::export::export(&checkpoint, &out, tierzero::model::hf::SaveDtype::F32, usize::MAX)
+        .unwrap();
+    assert!(out.join("chat_template.jinja").is_file() && out.join("tokenizer.json").is_file());
+    let question = Prompt::Chat(vec![
+        json!({"role": "user", "content": "What is the capital of Peru?"}),
+    ]);
+    let from_checkpoint = Generator::open(Weights::Checkpoint(&checkpoint), None, tch::Device::Cpu).unwrap();
+    let from_export = Generator::open(Weights::Hf(&out), None, tch::Device::Cpu).unwrap();
+    let ids = from_checkpoint.encode(&question).unwrap();
+    assert_eq!(from_export.encode(&question).unwrap(), ids);
+    let greedy = tierzero::model::generate::Sampling::greedy();
+    assert_eq!(
+        from_export.generate(&ids, 6, &greedy).unwrap(),
+        from_checkpoint.generate(&ids, 6, &greedy).unwrap()
+    );
 }

@@ -310,11 +310,7 @@ pub fn chat_template(
                 source,
             })?;
             // the special tokens still come from the tokenizer's configuration
-            let special = ChatTemplate::beside(tokenizer).map_err(chat_err(tokenizer))?;
-            let (bos, eos) = special
-                .as_ref()
-                .map(|(t, _)| (t.bos().to_string(), t.eos().to_string()))
-                .unwrap_or_default();
+            let (bos, eos) = ChatTemplate::special_tokens(tokenizer);
             let template = ChatTemplate::new(&source, &bos, &eos).map_err(|message| DataError::Invalid {
                 path: file.to_path_buf(),
                 message: format!("the chat template does not compile: {message}"),

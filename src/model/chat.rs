@@ -57,45 +57,81 @@ fn token_text(v: &serde_json::Value) -> Option<String> {
 }
 
 impl ChatTemplate {
-    /// The template of the `tokenizer_config.json` beside `tokenizer` (a tokenizer.json
-    /// or the directory holding it); `None` when the model has no template.
-    pub fn beside(tokenizer: &Path) -> Result<Option<(ChatTemplate, PathBuf)>, ChatError> {
+    /// The template of a model's tokenizer files: `path` is a tokenizer.json, the
+    /// directory holding it, or a tokenizer_config.json; `None` when there is no
+    /// template. Returns the file the template came from.
+    pub fn beside(path: &Path) -> Result<Option<(ChatTemplate, PathBuf)>, ChatError> {
+        // a tokenizer_config.json named as such, else the one in the tokenizer's directory,
+        // where a chat_template.jinja (what transformers saves since 4.43) comes first
+        let named = path.is_file()
+            && path.extension().and_then(|e| e.to_str()) == Some("json")
+            && path.file_name().and_then(|n| n.to_str()) != Some("tokenizer.json");
+        let dir = if path.is_dir() {
+            path
+        } else {
+            path.parent().unwrap_or(Path::new("."))
+        };
+        let config_path = if named {
+            path.to_path_buf()
+        } else {
+            dir.join("tokenizer_config.json")
+        };
+        let read = |path: &Path, message: String| ChatError::Read {
+            path: path.to_path_buf(),
+            message,
+        };
+        let config: serde_json::Value = if config_path.exists() {
+            let text =
+                std::fs::read_to_string(&config_path).map_err(|e| read(&config_path, e.to_string()))?;
+            serde_json::from_str(&text).map_err(|e| read(&config_path, format!("not JSON: {e}")))?
+        } else {
+            serde_json::Value::Null
+        };
+        let jinja = dir.join("chat_template.jinja");
+        let (source, from) = if !named && jinja.is_file() {
+            let source = std::fs::read_to_string(&jinja).map_err(|e| read(&jinja, e.to_string()))?;
+            (source, jinja)
+        } else {
+            // a string, or named templates of which "default" is the chat one
+            let source = match &config["chat_template"] {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Array(named) => match named
+                    .iter()
+                    .find(|t| t["name"] == "default")
+                    .and_then(|t| t["template"].as_str())
+                {
+                    Some(s) => s.to_string(),
+                    None => return Ok(None),
+                },
+                _ => return Ok(None),
+            };
+            (source, config_path)
+        };
+        let bos = token_text(&config["bos_token"]).unwrap_or_default();
+        let eos = token_text(&config["eos_token"]).unwrap_or_default();
+        let template = ChatTemplate::new(&source, &bos, &eos).map_err(|message| ChatError::Compile {
+            path: from.clone(),
+            message,
+        })?;
+        Ok(Some((template, from)))
+    }
+
+    /// The bos and eos tokens of the tokenizer_config.json beside a tokenizer.json (empty
+    /// where it does not say).
+    pub fn special_tokens(tokenizer: &Path) -> (String, String) {
         let dir = if tokenizer.is_dir() {
             tokenizer
         } else {
             tokenizer.parent().unwrap_or(Path::new("."))
         };
-        let path = dir.join("tokenizer_config.json");
-        if !path.exists() {
-            return Ok(None);
-        }
-        let read = |message: String| ChatError::Read {
-            path: path.clone(),
-            message,
-        };
-        let text = std::fs::read_to_string(&path).map_err(|e| read(e.to_string()))?;
-        let config: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| read(format!("not JSON: {e}")))?;
-        // a string, or named templates of which "default" is the chat one
-        let source = match &config["chat_template"] {
-            serde_json::Value::String(s) => s.clone(),
-            serde_json::Value::Array(named) => match named
-                .iter()
-                .find(|t| t["name"] == "default")
-                .and_then(|t| t["template"].as_str())
-            {
-                Some(s) => s.to_string(),
-                None => return Ok(None),
-            },
-            _ => return Ok(None),
-        };
-        let bos = token_text(&config["bos_token"]).unwrap_or_default();
-        let eos = token_text(&config["eos_token"]).unwrap_or_default();
-        let template = ChatTemplate::new(&source, &bos, &eos).map_err(|message| ChatError::Compile {
-            path: path.clone(),
-            message,
-        })?;
-        Ok(Some((template, path)))
+        let config: serde_json::Value = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default();
+        (
+            token_text(&config["bos_token"]).unwrap_or_default(),
+            token_text(&config["eos_token"]).unwrap_or_default(),
+        )
     }
 
     /// Compiles `source`; the error is minijinja's message with the line.

@@ -151,6 +151,9 @@ pub struct Companions {
     pub tokenizer: Option<PathBuf>,
     /// The model directory training started from (`model.hf_dir`).
     pub hf_dir: Option<PathBuf>,
+    /// The chat template training used in place of the tokenizer's
+    /// (`data.chat_template`: a Jinja file or a tokenizer_config.json).
+    pub chat_template: Option<PathBuf>,
 }
 
 impl Companions {
@@ -160,6 +163,7 @@ impl Companions {
         Companions {
             tokenizer: path(&plan["data"]["source"]["tokenizer"]),
             hf_dir: path(&plan["model"]["hf_dir"]),
+            chat_template: path(&plan["data"]["records"]["chat_template"]),
         }
     }
 
@@ -187,6 +191,27 @@ impl Companions {
                         copy(&dir.join(name), name)?;
                     }
                 }
+            }
+        }
+        // the template training rendered with wins over a copied one: transformers reads
+        // a chat_template.jinja beside tokenizer_config.json before the latter's key
+        if let Some(template) = &self.chat_template {
+            if template.extension().and_then(|e| e.to_str()) == Some("json") {
+                let text = std::fs::read_to_string(template).map_err(io(template))?;
+                let config: Value = serde_json::from_str(&text).map_err(|e| HfError::Format {
+                    path: template.clone(),
+                    message: e.to_string(),
+                })?;
+                if let Some(source) = config["chat_template"].as_str() {
+                    let jinja = out.join("chat_template.jinja");
+                    std::fs::write(&jinja, source).map_err(io(&jinja))?;
+                }
+                // its special tokens, where nothing else gave the export a configuration
+                if !out.join("tokenizer_config.json").exists() {
+                    copy(template, "tokenizer_config.json")?;
+                }
+            } else {
+                copy(template, "chat_template.jinja")?;
             }
         }
         let generation = out.join("generation_config.json");

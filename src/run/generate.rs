@@ -111,6 +111,7 @@ impl Generator {
                 let companions = Companions {
                     tokenizer: None,
                     hf_dir: Some(dir.to_path_buf()),
+                    chat_template: None,
                 };
                 (config, flat, companions, dir.to_path_buf(), None)
             }
