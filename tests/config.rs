@@ -141,7 +141,9 @@ fn auto_batch_sizes_are_decided_from_the_memory_plan() {
         ),
         (8, 1, 16)
     );
-    assert_eq!(plan.auto.len(), 3);
+    // the three batch keys, and kept activations (stage 0: the replicas stay on the device)
+    assert_eq!(plan.auto.len(), 4);
+    assert_eq!(plan.auto[3].key, "train.keep_activations");
     // a budget: the largest power of two that fits, and twice it does not
     let one = |micro: usize| {
         let mut p = plan.clone();
@@ -215,8 +217,10 @@ fn deepspeed_only_keys_are_accepted_and_listed_once() {
     assert_eq!(listed.len(), 1);
     // tensorboard is acted on now (tests/monitors.rs)
     assert!(!listed[0].contains("tensorboard"), "{}", listed[0]);
+    // activation_checkpointing is acted on: it asks for recompute
+    assert!(!listed[0].contains("activation_checkpointing"), "{}", listed[0]);
+    assert!(loaded.plan.train.activation_checkpointing && !loaded.plan.train.kept_activations);
     for key in [
-        "activation_checkpointing",
         "zero_allow_untested_optimizer",
         "zero_optimization.round_robin_gradients",
     ] {

@@ -575,3 +575,32 @@ fn every_decomposition_of_a_global_batch_trains_on_the_same_samples() {
         );
     }
 }
+
+/// Backward through kept activations (units whose parameters stay on the device keep
+/// their forward's graph) computes the bits of backward by recompute: stage 0, stage 2
+/// with the optimizer on the host, and stage 3 with every unit kept gathered, two ranks
+/// with accumulation, under checked lanes.
+#[test]
+fn kept_activations_train_the_bits_of_recompute() {
+    let nvme = disk_dir();
+    for (stage, optimizer, persistent) in [(0, "none", false), (2, "cpu", false), (3, "cpu", true)] {
+        let mut keep = plan(2, stage, "none", optimizer, 2, nvme.path(), "fp32");
+        if persistent {
+            keep.zero.param_persistence_threshold = usize::MAX;
+        }
+        let units = keep.model.config.unit_numels().len();
+        assert!(
+            keep.train.kept_activations,
+            "stage {stage}: auto keeps activations on the CPU"
+        );
+        assert!(
+            (0..units)
+                .filter(|&u| tierzero::plan::rules::keeps_activations(&keep, u))
+                .count()
+                >= 2
+        );
+        let mut recompute = keep.clone();
+        recompute.train.kept_activations = false;
+        assert_eq!(master(&keep), master(&recompute), "stage {stage}");
+    }
+}

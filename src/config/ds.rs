@@ -28,6 +28,10 @@ pub struct DsConfig {
     pub bf16: Option<Bf16Section>,
     pub zero_optimization: Option<ZeroSection>,
     pub aio: Option<AioSection>,
+    /// DeepSpeed's activation checkpointing settings: present, tierzero recomputes each
+    /// unit's forward in backward instead of keeping its activations (the settings
+    /// themselves tune DeepSpeed's checkpointing API, which tierzero does not have).
+    pub activation_checkpointing: Option<serde_json::Value>,
     pub tensorboard: Option<MonitorSection>,
     pub csv_monitor: Option<MonitorSection>,
     pub model: Option<ModelSection>,
@@ -247,4 +251,10 @@ pub struct TrainSection {
     /// gathered again for backward and every micro-batch: "auto" (on a GPU, as many as
     /// fit its memory), true or false.
     pub keep_gathered: Option<Flag>,
+    /// Backward from each unit's kept activations instead of recomputing its forward
+    /// (DeepSpeed's behaviour without activation checkpointing), where the unit's
+    /// parameters stay on the device through the step: "auto" (where the device budget
+    /// has room and no `activation_checkpointing` section asks for recompute), true or
+    /// false.
+    pub keep_activations: Option<Flag>,
 }

@@ -12,7 +12,6 @@ use std::fmt;
 
 /// Top-level DeepSpeed sections accepted and not acted on.
 const DEEPSPEED_UNACTED_TOP: &[&str] = &[
-    "activation_checkpointing",
     "amp",
     "autotuning",
     "checkpoint",

@@ -40,9 +40,10 @@ use crate::metrics::timeline::Phase;
 use crate::metrics::trace::TierBytes;
 use crate::model::head::Weight;
 use crate::model::layout::UnitKind;
-use crate::model::{Model, Segments};
+use crate::model::{Graph, Model, Segments};
+use crate::plan::memory::kept_graph_bytes;
 use crate::plan::partition::Partition;
-use crate::plan::rules::{bf16_gradients, nvme_gradients, pipeline_sets};
+use crate::plan::rules::{bf16_gradients, keeps_activations, nvme_gradients, pipeline_sets};
 use crate::plan::schedule::{learning_rate, LossScaler};
 use crate::plan::{Plan, Precision, Tier};
 use crate::torch;
@@ -499,8 +500,10 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         })
     }
 
-    /// One micro-batch: forward, the final unit's loss and backward, backward by
-    /// recompute. Returns this micro-batch's share of the step loss.
+    /// One micro-batch: forward, the final unit's loss and backward, backward through
+    /// the kept graphs of units whose parameters stay on the device
+    /// (`rules::keeps_activations`) and by recompute for the others. Returns this
+    /// micro-batch's share of the step loss.
     fn micro_batch(
         &mut self,
         mut prefetch: Option<&mut Prefetcher<'a, C>>,
@@ -536,18 +539,38 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             kept.push(self.device.reserve(bytes, "packed rows' attention mask")?);
         }
         let mut inputs = vec![tokens];
+        // units whose parameters stay on the device keep their graphs for backward
+        let mut graphs: Vec<Option<Graph>> = (0..last).map(|_| None).collect();
         for u in 0..last {
             let (params, _gathered) = self.fetch(prefetch.as_deref_mut(), u)?;
-            let y = self
+            let keep = keeps_activations(plan, u);
+            let (y, graph) = self
                 .tracks
                 .compute
                 .span(Phase::Forward, Some(u), 0, || {
-                    let y = self
-                        .model
-                        .forward_unit(u, &params, &inputs[u], segments.as_ref())?;
-                    self.settle().map(|()| y)
+                    let out = if keep {
+                        let (y, graph) =
+                            self.model
+                                .forward_keep(u, &params, &inputs[u], segments.as_ref())?;
+                        (y, Some(graph))
+                    } else {
+                        (
+                            self.model
+                                .forward_unit(u, &params, &inputs[u], segments.as_ref())?,
+                            None,
+                        )
+                    };
+                    self.settle().map(|()| out)
                 })
                 .map_err(self.torch_err())?;
+            if graph.is_some() {
+                let bytes = kept_graph_bytes(plan);
+                kept.push(
+                    self.device
+                        .reserve(bytes, &format!("kept activations of unit {u}"))?,
+                );
+            }
+            graphs[u] = graph;
             let bytes = (y.numel() * self.plan.precision.bytes()) as u64;
             kept.push(
                 self.device
@@ -589,17 +612,25 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             self.grads
                 .accumulate(0, &t.reshape([-1]), (&self.comm, &self.tracks.compute), true)?;
         }
-        // backward in reverse by recompute
+        // backward in reverse: through kept graphs, else by recompute
         let mut grad_out = last_unit.input;
         for u in (0..last).rev() {
-            let (params, _gathered) = self.fetch(prefetch.as_deref_mut(), u)?;
+            let graph = graphs[u].take();
+            let (params, _gathered) = match graph {
+                Some(_) => (Tensor::new(), None),
+                None => self.fetch(prefetch.as_deref_mut(), u)?,
+            };
             let (g, grad_in) = self
                 .tracks
                 .compute
                 .span(Phase::Backward, Some(u), 0, || {
-                    let grads =
-                        self.model
-                            .backward_unit(u, &params, &inputs[u], &grad_out, segments.as_ref())?;
+                    let grads = match graph {
+                        Some(graph) => self.model.backward_kept(graph, &grad_out)?,
+                        None => {
+                            self.model
+                                .backward_unit(u, &params, &inputs[u], &grad_out, segments.as_ref())?
+                        }
+                    };
                     self.settle().map(|()| grads)
                 })
                 .map_err(self.torch_err())?;

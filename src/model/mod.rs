@@ -96,6 +96,14 @@ impl Cache {
     }
 }
 
+/// A unit's forward kept for its backward: the output with its graph, the parameters'
+/// leaf and (for blocks) the input's.
+pub struct Graph {
+    y: Tensor,
+    leaf: Tensor,
+    x: Option<Tensor>,
+}
+
 /// Gradients of the final unit.
 pub struct FinalGrads {
     /// Flat gradient of the final unit's own parameters (fp32).
@@ -294,18 +302,42 @@ impl Model {
         grad_out: &Tensor,
         segments: Option<&Segments>,
     ) -> Result<(Tensor, Option<Tensor>), TchError> {
+        let (_, graph) = self.forward_keep(u, params, input, segments)?;
+        self.backward_kept(graph, grad_out)
+    }
+
+    /// Forward of unit `u` that keeps its autograd graph for [`Self::backward_kept`]
+    /// (no recompute): the output, and the graph. The graph holds the unit's
+    /// activations and references `params`, which must not change before the backward.
+    pub fn forward_keep(
+        &self,
+        u: usize,
+        params: &Tensor,
+        input: &Tensor,
+        segments: Option<&Segments>,
+    ) -> Result<(Tensor, Graph), TchError> {
         let leaf = params.f_detach()?.f_set_requires_grad(true)?;
-        let is_block = matches!(self.units[u].kind, UnitKind::Block(_));
-        let x = if is_block {
-            input.f_detach()?.f_set_requires_grad(true)?
-        } else {
-            input.shallow_clone()
+        let x = match self.units[u].kind {
+            UnitKind::Block(_) => Some(input.f_detach()?.f_set_requires_grad(true)?),
+            _ => None,
         };
-        let y = self.forward_graph(u, &leaf, &x, segments)?;
+        let y = self.forward_graph(u, &leaf, x.as_ref().unwrap_or(input), segments)?;
+        let out = y.f_detach()?;
+        Ok((out, Graph { y, leaf, x }))
+    }
+
+    /// Backward through a kept graph: the flat gradient of the unit's parameters (in
+    /// their kind) and, for blocks, the gradient of its input.
+    pub fn backward_kept(
+        &self,
+        graph: Graph,
+        grad_out: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>), TchError> {
+        let Graph { y, leaf, x } = graph;
         let dy = grad_out.f_to_kind(y.kind())?;
-        let inputs: Vec<&Tensor> = if is_block { vec![&leaf, &x] } else { vec![&leaf] };
+        let inputs: Vec<&Tensor> = std::iter::once(&leaf).chain(x.as_ref()).collect();
         let mut grads = shim::grad(&[&y], &[&dy], &inputs, false)?;
-        let grad_input = if is_block { grads.pop().flatten() } else { None };
+        let grad_input = if x.is_some() { grads.pop().flatten() } else { None };
         // in the parameters' kind: the reduction reads it chunk by chunk as fp32 (exact
         // from bf16/fp16), so no whole fp32 copy of a unit's gradient is made here
         let grad_params = match grads.pop().flatten() {

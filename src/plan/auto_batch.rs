@@ -161,6 +161,34 @@ pub(super) fn fit_device_sums(plan: &mut Plan, facts: DeviceFacts) {
     };
 }
 
+/// Whether units whose parameters stay on the device keep their activations for backward
+/// (no recompute), as `train.keep_activations` says: for "auto", unless the config has an
+/// `activation_checkpointing` section, where the device budget has room for them.
+pub(super) fn fit_kept_activations(plan: &mut Plan, facts: DeviceFacts) {
+    plan.train.kept_activations = match plan.train.keep_activations {
+        Some(on) => on,
+        None if plan.train.activation_checkpointing => false,
+        None => {
+            plan.train.kept_activations = true;
+            let fits = match budget(plan, facts) {
+                (Some(budget), _) => crate::plan::memory::predict(plan).total <= budget,
+                (None, _) => true,
+            };
+            let any = (0..plan.model.config.unit_numels().len())
+                .any(|u| crate::plan::rules::keeps_activations(plan, u));
+            if fits && any {
+                plan.auto.push(AutoChoice {
+                    key: "train.keep_activations",
+                    value: 1,
+                    why: "on: units whose parameters stay on the device keep their activations for backward instead of recomputing the forward; the device has room"
+                        .into(),
+                });
+            }
+            fits
+        }
+    };
+}
+
 /// Stage 3: which gathered units stay on the device for the whole step (gathered once per
 /// step, after the update, instead of for every forward and backward), as
 /// `train.keep_gathered` says: for "auto", on a GPU, the largest units that fit its memory

@@ -17,7 +17,7 @@
 
 use super::fetch::{may_request, schedule, Limits, Purpose};
 use super::partition::Partition;
-use super::rules::{chunk_elements, device_accumulation, gathers_updates};
+use super::rules::{chunk_elements, device_accumulation, gathers_updates, keeps_activations};
 use super::{Plan, Tier};
 use serde::Serialize;
 
@@ -51,6 +51,47 @@ impl DeviceBytes {
     }
 }
 
+/// Per token, what autograd saves in a block's forward for its backward (blocks.rs):
+/// fp32 norm inputs and outputs, the 16-bit projections, attention's output and
+/// log-sum-exp, the MLP's hidden activations. A recompute holds one block's; kept
+/// activations hold every keeping block's.
+pub fn saved_per_token(plan: &Plan) -> u64 {
+    let c = &plan.model.config;
+    let e = plan.precision.bytes() as u64;
+    let (h, i) = (c.hidden_size as u64, c.intermediate_size as u64);
+    let kv = (c.num_key_value_heads * c.head_dim()) as u64;
+    let heads = c.num_attention_heads as u64;
+    match c.architecture {
+        crate::config::model::Architecture::Llama => 8 * h + e * (10 * h + 4 * kv + 4 * i) + 4 * heads,
+        crate::config::model::Architecture::Gpt2 => 8 * h + e * (7 * h + 2 * i) + 4 * heads,
+    }
+}
+
+/// Bytes of the autograd graph a keeping unit holds from its forward to its backward
+/// (`rules::keeps_activations`). For a Llama block, per token: the fp32 inputs of both
+/// norms, the 16-bit normed inputs, q and k before and after RoPE with RoPE's rotated
+/// halves, v, attention's output and its contiguous copy, the MLP's four hidden
+/// tensors, attention's log-sum-exp (the block's input is the activation checkpoint,
+/// counted apart): 2840 bytes per token measured for llama-tiny in bf16 against 3088
+/// here. GPT-2's is the recompute's estimate.
+pub fn kept_graph_bytes(plan: &Plan) -> u64 {
+    let c = &plan.model.config;
+    let e = plan.precision.bytes() as u64;
+    let (h, i, q) = (
+        c.hidden_size as u64,
+        c.intermediate_size as u64,
+        c.q_width() as u64,
+    );
+    let kv = (c.num_key_value_heads * c.head_dim()) as u64;
+    let per_token = match c.architecture {
+        crate::config::model::Architecture::Llama => {
+            8 * h + e * (2 * h + 5 * q + 4 * kv + 4 * i) + 4 * c.num_attention_heads as u64
+        }
+        crate::config::model::Architecture::Gpt2 => saved_per_token(plan),
+    };
+    (plan.batch.micro_batch_per_gpu * plan.data.seq_len) as u64 * per_token
+}
+
 /// Compute temporaries at their peak: the largest of a block's recompute-and-backward,
 /// the embedding's backward and the final unit's loss-and-backward, plus below stage 3
 /// the copy of the unit in use when replicas live off the device (a replica on the
@@ -64,20 +105,16 @@ pub fn transient(plan: &Plan) -> u64 {
         c.intermediate_size as u64,
         c.vocab_size as u64,
     );
-    let kv = (c.num_key_value_heads * c.head_dim()) as u64;
-    let heads = c.num_attention_heads as u64;
     let numels = c.unit_numels();
     let block_numel = numels.get(1).copied().unwrap_or(0) as u64;
-    // per token, what autograd saves in a block's recompute (blocks.rs): fp32 norm
-    // inputs and outputs, the 16-bit projections, attention's output and
-    // log-sum-exp, the MLP's hidden activations
-    let saved = match c.architecture {
-        crate::config::model::Architecture::Llama => 8 * h + e * (10 * h + 4 * kv + 4 * i) + 4 * heads,
-        crate::config::model::Architecture::Gpt2 => 8 * h + e * (7 * h + 2 * i) + 4 * heads,
-    };
+    let saved = saved_per_token(plan);
     // the backward's own: gradients of the widest activations in flight, the flat
     // parameter gradient and one parameter's full-size gradient being added into it
     let flowing = e * i.max(3 * h) + 4 * h;
+    // a recompute saves one block's graph here; kept graphs are counted as working
+    let blocks = 1..numels.len().saturating_sub(1);
+    let recomputes = blocks.clone().any(|u| !super::rules::keeps_activations(plan, u));
+    let saved = if recomputes { saved } else { 0 };
     let block = tokens * (saved + flowing) + 2 * e * block_numel;
     // the embedding's backward: its dense weight gradient and the flat gradient it is
     // copied into (for a large vocabulary, the largest of the three)
@@ -170,6 +207,9 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
         // no gathers: the activations of the whole forward at their peak
         tokens + last as u64 * hidden
     };
+    // the graphs of units that keep their activations, alive from forward to backward
+    let keeping = (0..parts.len()).filter(|&u| keeps_activations(plan, u)).count() as u64;
+    bytes.working += keeping * kept_graph_bytes(plan);
     // the reduction's buckets are counted with the temporaries: the engine's own
     // reservation counter does not track them
     bytes.transient = transient(plan) + reduce_buckets(plan, &parts);

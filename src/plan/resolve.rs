@@ -92,9 +92,16 @@ impl Plan {
             train,
             auto: Vec::new(),
         };
+        plan.train.activation_checkpointing = ds.activation_checkpointing.is_some();
+        // the micro-batch is sized with activations kept where they will be asked to
+        plan.train.kept_activations = plan
+            .train
+            .keep_activations
+            .unwrap_or(!plan.train.activation_checkpointing);
         super::auto_batch::decide(&mut plan, auto, facts);
         super::auto_batch::fit_device_sums(&mut plan, facts);
         super::auto_batch::fit_gathered(&mut plan, facts);
+        super::auto_batch::fit_kept_activations(&mut plan, facts);
         Ok(plan)
     }
 
@@ -172,6 +179,12 @@ fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError
             None | Some(Flag::Auto) => None,
             Some(Flag::Value(on)) => Some(on),
         },
+        keep_activations: match t.keep_activations {
+            None | Some(Flag::Auto) => None,
+            Some(Flag::Value(on)) => Some(on),
+        },
+        activation_checkpointing: false,
+        kept_activations: false,
     })
 }
 

@@ -94,3 +94,18 @@ pub const HEAD_SLICE_ELEMENTS: i64 = 1 << 24;
 pub fn head_slice_rows(vocab: i64, hidden: i64) -> i64 {
     (HEAD_SLICE_ELEMENTS / hidden.max(1)).clamp(1, vocab.max(1))
 }
+
+/// Whether unit `u` keeps its autograd graph from forward to backward (no recompute):
+/// kept activations are on, `u` is a block, and its parameters stay on the device
+/// through the step (a replica on the device below stage 3, a persistent unit at stage
+/// 3), so the graph's references to them stay valid.
+pub fn keeps_activations(plan: &Plan, u: usize) -> bool {
+    let numels = plan.model.config.unit_numels();
+    let block = u > 0 && u + 1 < numels.len();
+    let resident = if plan.zero.stage < 3 {
+        plan.zero.offload_param.tier == Tier::Device
+    } else {
+        numels[u] <= plan.zero.param_persistence_threshold
+    };
+    plan.train.kept_activations && block && resident
+}

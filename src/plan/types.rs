@@ -293,6 +293,13 @@ pub struct Train {
     pub accumulate_on_device: Option<bool>,
     /// `train.keep_gathered`: None for "auto".
     pub keep_gathered: Option<bool>,
+    /// `train.keep_activations`: None for "auto".
+    pub keep_activations: Option<bool>,
+    /// A ds_config `activation_checkpointing` section is present (recompute asked for).
+    pub activation_checkpointing: bool,
+    /// Resolved: units whose parameters stay on the device keep their activations for
+    /// backward (`rules::keeps_activations`); decided by `auto_batch::fit_kept_activations`.
+    pub kept_activations: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -20,6 +20,11 @@ pub fn block_backward(config: &ModelConfig, block_numel: usize, tokens: usize, s
     3.0 * block_forward(config, block_numel, tokens, seq_len)
 }
 
+/// FLOPs of a block's backward through its kept activations (twice the forward).
+pub fn block_backward_kept(config: &ModelConfig, block_numel: usize, tokens: usize, seq_len: usize) -> f64 {
+    2.0 * block_forward(config, block_numel, tokens, seq_len)
+}
+
 /// FLOPs of the LM head's forward and backward over `tokens` tokens.
 pub fn head(config: &ModelConfig, tokens: usize) -> f64 {
     6.0 * (tokens * config.hidden_size * config.vocab_size) as f64

@@ -193,6 +193,12 @@ impl<'a> Replay<'a> {
             (flops::head(c, tokens), Work::Head, "fp32")
         } else if work == Work::Forward {
             (flops::block_forward(c, numel, tokens, seq), work, self.dtype())
+        } else if crate::plan::rules::keeps_activations(self.plan, u) {
+            (
+                flops::block_backward_kept(c, numel, tokens, seq),
+                work,
+                self.dtype(),
+            )
         } else {
             (flops::block_backward(c, numel, tokens, seq), work, self.dtype())
         };
