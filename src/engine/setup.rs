@@ -106,6 +106,9 @@ pub(super) fn device_reservations(
         held.push(device.reserve(grad_bytes as u64, &format!("gradients of unit {u}"))?);
         let state_bytes = 12 * partition_len as u64;
         held.push(device.reserve(state_bytes, &format!("optimizer state of unit {u}"))?);
+    } else if crate::plan::rules::device_accumulation(plan) {
+        // gradient accumulation's fp32 sums of this rank's partition (`gradients.rs`)
+        held.push(device.reserve(4 * partition_len as u64, &format!("gradient sums of unit {u}"))?);
     }
     Ok(held)
 }
