@@ -6,7 +6,8 @@
 //! - `chat.rs`: chat templates rendered as transformers renders them, with assistant spans
 //! - `generate.rs`: generation with a key/value cache, greedy or sampled
 //! - `head.rs`: chunked LM head + cross-entropy with a hand-written backward
-//! - `hf.rs`, `safetensors.rs`: Hugging Face directories and the container they use
+//! - `hf.rs`, `safetensors.rs`: Hugging Face directories and the container they use;
+//!   `companions.rs`: the tokenizer, chat template and generation config beside them
 //!
 //! [`Model`] runs one unit forward without autograd, and one unit backward by
 //! recomputing its forward with the flat buffer as a leaf that requires grad and
@@ -16,6 +17,7 @@
 
 pub mod blocks;
 pub mod chat;
+pub mod companions;
 pub mod generate;
 pub mod head;
 pub mod hf;
