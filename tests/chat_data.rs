@@ -434,6 +434,11 @@ fn a_chat_fine_tune_learns_the_answers_and_not_the_prompts() {
     c["optimizer"] = json!({ "type": "AdamW", "params": { "lr": 3e-3 } });
     let plan = from_json(c, &[], DeviceFacts::default()).unwrap().plan;
     let result = train(&plan, TrainOptions::default()).unwrap();
+    // the device row counts the packed rows' mask and positions the engine reserves
+    assert_eq!(
+        result.device_peaks[0],
+        tierzero::plan::memory::predict(&plan).reserved()
+    );
     let mean = |from: usize, to: usize| {
         result.steps[from..to].iter().map(|s| s.loss).sum::<f64>() / (to - from) as f64
     };

@@ -197,7 +197,14 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
             }
         }
     }
-    let tokens = 8 * (plan.batch.micro_batch_per_gpu * plan.data.seq_len) as u64;
+    let (rows, seq) = (plan.batch.micro_batch_per_gpu as u64, plan.data.seq_len as u64);
+    // token ids, and packed rows' attention mask (bools) and positions
+    let packed = if super::rules::packs_rows(plan) {
+        rows * seq * seq + 8 * rows * seq
+    } else {
+        0
+    };
+    let tokens = 8 * rows * seq + packed;
     let hidden =
         elem * (plan.batch.micro_batch_per_gpu * plan.data.seq_len * plan.model.config.hidden_size) as u64;
     let last = parts.len() - 1;

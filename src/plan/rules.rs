@@ -109,3 +109,16 @@ pub fn keeps_activations(plan: &Plan, u: usize) -> bool {
     };
     plan.train.kept_activations && block && resident
 }
+
+/// Whether micro-batches carry packed rows (a block-diagonal mask and per-sample
+/// positions): record data sets with `data.packing` on. A `.jsonl` of `{"text"}` records
+/// only is a stream unless `data.packing` is given, which the plan cannot tell without
+/// reading it: it is counted as packed (the mask is the larger prediction).
+pub fn packs_rows(plan: &Plan) -> bool {
+    match &plan.data.source {
+        super::DataSource::Text { path, .. } => {
+            plan.data.records.packing && path.extension().and_then(|e| e.to_str()) != Some("txt")
+        }
+        _ => false,
+    }
+}
