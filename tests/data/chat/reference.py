@@ -1,8 +1,8 @@
 """Chat-template references for tests/chat_data.rs, computed by Hugging Face transformers.
 
-Usage (from the repository root; needs transformers and tokenizers, no torch):
-    python -m venv /tmp/ref && /tmp/ref/bin/pip install transformers==4.57.1
-    /tmp/ref/bin/python tests/data/chat/reference.py
+Usage (from the repository root, in a virtualenv with transformers 4.57.1 and its
+tokenizers; no torch needed):
+    python tests/data/chat/reference.py
 
 Writes, under tests/data/chat/:
 - tokenizer.json: a small byte-level BPE trained here, with the special tokens of the
