@@ -27,7 +27,7 @@ pub mod tokens;
 
 use crate::model::chat::ChatTemplate;
 use crate::plan::{DataSource, EvalSplit, Plan, TokenDtype};
-use packing::Packer;
+use packing::{Packer, Scanned};
 use samples::Samples;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -210,30 +210,16 @@ impl SampleSet {
             samples::fnv1a(&tokenizer_bytes, 0xcbf2_9ce4_8422_2325),
         );
         let key = samples::fnv1a(&[u8::from(options.train_on_prompt)], key);
-        let samples = Arc::new(Samples::cached(path, key, &encoder)?);
-        let vocab = plan.model.config.vocab_size;
-        let (seq, seed) = (plan.data.seq_len, plan.train.seed);
-        // samples with a target, their truncation, their ids within the vocabulary
-        let (mut usable, mut truncated, mut tokens, mut counted) = (Vec::new(), 0, 0u64, 0u64);
-        for i in 0..samples.len() {
-            let n = samples.tokens(i);
-            if n < 2 {
-                continue;
-            }
-            truncated += usize::from(n > seq + 1);
-            for j in 0..n.min(seq + 1) {
-                let (id, c) = samples.token(i, j);
-                if id as usize >= vocab {
-                    return Err(invalid(
-                        samples.path(),
-                        format!("sample {i} has token id {id}, outside the model's vocabulary ({vocab}); use the model's own tokenizer"),
-                    ));
-                }
-                counted += u64::from(c && j > 0);
-            }
-            tokens += n.min(seq + 1) as u64;
-            usable.push(i as u32);
-        }
+        let (seq, vocab) = (plan.data.seq_len, plan.model.config.vocab_size);
+        let scan = |path: &Path| -> Result<Arc<Scanned>, DataError> {
+            Ok(Arc::new(Scanned::new(
+                Samples::cached(path, key, &encoder)?,
+                seq,
+                vocab,
+            )?))
+        };
+        let set = scan(path)?;
+        let usable = set.usable();
         let held_out = |i: &u32| match options.eval {
             EvalSplit::Fraction { fraction } => unit_interval(mix(u64::from(*i) ^ 0x5eed_e7a1)) < fraction,
             _ => false,
@@ -247,20 +233,18 @@ impl SampleSet {
                 format!("{} samples with a counted token leave a split empty; add data or change data.eval_fraction", usable.len()),
             ));
         }
-        let packer = |samples: &Arc<Samples>, members: Vec<u32>, shuffle: bool| {
-            Packer::new(samples.clone(), members, seq, options.packing, shuffle, seed)
+        let packer = |set: &Arc<Scanned>, members: Vec<u32>, shuffle: bool| {
+            Packer::new(set.clone(), members, options.packing, shuffle, plan.train.seed)
         };
         let eval = match &options.eval {
-            EvalSplit::Train => packer(&samples, train_members.clone(), false),
-            EvalSplit::Fraction { .. } => packer(&samples, eval_members.clone(), false),
+            EvalSplit::Train => packer(&set, train_members.clone(), false),
+            EvalSplit::Fraction { .. } => packer(&set, eval_members.clone(), false),
             EvalSplit::Path { path } => {
-                let other = Arc::new(Samples::cached(path, key, &encoder)?);
-                let members = (0..other.len() as u32)
-                    .filter(|&i| other.tokens(i as usize) >= 2)
-                    .collect();
-                packer(&other, members, false)
+                let other = scan(path)?;
+                packer(&other, other.usable(), false)
             }
         };
+        let (tokens, counted, truncated) = (set.tokens, set.trained(&usable), set.truncated);
         let report = format!(
             "data: {} samples ({} held out for eval), {tokens} tokens of which {counted} trained{}{}; {}",
             usable.len(),
@@ -270,8 +254,8 @@ impl SampleSet {
             } else {
                 String::new()
             },
-            if usable.len() < samples.len() {
-                format!(", {} without a target skipped", samples.len() - usable.len())
+            if usable.len() < set.len() {
+                format!(", {} without a target skipped", set.len() - usable.len())
             } else {
                 String::new()
             },
@@ -282,7 +266,7 @@ impl SampleSet {
             },
         );
         Ok(SampleSet {
-            train: packer(&samples, train_members, true),
+            train: packer(&set, train_members, true),
             eval,
             step_rows: plan.batch.train_batch_size as u64,
             report,

@@ -12,8 +12,80 @@
 //! and a segment of its own.
 
 use super::samples::Samples;
-use super::{mix, Batch};
+use super::{mix, Batch, DataError};
 use std::sync::{Arc, Mutex};
+
+/// A sample set read once for rows of `seq_len`: every id checked against the model's
+/// vocabulary, and each sample's counted targets within the positions it takes.
+pub struct Scanned {
+    samples: Samples,
+    seq_len: usize,
+    /// Counted targets of each sample within its positions.
+    counted: Vec<u32>,
+    /// Samples longer than a row (truncated).
+    pub truncated: usize,
+    /// Tokens of the samples with a target, as rows take them.
+    pub tokens: u64,
+}
+
+impl Scanned {
+    pub fn new(samples: Samples, seq_len: usize, vocab: usize) -> Result<Scanned, DataError> {
+        let (mut counted, mut truncated, mut tokens) = (Vec::with_capacity(samples.len()), 0, 0u64);
+        for i in 0..samples.len() {
+            let n = samples.tokens(i).min(seq_len + 1);
+            let mut c = 0;
+            for j in 0..n {
+                let (id, counts) = samples.token(i, j);
+                if id as usize >= vocab {
+                    return Err(DataError::Invalid {
+                        path: samples.path().to_path_buf(),
+                        message: format!(
+                            "sample {i} has token id {id}, outside the model's vocabulary ({vocab}); use the model's own tokenizer"
+                        ),
+                    });
+                }
+                c += u32::from(counts && j > 0);
+            }
+            counted.push(c);
+            if n >= 2 {
+                truncated += usize::from(samples.tokens(i) > seq_len + 1);
+                tokens += n as u64;
+            }
+        }
+        Ok(Scanned {
+            samples,
+            seq_len,
+            counted,
+            truncated,
+            tokens,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    /// The samples with a target (two tokens or more), in order.
+    pub fn usable(&self) -> Vec<u32> {
+        (0..self.samples.len() as u32)
+            .filter(|&i| self.samples.tokens(i as usize) >= 2)
+            .collect()
+    }
+
+    /// Counted targets of the samples in `members`.
+    pub fn trained(&self, members: &[u32]) -> u64 {
+        members.iter().map(|&i| u64::from(self.counted[i as usize])).sum()
+    }
+
+    /// Positions sample `i` takes in a row.
+    fn positions(&self, i: u32) -> usize {
+        (self.samples.tokens(i as usize) - 1).min(self.seq_len)
+    }
+}
 
 /// One epoch's rows: sample indices in order, and where each row's start.
 struct Epoch {
@@ -38,10 +110,9 @@ impl Epoch {
 
 /// The rows of one split of a sample set.
 pub struct Packer {
-    samples: Arc<Samples>,
+    set: Arc<Scanned>,
     /// The split's samples (those with a target).
     members: Vec<u32>,
-    seq_len: usize,
     packing: bool,
     /// Shuffle each epoch (training); evaluation reads the split in order.
     shuffle: bool,
@@ -50,35 +121,15 @@ pub struct Packer {
 }
 
 impl Packer {
-    pub fn new(
-        samples: Arc<Samples>,
-        members: Vec<u32>,
-        seq_len: usize,
-        packing: bool,
-        shuffle: bool,
-        seed: u64,
-    ) -> Packer {
+    pub fn new(set: Arc<Scanned>, members: Vec<u32>, packing: bool, shuffle: bool, seed: u64) -> Packer {
         Packer {
-            samples,
+            set,
             members,
-            seq_len,
             packing,
             shuffle,
             seed,
             epochs: Mutex::new(Vec::new()),
         }
-    }
-
-    /// Positions sample `i` takes in a row.
-    fn positions(&self, i: u32) -> usize {
-        (self.samples.tokens(i as usize) - 1).min(self.seq_len)
-    }
-
-    /// Counted targets of sample `i` within its positions.
-    fn counted(&self, i: u32) -> u64 {
-        (1..=self.positions(i))
-            .filter(|&j| self.samples.token(i as usize, j).1)
-            .count() as u64
     }
 
     fn epoch(&self, number: usize, first_row: u64) -> Epoch {
@@ -90,19 +141,20 @@ impl Packer {
                 order.swap(k, (state % (k as u64 + 1)) as usize);
             }
         }
+        let seq = self.set.seq_len;
         let mut starts = Vec::new();
         let mut counted = Vec::new();
-        let mut fill = self.seq_len;
+        let mut fill = seq;
         for (k, &i) in order.iter().enumerate() {
-            let p = self.positions(i);
-            if !self.packing || fill + p > self.seq_len {
+            let p = self.set.positions(i);
+            if !self.packing || fill + p > seq {
                 starts.push(k);
                 counted.push(0);
                 fill = 0;
             }
             fill += p;
             if let Some(c) = counted.last_mut() {
-                *c += self.counted(i);
+                *c += u64::from(self.set.counted[i as usize]);
             }
         }
         Epoch {
@@ -150,7 +202,7 @@ impl Packer {
 
     /// `count` rows from global row `first`.
     pub fn batch(&self, first: u64, count: usize) -> Batch {
-        let seq = self.seq_len;
+        let (seq, samples) = (self.set.seq_len, &self.set.samples);
         let mut inputs = Vec::with_capacity(count * seq);
         let mut targets = Vec::with_capacity(count * seq);
         let mut segments = Vec::with_capacity(count * seq);
@@ -158,9 +210,9 @@ impl Packer {
             let (epoch, k) = self.locate(first + r);
             let mut segment = 0;
             for &i in epoch.row(k) {
-                for j in 0..self.positions(i) {
-                    inputs.push(self.samples.token(i as usize, j).0);
-                    let (target, counted) = self.samples.token(i as usize, j + 1);
+                for j in 0..self.set.positions(i) {
+                    inputs.push(samples.token(i as usize, j).0);
+                    let (target, counted) = samples.token(i as usize, j + 1);
                     targets.push(if counted { target } else { -1 });
                     segments.push(segment);
                 }
