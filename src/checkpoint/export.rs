@@ -6,7 +6,6 @@ use super::{Checkpoint, CheckpointError};
 use crate::model::hf::{self, HfError, SaveDtype};
 use serde::Serialize;
 use std::path::Path;
-use tierzero_offload::nvme::swap::State;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
@@ -81,13 +80,10 @@ pub fn export(
     let ckpt = Checkpoint::open(checkpoint)?;
     let units = &ckpt.manifest.units;
     hf::save_streaming(out, &ckpt.manifest.model, dtype, shard_bytes, &mut |u| {
-        let mut values = vec![0f32; units[u].numel];
-        ckpt.read_f32(State::Master, u, 0..units[u].numel, &mut values)
-            .map_err(|e| HfError::Format {
-                path: ckpt.dir.clone(),
-                message: e.to_string(),
-            })?;
-        Ok(values)
+        ckpt.master_unit(u).map_err(|e| HfError::Format {
+            path: ckpt.dir.clone(),
+            message: e.to_string(),
+        })
     })?;
     hf::Companions::from_plan_json(&ckpt.manifest.config).write(out)?;
     let peak = proc_status_bytes("VmHWM:");

@@ -167,6 +167,14 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// Unit `u`'s whole fp32 master weights.
+    pub fn master_unit(&self, u: usize) -> Result<Vec<f32>, CheckpointError> {
+        let numel = self.manifest.units[u].numel;
+        let mut values = vec![0f32; numel];
+        self.read_f32(State::Master, u, 0..numel, &mut values)?;
+        Ok(values)
+    }
+
     /// Reads every byte once and checks every checksum (`tierzero inspect --verify`,
     /// tests).
     pub fn verify(&self) -> Result<(), CheckpointError> {

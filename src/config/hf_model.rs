@@ -15,13 +15,8 @@ impl ModelConfig {
             std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         let json: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))?;
-        let get = |key: &str| {
-            json.get(key)
-                .and_then(serde_json::Value::as_u64)
-                .map(|v| v as usize)
-        };
-        let require =
-            |key: &str| get(key).ok_or_else(|| format!("{} has no integer `{key}`", path.display()));
+        let get = |key: &str| integer(&json, key);
+        let require = |key: &str| required(&json, &path, key);
         let model_type = json.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
         let family = match model_type {
             "llama" => Family::Llama,
@@ -235,14 +230,22 @@ fn sliding_window(json: &serde_json::Value, family: Family) -> Option<usize> {
     used.then_some(window)
 }
 
+/// An integer key of a `config.json`.
+fn integer(json: &serde_json::Value, key: &str) -> Option<usize> {
+    json.get(key)
+        .and_then(serde_json::Value::as_u64)
+        .map(|v| v as usize)
+}
+
+/// An integer key the model cannot do without.
+fn required(json: &serde_json::Value, path: &Path, key: &str) -> Result<usize, String> {
+    integer(json, key).ok_or_else(|| format!("{} has no integer `{key}`", path.display()))
+}
+
 /// GPT-2's `config.json`.
 fn gpt2_config(json: &serde_json::Value, path: &Path) -> Result<ModelConfig, String> {
-    let get = |key: &str| {
-        json.get(key)
-            .and_then(serde_json::Value::as_u64)
-            .map(|v| v as usize)
-    };
-    let require = |key: &str| get(key).ok_or_else(|| format!("{} has no integer `{key}`", path.display()));
+    let get = |key: &str| integer(json, key);
+    let require = |key: &str| required(json, path, key);
     gpt2_unsupported_keys(json, path)?;
     let hidden = require("n_embd")?;
     Ok(ModelConfig {

@@ -207,7 +207,7 @@ impl SampleSet {
         let encoder = encode::Encoder::new(tok, template, no_template, options.train_on_prompt);
         let key = samples::fnv1a(
             &template_bytes,
-            samples::fnv1a(&tokenizer_bytes, 0xcbf2_9ce4_8422_2325),
+            samples::fnv1a(&tokenizer_bytes, samples::FNV_OFFSET),
         );
         let key = samples::fnv1a(&[u8::from(options.train_on_prompt)], key);
         let (seq, vocab) = (plan.data.seq_len, plan.model.config.vocab_size);

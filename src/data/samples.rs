@@ -22,6 +22,20 @@ pub struct Samples {
     count: usize,
 }
 
+/// FNV-1a's starting value.
+pub const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// Hashes a file's size and modification time onto `key` (a cache made from the file
+/// is named by it, so an edit makes a new one).
+pub fn file_stamp(meta: &std::fs::Metadata, key: u64) -> u64 {
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos() as u64);
+    fnv1a(&meta.len().to_le_bytes(), fnv1a(&mtime.to_le_bytes(), key))
+}
+
 /// FNV-1a over `bytes`, continuing from `h`.
 pub fn fnv1a(bytes: &[u8], mut h: u64) -> u64 {
     for &b in bytes {
@@ -46,13 +60,7 @@ pub fn files_key(files: &[PathBuf], mut key: u64) -> Result<u64, DataError> {
             path: f.clone(),
             source,
         })?;
-        let mtime = meta
-            .modified()
-            .ok()
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map_or(0, |d| d.as_nanos() as u64);
-        key = fnv1a(f.as_os_str().as_encoded_bytes(), key);
-        key = fnv1a(&meta.len().to_le_bytes(), fnv1a(&mtime.to_le_bytes(), key));
+        key = file_stamp(&meta, fnv1a(f.as_os_str().as_encoded_bytes(), key));
     }
     Ok(key)
 }

@@ -7,7 +7,7 @@
 //! `<|end_of_text|>`, `</s>`, `<eos>`).
 
 use super::encode::EOS_CANDIDATES;
-use super::samples::fnv1a;
+use super::samples::{file_stamp, fnv1a, FNV_OFFSET};
 use super::DataError;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -28,18 +28,7 @@ pub fn tokenize_cached(text: &Path, tokenizer: &Path) -> Result<PathBuf, DataErr
     };
     let tokenizer_bytes = std::fs::read(tokenizer).map_err(read_err(tokenizer))?;
     let meta = std::fs::metadata(text).map_err(read_err(text))?;
-    let mtime = meta
-        .modified()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos() as u64);
-    let key = fnv1a(
-        &tokenizer_bytes,
-        fnv1a(
-            &meta.len().to_le_bytes(),
-            fnv1a(&mtime.to_le_bytes(), 0xcbf2_9ce4_8422_2325),
-        ),
-    );
+    let key = fnv1a(&tokenizer_bytes, file_stamp(&meta, FNV_OFFSET));
     let cache = text.with_extension(format!("{key:016x}.tokens.bin"));
     if cache.exists() {
         return Ok(cache);

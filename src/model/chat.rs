@@ -56,6 +56,23 @@ fn token_text(v: &serde_json::Value) -> Option<String> {
         .or_else(|| v["content"].as_str().map(str::to_string))
 }
 
+/// The directory of a tokenizer's files: `path` itself, or the one holding it.
+fn tokenizer_dir(path: &Path) -> &Path {
+    if path.is_dir() {
+        path
+    } else {
+        path.parent().unwrap_or(Path::new("."))
+    }
+}
+
+/// The bos and eos tokens a tokenizer_config.json names (empty where it does not).
+fn special(config: &serde_json::Value) -> (String, String) {
+    (
+        token_text(&config["bos_token"]).unwrap_or_default(),
+        token_text(&config["eos_token"]).unwrap_or_default(),
+    )
+}
+
 impl ChatTemplate {
     /// The template of a model's tokenizer files: `path` is a tokenizer.json, the
     /// directory holding it, or a tokenizer_config.json; `None` when there is no
@@ -66,11 +83,7 @@ impl ChatTemplate {
         let named = path.is_file()
             && path.extension().and_then(|e| e.to_str()) == Some("json")
             && path.file_name().and_then(|n| n.to_str()) != Some("tokenizer.json");
-        let dir = if path.is_dir() {
-            path
-        } else {
-            path.parent().unwrap_or(Path::new("."))
-        };
+        let dir = tokenizer_dir(path);
         let config_path = if named {
             path.to_path_buf()
         } else {
@@ -107,8 +120,7 @@ impl ChatTemplate {
             };
             (source, config_path)
         };
-        let bos = token_text(&config["bos_token"]).unwrap_or_default();
-        let eos = token_text(&config["eos_token"]).unwrap_or_default();
+        let (bos, eos) = special(&config);
         let template = ChatTemplate::new(&source, &bos, &eos).map_err(|message| ChatError::Compile {
             path: from.clone(),
             message,
@@ -119,19 +131,12 @@ impl ChatTemplate {
     /// The bos and eos tokens of the tokenizer_config.json beside a tokenizer.json (empty
     /// where it does not say).
     pub fn special_tokens(tokenizer: &Path) -> (String, String) {
-        let dir = if tokenizer.is_dir() {
-            tokenizer
-        } else {
-            tokenizer.parent().unwrap_or(Path::new("."))
-        };
-        let config: serde_json::Value = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or_default();
-        (
-            token_text(&config["bos_token"]).unwrap_or_default(),
-            token_text(&config["eos_token"]).unwrap_or_default(),
-        )
+        let config: serde_json::Value =
+            std::fs::read_to_string(tokenizer_dir(tokenizer).join("tokenizer_config.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok())
+                .unwrap_or_default();
+        special(&config)
     }
 
     /// Compiles `source`; the error is minijinja's message with the line.

@@ -134,6 +134,13 @@ fn budget(plan: &Plan, facts: DeviceFacts) -> (Option<u64>, &'static str) {
     }
 }
 
+/// Whether the plan's predicted device bytes fit its budget (always, without one).
+fn fits_budget(plan: &Plan, facts: DeviceFacts) -> bool {
+    budget(plan, facts)
+        .0
+        .is_none_or(|budget| crate::plan::memory::predict(plan).total <= budget)
+}
+
 /// Whether gradient accumulation keeps its sums on the device
 /// (`rules::device_accumulation`): as `train.accumulate_on_device` says, and for "auto"
 /// on a GPU where the plan still fits its memory with them. A CPU device's memory is the
@@ -144,10 +151,7 @@ pub(super) fn fit_device_sums(plan: &mut Plan, facts: DeviceFacts) {
         None if plan.train.accelerator == Accelerator::Cpu => false,
         None => {
             plan.zero.device_accumulation = true;
-            let fits = match budget(plan, facts) {
-                (Some(budget), _) => crate::plan::memory::predict(plan).total <= budget,
-                (None, _) => true,
-            };
+            let fits = fits_budget(plan, facts);
             if fits && crate::plan::rules::device_accumulation(plan) {
                 plan.auto.push(AutoChoice {
                     key: "train.accumulate_on_device",
@@ -170,10 +174,7 @@ pub(super) fn fit_kept_activations(plan: &mut Plan, facts: DeviceFacts) {
         None if plan.train.activation_checkpointing => false,
         None => {
             plan.train.kept_activations = true;
-            let fits = match budget(plan, facts) {
-                (Some(budget), _) => crate::plan::memory::predict(plan).total <= budget,
-                (None, _) => true,
-            };
+            let fits = fits_budget(plan, facts);
             let any = (0..plan.model.config.unit_numels().len())
                 .any(|u| crate::plan::rules::keeps_activations(plan, u));
             if fits && any {
@@ -213,10 +214,7 @@ pub(super) fn fit_gathered(plan: &mut Plan, facts: DeviceFacts) {
             let fits = |t: usize| {
                 let mut p = plan.clone();
                 p.zero.param_persistence_threshold = t;
-                match budget(&p, facts) {
-                    (Some(budget), _) => crate::plan::memory::predict(&p).total <= budget,
-                    (None, _) => true,
-                }
+                fits_budget(&p, facts)
             };
             match sizes.into_iter().rev().find(|&t| fits(t)) {
                 Some(t) => t,

@@ -107,14 +107,12 @@ pub fn transient(plan: &Plan) -> u64 {
     );
     let numels = c.unit_numels();
     let block_numel = numels.get(1).copied().unwrap_or(0) as u64;
-    let saved = saved_per_token(plan);
+    // a recompute saves one block's graph here; kept graphs are counted as working
+    let recomputes = (1..numels.len().saturating_sub(1)).any(|u| !keeps_activations(plan, u));
+    let saved = if recomputes { saved_per_token(plan) } else { 0 };
     // the backward's own: gradients of the widest activations in flight, the flat
     // parameter gradient and one parameter's full-size gradient being added into it
     let flowing = e * i.max(3 * h) + 4 * h;
-    // a recompute saves one block's graph here; kept graphs are counted as working
-    let blocks = 1..numels.len().saturating_sub(1);
-    let recomputes = blocks.clone().any(|u| !super::rules::keeps_activations(plan, u));
-    let saved = if recomputes { saved } else { 0 };
     let block = tokens * (saved + flowing) + 2 * e * block_numel;
     // the embedding's backward: its dense weight gradient and the flat gradient it is
     // copied into (for a large vocabulary, the largest of the three)

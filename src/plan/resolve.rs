@@ -319,8 +319,7 @@ fn build_data(d: DataSection, plan: &ModelPlan) -> Result<Data, ConfigError> {
             format!("set data.seq_len to {window} or less"),
         ));
     }
-    let records_of = d.clone();
-    let source = match (d.synthetic, d.path) {
+    let source = match (d.synthetic.clone(), d.path.clone()) {
         (Some(_), Some(_)) => {
             return Err(ConfigError::invalid(
                 "data.synthetic",
@@ -380,7 +379,7 @@ fn build_data(d: DataSection, plan: &ModelPlan) -> Result<Data, ConfigError> {
             }
         }
     };
-    let records = build_records(&records_of, &source)?;
+    let records = build_records(&d, &source)?;
     Ok(Data {
         source,
         seq_len,

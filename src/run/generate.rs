@@ -12,7 +12,6 @@ use crate::model::Model;
 use crate::torch;
 use std::path::{Path, PathBuf};
 use tch::{Kind, Tensor};
-use tierzero_offload::nvme::swap::State;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GenerateError {
@@ -71,38 +70,15 @@ impl Generator {
         tokenizer: Option<&Path>,
         device: tch::Device,
     ) -> Result<Generator, GenerateError> {
-        let (config, flat, companions, dir, configured): (
-            ModelConfig,
-            Vec<Vec<f32>>,
-            Companions,
-            PathBuf,
-            Option<PathBuf>,
-        ) = match weights {
+        let (config, flat, companions, dir): (ModelConfig, Vec<Vec<f32>>, Companions, PathBuf) = match weights
+        {
             Weights::Checkpoint(dir) => {
                 let ckpt = Checkpoint::open(dir)?;
-                let flat = ckpt
-                    .manifest
-                    .units
-                    .iter()
-                    .enumerate()
-                    .map(|(u, unit)| {
-                        let mut values = vec![0f32; unit.numel];
-                        ckpt.read_f32(State::Master, u, 0..unit.numel, &mut values)
-                            .map(|()| values)
-                    })
+                let flat = (0..ckpt.manifest.units.len())
+                    .map(|u| ckpt.master_unit(u))
                     .collect::<Result<_, _>>()?;
                 let companions = Companions::from_plan_json(&ckpt.manifest.config);
-                // the chat template training used (`data.chat_template`)
-                let template = ckpt.manifest.config["data"]["records"]["chat_template"]
-                    .as_str()
-                    .map(PathBuf::from);
-                (
-                    ckpt.manifest.model.clone(),
-                    flat,
-                    companions,
-                    dir.to_path_buf(),
-                    template,
-                )
+                (ckpt.manifest.model.clone(), flat, companions, dir.to_path_buf())
             }
             Weights::Hf(dir) => {
                 let config =
@@ -113,7 +89,7 @@ impl Generator {
                     hf_dir: Some(dir.to_path_buf()),
                     chat_template: None,
                 };
-                (config, flat, companions, dir.to_path_buf(), None)
+                (config, flat, companions, dir.to_path_buf())
             }
         };
         let model = Model::new(config, Kind::Float);
@@ -137,7 +113,7 @@ impl Generator {
         };
         let template = match &tokenizer {
             Some((_, path)) => {
-                crate::data::chat_template(configured.as_deref(), path)
+                crate::data::chat_template(companions.chat_template.as_deref(), path)
                     .map_err(|e| GenerateError::Input(e.to_string()))?
                     .0
             }
