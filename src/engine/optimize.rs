@@ -77,7 +77,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let context = OptimizerContext {
             on: On(self.rank),
             precision: self.plan.precision,
-            staging: self.param_staging.clone(),
+            staging: self.optimizer.staging.clone(),
             pipeline: PipelineConfig {
                 sets: crate::plan::rules::pipeline_sets(self.plan),
                 pipeline_read: self.overlap && self.plan.zero.offload_optimizer.pipeline_read,

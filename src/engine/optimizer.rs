@@ -2,12 +2,15 @@
 //! unit's optimizer partition — tensors on the rank's device (`offload_optimizer: none`;
 //! CPU tensors on a CPU run), slabs of a host arena (`cpu`) or the NVMe swap store — lent
 //! to the optimizer lane while an update runs; the channel its updates come back on; the
-//! applied-step count.
+//! applied-step count, the fp16 loss scaler, and the step's policy on its gradients
+//! (skip on overflow, clip by the global norm, the learning rate of the applied steps).
 
 use super::error::{EngineError, On};
 use super::gradients::FinalGrad;
 use super::params::LowParams;
 use super::units::NewParams;
+use crate::plan::schedule::{learning_rate, LossScaler};
+use crate::plan::Plan;
 use crate::torch::{pod_bytes, pod_bytes_mut};
 use std::ops::Range;
 use std::sync::Arc;
@@ -68,6 +71,10 @@ pub(super) struct Optimizer<'a> {
     next: usize,
     /// Optimizer steps applied (skipped steps do not count, as in DeepSpeed).
     pub(super) adam_steps: u64,
+    /// fp16 loss scaling (a fixed scale of 1 in other precisions).
+    pub(super) scaler: LossScaler,
+    /// The optimizer lane's buffers for writing parameters to NVMe, kept between steps.
+    pub(super) staging: SharedStaging,
 }
 
 impl<'a> Optimizer<'a> {
@@ -77,7 +84,7 @@ impl<'a> Optimizer<'a> {
     pub(super) fn new(
         rank: usize,
         (nvme, device): (Option<NvmeTier<'a>>, Option<tch::Device>),
-        adam_steps: u64,
+        (adam_steps, scaler): (u64, LossScaler),
         partitions: Vec<Range<usize>>,
         pinning: &Pinning,
     ) -> Result<Self, EngineError> {
@@ -129,6 +136,8 @@ impl<'a> Optimizer<'a> {
             updates: None,
             next: 0,
             adam_steps,
+            scaler,
+            staging: SharedStaging::default(),
         })
     }
 
@@ -325,6 +334,40 @@ impl<'a> Optimizer<'a> {
             Ok(())
         })?;
         Ok(master)
+    }
+
+    /// The learning rate of the next update. DeepSpeed steps its scheduler only when the
+    /// update is applied: the rate is that of the number of applied steps, so
+    /// overflow-skipped steps do not advance it.
+    pub(super) fn learning_rate(&self, plan: &Plan) -> f64 {
+        learning_rate(&plan.scheduler, f64::from(plan.optimizer.lr), self.adam_steps)
+    }
+
+    /// The step's policy on its gradients, whose global norm (unscaled) is `grad_norm`:
+    /// a non-finite norm (fp16 overflow, or a non-finite gradient in any precision) skips
+    /// the update (None) and lowers the loss scale; else the update's coefficients at
+    /// rate `lr`, the gradients unscaled and clipped to `gradient_clipping`.
+    pub(super) fn next_update(&mut self, plan: &Plan, grad_norm: f64, lr: f64) -> Option<AdamStep> {
+        let loss_scale = self.scaler.scale;
+        if !grad_norm.is_finite() {
+            self.scaler.update(true);
+            return None;
+        }
+        self.scaler.update(false);
+        let mut grad_scale = 1.0 / loss_scale;
+        if plan.gradient_clipping > 0.0 {
+            let coefficient = plan.gradient_clipping / (grad_norm + 1e-6);
+            if coefficient < 1.0 {
+                grad_scale *= coefficient;
+            }
+        }
+        self.adam_steps += 1;
+        let hyper = plan.optimizer.hyper(lr as f32);
+        Some(AdamStep {
+            coefficients: hyper.coefficients(self.adam_steps, grad_scale as f32),
+            hyper,
+            step: self.adam_steps,
+        })
     }
 
     /// Host bytes of optimizer state in memory (counted by size while lent), and of the

@@ -44,7 +44,7 @@ use crate::model::{Graph, Model, Segments};
 use crate::plan::memory::kept_graph_bytes;
 use crate::plan::partition::Partition;
 use crate::plan::rules::{bf16_gradients, keeps_activations, nvme_gradients, pipeline_sets};
-use crate::plan::schedule::{learning_rate, LossScaler};
+use crate::plan::schedule::LossScaler;
 use crate::plan::{Plan, Precision, Tier};
 use crate::torch;
 use std::sync::Arc;
@@ -66,7 +66,6 @@ pub struct RankEngine<'a, C: Collective> {
     pub(super) units: Units<'a>,
     pub(super) grads: Gradients<'a, C>,
     pub(super) optimizer: Optimizer<'a>,
-    pub(super) scaler: LossScaler,
     pub(super) rank: usize,
     device: Arc<CpuDevice>,
     /// Device memory of the state that lives for the whole run.
@@ -80,8 +79,6 @@ pub struct RankEngine<'a, C: Collective> {
     /// that issues this rank's gathers and reduce-scatters, in the order the compute
     /// thread submits them, which is the same on every rank.
     collectives: Option<Arc<Lane<'a>>>,
-    /// The optimizer lane's buffers for writing parameters to NVMe, kept between steps.
-    pub(super) param_staging: super::optimizer::SharedStaging,
     /// Where this rank computes (CPU, or its GPU).
     compute: tch::Device,
     /// Its GPU's streams for the lanes (None on CPU, where lane work is done when its job
@@ -190,12 +187,19 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             optimizer_store.filter(|_| nvme_gradients(plan)),
         )?;
         let adam_steps = start.checkpoint().map_or(0, |c| c.manifest.adam_steps);
+        let mut scaler = LossScaler::new(match &plan.precision {
+            Precision::Fp16(s) => Some(s),
+            _ => None,
+        });
+        if let Some(checkpoint) = start.checkpoint() {
+            scaler.restore(&checkpoint.manifest.loss_scaler);
+        }
         // `offload_optimizer: none`: the state is tensors on the rank's device
         let optimizer_device = (plan.zero.offload_optimizer.tier == Tier::Device).then_some(compute);
         let mut optimizer = Optimizer::new(
             rank,
             (optimizer_nvme, optimizer_device),
-            adam_steps,
+            (adam_steps, scaler),
             partitions.clone(),
             &pinning,
         )?;
@@ -213,13 +217,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             )?);
             units.push(part, state.params)?;
         }
-        let mut scaler = LossScaler::new(match &plan.precision {
-            Precision::Fp16(s) => Some(s),
-            _ => None,
-        });
-        if let Some(checkpoint) = start.checkpoint() {
-            scaler.restore(&checkpoint.manifest.loss_scaler);
-        }
         Ok(RankEngine {
             comm,
             gather_comm,
@@ -230,7 +227,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             units,
             grads,
             optimizer,
-            scaler,
             rank,
             device,
             _held: held,
@@ -239,7 +235,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             overlap,
             lanes,
             collectives: None,
-            param_staging: Default::default(),
             compute,
             streams: device_streams(compute, rank)?,
         })
@@ -276,7 +271,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     {
         let plan = self.plan;
         self.grads.zero();
-        let loss_scale = self.scaler.scale;
+        let loss_scale = self.optimizer.scaler.scale;
         let loss = self.micro_batches(step, loss_scale)?;
         let reduce_start = Instant::now();
         self.grads.all_reduce_replicas(&self.comm)?;
@@ -290,13 +285,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         }
         self.tracks.compute.record(Phase::Reduce, None, reduce_start, 0);
         let grad_norm = sum_sq[0].sqrt() / loss_scale;
-        // DeepSpeed steps its scheduler only when the update is applied: the rate is that
-        // of the number of applied steps, so overflow-skipped steps do not advance it.
-        let lr = learning_rate(
-            &plan.scheduler,
-            f64::from(plan.optimizer.lr),
-            self.optimizer.adam_steps,
-        );
+        let lr = self.optimizer.learning_rate(plan);
         let mut report = StepReport {
             loss: losses[0],
             grad_norm,
@@ -305,26 +294,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             skipped: false,
             preempted: losses[1] > 0.0,
         };
-        if !grad_norm.is_finite() {
-            // fp16 overflow (or a non-finite gradient in any precision): skip the update
-            self.scaler.update(true);
+        let Some(adam_step) = self.optimizer.next_update(plan, grad_norm, lr) else {
             report.skipped = true;
             return Ok(report);
-        }
-        self.scaler.update(false);
-        let mut grad_scale = 1.0 / loss_scale;
-        if plan.gradient_clipping > 0.0 {
-            let coefficient = plan.gradient_clipping / (grad_norm + 1e-6);
-            if coefficient < 1.0 {
-                grad_scale *= coefficient;
-            }
-        }
-        self.optimizer.adam_steps += 1;
-        let hyper = plan.optimizer.hyper(lr as f32);
-        let adam_step = super::optimizer::AdamStep {
-            coefficients: hyper.coefficients(self.optimizer.adam_steps, grad_scale as f32),
-            hyper,
-            step: self.optimizer.adam_steps,
         };
         self.install_all()?;
         self.optimize(adam_step, scope)?;
@@ -695,7 +667,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     }
 
     pub fn loss_scale(&self) -> f64 {
-        self.scaler.scale
+        self.optimizer.scaler.scale
     }
 
     /// Mean loss on `batches` evaluation micro-batches of this rank (no update).

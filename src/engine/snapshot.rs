@@ -209,7 +209,7 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
                 train_batch_size: plan.batch.train_batch_size,
                 seq_len: plan.data.seq_len,
             },
-            loss_scaler: self.scaler,
+            loss_scaler: self.optimizer.scaler,
             scheduler: SchedulerState {
                 iteration: step,
                 last_lr,
