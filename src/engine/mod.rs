@@ -1,7 +1,10 @@
 //! The ZeRO engine: one rank's owners and its step (the run that drives the ranks is
 //! `run/`, what a plan costs is `plan/`).
 //!
-//! - `rank.rs`: one rank's engine: its three owners and the training step for stages 0–3
+//! - `rank.rs`: one rank's engine: its three owners, where it computes, and the training
+//!   step for stages 0–3
+//! - `step_lanes.rs`: the step's lanes (collectives, h2d), opened and closed once a step
+//! - `micro_batch.rs`: one micro-batch's forward and backward, and evaluation
 //! - `units.rs`, `gradients.rs`, `optimizer.rs`: the owners of parameters, gradient
 //!   accumulators and optimizer state, each unit's residency a type
 //! - `params.rs`: low-precision parameters as stored, and their residency
@@ -10,7 +13,7 @@
 //! - `prefetch.rs`: the stage-3 fetch schedule; fetches on the h2d and gather lanes
 //! - `reduce.rs`: gradient reduce-scatters on the reduce lane (`overlap_comm`)
 //! - `grads.rs`: gradient accumulators (fp32, or bf16 with the optimizer on NVMe)
-//! - `optimize.rs`: the optimizer phase and installing its updates
+//! - `optimize.rs`: the optimizer phase and installing its updates (`Installer`)
 //! - `start.rs`: where state starts: seeded init, Hugging Face weights, a checkpoint
 //! - `snapshot.rs`: a rank's part of saving a checkpoint
 //! - `setup.rs`: what a rank starts from: each unit's state, device reservations, arenas, streams
@@ -20,6 +23,7 @@ pub mod error;
 pub mod grad_store;
 pub mod gradients;
 pub mod grads;
+mod micro_batch;
 pub mod optimize;
 pub mod optimizer;
 pub mod params;
@@ -29,4 +33,5 @@ pub mod reduce;
 mod setup;
 pub mod snapshot;
 pub mod start;
+mod step_lanes;
 pub mod units;

@@ -6,13 +6,16 @@
 
 use super::context::Tracks;
 use super::error::{EngineError, On};
-use super::gradients::FinalGrad;
-use super::optimizer::{AdamStep, DeviceState, Moments, OptimizerState, ParamStaging, SharedStaging, Update};
+use super::gradients::{FinalGrad, Gradients};
+use super::optimizer::{
+    AdamStep, DeviceState, Moments, Optimizer, OptimizerState, ParamStaging, SharedStaging, Update,
+};
 use super::params::LowParams;
+use super::prefetch::Source;
 use super::rank::RankEngine;
-use super::units::{Destination, NewParams};
+use super::units::{Destination, NewParams, Units};
 use crate::comm::Collective;
-use crate::metrics::timeline::Phase;
+use crate::metrics::timeline::{Phase, Track};
 use crate::plan::{Precision, Tier};
 use std::time::Instant;
 use tch::{Kind, Tensor};
@@ -21,25 +24,60 @@ use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pipeline::{self, GradIn, PipelineConfig};
 use tierzero_offload::pool::IoBuf;
 
-impl<'a, C: Collective + Clone> RankEngine<'a, C> {
+/// What installing an update touches: the three owners it was lent from, and the compute
+/// thread's communicator (stages 1–2 gather an installed update) and track. The
+/// prefetcher gets this handle, so a unit's pending update is installed before the unit
+/// is fetched.
+pub(super) struct Installer<'e, 'a, C: Collective + Clone> {
+    units: &'e mut Units<'a>,
+    grads: &'e mut Gradients<'a, C>,
+    optimizer: &'e mut Optimizer<'a>,
+    comm: &'e C,
+    track: &'e Track,
+}
+
+impl<'a, C: Collective + Clone> Installer<'_, 'a, C> {
     /// An update back with the owners it was lent from.
-    fn install_update(&mut self, update: Update<'a>) -> Result<(), EngineError> {
+    fn install(&mut self, update: Update<'a>) -> Result<(), EngineError> {
         let (u, fresh, moments, grad) = update;
         self.optimizer.restore(u, moments);
         self.grads.take_back(u, grad);
-        self.units.install(u, fresh, &self.comm, &self.tracks.compute)
+        self.units.install(u, fresh, self.comm, self.track)
     }
 
     /// Installs the optimizer lane's updates for units up to and including `through`
     /// (waiting for them).
-    pub(super) fn install_through(&mut self, through: usize) -> Result<(), EngineError> {
+    pub(super) fn through(&mut self, through: usize) -> Result<(), EngineError> {
         while self.optimizer.pending_through(through) {
             let (start, next) = (Instant::now(), self.optimizer.next_unit());
             let update = self.optimizer.receive()?;
-            self.tracks.compute.waited(Phase::Optimizer, Some(next), start);
-            self.install_update(update)?;
+            self.track.waited(Phase::Optimizer, Some(next), start);
+            self.install(update)?;
         }
         Ok(())
+    }
+
+    /// Where unit `u`'s shard is, once its pending update is installed.
+    pub(super) fn source(&mut self, u: usize) -> Result<Source<'a>, EngineError> {
+        self.through(u)?;
+        Ok(self.units.source(u))
+    }
+}
+
+impl<'a, C: Collective + Clone> RankEngine<'a, C> {
+    pub(super) fn installer(&mut self) -> Installer<'_, 'a, C> {
+        Installer {
+            units: &mut self.units,
+            grads: &mut self.grads,
+            optimizer: &mut self.optimizer,
+            comm: &self.comms.main,
+            track: &self.tracks.compute,
+        }
+    }
+
+    /// Installs the optimizer lane's updates for units up to and including `through`.
+    pub(super) fn install_through(&mut self, through: usize) -> Result<(), EngineError> {
+        self.installer().through(through)
     }
 
     /// Waits for every pending update.
@@ -75,7 +113,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             });
         }
         let context = OptimizerContext {
-            on: On(self.rank),
+            on: On(self.site.rank),
             precision: self.plan.precision,
             staging: self.optimizer.staging.clone(),
             pipeline: PipelineConfig {
@@ -103,7 +141,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             None => {
                 for job in jobs {
                     let update = context.run(job)?;
-                    self.install_update(update)?;
+                    self.installer().install(update)?;
                 }
             }
         }

@@ -18,6 +18,7 @@
 //! event of the gather that read them (`keep_until`).
 
 use super::error::{EngineError, On};
+use super::optimize::Installer;
 use super::params::{LowParams, Params};
 use crate::comm::Collective;
 use crate::device::cpu::{CpuDevice, Reservation};
@@ -140,9 +141,9 @@ pub struct Fetcher<C: Collective> {
 }
 
 /// The two lanes a fetch runs on: the gather lane is the step's collectives lane,
-/// shared with the gradient reduction (`rank.rs`).
+/// shared with the gradient reduction (`step_lanes.rs`).
 pub struct FetchLanes<'env> {
-    pub h2d: Lane<'env>,
+    pub h2d: Arc<Lane<'env>>,
     pub gather: Arc<Lane<'env>>,
 }
 
@@ -214,13 +215,9 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
         }
     }
 
-    /// Issues every fetch the limits allow; `source` gives where a unit's shard is, after
-    /// installing any pending update of it.
-    fn fill(
-        &mut self,
-        needed: bool,
-        source: &mut dyn FnMut(usize) -> Result<Source<'env>, EngineError>,
-    ) -> Result<(), EngineError> {
+    /// Issues every fetch the limits allow; `installer` installs a unit's pending update
+    /// and gives where its shard is.
+    fn fill(&mut self, needed: bool, installer: &mut Installer<'_, 'env, C>) -> Result<(), EngineError> {
         loop {
             let outstanding = self.requested - self.received;
             let Some(&(unit, _)) = self.schedule.get(self.requested) else {
@@ -241,7 +238,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
                 return Ok(());
             }
             // installing a pending update first drops the unit's old gathered copy
-            let shard = source(unit)?;
+            let shard = installer.source(unit)?;
             let hold = self
                 .device
                 .reserve(self.padded_bytes[unit], &format!("gathered unit {unit}"))?;
@@ -311,11 +308,11 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
     }
 
     /// The next scheduled unit, gathered (its first `numel` elements as a tensor), with
-    /// its device memory.
-    pub fn next(
+    /// its device memory; `installer` installs pending updates before units are fetched.
+    pub(super) fn next(
         &mut self,
         expected: usize,
-        source: &mut dyn FnMut(usize) -> Result<Source<'env>, EngineError>,
+        installer: &mut Installer<'_, 'env, C>,
     ) -> Result<(Tensor, Reservation), EngineError> {
         // the compute thread is done with the previous unit, except the final one while
         // the tied embedding joins it (on CPU compute is synchronous: its work is done; on
@@ -328,7 +325,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
                 self.buffers.units.release(buffer, Event::done());
             }
         }
-        self.fill(true, source)?;
+        self.fill(true, installer)?;
         let Some(fetch) = self.in_flight.pop_front() else {
             return Err(self.order_error(expected, None));
         };
@@ -353,7 +350,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
             self.using.push(fetch.buffer);
         }
         // keep the lanes busy while this unit computes
-        self.fill(false, source)?;
+        self.fill(false, installer)?;
         Ok((view, fetch.hold))
     }
 

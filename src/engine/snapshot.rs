@@ -26,11 +26,11 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
     /// Every rank learns whether every rank succeeded; this rank's own error wins.
     fn agree(&self, outcome: Result<(), EngineError>, what: &'static str) -> Result<(), EngineError> {
         let mut failed = [if outcome.is_err() { 1.0f64 } else { 0.0 }];
-        self.comm.all_reduce(&mut failed, ReduceOp::Sum)?;
+        self.comms.main.all_reduce(&mut failed, ReduceOp::Sum)?;
         outcome?;
         if failed[0] > 0.0 {
             return Err(EngineError::Peer {
-                rank: self.rank,
+                rank: self.site.rank,
                 what,
             });
         }
@@ -38,7 +38,7 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
     }
 
     fn checkpoint_err(&self) -> impl Fn(crate::checkpoint::CheckpointError) -> EngineError {
-        let rank = self.rank;
+        let rank = self.site.rank;
         move |source| EngineError::Checkpoint { rank, source }
     }
 
@@ -52,7 +52,7 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
         keep_last: usize,
     ) -> Result<Option<PathBuf>, EngineError> {
         let saved = self.try_save(root, step, last_lr, keep_last);
-        if saved.is_err() && self.rank == 0 {
+        if saved.is_err() && self.site.rank == 0 {
             // every rank learnt of the failure (`agree`) and stopped writing
             save::discard(root, step);
         }
@@ -68,7 +68,7 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
     ) -> Result<Option<PathBuf>, EngineError> {
         self.install_all()?;
         let files = state_files(&self.model.units, param_dtype(self.plan.precision.name()));
-        let staged = if self.rank == 0 {
+        let staged = if self.site.rank == 0 {
             save::stage(root, step, &files)
                 .map(|_| ())
                 .map_err(self.checkpoint_err())
@@ -82,10 +82,10 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
             Err(_) => vec![0.0; files.len() * self.units.len()],
         };
         self.agree(written.map(|_| ()), "writing its checkpoint slices")?;
-        let world = self.comm.world();
+        let world = self.comms.main.world();
         let mut all = vec![0f64; crcs.len() * world];
-        self.comm.all_gather(&crcs, &mut all)?;
-        let committed = if self.rank == 0 {
+        self.comms.main.all_gather(&crcs, &mut all)?;
+        let committed = if self.site.rank == 0 {
             let manifest = self.manifest(step, last_lr, &files, &all);
             save::commit(root, &manifest, keep_last)
                 .map_err(self.checkpoint_err())
@@ -112,7 +112,7 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
         crate::checkpoint::export::model_beside(dir, dtype)
             .map(drop)
             .map_err(|source| EngineError::Export {
-                rank: self.rank,
+                rank: self.site.rank,
                 source,
             })
     }
@@ -124,7 +124,7 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
         let mut crcs = Vec::with_capacity(files.len() * self.units.len());
         for (fi, file) in files.iter().enumerate() {
             for u in 0..self.units.len() {
-                let real = self.units.part(u).real(self.rank);
+                let real = self.units.part(u).real(self.site.rank);
                 let mut crc = 0u32;
                 let mut sink = |elem: usize, bytes: &[u8]| -> Result<(), EngineError> {
                     crc = crc32c::crc32c_append(crc, bytes);
@@ -147,7 +147,7 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
     fn param_slice(&self, u: usize, real: Range<usize>, sink: &mut Sink<'_>) -> Result<(), EngineError> {
         // stage 3 keeps its shard, the others the replica
         let base = if self.stage() == 3 {
-            self.units.part(u).range(self.rank).start
+            self.units.part(u).range(self.site.rank).start
         } else {
             0
         };
@@ -162,7 +162,7 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
 
     fn manifest(&self, step: u64, last_lr: f64, files: &[StateFile], crcs: &[f64]) -> Manifest {
         let plan = self.plan;
-        let world = self.comm.world();
+        let world = self.comms.main.world();
         let units = self.units.len();
         let per_rank = files.len() * units;
         let entries = files

@@ -1,6 +1,6 @@
 //! The simulated step: the engine's schedule of one rank, replayed on virtual clocks.
 //!
-//! It follows the engine as it is at this commit (`engine/rank.rs` `micro_batch`,
+//! It follows the engine as it is at this commit (`engine/micro_batch.rs`, `engine/step_lanes.rs`,
 //! `engine/prefetch.rs`, `engine/reduce.rs`, `engine/optimize.rs`), piece by piece,
 //! with the same fetch order and limits (`plan::fetch`, `plan::rules`) and the same
 //! bytes: per micro-batch, forward units 0..last with each stage-3 unit fetched (h2d

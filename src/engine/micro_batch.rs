@@ -1,0 +1,282 @@
+//! One micro-batch of a rank, and evaluation: each unit's parameters fetched (installed,
+//! gathered at stage 3 from the prefetcher's lanes or here), the forward unit by unit
+//! keeping each unit's input (or its whole graph where `rules::keeps_activations`), the
+//! final unit's loss and backward, and backward in reverse through the kept graphs or by
+//! recompute, each flat gradient reduced into its accumulator.
+
+use super::error::EngineError;
+use super::prefetch::Prefetcher;
+use super::rank::RankEngine;
+use crate::comm::{Collective, ReduceOp};
+use crate::data::Batch;
+use crate::device::cpu::Reservation;
+use crate::metrics::timeline::Phase;
+use crate::model::head::Weight;
+use crate::model::{Graph, Segments};
+use crate::plan::memory::kept_graph_bytes;
+use crate::plan::rules::keeps_activations;
+use crate::torch;
+use std::time::Instant;
+use tch::{TchError, Tensor};
+
+impl<'a, C: Collective + Clone> RankEngine<'a, C> {
+    /// Waits for the compute stream's queued work, so a compute span ends when the
+    /// kernels did (torch launches asynchronously); the lanes' streams go on. Nothing to
+    /// wait for on CPU.
+    fn settle(&self) -> Result<(), TchError> {
+        match &self.site.streams {
+            Some(streams) => streams
+                .current()
+                .and_then(|compute| compute.mark())
+                .and_then(|mark| mark.synchronize())
+                .map_err(|e| TchError::Torch(e.to_string())),
+            None => Ok(()),
+        }
+    }
+
+    /// The full parameters of unit `u` as a tensor of the compute kind, with the device
+    /// memory its gathered form holds (stage 3) until dropped. At stage 3 the gather
+    /// comes from the prefetcher's lanes when they run, else it happens here.
+    pub(super) fn fetch(
+        &mut self,
+        prefetch: Option<&mut Prefetcher<'a, C>>,
+        u: usize,
+    ) -> Result<(Tensor, Option<Reservation>), EngineError> {
+        self.install_through(u)?;
+        if let Some(tensor) = self.units.persistent(u) {
+            return Ok((tensor, None));
+        }
+        if self.stage() < 3 {
+            // the replica is already whole
+            return Ok((self.units.replica(u, &self.tracks.compute)?, None));
+        }
+        let (tensor, hold) = match prefetch {
+            // a unit is requested only once its pending update is installed
+            Some(prefetch) => prefetch.next(u, &mut self.installer())?,
+            None => {
+                let bytes = (self.units.part(u).padded * self.plan.precision.bytes()) as u64;
+                let hold = self.site.device.reserve(bytes, &format!("gathered unit {u}"))?;
+                (
+                    self.units.gather_now(u, &self.comms.main, &self.tracks.compute)?,
+                    hold,
+                )
+            }
+        };
+        Ok(self.units.keep_if_small(u, tensor, Some(hold)))
+    }
+
+    /// One micro-batch: forward, the final unit's loss and backward, backward through
+    /// the kept graphs of units whose parameters stay on the device
+    /// (`rules::keeps_activations`) and by recompute for the others. Returns this
+    /// micro-batch's share of the step loss.
+    pub(super) fn micro_batch(
+        &mut self,
+        mut prefetch: Option<&mut Prefetcher<'a, C>>,
+        step: u64,
+        global_micro: u64,
+        loss_scale: f64,
+    ) -> Result<f64, EngineError> {
+        let plan = self.plan;
+        let accumulation = plan.batch.gradient_accumulation_steps;
+        let last = self.units.len() - 1;
+        let (rows, seq) = (plan.batch.micro_batch_per_gpu, plan.data.seq_len);
+        let data_start = Instant::now();
+        let batch = self
+            .dataset
+            .batch(plan.train.seed, 0, step, global_micro, rows, seq);
+        let shape = [rows as i64, seq as i64];
+        let tokens =
+            torch::tensor_tokens(&batch.inputs, &shape, self.site.compute).map_err(self.torch_err())?;
+        let targets =
+            torch::tensor_tokens(&batch.targets, &shape, self.site.compute).map_err(self.torch_err())?;
+        let segments = self.segments(&batch)?;
+        // the loss is the mean over the global batch's counted tokens: known in advance
+        // where samples count different numbers of tokens, so each micro-batch weighs its
+        // tokens by it (the reduction averages over ranks, hence the world size)
+        let weight = match self.dataset.counted(step) {
+            Some(total) => {
+                Weight::PerToken(loss_scale * self.comms.main.world() as f64 / total.max(1) as f64)
+            }
+            None => Weight::Mean(loss_scale / accumulation as f64),
+        };
+        self.tracks.compute.record(Phase::Forward, None, data_start, 0);
+        // forward, keeping each unit's input (activation checkpoints on the device)
+        let mut kept = vec![self.site.device.reserve(8 * (rows * seq) as u64, "token ids")?];
+        if let Some(s) = &segments {
+            // the mask ([B, 1, T, T] bools) and positions of packed rows
+            let bytes = (s.mask.numel() + 8 * s.positions.numel()) as u64;
+            kept.push(self.site.device.reserve(bytes, "packed rows' attention mask")?);
+        }
+        let mut inputs = vec![tokens];
+        // units whose parameters stay on the device keep their graphs for backward
+        let mut graphs: Vec<Option<Graph>> = (0..last).map(|_| None).collect();
+        for u in 0..last {
+            let (params, _gathered) = self.fetch(prefetch.as_deref_mut(), u)?;
+            let keep = keeps_activations(plan, u);
+            let (y, graph) = self
+                .tracks
+                .compute
+                .span(Phase::Forward, Some(u), 0, || {
+                    let out = if keep {
+                        let (y, graph) =
+                            self.model
+                                .forward_keep(u, &params, &inputs[u], segments.as_ref())?;
+                        (y, Some(graph))
+                    } else {
+                        (
+                            self.model
+                                .forward_unit(u, &params, &inputs[u], segments.as_ref())?,
+                            None,
+                        )
+                    };
+                    self.settle().map(|()| out)
+                })
+                .map_err(self.torch_err())?;
+            if graph.is_some() {
+                let bytes = kept_graph_bytes(plan);
+                kept.push(
+                    self.site
+                        .device
+                        .reserve(bytes, &format!("kept activations of unit {u}"))?,
+                );
+            }
+            graphs[u] = graph;
+            let bytes = (y.numel() * self.plan.precision.bytes()) as u64;
+            kept.push(
+                self.site
+                    .device
+                    .reserve(bytes, &format!("activation checkpoint of unit {}", u + 1))?,
+            );
+            inputs.push(y);
+        }
+        // loss and the final unit's backward
+        let (params, gathered) = self.fetch(prefetch.as_deref_mut(), last)?;
+        let tied = if self.model.config.tie_word_embeddings {
+            Some(self.fetch(prefetch.as_deref_mut(), 0)?)
+        } else {
+            None
+        };
+        let final_start = Instant::now();
+        let last_unit = self
+            .model
+            .backward_final(
+                &params,
+                tied.as_ref().map(|t| &t.0),
+                &inputs[last],
+                &targets,
+                weight,
+            )
+            .map_err(self.torch_err())?;
+        self.settle().map_err(self.torch_err())?;
+        self.tracks
+            .compute
+            .record(Phase::Backward, Some(last), final_start, 0);
+        drop((params, gathered, tied));
+        let loss = match weight {
+            Weight::PerToken(w) => last_unit.loss_sum * w / loss_scale,
+            Weight::Mean(_) => last_unit.loss_sum / last_unit.count.max(1) as f64 / accumulation as f64,
+        };
+        self.grads.accumulate(
+            last,
+            &last_unit.params,
+            (&self.comms.main, &self.tracks.compute),
+            false,
+        )?;
+        if let Some(t) = &last_unit.tied {
+            // the embedding's own gradient follows in backward
+            self.grads.accumulate(
+                0,
+                &t.reshape([-1]),
+                (&self.comms.main, &self.tracks.compute),
+                true,
+            )?;
+        }
+        // backward in reverse: through kept graphs, else by recompute
+        let mut grad_out = last_unit.input;
+        for u in (0..last).rev() {
+            let graph = graphs[u].take();
+            let (params, _gathered) = match graph {
+                Some(_) => (Tensor::new(), None),
+                None => self.fetch(prefetch.as_deref_mut(), u)?,
+            };
+            let (g, grad_in) = self
+                .tracks
+                .compute
+                .span(Phase::Backward, Some(u), 0, || {
+                    let grads = match graph {
+                        Some(graph) => self.model.backward_kept(graph, &grad_out)?,
+                        None => {
+                            self.model
+                                .backward_unit(u, &params, &inputs[u], &grad_out, segments.as_ref())?
+                        }
+                    };
+                    self.settle().map(|()| grads)
+                })
+                .map_err(self.torch_err())?;
+            self.grads
+                .accumulate(u, &g, (&self.comms.main, &self.tracks.compute), false)?;
+            if let Some(d) = grad_in {
+                grad_out = d;
+            }
+        }
+        drop(kept);
+        Ok(loss)
+    }
+
+    /// The attention layout of a batch whose rows hold packed samples.
+    fn segments(&self, batch: &Batch) -> Result<Option<Segments>, EngineError> {
+        batch
+            .segments
+            .as_ref()
+            .map(|s| Segments::new(s, batch.rows, batch.seq_len, self.site.compute))
+            .transpose()
+            .map_err(self.torch_err())
+    }
+
+    /// Mean loss on `batches` evaluation micro-batches of this rank (no update).
+    pub fn eval(&mut self, batches: usize) -> Result<f64, EngineError> {
+        let plan = self.plan;
+        let world = self.comms.main.world();
+        let last = self.units.len() - 1;
+        let (rows, seq) = (plan.batch.micro_batch_per_gpu, plan.data.seq_len);
+        let (mut sum, mut count) = (0.0, 0.0);
+        for b in 0..batches {
+            let batch = self.dataset.batch(
+                plan.train.seed,
+                1,
+                0,
+                (b * world + self.site.rank) as u64,
+                rows,
+                seq,
+            );
+            let shape = [rows as i64, seq as i64];
+            let mut x =
+                torch::tensor_tokens(&batch.inputs, &shape, self.site.compute).map_err(self.torch_err())?;
+            let targets =
+                torch::tensor_tokens(&batch.targets, &shape, self.site.compute).map_err(self.torch_err())?;
+            let segments = self.segments(&batch)?;
+            for u in 0..last {
+                let (params, _gathered) = self.fetch(None, u)?;
+                x = self
+                    .model
+                    .forward_unit(u, &params, &x, segments.as_ref())
+                    .map_err(self.torch_err())?;
+            }
+            let (params, _gathered) = self.fetch(None, last)?;
+            let tied = if self.model.config.tie_word_embeddings {
+                Some(self.fetch(None, 0)?)
+            } else {
+                None
+            };
+            let (s, c) = self
+                .model
+                .loss(&params, tied.as_ref().map(|t| &t.0), &x, &targets)
+                .map_err(self.torch_err())?;
+            sum += s;
+            count += c as f64;
+        }
+        let mut totals = [sum, count];
+        self.comms.main.all_reduce(&mut totals, ReduceOp::Sum)?;
+        Ok(totals[0] / totals[1].max(1.0))
+    }
+}
