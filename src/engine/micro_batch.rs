@@ -19,6 +19,16 @@ use crate::torch;
 use std::time::Instant;
 use tch::{TchError, Tensor};
 
+/// What a micro-batch's forward keeps for its backward.
+struct Forward {
+    /// Each unit's input (the token ids first).
+    inputs: Vec<Tensor>,
+    /// The graphs of the units that keep their activations.
+    graphs: Vec<Option<Graph>>,
+    /// Device memory of what is kept, held until the backward is done.
+    kept: Vec<Reservation>,
+}
+
 impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// Waits for the compute stream's queued work, so a compute span ends when the
     /// kernels did (torch launches asynchronously); the lanes' streams go on. Nothing to
@@ -78,7 +88,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     ) -> Result<f64, EngineError> {
         let plan = self.plan;
         let accumulation = plan.batch.gradient_accumulation_steps;
-        let last = self.units.len() - 1;
         let (rows, seq) = (plan.batch.micro_batch_per_gpu, plan.data.seq_len);
         let data_start = Instant::now();
         let batch = self
@@ -100,15 +109,34 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             None => Weight::Mean(loss_scale / accumulation as f64),
         };
         self.tracks.compute.record(Phase::Forward, None, data_start, 0);
-        // forward, keeping each unit's input (activation checkpoints on the device)
-        let mut kept = vec![self.site.device.reserve(8 * (rows * seq) as u64, "token ids")?];
-        if let Some(s) = &segments {
+        let forward = self.forward(prefetch.as_deref_mut(), tokens, segments.as_ref())?;
+        let (loss_sum, count, grad_out) =
+            self.final_unit(prefetch.as_deref_mut(), &forward.inputs, &targets, weight)?;
+        self.backward(prefetch, forward, grad_out, segments.as_ref())?;
+        Ok(match weight {
+            Weight::PerToken(w) => loss_sum * w / loss_scale,
+            Weight::Mean(_) => loss_sum / count.max(1) as f64 / accumulation as f64,
+        })
+    }
+
+    /// The forward of every unit but the final one, keeping each unit's input (activation
+    /// checkpoints on the device); units whose parameters stay on the device keep their
+    /// graphs for backward.
+    fn forward(
+        &mut self,
+        mut prefetch: Option<&mut Prefetcher<'a, C>>,
+        tokens: Tensor,
+        segments: Option<&Segments>,
+    ) -> Result<Forward, EngineError> {
+        let plan = self.plan;
+        let last = self.units.len() - 1;
+        let mut kept = vec![self.site.device.reserve(8 * tokens.numel() as u64, "token ids")?];
+        if let Some(s) = segments {
             // the mask ([B, 1, T, T] bools) and positions of packed rows
             let bytes = (s.mask.numel() + 8 * s.positions.numel()) as u64;
             kept.push(self.site.device.reserve(bytes, "packed rows' attention mask")?);
         }
         let mut inputs = vec![tokens];
-        // units whose parameters stay on the device keep their graphs for backward
         let mut graphs: Vec<Option<Graph>> = (0..last).map(|_| None).collect();
         for u in 0..last {
             let (params, _gathered) = self.fetch(prefetch.as_deref_mut(), u)?;
@@ -118,16 +146,10 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 .compute
                 .span(Phase::Forward, Some(u), 0, || {
                     let out = if keep {
-                        let (y, graph) =
-                            self.model
-                                .forward_keep(u, &params, &inputs[u], segments.as_ref())?;
+                        let (y, graph) = self.model.forward_keep(u, &params, &inputs[u], segments)?;
                         (y, Some(graph))
                     } else {
-                        (
-                            self.model
-                                .forward_unit(u, &params, &inputs[u], segments.as_ref())?,
-                            None,
-                        )
+                        (self.model.forward_unit(u, &params, &inputs[u], segments)?, None)
                     };
                     self.settle().map(|()| out)
                 })
@@ -149,10 +171,23 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             );
             inputs.push(y);
         }
-        // loss and the final unit's backward
+        Ok(Forward { inputs, graphs, kept })
+    }
+
+    /// The final unit's loss and backward, its gradients (and a tied embedding's share)
+    /// accumulated. Returns the loss sum, the counted tokens and the gradient of the
+    /// final unit's input.
+    fn final_unit(
+        &mut self,
+        mut prefetch: Option<&mut Prefetcher<'a, C>>,
+        inputs: &[Tensor],
+        targets: &Tensor,
+        weight: Weight,
+    ) -> Result<(f64, i64, Tensor), EngineError> {
+        let last = self.units.len() - 1;
         let (params, gathered) = self.fetch(prefetch.as_deref_mut(), last)?;
         let tied = if self.model.config.tie_word_embeddings {
-            Some(self.fetch(prefetch.as_deref_mut(), 0)?)
+            Some(self.fetch(prefetch, 0)?)
         } else {
             None
         };
@@ -163,7 +198,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 &params,
                 tied.as_ref().map(|t| &t.0),
                 &inputs[last],
-                &targets,
+                targets,
                 weight,
             )
             .map_err(self.torch_err())?;
@@ -172,10 +207,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             .compute
             .record(Phase::Backward, Some(last), final_start, 0);
         drop((params, gathered, tied));
-        let loss = match weight {
-            Weight::PerToken(w) => last_unit.loss_sum * w / loss_scale,
-            Weight::Mean(_) => last_unit.loss_sum / last_unit.count.max(1) as f64 / accumulation as f64,
-        };
         self.grads.accumulate(
             last,
             &last_unit.params,
@@ -191,9 +222,24 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 true,
             )?;
         }
-        // backward in reverse: through kept graphs, else by recompute
-        let mut grad_out = last_unit.input;
-        for u in (0..last).rev() {
+        Ok((last_unit.loss_sum, last_unit.count, last_unit.input))
+    }
+
+    /// Backward in reverse from the final unit's input gradient `grad_out`: through
+    /// kept graphs, else by recompute; each unit's gradient accumulated.
+    fn backward(
+        &mut self,
+        mut prefetch: Option<&mut Prefetcher<'a, C>>,
+        forward: Forward,
+        mut grad_out: Tensor,
+        segments: Option<&Segments>,
+    ) -> Result<(), EngineError> {
+        let Forward {
+            inputs,
+            mut graphs,
+            kept,
+        } = forward;
+        for u in (0..graphs.len()).rev() {
             let graph = graphs[u].take();
             let (params, _gathered) = match graph {
                 Some(_) => (Tensor::new(), None),
@@ -205,10 +251,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 .span(Phase::Backward, Some(u), 0, || {
                     let grads = match graph {
                         Some(graph) => self.model.backward_kept(graph, &grad_out)?,
-                        None => {
-                            self.model
-                                .backward_unit(u, &params, &inputs[u], &grad_out, segments.as_ref())?
-                        }
+                        None => self
+                            .model
+                            .backward_unit(u, &params, &inputs[u], &grad_out, segments)?,
                     };
                     self.settle().map(|()| grads)
                 })
@@ -220,7 +265,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             }
         }
         drop(kept);
-        Ok(loss)
+        Ok(())
     }
 
     /// The attention layout of a batch whose rows hold packed samples.
