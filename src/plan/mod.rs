@@ -1,6 +1,6 @@
 //! What a config costs before anything runs: the validated [`Plan`] the engine is allowed
-//! to read (`types.rs`, built from the config as read by `resolve.rs` and
-//! `resolve_zero.rs`, with `"auto"` batch sizes from `auto_batch.rs`), the partitions of
+//! to read (`types.rs`, built from the config as read by `resolve.rs`,
+//! `resolve_zero.rs`, `resolve_data.rs` and `resolve_optimizer.rs`, with `"auto"` batch sizes from `auto_batch.rs`), the partitions of
 //! every unit (`partition.rs`), the rules every room asks (`rules.rs`), the stage-3 fetch
 //! order (`fetch.rs`), DeepSpeed's learning-rate schedules and loss scaler
 //! (`schedule.rs`), device and host memory predictions (`memory.rs`, `host_memory.rs`),
@@ -16,6 +16,8 @@ pub mod memory;
 pub mod partition;
 pub mod report;
 mod resolve;
+mod resolve_data;
+mod resolve_optimizer;
 mod resolve_zero;
 pub mod rules;
 pub mod schedule;

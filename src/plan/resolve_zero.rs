@@ -79,83 +79,10 @@ pub(super) fn build_zero(
     }
     let hidden = model.hidden_size;
     let largest_unit = model.unit_numels().into_iter().max().unwrap_or(0);
-    let mut deprecated =
-        |old: &str, new: &str| warnings.push(format!("zero_optimization.{old} is deprecated; use {new}"));
-    let mut op = z.offload_param.clone().unwrap_or_default();
-    let mut oo = z.offload_optimizer.clone().unwrap_or_default();
-    if z.cpu_offload == Some(true) {
-        deprecated("cpu_offload", "offload_optimizer.device = \"cpu\"");
-        oo.device.get_or_insert_with(|| "cpu".into());
-    }
-    if z.cpu_offload_params == Some(true) {
-        deprecated("cpu_offload_params", "offload_param.device = \"cpu\"");
-        op.device.get_or_insert_with(|| "cpu".into());
-    }
-    if let Some(pin) = z.cpu_offload_use_pin_memory {
-        deprecated("cpu_offload_use_pin_memory", "offload_*.pin_memory");
-        op.pin_memory.get_or_insert(pin);
-        oo.pin_memory.get_or_insert(pin);
-    }
-    let mut gather_16bit = z.stage3_gather_16bit_weights_on_model_save;
-    if let Some(g) = z.stage3_gather_fp16_weights_on_model_save {
-        deprecated(
-            "stage3_gather_fp16_weights_on_model_save",
-            "stage3_gather_16bit_weights_on_model_save",
-        );
-        gather_16bit.get_or_insert(g);
-    }
+    let (op, oo, gather_16bit) = deprecated_keys(&z, warnings);
     let param_tier = tier("zero_optimization.offload_param.device", op.device.as_deref())?;
     let optimizer_tier = tier("zero_optimization.offload_optimizer.device", oo.device.as_deref())?;
-    if param_tier != Tier::Device && stage != 3 {
-        return Err(ConfigError::invalid(
-            "zero_optimization.offload_param.device",
-            format!("parameter offload needs ZeRO stage 3, the config has stage {stage}"),
-            "set zero_optimization.stage to 3, or offload_param.device to \"none\"",
-        ));
-    }
-    if optimizer_tier != Tier::Device && stage == 0 {
-        return Err(ConfigError::invalid(
-            "zero_optimization.offload_optimizer.device",
-            "optimizer offload needs ZeRO stage 1, 2 or 3, the config has stage 0",
-            "set zero_optimization.stage to 1 or higher, or offload_optimizer.device to \"none\"",
-        ));
-    }
-    if param_tier == Tier::Nvme && optimizer_tier == Tier::Device {
-        // DeepSpeed: "nvme param offload requires optimizer offload to cpu or nvme"
-        return Err(ConfigError::invalid(
-            "zero_optimization.offload_param.device",
-            "parameters on nvme need the optimizer state off the device",
-            "set zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"",
-        ));
-    }
-    for (section, t, path) in [
-        ("offload_param", param_tier, &op.nvme_path),
-        ("offload_optimizer", optimizer_tier, &oo.nvme_path),
-    ] {
-        let key = format!("zero_optimization.{section}.nvme_path");
-        match (t, path) {
-            (Tier::Nvme, None) => {
-                return Err(ConfigError::invalid(
-                    key,
-                    format!("zero_optimization.{section}.device is \"nvme\" but no nvme_path is given"),
-                    format!(
-                        "--set {}=/path/on/nvme",
-                        format_args!("zero_optimization.{section}.nvme_path")
-                    ),
-                ))
-            }
-            (Tier::Nvme, Some(p)) => check_nvme_path(&key, p)?,
-            _ => {}
-        }
-    }
-    let ratio = number("zero_optimization.offload_optimizer.ratio", oo.ratio, 1.0)?;
-    if ratio != 1.0 {
-        return Err(ConfigError::invalid(
-            "zero_optimization.offload_optimizer.ratio",
-            "partial optimizer offload is not supported",
-            "remove it or set it to 1.0",
-        ));
-    }
+    let ratio = check_tiers(stage, (param_tier, &op), (optimizer_tier, &oo))?;
     let bucket = |key: &str, v: Option<Num>, default: usize, auto: usize| {
         let v = count_or_auto(&format!("zero_optimization.{key}"), v, default, auto)?;
         if v == 0 {
@@ -215,35 +142,8 @@ pub(super) fn build_zero(
         )?,
         device_accumulation: true,
         gather_16bit_weights_on_model_save: gather_16bit.unwrap_or(false),
-        offload_param: ParamOffload {
-            tier: param_tier,
-            nvme_path: op.nvme_path.clone(),
-            pin_memory: op.pin_memory.unwrap_or(false),
-            buffer_count: positive("zero_optimization.offload_param.buffer_count", op.buffer_count, 5)?,
-            buffer_size: positive(
-                "zero_optimization.offload_param.buffer_size",
-                op.buffer_size,
-                100_000_000,
-            )?,
-            max_in_cpu: count(
-                "zero_optimization.offload_param.max_in_cpu",
-                op.max_in_cpu,
-                1_000_000_000,
-            )?,
-        },
-        offload_optimizer: OptimizerOffload {
-            tier: optimizer_tier,
-            nvme_path: oo.nvme_path.clone(),
-            pin_memory: oo.pin_memory.unwrap_or(false),
-            buffer_count: positive(
-                "zero_optimization.offload_optimizer.buffer_count",
-                oo.buffer_count,
-                4,
-            )?,
-            pipeline_read: oo.pipeline_read.unwrap_or(false),
-            pipeline_write: oo.pipeline_write.unwrap_or(false),
-            ratio,
-        },
+        offload_param: param_offload(param_tier, op)?,
+        offload_optimizer: optimizer_offload((optimizer_tier, ratio), oo)?,
     };
     // a bucket under one unit fetches nothing ahead of compute (0 says so on purpose)
     if zero.stage == 3 && zero.prefetch_bucket_size > 0 && zero.prefetch_bucket_size < largest_unit {
@@ -254,6 +154,138 @@ pub(super) fn build_zero(
         ));
     }
     Ok(zero)
+}
+
+/// The offload sections with DeepSpeed's deprecated keys translated (each warned about),
+/// and `stage3_gather_16bit_weights_on_model_save` under either of its names.
+fn deprecated_keys(
+    z: &ZeroSection,
+    warnings: &mut Vec<String>,
+) -> (OffloadParamSection, OffloadOptimizerSection, Option<bool>) {
+    let mut deprecated =
+        |old: &str, new: &str| warnings.push(format!("zero_optimization.{old} is deprecated; use {new}"));
+    let mut op = z.offload_param.clone().unwrap_or_default();
+    let mut oo = z.offload_optimizer.clone().unwrap_or_default();
+    if z.cpu_offload == Some(true) {
+        deprecated("cpu_offload", "offload_optimizer.device = \"cpu\"");
+        oo.device.get_or_insert_with(|| "cpu".into());
+    }
+    if z.cpu_offload_params == Some(true) {
+        deprecated("cpu_offload_params", "offload_param.device = \"cpu\"");
+        op.device.get_or_insert_with(|| "cpu".into());
+    }
+    if let Some(pin) = z.cpu_offload_use_pin_memory {
+        deprecated("cpu_offload_use_pin_memory", "offload_*.pin_memory");
+        op.pin_memory.get_or_insert(pin);
+        oo.pin_memory.get_or_insert(pin);
+    }
+    let mut gather_16bit = z.stage3_gather_16bit_weights_on_model_save;
+    if let Some(g) = z.stage3_gather_fp16_weights_on_model_save {
+        deprecated(
+            "stage3_gather_fp16_weights_on_model_save",
+            "stage3_gather_16bit_weights_on_model_save",
+        );
+        gather_16bit.get_or_insert(g);
+    }
+    (op, oo, gather_16bit)
+}
+
+/// DeepSpeed's rules on where state may live for a stage, an nvme_path wherever a tier
+/// is NVMe, and the whole optimizer state offloaded (`offload_optimizer.ratio`, returned).
+fn check_tiers(
+    stage: usize,
+    (param_tier, op): (Tier, &OffloadParamSection),
+    (optimizer_tier, oo): (Tier, &OffloadOptimizerSection),
+) -> Result<f64, ConfigError> {
+    if param_tier != Tier::Device && stage != 3 {
+        return Err(ConfigError::invalid(
+            "zero_optimization.offload_param.device",
+            format!("parameter offload needs ZeRO stage 3, the config has stage {stage}"),
+            "set zero_optimization.stage to 3, or offload_param.device to \"none\"",
+        ));
+    }
+    if optimizer_tier != Tier::Device && stage == 0 {
+        return Err(ConfigError::invalid(
+            "zero_optimization.offload_optimizer.device",
+            "optimizer offload needs ZeRO stage 1, 2 or 3, the config has stage 0",
+            "set zero_optimization.stage to 1 or higher, or offload_optimizer.device to \"none\"",
+        ));
+    }
+    if param_tier == Tier::Nvme && optimizer_tier == Tier::Device {
+        // DeepSpeed: "nvme param offload requires optimizer offload to cpu or nvme"
+        return Err(ConfigError::invalid(
+            "zero_optimization.offload_param.device",
+            "parameters on nvme need the optimizer state off the device",
+            "set zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\"",
+        ));
+    }
+    for (section, t, path) in [
+        ("offload_param", param_tier, &op.nvme_path),
+        ("offload_optimizer", optimizer_tier, &oo.nvme_path),
+    ] {
+        let key = format!("zero_optimization.{section}.nvme_path");
+        match (t, path) {
+            (Tier::Nvme, None) => {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("zero_optimization.{section}.device is \"nvme\" but no nvme_path is given"),
+                    format!(
+                        "--set {}=/path/on/nvme",
+                        format_args!("zero_optimization.{section}.nvme_path")
+                    ),
+                ))
+            }
+            (Tier::Nvme, Some(p)) => check_nvme_path(&key, p)?,
+            _ => {}
+        }
+    }
+    let ratio = number("zero_optimization.offload_optimizer.ratio", oo.ratio, 1.0)?;
+    if ratio != 1.0 {
+        return Err(ConfigError::invalid(
+            "zero_optimization.offload_optimizer.ratio",
+            "partial optimizer offload is not supported",
+            "remove it or set it to 1.0",
+        ));
+    }
+    Ok(ratio)
+}
+
+fn param_offload(tier: Tier, op: OffloadParamSection) -> Result<ParamOffload, ConfigError> {
+    Ok(ParamOffload {
+        tier,
+        nvme_path: op.nvme_path,
+        pin_memory: op.pin_memory.unwrap_or(false),
+        buffer_count: positive("zero_optimization.offload_param.buffer_count", op.buffer_count, 5)?,
+        buffer_size: positive(
+            "zero_optimization.offload_param.buffer_size",
+            op.buffer_size,
+            100_000_000,
+        )?,
+        max_in_cpu: count(
+            "zero_optimization.offload_param.max_in_cpu",
+            op.max_in_cpu,
+            1_000_000_000,
+        )?,
+    })
+}
+
+fn optimizer_offload(
+    (tier, ratio): (Tier, f64),
+    oo: OffloadOptimizerSection,
+) -> Result<OptimizerOffload, ConfigError> {
+    Ok(OptimizerOffload {
+        tier,
+        nvme_path: oo.nvme_path,
+        pin_memory: oo.pin_memory.unwrap_or(false),
+        buffer_count: positive(
+            "zero_optimization.offload_optimizer.buffer_count",
+            oo.buffer_count,
+            4,
+        )?,
+        pipeline_read: oo.pipeline_read.unwrap_or(false),
+        pipeline_write: oo.pipeline_write.unwrap_or(false),
+        ratio,
+    })
 }
 
 pub(super) fn build_aio(a: AioSection, warnings: &mut Vec<String>) -> Result<Aio, ConfigError> {
