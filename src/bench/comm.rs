@@ -140,8 +140,8 @@ pub fn worker(args: &CommBenchArgs, rank: usize, port: u16) -> Result<Option<Com
     let world = args.ranks.max(1);
     let failed = |reason: String| CommError::Aborted { rank, reason };
     let timeout = std::time::Duration::from_secs(60);
-    let store = Store::connect("127.0.0.1", port, rank == 0, timeout).map_err(failed)?;
-    let comm = Arc::new(Gloo::join(store, "bench", rank, world, timeout).map_err(failed)?);
+    let store = Store::connect("127.0.0.1", port, rank == 0, timeout).map_err(|e| failed(e.into()))?;
+    let comm = Arc::new(Gloo::join(store, "bench", rank, world, timeout).map_err(|e| failed(e.into()))?);
     let full = (args.bytes / 4).div_ceil(world) * world;
     let shard = full / world;
     let input: Vec<f32> = (0..full).map(|i| (i + rank) as f32 * 1e-3).collect();
@@ -180,13 +180,13 @@ fn gloo_group(world: usize) -> Result<Vec<Arc<Gloo>>, CommError> {
     let failed = |reason: String| CommError::Aborted { rank: 0, reason };
     let port = free_port()?;
     let timeout = std::time::Duration::from_secs(60);
-    let server = Store::connect("127.0.0.1", port, true, timeout).map_err(failed)?;
+    let server = Store::connect("127.0.0.1", port, true, timeout).map_err(|e| failed(e.into()))?;
     join_concurrently(0..world, |rank| {
         let store = match rank {
             0 => server.clone(),
             _ => Store::connect("127.0.0.1", port, false, timeout)?,
         };
-        Gloo::join(store, "bench", rank, world, timeout).map(Arc::new)
+        Ok(Arc::new(Gloo::join(store, "bench", rank, world, timeout)?))
     })
     .map_err(failed)
 }

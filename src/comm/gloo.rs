@@ -10,7 +10,7 @@
 //! An abort marks this communicator failed and publishes the reason in the store, so a
 //! peer whose collective fails (its connection to this process closed) names the cause.
 
-use super::{Collective, CommError, Element, ReduceOp};
+use super::{C10dError, Collective, CommError, Element, ReduceOp};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -117,18 +117,18 @@ extern "C" {
 
 /// Runs one bridge call with an error buffer; a non-zero return becomes its message
 /// (the first line of torch's exception text).
-fn call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), String> {
+fn call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), C10dError> {
     let mut err = [0 as c_char; ERR_LEN];
     if f(err.as_mut_ptr(), ERR_LEN) == 0 {
         return Ok(());
     }
     // SAFETY: the bridge writes a NUL-terminated string of at most ERR_LEN bytes.
     let message = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy();
-    Err(message.lines().next().unwrap_or("").to_string())
+    Err(C10dError::Torch(message.lines().next().unwrap_or("").to_string()))
 }
 
-fn c_string(s: &str) -> Result<CString, String> {
-    CString::new(s).map_err(|_| format!("{s:?} contains a NUL byte"))
+fn c_string(s: &str) -> Result<CString, C10dError> {
+    CString::new(s).map_err(|_| C10dError::Nul(s.to_string()))
 }
 
 /// A c10d `TCPStore`: the server (node 0 without torchrun) or a client of it. Every key
@@ -159,7 +159,7 @@ unsafe impl Sync for Store {}
 impl Store {
     /// The store at `host:port`, served here when `serve`; connecting retries until
     /// `timeout`, then fails naming the address.
-    pub fn connect(host: &str, port: u16, serve: bool, timeout: Duration) -> Result<Arc<Store>, String> {
+    pub fn connect(host: &str, port: u16, serve: bool, timeout: Duration) -> Result<Arc<Store>, C10dError> {
         let c_host = c_string(host)?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: valid C string and out-pointer.
@@ -174,9 +174,11 @@ impl Store {
                 n,
             )
         })
-        .map_err(|e| {
-            let role = if serve { "serve" } else { "reach" };
-            format!("cannot {role} the c10d store at {host}:{port}: {e}")
+        .map_err(|e| C10dError::Connect {
+            role: if serve { "serve" } else { "reach" },
+            host: host.to_string(),
+            port,
+            cause: Box::new(e),
         })?;
         Ok(Arc::new(Store {
             raw,
@@ -185,25 +187,25 @@ impl Store {
     }
 
     /// `key` under this store's scope, as a C string.
-    fn key(&self, key: &str) -> Result<CString, String> {
+    fn key(&self, key: &str) -> Result<CString, C10dError> {
         c_string(&format!("{}{key}", self.scope))
     }
 
     /// Serves a store on a port of the loopback interface that the system picks (no
     /// window between choosing the port and binding it); [`Store::port`] tells which.
-    pub fn serve_loopback(timeout: Duration) -> Result<Arc<Store>, String> {
+    pub fn serve_loopback(timeout: Duration) -> Result<Arc<Store>, C10dError> {
         Store::connect("127.0.0.1", 0, true, timeout)
     }
 
     /// The port this store serves or reaches.
-    pub fn port(&self) -> Result<u16, String> {
+    pub fn port(&self) -> Result<u16, C10dError> {
         let mut out = 0u16;
         // SAFETY: valid handle and out-pointer.
         call(|e, n| unsafe { tz_store_port(self.raw, &mut out, e, n) })?;
         Ok(out)
     }
 
-    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), String> {
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), C10dError> {
         let key = self.key(key)?;
         // SAFETY: valid handle, C string and byte slice.
         call(|e, n| unsafe { tz_store_set(self.raw, key.as_ptr(), value.as_ptr(), value.len(), e, n) })
@@ -211,7 +213,7 @@ impl Store {
 
     /// Adds `delta` to the counter at `key` (0 when unset) and returns the sum, atomically
     /// across processes.
-    pub fn add(&self, key: &str, delta: i64) -> Result<i64, String> {
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64, C10dError> {
         let c_key = self.key(key)?;
         let mut out = 0i64;
         // SAFETY: valid handle, C string and out-pointer.
@@ -220,7 +222,7 @@ impl Store {
     }
 
     /// The value of `key` if some process set it (no waiting).
-    pub fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
+    pub fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>, C10dError> {
         let c_key = self.key(key)?;
         let mut present: c_int = 0;
         // SAFETY: valid handle, C string and out-pointer.
@@ -248,10 +250,10 @@ impl Store {
 
     /// Waits for `key` to be set, polling: its value; `Err` with the text a failing
     /// process left under `stop` meanwhile; `Ok(None)` once `deadline` has passed.
-    pub fn wait_for(&self, key: &str, stop: &str, deadline: Instant) -> Result<Option<Vec<u8>>, String> {
+    pub fn wait_for(&self, key: &str, stop: &str, deadline: Instant) -> Result<Option<Vec<u8>>, C10dError> {
         loop {
             if let Some(reason) = self.try_get(stop)? {
-                return Err(String::from_utf8_lossy(&reason).into_owned());
+                return Err(C10dError::Stopped(String::from_utf8_lossy(&reason).into_owned()));
             }
             if let Some(value) = self.try_get(key)? {
                 return Ok(Some(value));
@@ -333,7 +335,7 @@ impl Gloo {
         rank: usize,
         world: usize,
         timeout: Duration,
-    ) -> Result<Gloo, String> {
+    ) -> Result<Gloo, C10dError> {
         let prefix = store.key(&format!("tierzero/{name}"))?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: valid store handle, C string and out-pointer.
@@ -349,7 +351,12 @@ impl Gloo {
                 n,
             )
         })
-        .map_err(|e| format!("rank {rank}: joining the {name} communicator of {world} ranks: {e}"))?;
+        .map_err(|e| C10dError::Join {
+            rank,
+            name: name.to_string(),
+            world,
+            cause: Box::new(e),
+        })?;
         Ok(Gloo {
             raw,
             store,

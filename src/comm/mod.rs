@@ -27,6 +27,43 @@ pub enum CommError {
     },
 }
 
+/// A call into torch's c10d that failed (the `TCPStore`, joining a Gloo group), with
+/// what was asked and c10d's own message.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum C10dError {
+    /// c10d raised: the first line of its exception.
+    #[error("{0}")]
+    Torch(String),
+    /// A key or host name with a NUL byte, which c10d cannot take.
+    #[error("{0:?} contains a NUL byte")]
+    Nul(String),
+    /// The store could not be served or reached.
+    #[error("cannot {role} the c10d store at {host}:{port}: {cause}")]
+    Connect {
+        role: &'static str,
+        host: String,
+        port: u16,
+        cause: Box<C10dError>,
+    },
+    /// A rank could not join a communicator.
+    #[error("rank {rank}: joining the {name} communicator of {world} ranks: {cause}")]
+    Join {
+        rank: usize,
+        name: String,
+        world: usize,
+        cause: Box<C10dError>,
+    },
+    /// A failing process left its reason under the stop key while this one waited.
+    #[error("{0}")]
+    Stopped(String),
+}
+
+impl From<C10dError> for String {
+    fn from(e: C10dError) -> String {
+        e.to_string()
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReduceOp {
     Sum,

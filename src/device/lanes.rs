@@ -242,9 +242,13 @@ impl Event {
     }
 }
 
+/// Why a lane job failed: any error of the work it did (the lane keeps its message for
+/// the job's event and every later one).
+pub type JobError = Box<dyn std::error::Error + Send + Sync>;
+
 /// A job, called with `true` to run it, or `false` to skip it after an earlier failure
 /// (on a device it still marks its stream, so waits on it cover what was queued before).
-type Job<'env> = Box<dyn FnOnce(bool) -> Result<(), String> + Send + 'env>;
+type Job<'env> = Box<dyn FnOnce(bool) -> Result<(), JobError> + Send + 'env>;
 
 /// One FIFO lane of a rank (h2d, d2h, gather, reduce): a worker thread of `scope`.
 pub struct Lane<'env> {
@@ -337,13 +341,13 @@ impl<'env> Lane<'env> {
     /// Queues `job` after everything submitted before; returns the event of its end.
     /// On a device the job's stream first waits for the compute work queued so far on
     /// the calling thread, and the event's mark follows the device work the job queued.
-    pub fn submit(&self, job: impl FnOnce() -> Result<(), String> + Send + 'env) -> Event {
+    pub fn submit(&self, job: impl FnOnce() -> Result<(), JobError> + Send + 'env) -> Event {
         // only the issuing thread orders a lane: a job submitted from another fails (its
         // event, and every later one, reports why) instead of racing the issuer's order
         let foreign = std::thread::current().id() != self.issuer;
         let job = move || {
             if foreign {
-                return Err("submitted from a thread other than the lane's issuing thread".to_string());
+                return Err("submitted from a thread other than the lane's issuing thread".into());
             }
             job()
         };
@@ -365,19 +369,18 @@ impl<'env> Lane<'env> {
                     Mode::Plain => None,
                 };
                 let on_device = move |run: bool| {
-                    let device = |e: DeviceError| e.to_string();
-                    let stream = stream.map_err(device)?;
+                    let stream = stream?;
                     let outcome = if run {
-                        stream.wait(&after.map_err(device)?).map_err(device)?;
+                        stream.wait(&after?)?;
                         if let Some(micros) = delay {
-                            stream.delay(micros).map_err(device)?;
+                            stream.delay(micros)?;
                         }
                         job()
                     } else {
                         Ok(())
                     };
                     // a mark even after a failure: whatever the job queued is covered
-                    let _ = filled.set(stream.mark().map_err(device)?);
+                    let _ = filled.set(stream.mark()?);
                     outcome
                 };
                 (Box::new(on_device), Some(slot))
@@ -407,11 +410,11 @@ impl<'env> Lane<'env> {
         let event = event.clone();
         let stream = self.device.as_ref().map(|d| d.stream.clone());
         self.submit(move || {
-            event.ran().map_err(|e| e.to_string())?;
-            match (stream, event.mark()) {
-                (Some(stream), Some(mark)) => stream.and_then(|s| s.wait(mark)).map_err(|e| e.to_string()),
-                _ => Ok(()),
+            event.ran()?;
+            if let (Some(stream), Some(mark)) = (stream, event.mark()) {
+                stream?.wait(mark)?;
             }
+            Ok(())
         })
     }
 
@@ -461,13 +464,14 @@ fn serve(
                 rng = shuffle(rng);
                 std::thread::sleep(Duration::from_micros(rng % max_delay_us.max(1)));
             }
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(true))).unwrap_or_else(|panic| {
-                Err(panic
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(true))) {
+                Ok(ran) => ran.map_err(|e| e.to_string()),
+                Err(panic) => Err(panic
                     .downcast_ref::<&str>()
                     .map(|s| s.to_string())
                     .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "lane job panicked".into()))
-            })
+                    .unwrap_or_else(|| "lane job panicked".into())),
+            }
         };
         let mut done = progress.done.lock().unwrap_or_else(|e| e.into_inner());
         done.seq += 1;
@@ -645,7 +649,7 @@ mod tests {
         std::thread::scope(|s| {
             let lane = Lane::start(s, 0, "d2h", Mode::Plain);
             let (gate_tx, gate_rx) = crossbeam_channel::bounded::<()>(1);
-            let event = lane.submit(move || gate_rx.recv().map_err(|e| e.to_string()));
+            let event = lane.submit(move || Ok(gate_rx.recv()?));
             let mut keep = Keep::default();
             keep.keep_until(Flag(dropped.clone()), event.clone());
             assert_eq!((keep.collect(), dropped.load(Ordering::SeqCst)), (1, 0));

@@ -153,7 +153,7 @@ mod tests {
             let big = pool.take(100, make).unwrap();
             let small = pool.take(10, make).unwrap();
             let (gate_tx, gate_rx) = crossbeam_channel::bounded::<()>(1);
-            let busy = lane.submit(move || gate_rx.recv().map_err(|e| e.to_string()));
+            let busy = lane.submit(move || Ok(gate_rx.recv()?));
             pool.release(big, busy.clone());
             pool.release(small, Event::done());
             // the big one is still in use: a request for 50 allocates

@@ -43,11 +43,11 @@ pub enum EngineError {
         source: AdamError,
     },
     /// Where the initial state comes from (a checkpoint or Hugging Face weights) failed.
-    #[error("rank {rank}: initial state of unit {unit}: {message}")]
+    #[error("rank {rank}: initial state of unit {unit}: {source}")]
     Start {
         rank: usize,
         unit: usize,
-        message: String,
+        source: super::start::StartError,
     },
     #[error("rank {rank}: saving checkpoint: {source}")]
     Checkpoint { rank: usize, source: CheckpointError },

@@ -262,33 +262,31 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
                 // the job holds its own handle on the stored shard
                 self.lanes
                     .gather
-                    .submit(move || f.gather(unit, &stored.tensor(), &out).map_err(|e| e.to_string()))
+                    .submit(move || Ok(f.gather(unit, &stored.tensor(), &out)?))
             }
             shard if part.world == 1 => {
                 // one rank: the shard is the whole unit, copied straight into the unit
                 // buffer; the gather has nothing to do and compute waits for the copy
                 let (f, out, scratch) = (f.clone(), buffer.shallow_clone(), self.buffers.scratch.clone());
-                self.lanes.h2d.submit(move || {
-                    f.to_staging(unit, shard, &out, &scratch)
-                        .map_err(|e| e.to_string())
-                })
+                self.lanes
+                    .h2d
+                    .submit(move || Ok(f.to_staging(unit, shard, &out, &scratch)?))
             }
             shard => {
                 let staging = self.buffers.staging.take(part.shard, make).map_err(torch_err)?;
                 let copied = {
                     let (f, staging, scratch) =
                         (f.clone(), staging.shallow_clone(), self.buffers.scratch.clone());
-                    self.lanes.h2d.submit(move || {
-                        f.to_staging(unit, shard, &staging, &scratch)
-                            .map_err(|e| e.to_string())
-                    })
+                    self.lanes
+                        .h2d
+                        .submit(move || Ok(f.to_staging(unit, shard, &staging, &scratch)?))
                 };
                 self.lanes.gather.wait(&copied);
                 let gathered = {
                     let (f, staging, out) = (f.clone(), staging.shallow_clone(), buffer.shallow_clone());
                     self.lanes
                         .gather
-                        .submit(move || f.gather(unit, &staging, &out).map_err(|e| e.to_string()))
+                        .submit(move || Ok(f.gather(unit, &staging, &out)?))
                 };
                 let staging_until = match f.dropped {
                     DroppedWait::StagingUntilGather => Event::done(),

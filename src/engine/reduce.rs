@@ -398,7 +398,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
             .and_then(|()| acc.as_mut().map_or(Ok(()), |a| a.finish(&track)));
             let message = result.as_ref().err().map(|e| e.to_string());
             *out.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map(|()| acc));
-            message.map_or(Ok(()), Err)
+            message.map_or(Ok(()), |m| Err(m.into()))
         });
         self.in_flight.push_back(InFlight { unit, done, slot });
         Ok(())

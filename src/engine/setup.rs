@@ -33,10 +33,10 @@ pub(super) fn unit_start(
     partition: std::ops::Range<usize>,
     rank: usize,
 ) -> Result<UnitStart, EngineError> {
-    let start_err = |message: String| EngineError::Start {
+    let start_err = |source| EngineError::Start {
         rank,
         unit: u,
-        message,
+        source,
     };
     // the elements this rank keeps: its shard at stage 3, else the whole unit
     let kept_range = if plan.zero.stage == 3 {

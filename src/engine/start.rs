@@ -2,12 +2,21 @@
 //! checkpoint. Every source answers per unit and element range, so each rank reads only
 //! the slices it keeps (its shard at stage 3, the replica below), never the whole model.
 
-use crate::checkpoint::Checkpoint;
-use crate::model::hf::HfWeights;
+use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::model::hf::{HfError, HfWeights};
 use crate::model::layout::UnitLayout;
 use crate::plan::Precision;
 use std::ops::Range;
 use tierzero_offload::nvme::swap::State;
+
+/// Why a source could not give a unit's starting state.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Hf(#[from] HfError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+}
 
 pub enum Start {
     /// The seeded initialisation (a pure function of seed, tensor and index).
@@ -26,17 +35,13 @@ impl Start {
         layout: &UnitLayout,
         range: Range<usize>,
         out: &mut [f32],
-    ) -> Result<(), String> {
+    ) -> Result<(), StartError> {
         match self {
-            Start::Init { seed } => {
-                layout.init_range(*seed, range, out);
-                Ok(())
-            }
-            Start::Hf(weights) => weights.read(u, range, out).map_err(|e| e.to_string()),
-            Start::Checkpoint(c) => c
-                .read_f32(State::Master, u, range, out)
-                .map_err(|e| e.to_string()),
+            Start::Init { seed } => layout.init_range(*seed, range, out),
+            Start::Hf(weights) => weights.read(u, range, out)?,
+            Start::Checkpoint(c) => c.read_f32(State::Master, u, range, out)?,
         }
+        Ok(())
     }
 
     /// Adam moments of elements `range`; zeros unless resuming.
@@ -46,11 +51,10 @@ impl Start {
         range: Range<usize>,
         exp_avg: &mut [f32],
         exp_avg_sq: &mut [f32],
-    ) -> Result<(), String> {
+    ) -> Result<(), StartError> {
         if let Start::Checkpoint(c) = self {
-            c.read_f32(State::ExpAvg, u, range.clone(), exp_avg)
-                .and_then(|_| c.read_f32(State::ExpAvgSq, u, range, exp_avg_sq))
-                .map_err(|e| e.to_string())?;
+            c.read_f32(State::ExpAvg, u, range.clone(), exp_avg)?;
+            c.read_f32(State::ExpAvgSq, u, range, exp_avg_sq)?;
         }
         Ok(())
     }
@@ -63,12 +67,11 @@ impl Start {
         u: usize,
         range: Range<usize>,
         precision: &Precision,
-    ) -> Result<Option<Vec<u8>>, String> {
+    ) -> Result<Option<Vec<u8>>, StartError> {
         match self {
-            Start::Checkpoint(c) if c.params_match(precision) => c
-                .read(State::Param, u, range)
-                .map(Some)
-                .map_err(|e| e.to_string()),
+            Start::Checkpoint(c) if c.params_match(precision) => {
+                c.read(State::Param, u, range).map(Some).map_err(StartError::from)
+            }
             _ => Ok(None),
         }
     }

@@ -63,9 +63,9 @@ pub(super) fn communicators(plan: &Plan, one: bool, c10d: bool) -> Result<Vec<Co
     let timeout = std::time::Duration::from_secs(launch.timeout_s);
     // the ranks of one process: a store served here on a loopback port the system picks
     let (address, served) = if launch.nnodes == 1 {
-        let server = Store::serve_loopback(timeout).map_err(|message| TrainError::Store {
+        let server = Store::serve_loopback(timeout).map_err(|e| TrainError::Store {
             what: "serving the ranks' store on the loopback interface",
-            message,
+            message: e.into(),
         })?;
         ("127.0.0.1".to_string(), Some(server))
     } else {
@@ -74,16 +74,16 @@ pub(super) fn communicators(plan: &Plan, one: bool, c10d: bool) -> Result<Vec<Co
         let server = serve
             .then(|| Store::connect(&launch.master_addr, launch.master_port, true, timeout))
             .transpose()
-            .map_err(|message| TrainError::Store {
+            .map_err(|e| TrainError::Store {
                 what: "serving the c10d store",
-                message,
+                message: e.into(),
             })?;
         (launch.master_addr.clone(), server)
     };
     let port = match &served {
-        Some(server) => server.port().map_err(|message| TrainError::Store {
+        Some(server) => server.port().map_err(|e| TrainError::Store {
             what: "reading the store's port",
-            message,
+            message: e.into(),
         })?,
         None => launch.master_port,
     };
@@ -110,8 +110,13 @@ pub(super) fn communicators(plan: &Plan, one: bool, c10d: bool) -> Result<Vec<Co
                     Some(cuda) => Nccl::join(store.clone(), name, cuda.clone(), rank, world, timeout)
                         .map(|n| Group::Nccl(Arc::new(n)))
                         .map_err(|e| e.to_string()),
-                    None => Gloo::join(store.clone(), name, rank, world, timeout)
-                        .map(|g| Group::Gloo(Arc::new(g))),
+                    None => Ok(Group::Gloo(Arc::new(Gloo::join(
+                        store.clone(),
+                        name,
+                        rank,
+                        world,
+                        timeout,
+                    )?))),
                 }
             };
             Ok(Comms {
