@@ -1,0 +1,140 @@
+//! The simulated gradient path: each gradient's reduction (stages 2–3: pack,
+//! reduce-scatter, widen and copy to the host, the host add, the NVMe read-modify-write
+//! where gradients live there; stages 0–1: the copy to the host accumulator), and the
+//! step's all-reduces and gradient norm after the micro-batches.
+
+use super::super::clock::Track;
+use super::{round_4k, Replay};
+use crate::plan::rules::{self, REDUCE_DEPTH};
+
+impl Replay<'_> {
+    /// `accumulate(u)`: the gradient's reduction on the collectives lane (stages 2–3),
+    /// or its copy to the host accumulator on the compute thread (stages 0–1).
+    /// `more`: another contribution to the unit follows in this micro-batch (the tied
+    /// head's precedes the embedding's).
+    pub(super) fn accumulate(&mut self, u: usize, more: bool) {
+        let part = self.parts[u];
+        let copies = self.profile.copies.clone();
+        let wire = self.plan.communication.kind().elt_size_in_bytes() as u64;
+        if self.stage() < 2 {
+            // widen to fp32 and copy to the host accumulator, in the compute thread
+            let bytes = part.padded as u64 * 4;
+            let copy = Self::seconds(bytes, self.d2h_rate(false));
+            self.clocks.run(Track::Compute, "d2h", Some(u), copy, bytes);
+            self.clocks.run(
+                Track::Compute,
+                "host_add",
+                Some(u),
+                Self::seconds(
+                    bytes,
+                    self.host_add((rules::chunk_elements(self.plan) as u64).min(part.padded as u64)),
+                ),
+                0,
+            );
+            self.pcie[1] += if self.cuda() { bytes } else { 0 };
+            return;
+        }
+        // at most REDUCE_DEPTH reductions in flight: compute waits for the oldest
+        while self.reducing.len() >= REDUCE_DEPTH {
+            let oldest = self.reducing.remove(0);
+            self.clocks.wait(Track::Compute, oldest);
+        }
+        let issued = self.clocks.mark(Track::Compute);
+        self.clocks.wait(Track::Collectives, issued);
+        let world = self.world() as u64;
+        let stretch = (rules::chunk_elements(self.plan) as u64 / world).max(1);
+        let shard = part.shard as u64;
+        let chunks = shard.div_ceil(stretch);
+        let nvme = rules::nvme_gradients(self.plan);
+        let swap_chunk = self.swap_chunk() as u64;
+        let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
+        // gradient accumulation on the device: each stretch is added there, and only the
+        // step's last contribution leaves for the host (`rules::device_accumulation`)
+        let on_device = rules::device_accumulation(self.plan);
+        let to_host = !on_device || (self.last_micro && !more);
+        let device_add = |out: u64| Self::seconds(out, copies.device_to_device.value);
+        for chunk in 0..chunks {
+            let k = stretch.min(shard - chunk * stretch);
+            let out = 4 * k;
+            if world > 1 {
+                let bucket = wire * world * k;
+                let pack = Self::seconds(bucket, copies.device_to_device.value);
+                self.clocks.run(Track::Collectives, "d2h", Some(u), pack, bucket);
+                let rs = self.collective(bucket);
+                self.clocks.run(Track::Collectives, "reduce", Some(u), rs, bucket);
+            }
+            if on_device {
+                self.clocks
+                    .run(Track::Collectives, "device_add", Some(u), device_add(out), 0);
+            }
+            if !to_host {
+                continue;
+            }
+            // to the host as fp32 (a device sum in one DMA copy into pinned memory, else
+            // a blocking pageable copy): with one rank the stretch straight from the
+            // gradient, else the reduced stretch, which only a GPU copies; then the add
+            let copy = Self::seconds(out, self.d2h_rate(on_device));
+            if world == 1 {
+                self.clocks.run(Track::Collectives, "d2h", Some(u), copy, out);
+            } else if self.cuda() {
+                self.clocks
+                    .run(Track::Collectives, "copy_out", Some(u), copy, out);
+            }
+            self.pcie[1] += if self.cuda() { out } else { 0 };
+            let add = Self::seconds(out, self.host_add(k));
+            self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
+        }
+        if nvme && to_host {
+            // the gradient's swap chunks: read back (once a reduction of the step has
+            // stored some) and written, on the lane thread
+            let elements = self.optimizer_len(u);
+            let n = elements.div_ceil(swap_chunk);
+            let bytes = n * round_4k(swap_chunk * accumulator);
+            if std::mem::replace(&mut self.stored[u], true) {
+                let read = Self::seconds(bytes, self.shared().0);
+                self.clocks
+                    .run(Track::Collectives, "nvme_read", Some(u), read, bytes);
+            }
+            let write = Self::seconds(bytes, self.shared().1);
+            self.clocks
+                .run(Track::Collectives, "nvme_write", Some(u), write, bytes);
+        }
+        let done = self.clocks.mark(Track::Collectives);
+        if self.plan.zero.overlap_comm {
+            self.reducing.push(done);
+        } else {
+            self.clocks.wait(Track::Compute, done);
+        }
+    }
+
+    /// Elements per swap chunk: the store's rule over the largest optimizer partition,
+    /// rounded up to whole 4 KiB pages of elements as the store rounds it.
+    pub(super) fn swap_chunk(&self) -> usize {
+        let largest = (0..self.parts.len())
+            .map(|u| self.optimizer_len(u))
+            .max()
+            .unwrap_or(1);
+        rules::swap_chunk(self.plan, largest as usize).div_ceil(4096) * 4096
+    }
+
+    /// The step's all-reduces and the gradient norm, on the compute thread.
+    pub(super) fn after_micro_batches(&mut self) {
+        let latency = self.profile.link.latency_s.value;
+        let mut seconds = if self.world() > 1 { 2.0 * latency } else { 0.0 };
+        if self.stage() < 2 && self.world() > 1 {
+            // stages 0–1: an fp32 all-reduce of every unit's gradient
+            let bytes: u64 = self.parts.iter().map(|p| p.padded as u64 * 4).sum();
+            seconds += self.collective(bytes) * 2.0;
+        }
+        if !rules::nvme_gradients(self.plan) {
+            // Σ g²: a pass over every accumulator, on every core
+            let elements: u64 = (0..self.parts.len()).map(|u| self.optimizer_len(u)).sum();
+            seconds += Self::seconds(elements * 4, self.profile.copies.host_memcpy_parallel.value);
+        }
+        self.clocks.run(Track::Compute, "reduce", None, seconds, 0);
+        // install_all: every update of the last step is in before this step's goes out
+        for u in 0..self.parts.len() {
+            self.install(u);
+        }
+    }
+}
