@@ -31,9 +31,13 @@ use cudarc::driver::CudaEvent;
 use cudarc::nccl::{result, sys};
 use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
+
+mod watchdog;
+use watchdog::prune;
+pub use watchdog::{watchdog, Watched};
 
 /// Ok when NCCL can be loaded; otherwise the reason and the fix.
 pub fn library() -> Result<(), String> {
@@ -427,86 +431,6 @@ impl Nccl {
     }
 }
 
-impl Watched for Nccl {
-    /// The oldest collective not done: one the host is still enqueueing, or the first
-    /// queued one whose event has not fired on the device.
-    fn busy_since(&self) -> Option<(Instant, &'static str)> {
-        let host = *self.busy.lock().unwrap_or_else(|e| e.into_inner());
-        let mut queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = self.cuda.context().bind_to_thread();
-        prune(&mut queued);
-        let device = queued.front().map(|(since, op, _)| (*since, *op));
-        host.into_iter().chain(device).min_by_key(|(since, _)| *since)
-    }
-
-    fn stop(&self, reason: &str) {
-        self.abort_with(reason.to_string());
-    }
-}
-
-/// Drops the queued collectives the device has finished, oldest first (an event that
-/// cannot be queried counts as done: the host's wait reports the error).
-fn prune(queued: &mut VecDeque<(Instant, &'static str, CudaEvent)>) {
-    while queued
-        .front()
-        .is_some_and(|(_, _, done)| done.try_is_complete().unwrap_or(true))
-    {
-        queued.pop_front();
-    }
-}
-
-/// What the [`watchdog`] needs of a communicator.
-pub trait Watched: Send + Sync {
-    /// The host-visible collective in flight and when it started.
-    fn busy_since(&self) -> Option<(Instant, &'static str)>;
-    /// Aborts it with `reason`.
-    fn stop(&self, reason: &str);
-}
-
-/// Watches this process's communicators until they are all dropped: when the store
-/// holds a published failure, every one is aborted with it; when one of them has a
-/// collective in flight for longer than `timeout`, the failure is published (naming
-/// the rank and the collective) and every one is aborted.
-pub fn watchdog(
-    store: Arc<Store>,
-    comms: Vec<(usize, Weak<dyn Watched>)>,
-    timeout: Duration,
-) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || loop {
-        std::thread::sleep(Duration::from_millis(100));
-        let live: Vec<(usize, Arc<dyn Watched>)> = comms
-            .iter()
-            .filter_map(|(r, w)| Some((*r, w.upgrade()?)))
-            .collect();
-        if live.is_empty() {
-            return;
-        }
-        let published = store.try_get(ABORT_KEY).ok().flatten();
-        let reason = published.map(|r| String::from_utf8_lossy(&r).into_owned()).or_else(|| {
-            live.iter().find_map(|(rank, c)| {
-                let (since, op) = c.busy_since()?;
-                (since.elapsed() > timeout).then(|| {
-                    let reason = format!(
-                        "rank {rank}: NCCL {op} made no progress for {timeout:?} (train.rendezvous_timeout): a peer exited or stopped answering"
-                    );
-                    let _ = store.set(ABORT_KEY, reason.as_bytes());
-                    reason
-                })
-            })
-        });
-        if let Some(reason) = reason {
-            // each on a thread of its own: one abort stuck behind a blocked call does not
-            // hold back the others
-            std::thread::scope(|s| {
-                for (_, c) in &live {
-                    s.spawn(|| c.stop(&reason));
-                }
-            });
-            return;
-        }
-    })
-}
-
 fn red_op(op: ReduceOp) -> sys::ncclRedOp_t {
     match op {
         ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
@@ -671,7 +595,7 @@ mod tests {
     fn the_watchdog_aborts_on_a_published_failure_or_a_stuck_collective() {
         let (server, client) = store_pair();
         let weak = |f: &Arc<Fake>| {
-            let w: Weak<dyn Watched> = Arc::downgrade(f) as _;
+            let w: std::sync::Weak<dyn Watched> = Arc::downgrade(f) as _;
             w
         };
         // a stuck all_gather on rank 3
