@@ -313,13 +313,8 @@ pub fn chat_template(
     }
 }
 
-/// SplitMix64 finaliser.
-pub fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+/// SplitMix64's finaliser (the seeded init's hash).
+pub use crate::model::layout::splitmix as mix;
 
 /// A hash as a number in [0, 1).
 fn unit_interval(h: u64) -> f64 {

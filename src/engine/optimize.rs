@@ -11,7 +11,7 @@ use super::optimizer::{
     AdamStep, DeviceState, Moments, Optimizer, OptimizerState, ParamStaging, SharedStaging, Update,
 };
 use super::params::LowParams;
-use super::prefetch::Source;
+use super::prefetch::{Source, Sources};
 use super::rank::RankEngine;
 use super::units::{Destination, NewParams, Units};
 use crate::comm::Collective;
@@ -56,9 +56,11 @@ impl<'a, C: Collective + Clone> Installer<'_, 'a, C> {
         }
         Ok(())
     }
+}
 
+impl<'a, C: Collective + Clone> Sources<'a> for Installer<'_, 'a, C> {
     /// Where unit `u`'s shard is, once its pending update is installed.
-    pub(super) fn source(&mut self, u: usize) -> Result<Source<'a>, EngineError> {
+    fn source(&mut self, u: usize) -> Result<Source<'a>, EngineError> {
         self.through(u)?;
         Ok(self.units.source(u))
     }

@@ -18,7 +18,6 @@
 //! event of the gather that read them (`keep_until`).
 
 use super::error::{EngineError, On};
-use super::optimize::Installer;
 use super::params::{LowParams, Params};
 use crate::comm::Collective;
 use crate::device::cpu::{CpuDevice, Reservation};
@@ -124,6 +123,12 @@ impl GatherBuffers {
 /// never copied on the issuing thread).
 pub type Source<'a> = Params<'a>;
 
+/// What the prefetcher asks of the engine before it fetches a unit (the optimizer phase's
+/// `Installer`): install the unit's pending update, and say where its shard is.
+pub(super) trait Sources<'a> {
+    fn source(&mut self, u: usize) -> Result<Source<'a>, EngineError>;
+}
+
 /// What the lanes need, owned or shared for the run (never the engine itself).
 pub struct Fetcher<C: Collective> {
     pub comm: C,
@@ -215,9 +220,9 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
         }
     }
 
-    /// Issues every fetch the limits allow; `installer` installs a unit's pending update
+    /// Issues every fetch the limits allow; `sources` installs a unit's pending update
     /// and gives where its shard is.
-    fn fill(&mut self, needed: bool, installer: &mut Installer<'_, 'env, C>) -> Result<(), EngineError> {
+    fn fill(&mut self, needed: bool, sources: &mut dyn Sources<'env>) -> Result<(), EngineError> {
         loop {
             let outstanding = self.requested - self.received;
             let Some(&(unit, _)) = self.schedule.get(self.requested) else {
@@ -238,7 +243,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
                 return Ok(());
             }
             // installing a pending update first drops the unit's old gathered copy
-            let shard = installer.source(unit)?;
+            let shard = sources.source(unit)?;
             let hold = self
                 .device
                 .reserve(self.padded_bytes[unit], &format!("gathered unit {unit}"))?;
@@ -306,11 +311,11 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
     }
 
     /// The next scheduled unit, gathered (its first `numel` elements as a tensor), with
-    /// its device memory; `installer` installs pending updates before units are fetched.
+    /// its device memory; `sources` installs pending updates before units are fetched.
     pub(super) fn next(
         &mut self,
         expected: usize,
-        installer: &mut Installer<'_, 'env, C>,
+        sources: &mut dyn Sources<'env>,
     ) -> Result<(Tensor, Reservation), EngineError> {
         // the compute thread is done with the previous unit, except the final one while
         // the tied embedding joins it (on CPU compute is synchronous: its work is done; on
@@ -323,7 +328,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
                 self.buffers.units.release(buffer, Event::done());
             }
         }
-        self.fill(true, installer)?;
+        self.fill(true, sources)?;
         let Some(fetch) = self.in_flight.pop_front() else {
             return Err(self.order_error(expected, None));
         };
@@ -348,7 +353,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
             self.using.push(fetch.buffer);
         }
         // keep the lanes busy while this unit computes
-        self.fill(false, installer)?;
+        self.fill(false, sources)?;
         Ok((view, fetch.hold))
     }
 

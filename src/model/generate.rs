@@ -102,7 +102,7 @@ pub fn choose(logits: &[f32], sampling: &Sampling, state: &mut u64) -> i64 {
         }
     }
     let total: f64 = weights[..kept].iter().sum();
-    *state = crate::data::mix(*state);
+    *state = super::layout::splitmix(*state);
     let mut draw = (*state >> 11) as f64 / (1u64 << 53) as f64 * total;
     for (k, w) in weights[..kept].iter().enumerate() {
         if draw < *w {

@@ -107,7 +107,9 @@ fn fnv1a(s: &str) -> u64 {
     })
 }
 
-fn splitmix(mut z: u64) -> u64 {
+/// SplitMix64's finaliser: the one hash behind the seeded init, the data order
+/// (`data::mix`) and the sampler of `generate`.
+pub fn splitmix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
