@@ -66,40 +66,8 @@ pub fn run(
     }
     let first = result.steps.first().map_or(f64::NAN, |m| m.loss);
     let last = result.steps.last().map_or(f64::NAN, |m| m.loss);
-    let tokens_per_s =
-        result.steps.iter().map(|m| m.tokens_per_s).sum::<f64>() / result.steps.len().max(1) as f64;
-    let predicted = tierzero::plan::memory::predict(&loaded.plan);
-    let host_predicted = tierzero::plan::host_memory::predict_host(&loaded.plan);
-    // the first step (start-up, first gathers) is left out of the breakdown
-    let breakdowns = result.breakdowns();
-    let steady = breakdowns
-        .get(1..)
-        .filter(|b| !b.is_empty())
-        .unwrap_or(&breakdowns);
-    let breakdown = tierzero::metrics::timeline::Breakdown::total(steady);
-    let summary = Summary {
-        accelerator: loaded.plan.train.accelerator,
-        gb_per_s: breakdown
-            .rates()
-            .into_iter()
-            .map(|(p, r)| (p.name().to_string(), r))
-            .collect(),
-        breakdown,
-        cpu_allocator_peak: result.cpu_allocator_peak,
-        device_bytes_measured_peak: result.device_peaks.clone(),
-        device_bytes_predicted: predicted,
-        first_loss: result.steps.first().map(|m| m.loss),
-        gpu_memory: result.gpu_memory.clone(),
-        host: result.host,
-        host_bytes_predicted: host_predicted,
-        last_loss: result.steps.last().map(|m| m.loss),
-        loss_floor: result.loss_floor,
-        memory: result.steps.last().map(|m| m.memory),
-        mfu: result.steps.last().map(|m| m.mfu),
-        seconds: result.seconds,
-        steps: result.steps_run as usize,
-        tokens_per_s,
-    };
+    let summary = result.summary(&loaded.plan);
+    let tokens_per_s = summary.tokens_per_s;
     let output_dir = &loaded.plan.train.output_dir;
     let summary_path = output_dir.join("summary.json");
     std::fs::write(
@@ -107,6 +75,21 @@ pub fn run(
         serde_json::to_vec_pretty(&summary).context("serialising the summary")?,
     )
     .with_context(|| format!("writing {}", summary_path.display()))?;
+    print_memory(&loaded.plan, &result, &summary);
+    println!(
+        "done: {} steps in {:.1}s, loss {first:.4} -> {last:.4}, {tokens_per_s:.0} tokens/s; {}/{{metrics.jsonl,loss.png,summary.json}}",
+        result.steps_run,
+        result.seconds,
+        output_dir.display()
+    );
+    exit_if_preempted(&result);
+    Ok(())
+}
+
+/// Memory measured beside memory predicted: each rank's device reservations, torch's
+/// allocators, and the process's host memory and kernel time.
+fn print_memory(plan: &plan::Plan, result: &run::TrainResult, summary: &Summary) {
+    let predicted = &summary.device_bytes_predicted;
     for (rank, peak) in result.device_peaks.iter().enumerate() {
         println!(
             "rank {rank}: device memory reserved by the engine, peak {peak} bytes, plan predicted {} ({:+.1}%; {} more in compute temporaries)",
@@ -127,7 +110,7 @@ pub fn run(
         );
     }
     if let Some(peak) = result.cpu_allocator_peak {
-        let ranks = loaded.plan.train.devices as u64;
+        let ranks = plan.train.devices as u64;
         let predicted = ranks * predicted.in_tensors();
         println!(
             "libtorch CPU allocator: peak {peak} bytes in the steps ({ranks} ranks of this process), plan predicted {predicted} for device-tier parameters and optimizer state, gathered units, activations and temporaries ({:+.1}%)",
@@ -138,20 +121,12 @@ pub fn run(
     println!(
         "host: peak resident {:.2} GB in the steps, plan predicted {:.2} GB ({:+.1}%; {:.2} GB at start-up), kernel time {:.0}% of {:.1} CPU-seconds",
         host.peak_rss as f64 / 1e9,
-        host_predicted.total as f64 / 1e9,
-        100.0 * (host.peak_rss as f64 / host_predicted.total.max(1) as f64 - 1.0),
+        summary.host_bytes_predicted.total as f64 / 1e9,
+        100.0 * (host.peak_rss as f64 / summary.host_bytes_predicted.total.max(1) as f64 - 1.0),
         result.host.startup_peak_rss as f64 / 1e9,
         100.0 * host.kernel_fraction,
         host.user_s + host.system_s
     );
-    println!(
-        "done: {} steps in {:.1}s, loss {first:.4} -> {last:.4}, {tokens_per_s:.0} tokens/s; {}/{{metrics.jsonl,loss.png,summary.json}}",
-        result.steps_run,
-        result.seconds,
-        output_dir.display()
-    );
-    exit_if_preempted(&result);
-    Ok(())
 }
 
 /// A run stopped by SIGTERM/SIGUSR1 ends with `EXIT_PREEMPTED` after saying where it

@@ -53,7 +53,36 @@ pub(super) struct RankMessage {
     pub(super) host: Usage,
 }
 
-pub(super) fn run_rank(
+/// A rank's thread: [`run_rank`], and on its failure or panic every communicator of the
+/// rank aborted with the cause, so no peer waits for it.
+pub(super) fn guarded_rank(
+    comms: Comms<Group>,
+    context: RankContext<'_>,
+    tx: &crossbeam_channel::Sender<RankMessage>,
+    options: TrainOptions,
+) -> Result<RankOutcome, TrainError> {
+    let guards = comms.clone();
+    let rank = comms.main.rank();
+    let body = std::panic::AssertUnwindSafe(|| run_rank(comms, context, tx, options));
+    match std::panic::catch_unwind(body) {
+        Ok(Ok(master)) => Ok(master),
+        Ok(Err(e)) => {
+            guards.abort(&format!("rank {rank} failed: {e}"));
+            Err(e)
+        }
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            guards.abort(&format!("rank {rank} panicked: {message}"));
+            Err(TrainError::RankPanicked { rank, message })
+        }
+    }
+}
+
+fn run_rank(
     comms: Comms<Group>,
     context: RankContext<'_>,
     tx: &crossbeam_channel::Sender<RankMessage>,

@@ -3,6 +3,7 @@
 
 use crate::metrics::host::HostUsage;
 use crate::metrics::monitor::Scalar;
+use crate::metrics::summary::Summary;
 use crate::metrics::timeline::Breakdown;
 use crate::metrics::trace::TierBytes;
 use crate::plan::Plan;
@@ -65,6 +66,42 @@ pub struct TrainResult {
 }
 
 impl TrainResult {
+    /// `summary.json`: the steady steps' breakdown (the first step, with start-up and the
+    /// first gathers, is left out) and its rates, memory measured beside `plan`'s
+    /// predictions, losses, throughput and MFU.
+    pub fn summary(&self, plan: &Plan) -> Summary {
+        let breakdowns = self.breakdowns();
+        let steady = breakdowns
+            .get(1..)
+            .filter(|b| !b.is_empty())
+            .unwrap_or(&breakdowns);
+        let breakdown = Breakdown::total(steady);
+        Summary {
+            accelerator: plan.train.accelerator,
+            gb_per_s: breakdown
+                .rates()
+                .into_iter()
+                .map(|(p, r)| (p.name().to_string(), r))
+                .collect(),
+            breakdown,
+            cpu_allocator_peak: self.cpu_allocator_peak,
+            device_bytes_measured_peak: self.device_peaks.clone(),
+            device_bytes_predicted: crate::plan::memory::predict(plan),
+            first_loss: self.steps.first().map(|m| m.loss),
+            gpu_memory: self.gpu_memory.clone(),
+            host: self.host,
+            host_bytes_predicted: crate::plan::host_memory::predict_host(plan),
+            last_loss: self.steps.last().map(|m| m.loss),
+            loss_floor: self.loss_floor,
+            memory: self.steps.last().map(|m| m.memory),
+            mfu: self.steps.last().map(|m| m.mfu),
+            seconds: self.seconds,
+            steps: self.steps_run as usize,
+            tokens_per_s: self.steps.iter().map(|m| m.tokens_per_s).sum::<f64>()
+                / self.steps.len().max(1) as f64,
+        }
+    }
+
     /// Rank 0's breakdown of each step in `steps`.
     pub fn breakdowns(&self) -> Vec<Breakdown> {
         self.steps.iter().map(|m| m.breakdown.clone()).collect()

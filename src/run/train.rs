@@ -7,13 +7,14 @@ use super::comms::communicators;
 use super::error::TrainError;
 use super::options::TrainOptions;
 use super::prepare::Prepared;
-use super::rank::{rank_threads, run_rank, RankMessage, RankOutcome};
+use super::rank::{guarded_rank, rank_threads, RankMessage, RankOutcome};
 use super::report::Reporter;
 use super::result::TrainResult;
 use crate::comm::Collective;
 use crate::engine::context::LaneOptions;
 use crate::engine::error::EngineError;
 use crate::metrics::timeline::Timeline;
+use crate::model::Model;
 use crate::plan::partition::Partition;
 use crate::plan::Plan;
 use std::time::Instant;
@@ -37,21 +38,11 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
         && crate::torch::shim::counting_cpu_allocations();
     let prepared = Prepared::new(plan, options.resume)?;
     let first_step = prepared.start.first_step();
-    if let (Some(c), true) = (prepared.start.checkpoint(), options.write_outputs) {
-        println!(
-            "resuming from {} at step {first_step} (saved by {} ranks)",
-            c.dir.display(),
-            c.manifest.world_size
-        );
-    }
     let model = &prepared.model;
     let world = plan.world_size;
     let loss_floor = prepared.dataset.loss_floor(plan.data.seq_len);
-    if let (Some(floor), true) = (loss_floor, options.write_outputs) {
-        println!("synthetic data: a perfect model reaches a loss of {floor:.4}");
-    }
-    if let (Some(line), true) = (prepared.dataset.describe(), options.write_outputs) {
-        println!("{line}");
+    if options.write_outputs {
+        announce(&prepared, first_step, loss_floor);
     }
     crate::metrics::host::reuse_freed_memory();
     tch::set_num_threads(rank_threads(plan) as i32);
@@ -80,27 +71,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                 );
                 std::thread::Builder::new()
                     .name(format!("tierzero-rank-{}", comms.main.rank()))
-                    .spawn_scoped(scope, move || {
-                        let guards = comms.clone();
-                        let rank = comms.main.rank();
-                        let body = std::panic::AssertUnwindSafe(|| run_rank(comms, context, &tx, options));
-                        match std::panic::catch_unwind(body) {
-                            Ok(Ok(master)) => Ok(master),
-                            Ok(Err(e)) => {
-                                guards.abort(&format!("rank {rank} failed: {e}"));
-                                Err(e)
-                            }
-                            Err(panic) => {
-                                let message = panic
-                                    .downcast_ref::<String>()
-                                    .cloned()
-                                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                                    .unwrap_or_default();
-                                guards.abort(&format!("rank {rank} panicked: {message}"));
-                                Err(TrainError::RankPanicked { rank, message })
-                            }
-                        }
-                    })
+                    .spawn_scoped(scope, move || guarded_rank(comms, context, &tx, options))
             })
             .collect();
         drop(tx);
@@ -133,21 +104,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
         result.cpu_allocator_peak = Some(crate::torch::shim::cpu_memory().1);
     }
     if options.collect_master {
-        result.master = model
-            .units
-            .iter()
-            .enumerate()
-            .map(|(u, layout)| {
-                let part = Partition::new(layout.numel, world);
-                let mut full = vec![0f32; part.padded];
-                for rank_parts in &partitions {
-                    let (start, values) = &rank_parts[u];
-                    full[*start..*start + values.len()].copy_from_slice(values);
-                }
-                full.truncate(layout.numel);
-                full
-            })
-            .collect();
+        result.master = whole_master(model, world, &partitions);
     }
     result.seconds = start.elapsed().as_secs_f64();
     if trace {
@@ -158,6 +115,43 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
     }
     reporter.plots(&result);
     Ok(result)
+}
+
+/// What the run starts from, for the person who launched it: the checkpoint it resumes,
+/// the synthetic data's loss floor, the data set.
+fn announce(prepared: &Prepared, first_step: u64, loss_floor: Option<f64>) {
+    if let Some(c) = prepared.start.checkpoint() {
+        println!(
+            "resuming from {} at step {first_step} (saved by {} ranks)",
+            c.dir.display(),
+            c.manifest.world_size
+        );
+    }
+    if let Some(floor) = loss_floor {
+        println!("synthetic data: a perfect model reaches a loss of {floor:.4}");
+    }
+    if let Some(line) = prepared.dataset.describe() {
+        println!("{line}");
+    }
+}
+
+/// Every unit's whole fp32 master weights from each rank's partitions of it.
+fn whole_master(model: &Model, world: usize, partitions: &[Vec<(usize, Vec<f32>)>]) -> Vec<Vec<f32>> {
+    model
+        .units
+        .iter()
+        .enumerate()
+        .map(|(u, layout)| {
+            let part = Partition::new(layout.numel, world);
+            let mut full = vec![0f32; part.padded];
+            for rank_parts in partitions {
+                let (start, values) = &rank_parts[u];
+                full[*start..*start + values.len()].copy_from_slice(values);
+            }
+            full.truncate(layout.numel);
+            full
+        })
+        .collect()
 }
 
 /// The outcomes of every rank, or the root cause of a failure: the first error that is not
