@@ -28,9 +28,9 @@
 use super::context::{Comms, LaneOptions, RankContext, StepReport, Tracks};
 use super::error::{EngineError, On};
 use super::gradients::Gradients;
-use super::optimizer::{NvmeTier, Optimizer};
-use super::setup::{device_reservations, device_streams, host_pinning, unit_start};
-use super::units::{Home, Units};
+use super::optimizer::Optimizer;
+use super::setup::{device_reservations, device_streams, homes, host_pinning, loss_scaler, unit_start};
+use super::units::Units;
 use crate::comm::{Collective, ReduceOp};
 use crate::data::Dataset;
 use crate::device::cpu::{CpuDevice, Reservation};
@@ -40,15 +40,13 @@ use crate::metrics::trace::TierBytes;
 use crate::model::layout::UnitKind;
 use crate::model::Model;
 use crate::plan::partition::Partition;
-use crate::plan::rules::{bf16_gradients, nvme_gradients, pipeline_sets};
-use crate::plan::schedule::LossScaler;
+use crate::plan::rules::{bf16_gradients, nvme_gradients};
 use crate::plan::{Plan, Precision, Tier};
 use crate::torch;
 use std::sync::Arc;
 use std::time::Instant;
 use tch::{Kind, TchError};
 use tierzero_offload::nvme::swap::SwapStore;
-use tierzero_offload::pipeline;
 
 pub struct RankEngine<'a, C: Collective> {
     /// The compute thread's communicator, the gather lane's (stage-3 all-gathers ahead of
@@ -108,23 +106,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             lanes,
         } = context;
         let (rank, world, stage) = (comms.main.rank(), comms.main.world(), plan.zero.stage);
-        let on = On(rank);
-        let missing = |what| EngineError::Invariant { rank, what };
-        let optimizer_nvme = match (plan.zero.offload_optimizer.tier, optimizer_store) {
-            (Tier::Nvme, Some(store)) => Some(NvmeTier {
-                store,
-                pool: pipeline::buffer_pool_for(store, pipeline_sets(plan), nvme_gradients(plan))
-                    .map_err(on.io())?,
-            }),
-            (Tier::Nvme, None) => return Err(missing("optimizer on nvme without a swap store")),
-            _ => None,
-        };
-        let param_home = match (plan.zero.offload_param.tier, param_store) {
-            (Tier::Nvme, Some(store)) => Home::Nvme(store),
-            (Tier::Nvme, None) => return Err(missing("parameters on nvme without a swap store")),
-            (Tier::Cpu, _) => Home::Host,
-            (Tier::Device, _) => Home::Device,
-        };
+        let (optimizer_nvme, param_home) = homes(plan, rank, (optimizer_store, param_store))?;
         let compute = plan.train.compute_device(rank);
         let mut units = Units::new(
             rank,
@@ -162,19 +144,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             optimizer_store.filter(|_| nvme_gradients(plan)),
         )?;
         let adam_steps = start.checkpoint().map_or(0, |c| c.manifest.adam_steps);
-        let mut scaler = LossScaler::new(match &plan.precision {
-            Precision::Fp16(s) => Some(s),
-            _ => None,
-        });
-        if let Some(checkpoint) = start.checkpoint() {
-            scaler.restore(&checkpoint.manifest.loss_scaler);
-        }
         // `offload_optimizer: none`: the state is tensors on the rank's device
         let optimizer_device = (plan.zero.offload_optimizer.tier == Tier::Device).then_some(compute);
         let mut optimizer = Optimizer::new(
             rank,
             (optimizer_nvme, optimizer_device),
-            (adam_steps, scaler),
+            (adam_steps, loss_scaler(plan, start)),
             partitions.clone(),
             &pinning,
         )?;

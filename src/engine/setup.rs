@@ -3,15 +3,61 @@
 //! the device for the whole run, how the host arenas are held (locked, registered with a
 //! GPU) and the rank's device streams. `RankEngine::new` (`rank.rs`) puts them together.
 
-use super::error::EngineError;
+use super::error::{EngineError, On};
+use super::optimizer::NvmeTier;
 use super::params::LowParams;
+use super::start::Start;
+use super::units::Home;
 use crate::device::cpu::{CpuDevice, Reservation};
 use crate::device::cuda::{Cuda, CudaStreams};
 use crate::device::lanes::Streams;
 use crate::plan::partition::Partition;
-use crate::plan::{Plan, Tier};
+use crate::plan::rules::{nvme_gradients, pipeline_sets};
+use crate::plan::schedule::LossScaler;
+use crate::plan::{Plan, Precision, Tier};
 use std::sync::Arc;
 use tierzero_offload::arena::Pinning;
+use tierzero_offload::nvme::swap::SwapStore;
+use tierzero_offload::pipeline;
+
+/// Where the rank's optimizer state and parameters live: the NVMe tier of optimizer state
+/// (the swap store and the pipeline's buffers) when it is there, and the parameters' home;
+/// `stores` are the optimizer's and the parameters' swap stores.
+pub(super) fn homes<'a>(
+    plan: &Plan,
+    rank: usize,
+    stores: (Option<&'a SwapStore>, Option<&'a SwapStore>),
+) -> Result<(Option<NvmeTier<'a>>, Home<'a>), EngineError> {
+    let missing = |what| EngineError::Invariant { rank, what };
+    let optimizer = match (plan.zero.offload_optimizer.tier, stores.0) {
+        (Tier::Nvme, Some(store)) => Some(NvmeTier {
+            store,
+            pool: pipeline::buffer_pool_for(store, pipeline_sets(plan), nvme_gradients(plan))
+                .map_err(On(rank).io())?,
+        }),
+        (Tier::Nvme, None) => return Err(missing("optimizer on nvme without a swap store")),
+        _ => None,
+    };
+    let params = match (plan.zero.offload_param.tier, stores.1) {
+        (Tier::Nvme, Some(store)) => Home::Nvme(store),
+        (Tier::Nvme, None) => return Err(missing("parameters on nvme without a swap store")),
+        (Tier::Cpu, _) => Home::Host,
+        (Tier::Device, _) => Home::Device,
+    };
+    Ok((optimizer, params))
+}
+
+/// The fp16 loss scaler (a fixed scale of 1 in other precisions), as a checkpoint left it.
+pub(super) fn loss_scaler(plan: &Plan, start: &Start) -> LossScaler {
+    let mut scaler = LossScaler::new(match &plan.precision {
+        Precision::Fp16(s) => Some(s),
+        _ => None,
+    });
+    if let Some(checkpoint) = start.checkpoint() {
+        scaler.restore(&checkpoint.manifest.loss_scaler);
+    }
+    scaler
+}
 
 /// Where one unit of a rank starts: its stored low-precision parameters (its shard at
 /// stage 3, else the whole unit), and the fp32 master weights and Adam moments of its
@@ -26,7 +72,7 @@ pub(super) struct UnitStart {
 /// Reads unit `u`'s starting state from `start` (seeded init, Hugging Face weights or a
 /// checkpoint) for rank `rank`, whose optimizer partition is `partition`.
 pub(super) fn unit_start(
-    start: &super::start::Start,
+    start: &Start,
     plan: &Plan,
     (u, layout): (usize, &crate::model::layout::UnitLayout),
     part: Partition,
