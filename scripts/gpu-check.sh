@@ -68,6 +68,7 @@ tiny() { # name, accelerator, param tier, optimizer tier, more train arguments
     --set bf16.enabled=true --set zero_optimization.stage=3 \
     --set zero_optimization.offload_param.device="$3" \
     --set zero_optimization.offload_param.nvme_path="$WORK/$1/nvme-param" \
+    --set zero_optimization.offload_param.max_in_cpu=0 \
     --set zero_optimization.offload_optimizer.device="$4" \
     --set zero_optimization.offload_optimizer.nvme_path="$WORK/$1/nvme-opt" "${@:5}"
 }

@@ -29,7 +29,7 @@ m130=(--config configs/default.json "${common[@]}" --set "train.steps=$steps"
       --set model.hidden_size=768 --set model.intermediate_size=2048 --set model.num_hidden_layers=12
       --set model.num_attention_heads=12 --set model.num_key_value_heads=12 --set model.vocab_size=32000
       --set train_micro_batch_size_per_gpu=1 --set data.seq_len=256 --set zero_optimization.sub_group_size=1e7
-      --set zero_optimization.offload_param.device=nvme --set "zero_optimization.offload_param.nvme_path=$work/nvme-130m"
+      --set zero_optimization.offload_param.device=nvme --set zero_optimization.offload_param.max_in_cpu=0 --set "zero_optimization.offload_param.nvme_path=$work/nvme-130m"
       --set "zero_optimization.offload_optimizer.nvme_path=$work/nvme-130m")
 l1b=(--config configs/llama-1b-1gpu-nvme.json "${common[@]}" --set "train.steps=$steps" --set train.devices=1
      --set train.accelerator=cpu --set train_micro_batch_size_per_gpu=1 --set gradient_accumulation_steps=1

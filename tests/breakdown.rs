@@ -16,7 +16,7 @@ fn plan(dir: &std::path::Path) -> Plan {
             "stage": 3,
             "sub_group_size": 2048,
             "stage3_param_persistence_threshold": 0,
-            "offload_param": { "device": "nvme", "nvme_path": dir.join("p") },
+            "offload_param": { "device": "nvme", "nvme_path": dir.join("p"), "max_in_cpu": 0 },
             "offload_optimizer": { "device": "nvme", "nvme_path": dir.join("o"), "buffer_count": 8 }
         },
         "model": { "preset": "llama-tiny", "hidden_size": 64, "num_hidden_layers": 3 },

@@ -6,7 +6,7 @@ use serde_json::json;
 use std::path::{Path, PathBuf};
 use tierzero::checkpoint::{save, Checkpoint, CheckpointError};
 use tierzero::model::hf;
-use tierzero::plan::{from_json, DeviceFacts, Plan};
+use tierzero::plan::{from_json, DeviceFacts, Plan, Tier};
 use tierzero::run::{train, TrainError, TrainOptions, TrainResult};
 
 /// A plan whose global batch (micro 1 × world × accumulation = 6) is the same on 1, 2 and 3 ranks.
@@ -33,6 +33,7 @@ fn plan_with(
     });
     if param == "nvme" {
         zero["offload_param"]["nvme_path"] = json!(dir.join("nvme-params"));
+        zero["offload_param"]["max_in_cpu"] = json!(0);
     }
     if optimizer == "nvme" {
         zero["offload_optimizer"]["nvme_path"] = json!(dir.join("nvme-optimizer"));
@@ -456,4 +457,29 @@ fn resume_with_another_micro_batch_split_matches_the_uninterrupted_run() {
     }
     let diff = max_rel_diff(&resumed.master, &full.master);
     assert!(diff <= 2e-6, "master weights differ by {diff:e} relative");
+}
+
+/// A run whose parameters all live on NVMe resumes with `offload_param.max_in_cpu`
+/// keeping its first units in host memory, and the other way round: bit for bit the
+/// uninterrupted run (checkpoints do not record where state lived).
+#[test]
+fn resume_across_parameter_placements_is_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let placed = |dir: &Path, max_in_cpu: usize| {
+        let mut plan = plan(2, 3, "nvme", "nvme", 4, dir);
+        plan.zero.offload_param.max_in_cpu = max_in_cpu;
+        plan
+    };
+    let numels = placed(tmp.path(), 0).model.config.unit_numels();
+    let mixed = numels[0] + numels[1];
+    for (saved, resumed) in [(0, mixed), (mixed, 0)] {
+        let dir = tmp.path().join(format!("from-{saved}"));
+        let whole = placed(&dir, saved);
+        let full = run(&whole, None);
+        let again = placed(&dir.join("again"), resumed);
+        let tiers = tierzero::plan::rules::param_tiers(&again);
+        assert!(tiers.contains(&Tier::Cpu) || tiers.iter().all(|t| *t == Tier::Nvme));
+        let what = format!("saved with max_in_cpu {saved}, resumed with {resumed}");
+        assert_resumed_bit_exact(&full, &run(&again, Some(&step_dir(&whole, 2))), 2, &what);
+    }
 }

@@ -240,7 +240,7 @@ fn tiny(accelerator: &str, param: &str, optimizer: &str, precision: &str, dir: &
         "zero_optimization": {
             "stage": 3,
             "stage3_param_persistence_threshold": 0,
-            "offload_param": { "device": param, "nvme_path": dir.join("params") },
+            "offload_param": { "device": param, "nvme_path": dir.join("params"), "max_in_cpu": 0 },
             "offload_optimizer": { "device": optimizer, "nvme_path": dir.join("optimizer") }
         },
         "model": { "preset": "llama-tiny" },

@@ -61,7 +61,11 @@ fn the_host_prediction_bounds_the_measured_peak_resident_set() {
         ),
         (
             "stage 3, params and optimizer on nvme, 1 rank",
-            &["train.devices=1", "zero_optimization.offload_param.device=nvme"],
+            &[
+                "train.devices=1",
+                "zero_optimization.offload_param.device=nvme",
+                "zero_optimization.offload_param.max_in_cpu=0",
+            ],
         ),
         (
             "stage 2, optimizer on cpu, 2 ranks",

@@ -119,14 +119,15 @@ fn a_dry_run_of_llama_70b_on_eight_gpus() {
 /// reductions, copies each way, NVMe reads and writes), the simulated step's bytes equal
 /// the real run's in a steady step, for the default config and variants that change the
 /// schedule (stage, tiers, precision, persistent and kept units, reduction chunks,
-/// micro-batches, sums on the device, ranks). Bytes do not depend on the profile's rates, so a shipped profile run as a CPU serves; the times are checked
+/// micro-batches, sums on the device, ranks, parameters split between host memory and
+/// NVMe). Bytes do not depend on the profile's rates, so a shipped profile run as a CPU serves; the times are checked
 /// against real runs by `scripts/sim_check.sh` (README), not here.
 #[test]
 fn the_replay_moves_the_bytes_the_engine_moves() {
     const PARAM_NVME: &str = "(the parameters' NVMe directory)";
     let mut profile = Profile::load("h100-pcie5").unwrap();
     profile.device = "cpu".into();
-    let variants: [&[&str]; 15] = [
+    let variants: [&[&str]; 16] = [
         &["bf16.enabled=true"],
         &["zero_optimization.stage3_param_persistence_threshold=100000"],
         &["zero_optimization.overlap_comm=false", "train.devices=1"],
@@ -138,7 +139,17 @@ fn the_replay_moves_the_bytes_the_engine_moves() {
             "zero_optimization.offload_optimizer.device=none",
         ],
         &["zero_optimization.offload_param.device=cpu"],
-        &["zero_optimization.offload_param.device=nvme", PARAM_NVME],
+        &[
+            "zero_optimization.offload_param.device=nvme",
+            "zero_optimization.offload_param.max_in_cpu=0",
+            PARAM_NVME,
+        ],
+        // the embedding and the first block in host memory, the rest on NVMe
+        &[
+            "zero_optimization.offload_param.device=nvme",
+            "zero_optimization.offload_param.max_in_cpu=62592",
+            PARAM_NVME,
+        ],
         &["zero_optimization.offload_optimizer.device=none"],
         &["zero_optimization.reduce_bucket_size=20000"],
         &["gradient_accumulation_steps=2", "train.devices=4"],

@@ -17,7 +17,7 @@ use tierzero::engine::context::LaneOptions;
 use tierzero::engine::prefetch::DroppedWait;
 use tierzero::metrics::timeline::Phase;
 use tierzero::plan::Wire;
-use tierzero::plan::{from_json, DeviceFacts, Plan};
+use tierzero::plan::{from_json, DeviceFacts, Plan, Tier};
 use tierzero::run::{train, TrainOptions};
 
 const CHECKED: LaneOptions = LaneOptions {
@@ -46,6 +46,8 @@ fn plan(
     });
     if param == "nvme" {
         zero["offload_param"]["nvme_path"] = json!(nvme.join("params"));
+        // every unit on NVMe (DeepSpeed's default max_in_cpu keeps a small model in memory)
+        zero["offload_param"]["max_in_cpu"] = json!(0);
     }
     if optimizer == "nvme" {
         zero["offload_optimizer"]["nvme_path"] = json!(nvme.join("optimizer"));
@@ -602,5 +604,33 @@ fn kept_activations_train_the_bits_of_recompute() {
         let mut recompute = keep.clone();
         recompute.train.kept_activations = false;
         assert_eq!(master(&keep), master(&recompute), "stage {stage}");
+    }
+}
+
+/// Parameters on NVMe with `offload_param.max_in_cpu` covering the embedding and the
+/// first block: those stay in host memory, the rest are swapped, and the run trains the
+/// bits of every unit on NVMe and of every unit in host memory (placement changes where
+/// bytes live, never the arithmetic).
+#[test]
+fn a_mixed_parameter_placement_trains_the_bits_of_one_tier() {
+    let dir = disk_dir();
+    for optimizer in ["cpu", "nvme"] {
+        let on_nvme = plan(2, 3, "nvme", optimizer, 2, dir.path(), "bf16");
+        let numels = on_nvme.model.config.unit_numels();
+        let mut mixed = on_nvme.clone();
+        mixed.zero.offload_param.max_in_cpu = numels[0] + numels[1];
+        let tiers = tierzero::plan::rules::param_tiers(&mixed);
+        assert_eq!(&tiers[..3], &[Tier::Cpu, Tier::Cpu, Tier::Nvme]);
+        assert!(tiers[2..].iter().all(|t| *t == Tier::Nvme));
+        let in_host = plan(2, 3, "cpu", optimizer, 2, dir.path(), "bf16");
+        let mixed_master = master(&mixed);
+        assert!(
+            mixed_master == master(&on_nvme),
+            "optimizer {optimizer}: mixed vs NVMe"
+        );
+        assert!(
+            mixed_master == master(&in_host),
+            "optimizer {optimizer}: mixed vs host"
+        );
     }
 }

@@ -36,7 +36,7 @@ config() { # $1: nvme path; $2: output dir
   "stage": 3,
   "stage3_param_persistence_threshold": 0,
   "sub_group_size": 1e7,
-  "offload_param": {"device": "nvme", "nvme_path": "$1"},
+  "offload_param": {"device": "nvme", "nvme_path": "$1", "max_in_cpu": 0},
   "offload_optimizer": {"device": "nvme", "nvme_path": "$1"}
  },
  "model": {"hf_dir": "$work/llama"},

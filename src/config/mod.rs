@@ -31,7 +31,6 @@ use std::path::Path;
 pub const NOT_YET_ACTED: &[&str] = &[
     "zero_optimization.offload_param.buffer_count",
     "zero_optimization.offload_param.buffer_size",
-    "zero_optimization.offload_param.max_in_cpu",
     "zero_optimization.contiguous_gradients",
     "zero_optimization.reduce_scatter",
     "zero_optimization.allgather_partitions",

@@ -106,7 +106,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             lanes,
         } = context;
         let (rank, world, stage) = (comms.main.rank(), comms.main.world(), plan.zero.stage);
-        let (optimizer_nvme, param_home) = homes(plan, rank, (optimizer_store, param_store))?;
+        let (optimizer_nvme, param_homes) = homes(plan, rank, (optimizer_store, param_store))?;
         let compute = plan.train.compute_device(rank);
         let mut units = Units::new(
             rank,
@@ -114,7 +114,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             plan.precision,
             (model.kind, compute),
             plan.zero.param_persistence_threshold,
-            (param_home, lanes.mode),
+            lanes.mode,
         );
         let parts: Vec<Partition> = model
             .units
@@ -165,7 +165,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 (state.params.len(), part),
                 (partition.len(), grads.unit_bytes(u)),
             )?);
-            units.push(part, state.params)?;
+            units.push(part, state.params, param_homes[u])?;
         }
         Ok(RankEngine {
             comms,

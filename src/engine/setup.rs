@@ -12,7 +12,7 @@ use crate::device::cpu::{CpuDevice, Reservation};
 use crate::device::cuda::{Cuda, CudaStreams};
 use crate::device::lanes::Streams;
 use crate::plan::partition::Partition;
-use crate::plan::rules::{nvme_gradients, pipeline_sets};
+use crate::plan::rules::{nvme_gradients, param_tiers, pipeline_sets};
 use crate::plan::schedule::LossScaler;
 use crate::plan::{Plan, Precision, Tier};
 use std::sync::Arc;
@@ -21,13 +21,14 @@ use tierzero_offload::nvme::swap::SwapStore;
 use tierzero_offload::pipeline;
 
 /// Where the rank's optimizer state and parameters live: the NVMe tier of optimizer state
-/// (the swap store and the pipeline's buffers) when it is there, and the parameters' home;
-/// `stores` are the optimizer's and the parameters' swap stores.
+/// (the swap store and the pipeline's buffers) when it is there, and each unit's
+/// parameter home (`rules::param_tiers`); `stores` are the optimizer's and the
+/// parameters' swap stores.
 pub(super) fn homes<'a>(
     plan: &Plan,
     rank: usize,
     stores: (Option<&'a SwapStore>, Option<&'a SwapStore>),
-) -> Result<(Option<NvmeTier<'a>>, Home<'a>), EngineError> {
+) -> Result<(Option<NvmeTier<'a>>, Vec<Home<'a>>), EngineError> {
     let missing = |what| EngineError::Invariant { rank, what };
     let optimizer = match (plan.zero.offload_optimizer.tier, stores.0) {
         (Tier::Nvme, Some(store)) => Some(NvmeTier {
@@ -38,12 +39,15 @@ pub(super) fn homes<'a>(
         (Tier::Nvme, None) => return Err(missing("optimizer on nvme without a swap store")),
         _ => None,
     };
-    let params = match (plan.zero.offload_param.tier, stores.1) {
-        (Tier::Nvme, Some(store)) => Home::Nvme(store),
-        (Tier::Nvme, None) => return Err(missing("parameters on nvme without a swap store")),
-        (Tier::Cpu, _) => Home::Host,
-        (Tier::Device, _) => Home::Device,
-    };
+    let params = param_tiers(plan)
+        .into_iter()
+        .map(|tier| match (tier, stores.1) {
+            (Tier::Nvme, Some(store)) => Ok(Home::Nvme(store)),
+            (Tier::Nvme, None) => Err(missing("parameters on nvme without a swap store")),
+            (Tier::Cpu, _) => Ok(Home::Host),
+            (Tier::Device, _) => Ok(Home::Device),
+        })
+        .collect::<Result<_, _>>()?;
     Ok((optimizer, params))
 }
 

@@ -20,7 +20,7 @@ use tch::Tensor;
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pool::IoBuf;
 
-/// Where every unit's stored parameters live (`offload_param`).
+/// Where a unit's stored parameters live (`offload_param`, `rules::param_tiers`).
 #[derive(Clone, Copy)]
 pub(super) enum Home<'a> {
     Device,
@@ -69,7 +69,6 @@ pub(super) struct Units<'a> {
     kind: tch::Kind,
     compute: tch::Device,
     persistence_threshold: usize,
-    home: Home<'a>,
     /// Stage-3 gather buffers, reused across micro-batches (lent to the prefetcher).
     gather_buffers: Option<GatherBuffers>,
 }
@@ -81,7 +80,7 @@ impl<'a> Units<'a> {
         precision: Precision,
         (kind, compute): (tch::Kind, tch::Device),
         persistence_threshold: usize,
-        (home, mode): (Home<'a>, Mode),
+        mode: Mode,
     ) -> Units<'a> {
         Units {
             units: Vec::new(),
@@ -91,15 +90,19 @@ impl<'a> Units<'a> {
             kind,
             compute,
             persistence_threshold,
-            home,
             gather_buffers: Some(GatherBuffers::new(mode)),
         }
     }
 
     /// Adds the next unit with its initial stored parameters, put on its home tier.
-    pub(super) fn push(&mut self, part: Partition, initial: LowParams) -> Result<(), EngineError> {
+    pub(super) fn push(
+        &mut self,
+        part: Partition,
+        initial: LowParams,
+        home: Home<'a>,
+    ) -> Result<(), EngineError> {
         let u = self.units.len();
-        let params = match self.home {
+        let params = match home {
             Home::Nvme(store) => {
                 let scratch = IoBuf::new(store.chunk_bytes(initial.elem_bytes())).map_err(self.on.alloc())?;
                 store

@@ -13,8 +13,8 @@
 use super::memory::predict;
 use super::partition::Partition;
 use super::rules::{
-    bf16_gradients, chunk_elements, device_accumulation, gathers_updates, nvme_gradients, pipeline_sets,
-    swap_chunk, MAX_IN_FLIGHT, REDUCE_DEPTH,
+    bf16_gradients, chunk_elements, device_accumulation, gathers_updates, nvme_gradients, param_tiers,
+    pipeline_sets, swap_chunk, MAX_IN_FLIGHT, REDUCE_DEPTH,
 };
 use super::{Accelerator, Plan, Tier, Wire};
 use serde::Serialize;
@@ -59,8 +59,8 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     let grad_elem = if bf16_gradients(plan) { 2 } else { 4 };
     let nvme_grads = nvme_gradients(plan);
     let mut rank = HostBytes::default();
-    for p in &parts {
-        let param_tier = plan.zero.offload_param.tier;
+    let param_tiers = param_tiers(plan);
+    for (p, &param_tier) in parts.iter().zip(&param_tiers) {
         if in_host(param_tier) {
             rank.parameters += elem
                 * match (param_tier, stage) {
@@ -103,7 +103,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         // one chunk per gradient reduction in flight
         rank.gradients += REDUCE_DEPTH as u64 * aligned(grad_elem * swap_chunk);
     }
-    if plan.zero.offload_param.tier == Tier::Nvme {
+    if param_tiers.contains(&Tier::Nvme) {
         // the optimizer lane's staging partition, its bounce buffer and the h2d lane's
         rank.buffers += elem * max_opt + 2 * aligned(elem * swap_chunk);
     }

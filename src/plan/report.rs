@@ -31,13 +31,29 @@ pub fn model_states(plan: &Plan) -> Vec<StateRow> {
     };
     let low = plan.precision.bytes() as u64;
     let optimizer_tier = plan.zero.offload_optimizer.tier;
-    vec![
-        StateRow {
-            state: "parameters",
-            tier: plan.zero.offload_param.tier,
-            bytes_per_rank: per_rank(low, stage >= 3),
-            sharded: stage >= 3,
-        },
+    // parameters on NVMe keep their first `max_in_cpu` elements in host memory: a row
+    // per tier that holds some
+    let numels = plan.model.config.unit_numels();
+    let tiers = super::rules::param_tiers(plan);
+    let mut rows: Vec<StateRow> = [Tier::Device, Tier::Cpu, Tier::Nvme]
+        .into_iter()
+        .filter_map(|tier| {
+            let elements: u64 = numels
+                .iter()
+                .zip(&tiers)
+                .filter(|(_, t)| **t == tier)
+                .map(|(n, _)| *n as u64)
+                .sum();
+            let bytes = elements * low;
+            (elements > 0).then(|| StateRow {
+                state: "parameters",
+                tier,
+                bytes_per_rank: if stage >= 3 { bytes.div_ceil(world) } else { bytes },
+                sharded: stage >= 3,
+            })
+        })
+        .collect();
+    rows.extend([
         StateRow {
             state: "gradients",
             // the gradient shard sits next to the optimizer state, on NVMe too (as
@@ -58,7 +74,8 @@ pub fn model_states(plan: &Plan) -> Vec<StateRow> {
             bytes_per_rank: per_rank(12, stage >= 1),
             sharded: stage >= 1,
         },
-    ]
+    ]);
+    rows
 }
 
 pub fn gib(bytes: u64) -> f64 {
@@ -180,6 +197,19 @@ pub fn plan_table(plan: &Plan) -> String {
                 gib(s.bytes_per_rank),
                 s.tier.name(),
                 if s.sharded { " (sharded)" } else { "" }
+            ),
+        );
+    }
+    let tiers = super::rules::param_tiers(plan);
+    if let Some(first) = tiers.iter().position(|t| *t == Tier::Nvme).filter(|&u| u > 0) {
+        row(
+            &mut out,
+            "param placement",
+            format!(
+                "units 0–{} in host memory, {first}–{} on nvme (offload_param.max_in_cpu {})",
+                first - 1,
+                tiers.len() - 1,
+                plan.zero.offload_param.max_in_cpu
             ),
         );
     }

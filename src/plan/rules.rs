@@ -95,6 +95,40 @@ pub fn head_slice_rows(vocab: i64, hidden: i64) -> i64 {
     (HEAD_SLICE_ELEMENTS / hidden.max(1)).clamp(1, vocab.max(1))
 }
 
+/// Each unit's parameter tier: `offload_param.device`, except that with parameters on
+/// NVMe the units whose elements, counted in forward order, fit in
+/// `offload_param.max_in_cpu` stay in host memory (DeepSpeed's meaning: it keeps that many
+/// 16-bit parameter elements in CPU buffers and swaps the rest; its default 1e9 keeps a
+/// model of up to a billion parameters off the disk). Whole units: the first that does
+/// not fit, and every one after it, is on NVMe.
+pub fn param_tiers(plan: &Plan) -> Vec<Tier> {
+    let param = &plan.zero.offload_param;
+    let mut in_cpu = 0usize;
+    let mut spilled = false;
+    plan.model
+        .config
+        .unit_numels()
+        .into_iter()
+        .map(|numel| {
+            if param.tier != Tier::Nvme {
+                return param.tier;
+            }
+            in_cpu += numel;
+            spilled |= in_cpu > param.max_in_cpu;
+            if spilled {
+                Tier::Nvme
+            } else {
+                Tier::Cpu
+            }
+        })
+        .collect()
+}
+
+/// Whether any unit's parameters live on NVMe ([`param_tiers`]).
+pub fn nvme_params(plan: &Plan) -> bool {
+    param_tiers(plan).contains(&Tier::Nvme)
+}
+
 /// Whether unit `u` keeps its autograd graph from forward to backward (no recompute):
 /// kept activations are on, `u` is a block, and its parameters stay on the device
 /// through the step (a replica on the device below stage 3, a persistent unit at stage

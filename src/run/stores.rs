@@ -95,13 +95,15 @@ pub(super) fn open_stores(
         }
         _ => None,
     };
-    let params = match (&plan.zero.offload_param.tier, &plan.zero.offload_param.nvme_path) {
-        (Tier::Nvme, Some(path)) => Some(open_store(
-            plan,
-            path,
-            "tierzero-params",
-            &swap_specs(plan, model, &[State::Param], plan.precision.bytes()),
-        )?),
+    // the units whose parameters live on NVMe (`offload_param.max_in_cpu` keeps the first
+    // in host memory)
+    let tiers = crate::plan::rules::param_tiers(plan);
+    let params = match (tiers.contains(&Tier::Nvme), &plan.zero.offload_param.nvme_path) {
+        (true, Some(path)) => {
+            let mut specs = swap_specs(plan, model, &[State::Param], plan.precision.bytes());
+            specs.retain(|spec| tiers[spec.key.unit as usize] == Tier::Nvme);
+            Some(open_store(plan, path, "tierzero-params", &specs)?)
+        }
         _ => None,
     };
     Ok((optimizer, params))

@@ -39,6 +39,8 @@ pub(super) struct Replay<'a> {
     profile: &'a Profile,
     pub clocks: Clocks,
     parts: Vec<Partition>,
+    /// Each unit's parameter tier (`rules::param_tiers`).
+    param_tiers: Vec<Tier>,
     /// When each unit's update of the previous step is installed (the optimizer thread).
     updated: Vec<Mark>,
     /// Reductions in flight on the collectives lane (their end marks).
@@ -73,6 +75,7 @@ impl<'a> Replay<'a> {
             profile,
             clocks: Clocks::default(),
             parts,
+            param_tiers: rules::param_tiers(plan),
             updated,
             reducing: Vec::new(),
             pcie: [0, 0],
@@ -274,7 +277,7 @@ impl<'a> Replay<'a> {
         let issued = self.clocks.mark(Track::Compute);
         let copies = self.profile.copies.clone();
         let mut ready = issued;
-        match self.plan.zero.offload_param.tier {
+        match self.param_tiers[u] {
             Tier::Device => {}
             tier => {
                 // the h2d lane: (NVMe: read chunk by chunk through a bounce buffer, one in

@@ -82,7 +82,7 @@ impl Replay<'_> {
             }
             // the new parameters back to their tier
             let shard = self.parts[u].shard as u64 * self.p();
-            if self.plan.zero.offload_param.tier == Tier::Nvme && self.stage() == 3 {
+            if self.param_tiers[u] == Tier::Nvme && self.stage() == 3 {
                 self.clocks.run(
                     Track::Optimizer,
                     "nvme_write",
