@@ -104,6 +104,7 @@ fn auto_resolves_from_the_model_like_the_hf_integration() {
             cuda_bf16: true,
             cuda_devices: 1,
             cuda_memory: None,
+            host_memory: None,
         },
     )
     .unwrap()
@@ -393,6 +394,7 @@ fn accelerator_follows_the_machine_and_refuses_what_it_lacks() {
         cuda_bf16: true,
         cuda_devices: 2,
         cuda_memory: None,
+        host_memory: None,
     };
     let plan = from_json(v.clone(), &[], cpu).unwrap().plan;
     assert_eq!(plan.train.accelerator, tierzero::plan::Accelerator::Cpu);
@@ -462,6 +464,7 @@ fn launch_keys_set_the_world_and_refuse_a_bad_node_rank() {
         cuda_bf16: true,
         cuda_devices: 4,
         cuda_memory: None,
+        host_memory: None,
     };
     let plan = from_json(
         v.clone(),
@@ -577,4 +580,54 @@ fn a_prefetch_bucket_under_one_unit_is_warned_about() {
             .any(|w| w.contains("stage3_prefetch_bucket_size 1000 is smaller than the largest unit"));
         assert_eq!(said, warned, "bucket {bucket}: {:?}", loaded.warnings);
     }
+}
+
+/// `offload_param.max_in_cpu: "auto"` keeps in host memory the most units whose
+/// parameters fit `train.host_memory` (with the plan's margin) beside the rest of the
+/// process: all of them when memory is plenty, none when even the NVMe layout is over, a
+/// prefix in between — and the plan's host prediction then fits.
+#[test]
+fn max_in_cpu_auto_fills_host_memory_with_whole_units() {
+    let nvme = std::env::temp_dir();
+    let plan_with = |memory: &str| {
+        with(
+            base(),
+            &[
+                "zero_optimization.stage=3",
+                "zero_optimization.offload_optimizer.device=nvme",
+                "zero_optimization.offload_param.device=nvme",
+                "zero_optimization.offload_param.max_in_cpu=auto",
+                &format!("zero_optimization.offload_param.nvme_path={}", nvme.display()),
+                &format!("zero_optimization.offload_optimizer.nvme_path={}", nvme.display()),
+                &format!("train.host_memory={memory}"),
+            ],
+        )
+        .unwrap()
+        .plan
+    };
+    let tiers = |plan: &tierzero::plan::Plan| tierzero::plan::rules::param_tiers(plan);
+    let host = |plan: &tierzero::plan::Plan| tierzero::plan::host_memory::predict_host(plan).total;
+    let all_nvme = host(&{
+        let mut p = plan_with("1e12");
+        p.zero.offload_param.max_in_cpu = 0;
+        p
+    });
+    assert!(tiers(&plan_with("1e12")).iter().all(|t| *t == Tier::Cpu));
+    assert!(tiers(&plan_with("1e6")).iter().all(|t| *t == Tier::Nvme));
+    // room for 200 kB more than the NVMe layout: the embedding (two 64 kB buffers of
+    // it at stage 3), not the first block beside it
+    let memory = ((all_nvme + 200_000) as f64 / tierzero::plan::HOST_MARGIN).ceil() as u64;
+    let plan = plan_with(&memory.to_string());
+    let split = tiers(&plan);
+    assert!(
+        split.contains(&Tier::Cpu) && split.contains(&Tier::Nvme),
+        "{split:?}"
+    );
+    assert!(host(&plan) as f64 <= memory as f64 * tierzero::plan::HOST_MARGIN);
+    let choice = plan
+        .auto
+        .iter()
+        .find(|c| c.key == "zero_optimization.offload_param.max_in_cpu")
+        .unwrap();
+    assert!(choice.why.contains("fit in host memory"), "{}", choice.why);
 }

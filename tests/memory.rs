@@ -318,6 +318,7 @@ fn gpu_plan(memory: Option<u64>, zero: serde_json::Value, model: serde_json::Val
         cuda_bf16: true,
         cuda_devices: 2,
         cuda_memory: memory,
+        host_memory: None,
     };
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
     from_json(config, &sets, facts).unwrap().plan

@@ -244,6 +244,9 @@ pub struct TrainSection {
     pub rendezvous_timeout: Option<Num>,
     /// Bytes of "device" memory per CPU rank (the budget `CpuDevice` enforces).
     pub device_memory: Option<Num>,
+    /// Bytes of host memory this process may hold ("auto": what the machine has
+    /// available when the plan is made), the budget of `"auto"` placements.
+    pub host_memory: Option<Num>,
     /// Gradient accumulation's sums on the device: "auto" (on a GPU, where they fit the
     /// budget), true or false.
     pub accumulate_on_device: Option<Flag>,

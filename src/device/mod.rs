@@ -29,6 +29,15 @@ pub enum DeviceError {
     ForeignMark,
 }
 
+/// Host memory the kernel says is available for new allocations without swapping
+/// (`MemAvailable` of `/proc/meminfo`), bytes; None where it cannot be read.
+fn available_host_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// What this machine has, for the plan's `"auto"` choices (asks libtorch; no GPU and no
 /// driver is simply 0 GPUs).
 pub fn facts() -> DeviceFacts {
@@ -45,6 +54,7 @@ pub fn facts() -> DeviceFacts {
         cuda_bf16: cuda_devices > 0,
         cuda_devices,
         cuda_memory,
+        host_memory: available_host_memory(),
     }
 }
 

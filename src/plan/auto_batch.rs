@@ -239,3 +239,66 @@ pub(super) fn fit_gathered(plan: &mut Plan, facts: DeviceFacts) {
         });
     }
 }
+
+/// Of host memory, what an `"auto"` placement may fill: the rest is left to the page
+/// cache (the NVMe files are read through it when O_DIRECT is off) and whatever else the
+/// machine runs.
+pub const HOST_MARGIN: f64 = 0.9;
+
+/// Parameters on NVMe with `offload_param.max_in_cpu: "auto"`: the most units, in forward
+/// order, whose parameters fit in host memory beside everything else the process holds
+/// there (`host_memory::predict_host` at most [`HOST_MARGIN`] of `train.host_memory`);
+/// without a known budget, DeepSpeed's default of 1e9 elements.
+pub(super) fn fit_params_in_host(plan: &mut Plan) {
+    let param = &plan.zero.offload_param;
+    if !param.max_in_cpu_auto || param.tier != super::Tier::Nvme {
+        return;
+    }
+    let Some(memory) = plan.train.host_memory else {
+        plan.auto.push(AutoChoice {
+            key: "zero_optimization.offload_param.max_in_cpu",
+            value: plan.zero.offload_param.max_in_cpu,
+            why: "the host memory is unknown (set train.host_memory): DeepSpeed's default".into(),
+        });
+        return;
+    };
+    let budget = (memory as f64 * HOST_MARGIN) as u64;
+    // every prefix of the units, counted in elements, from all of them down to none
+    let mut prefixes = vec![0usize];
+    for numel in plan.model.config.unit_numels() {
+        prefixes.push(prefixes.last().copied().unwrap_or(0) + numel);
+    }
+    let host_bytes = |max_in_cpu: usize| {
+        let mut p = plan.clone();
+        p.zero.offload_param.max_in_cpu = max_in_cpu;
+        crate::plan::host_memory::predict_host(&p).total
+    };
+    let chosen = prefixes.iter().rev().copied().find(|&n| host_bytes(n) <= budget);
+    let gib = |b: u64| format!("{:.2} GiB", b as f64 / f64::from(1u32 << 30));
+    let (value, why) = match chosen {
+        Some(n) => (
+            n,
+            format!(
+                "the units whose parameters fit in host memory: the process then holds {} of {} (90% of train.host_memory {})",
+                gib(host_bytes(n)),
+                gib(budget),
+                gib(memory)
+            ),
+        ),
+        None => (
+            0,
+            format!(
+                "even with every unit on NVMe the process holds {}, over {} (90% of train.host_memory {}): no unit stays in host memory",
+                gib(host_bytes(0)),
+                gib(budget),
+                gib(memory)
+            ),
+        ),
+    };
+    plan.zero.offload_param.max_in_cpu = value;
+    plan.auto.push(AutoChoice {
+        key: "zero_optimization.offload_param.max_in_cpu",
+        value,
+        why,
+    });
+}

@@ -24,6 +24,7 @@ pub mod schedule;
 pub mod simulate;
 mod types;
 
+pub use auto_batch::HOST_MARGIN;
 pub use report::plan_table;
 pub use types::*;
 

@@ -104,6 +104,7 @@ impl Plan {
         super::auto_batch::fit_device_sums(&mut plan, facts);
         super::auto_batch::fit_gathered(&mut plan, facts);
         super::auto_batch::fit_kept_activations(&mut plan, facts);
+        super::auto_batch::fit_params_in_host(&mut plan);
         Ok(plan)
     }
 
@@ -172,6 +173,10 @@ fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError
         device_memory: match t.device_memory {
             None | Some(Num::Auto) => None,
             some => Some(positive("train.device_memory", some, 1)? as u64),
+        },
+        host_memory: match t.host_memory {
+            None | Some(Num::Auto) => facts.host_memory,
+            some => Some(positive("train.host_memory", some, 1)? as u64),
         },
         accumulate_on_device: match t.accumulate_on_device {
             None | Some(Flag::Auto) => None,

@@ -261,11 +261,13 @@ fn param_offload(tier: Tier, op: OffloadParamSection) -> Result<ParamOffload, Co
             op.buffer_size,
             100_000_000,
         )?,
-        max_in_cpu: count(
+        max_in_cpu: count_or_auto(
             "zero_optimization.offload_param.max_in_cpu",
             op.max_in_cpu,
             1_000_000_000,
+            1_000_000_000,
         )?,
+        max_in_cpu_auto: matches!(op.max_in_cpu, Some(Num::Auto)),
     })
 }
 

@@ -180,6 +180,8 @@ pub struct ParamOffload {
     pub buffer_count: usize,
     pub buffer_size: usize,
     pub max_in_cpu: usize,
+    /// `max_in_cpu` was `"auto"`: the plan fills host memory (`auto_batch::fit_params_in_host`).
+    pub max_in_cpu_auto: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -289,6 +291,9 @@ pub struct Train {
     pub launch: Launch,
     /// Per-rank device memory budget in bytes (CPU devices); None = unlimited.
     pub device_memory: Option<u64>,
+    /// Host memory this process may hold, bytes (`train.host_memory`, by default what the
+    /// machine had available at plan time); None = unknown.
+    pub host_memory: Option<u64>,
     /// `train.accumulate_on_device`: None for "auto".
     pub accumulate_on_device: Option<bool>,
     /// `train.keep_gathered`: None for "auto".
@@ -402,4 +407,6 @@ pub struct DeviceFacts {
     pub cuda_devices: usize,
     /// Bytes of the first GPU's memory (the budget of an `"auto"` micro-batch on CUDA).
     pub cuda_memory: Option<u64>,
+    /// Bytes of host memory available now (`MemAvailable`), the default `train.host_memory`.
+    pub host_memory: Option<u64>,
 }

@@ -211,6 +211,7 @@ impl Profile {
             cuda_bf16: true,
             cuda_devices: 1024,
             cuda_memory: Some(self.device_memory_bytes.value as u64),
+            host_memory: None,
         }
     }
 
