@@ -631,3 +631,36 @@ fn max_in_cpu_auto_fills_host_memory_with_whole_units() {
         .unwrap();
     assert!(choice.why.contains("fit in host memory"), "{}", choice.why);
 }
+
+/// A plan whose host bytes exceed `train.host_memory` says so once, with the change that
+/// makes it fit (each tried on top of the one before) or what it needs at least.
+#[test]
+fn a_plan_over_the_host_memory_names_the_change_that_fits() {
+    let warning = |memory: &str| {
+        let loaded = with(
+            json!({ "train_micro_batch_size_per_gpu": 1, "model": {"preset": "llama-1b"}, "data": { "seq_len": 128 } }),
+            &[
+                "zero_optimization.stage=3",
+                "zero_optimization.offload_optimizer.device=cpu",
+                "zero_optimization.offload_param.device=cpu",
+                &format!("train.host_memory={memory}"),
+            ],
+        )
+        .unwrap();
+        let found: Vec<_> = loaded
+            .warnings
+            .iter()
+            .filter(|w| w.contains("train.host_memory"))
+            .collect();
+        assert!(found.len() <= 1, "{found:?}");
+        found.first().map(|w| w.to_string())
+    };
+    assert_eq!(warning("1e12"), None);
+    let both = warning("8e9").unwrap();
+    assert!(
+        both.contains("--set zero_optimization.offload_optimizer.device=nvme --set zero_optimization.offload_param.device=nvme"),
+        "{both}"
+    );
+    let none = warning("1e8").unwrap();
+    assert!(none.contains("even with every state on NVMe"), "{none}");
+}

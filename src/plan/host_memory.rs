@@ -163,6 +163,69 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     total
 }
 
+/// When the process's predicted host bytes exceed `train.host_memory`: what `plan` says,
+/// with the smallest change that makes the prediction fit, trying in turn (each on top
+/// of the ones before) the optimizer state on NVMe, the parameters on NVMe (stage 3) and
+/// a smaller micro-batch — or, when even all of them do not fit, how much memory it needs.
+pub fn host_fit_warning(plan: &Plan) -> Option<String> {
+    let memory = plan.train.host_memory?;
+    let predicted = predict_host(plan).total;
+    if predicted <= memory {
+        return None;
+    }
+    let gib = |b: u64| format!("{:.2} GiB", b as f64 / f64::from(1u32 << 30));
+    let fits = |p: &Plan| predict_host(p).total <= memory;
+    let mut p = plan.clone();
+    let mut sets: Vec<String> = Vec::new();
+    let fix = 'fix: {
+        if p.zero.offload_optimizer.tier == Tier::Cpu {
+            p.zero.offload_optimizer.tier = Tier::Nvme;
+            sets.push("zero_optimization.offload_optimizer.device=nvme".into());
+            if fits(&p) {
+                break 'fix true;
+            }
+        }
+        if p.zero.stage == 3 && p.zero.offload_param.tier == Tier::Cpu {
+            p.zero.offload_param.tier = Tier::Nvme;
+            p.zero.offload_param.max_in_cpu = 0;
+            sets.push("zero_optimization.offload_param.device=nvme".into());
+            sets.push("zero_optimization.offload_param.max_in_cpu=0".into());
+            if fits(&p) {
+                break 'fix true;
+            }
+        }
+        while p.batch.micro_batch_per_gpu > 1 {
+            p.batch.micro_batch_per_gpu /= 2;
+            if fits(&p) {
+                sets.push(format!(
+                    "train_micro_batch_size_per_gpu={}",
+                    p.batch.micro_batch_per_gpu
+                ));
+                break 'fix true;
+            }
+        }
+        false
+    };
+    let fix = if fix {
+        let sets: Vec<String> = sets.iter().map(|s| format!("--set {s}")).collect();
+        format!(
+            "{} plans {} (with nvme_path set)",
+            sets.join(" "),
+            gib(predict_host(&p).total)
+        )
+    } else {
+        format!(
+            "even with every state on NVMe and a micro-batch of 1 it needs {}",
+            gib(predict_host(&p).total)
+        )
+    };
+    Some(format!(
+        "host memory per process is predicted at {}, over train.host_memory {}: the run would be killed or swap; {fix}",
+        gib(predicted),
+        gib(memory)
+    ))
+}
+
 /// Elements a best-fit pool (`device/pool.rs`: a buffer serves requests down to half its
 /// size) keeps for buffers of these sizes when up to `at_once` of them are out together:
 /// per size class (sizes within 2× of the class's largest), `at_once` of its largest, or

@@ -54,6 +54,7 @@ pub fn from_json(json: Value, sets: &[String], facts: DeviceFacts) -> Result<Loa
     let read = config::read(json, sets)?;
     let mut warnings = read.warnings;
     let plan = Plan::build(&read.ds, facts, &mut warnings)?;
+    warnings.extend(host_memory::host_fit_warning(&plan));
     warnings.extend(read.not_yet);
     Ok(Loaded {
         ds: read.ds,
