@@ -82,16 +82,14 @@ pub fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
-/// The plan as an aligned text table.
+/// The plan as an aligned text table: the model, the batch, the training, and where
+/// ZeRO puts the state with the memory each tier holds.
 pub fn plan_table(plan: &Plan) -> String {
     let mut out = String::new();
     let m = &plan.model.config;
     let params = m.num_parameters();
     let units = m.unit_numels();
     let largest = units.iter().copied().max().unwrap_or(0);
-    let row = |out: &mut String, k: &str, v: String| {
-        let _ = writeln!(out, "  {k:<28} {v}");
-    };
     let _ = writeln!(out, "model");
     row(&mut out, "source", plan.model.source.clone());
     row(
@@ -118,10 +116,22 @@ pub fn plan_table(plan: &Plan) -> String {
         "units",
         format!("{} (largest {largest} parameters)", units.len()),
     );
+    batch_rows(&mut out, plan);
+    training_rows(&mut out, plan);
+    zero_rows(&mut out, plan);
+    out
+}
+
+/// One aligned row of the table.
+fn row(out: &mut String, k: &str, v: String) {
+    let _ = writeln!(out, "  {k:<28} {v}");
+}
+
+fn batch_rows(out: &mut String, plan: &Plan) {
     let _ = writeln!(out, "batch");
     let b = &plan.batch;
     row(
-        &mut out,
+        out,
         "train_batch_size",
         format!(
             "{} = micro {} × accumulation {} × devices {}",
@@ -130,19 +140,22 @@ pub fn plan_table(plan: &Plan) -> String {
     );
     for choice in &plan.auto {
         row(
-            &mut out,
+            out,
             &format!("\"auto\" {}", choice.key),
             format!("{} ({})", choice.value, choice.why),
         );
     }
-    row(&mut out, "seq_len", plan.data.seq_len.to_string());
-    row(&mut out, "tokens per step", plan.tokens_per_step().to_string());
+    row(out, "seq_len", plan.data.seq_len.to_string());
+    row(out, "tokens per step", plan.tokens_per_step().to_string());
+}
+
+fn training_rows(out: &mut String, plan: &Plan) {
     let _ = writeln!(out, "training");
-    row(&mut out, "steps", plan.train.steps.to_string());
-    row(&mut out, "precision", plan.precision.name().to_string());
+    row(out, "steps", plan.train.steps.to_string());
+    row(out, "precision", plan.precision.name().to_string());
     let o = &plan.optimizer;
     row(
-        &mut out,
+        out,
         "optimizer",
         format!(
             "{} lr {:e} betas ({}, {}) eps {:e} weight_decay {}",
@@ -158,9 +171,9 @@ pub fn plan_table(plan: &Plan) -> String {
         Scheduler::Constant => "constant".to_string(),
         other => format!("{other:?}"),
     };
-    row(&mut out, "scheduler", scheduler);
+    row(out, "scheduler", scheduler);
     row(
-        &mut out,
+        out,
         "gradient_clipping",
         if plan.gradient_clipping > 0.0 {
             plan.gradient_clipping.to_string()
@@ -169,11 +182,16 @@ pub fn plan_table(plan: &Plan) -> String {
         },
     );
     row(
-        &mut out,
+        out,
         "communication_data_type",
         format!("{} (gradients between ranks)", plan.communication.name()),
     );
-    row(&mut out, "data", describe_data(&plan.data));
+    row(out, "data", describe_data(&plan.data));
+}
+
+/// The stage and the ranks, each state's bytes per tier, the parameters' placement, the
+/// NVMe paths, and the device and host predictions (with the host budget's headroom).
+fn zero_rows(out: &mut String, plan: &Plan) {
     let launch = &plan.train.launch;
     let nodes = if launch.nnodes > 1 {
         format!(
@@ -190,7 +208,7 @@ pub fn plan_table(plan: &Plan) -> String {
     );
     for s in model_states(plan) {
         row(
-            &mut out,
+            out,
             s.state,
             format!(
                 "{:>10.3} GiB per rank on {}{}",
@@ -203,7 +221,7 @@ pub fn plan_table(plan: &Plan) -> String {
     let tiers = super::rules::param_tiers(plan);
     if let Some(first) = tiers.iter().position(|t| *t == Tier::Nvme).filter(|&u| u > 0) {
         row(
-            &mut out,
+            out,
             "param placement",
             format!(
                 "units 0–{} in host memory, {first}–{} on nvme (offload_param.max_in_cpu {})",
@@ -221,12 +239,12 @@ pub fn plan_table(plan: &Plan) -> String {
         ),
     ] {
         if let Some(p) = path {
-            row(&mut out, what, p.display().to_string());
+            row(out, what, p.display().to_string());
         }
     }
     let device = crate::plan::memory::predict(plan);
     row(
-        &mut out,
+        out,
         "device memory per rank",
         format!(
             "{:.3} GiB (params {:.3}, grads {:.3}, optimizer {:.3}, gathered units + activations {:.3}, compute temporaries {:.3})",
@@ -240,7 +258,7 @@ pub fn plan_table(plan: &Plan) -> String {
     );
     let host = crate::plan::host_memory::predict_host(plan);
     row(
-        &mut out,
+        out,
         "host memory per process",
         format!(
             "{:.3} GiB (runtime {:.3}, params {:.3}, grads {:.3}, optimizer {:.3}, buffers {:.3}, working {:.3})",
@@ -253,13 +271,20 @@ pub fn plan_table(plan: &Plan) -> String {
             gib(host.working)
         ),
     );
-    row(&mut out, "sub_group_size", plan.zero.sub_group_size.to_string());
-    row(
-        &mut out,
-        "output_dir",
-        plan.train.output_dir.display().to_string(),
-    );
-    out
+    if let Some(memory) = plan.train.host_memory {
+        row(
+            out,
+            "host memory available",
+            format!(
+                "{:.3} GiB (train.host_memory): {:.3} GiB {}",
+                gib(memory),
+                gib(memory.abs_diff(host.total)),
+                if memory >= host.total { "left" } else { "short" }
+            ),
+        );
+    }
+    row(out, "sub_group_size", plan.zero.sub_group_size.to_string());
+    row(out, "output_dir", plan.train.output_dir.display().to_string());
 }
 
 /// The data source in words, with the record options where they apply.
