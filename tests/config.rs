@@ -636,13 +636,15 @@ fn max_in_cpu_auto_fills_host_memory_with_whole_units() {
 /// makes it fit (each tried on top of the one before) or what it needs at least.
 #[test]
 fn a_plan_over_the_host_memory_names_the_change_that_fits() {
-    let warning = |memory: &str| {
+    let warning_with = |memory: &str, (param, optimizer): (&str, &str)| {
         let loaded = with(
             json!({ "train_micro_batch_size_per_gpu": 1, "model": {"preset": "llama-1b"}, "data": { "seq_len": 128 } }),
             &[
                 "zero_optimization.stage=3",
-                "zero_optimization.offload_optimizer.device=cpu",
-                "zero_optimization.offload_param.device=cpu",
+                &format!("zero_optimization.offload_optimizer.device={optimizer}"),
+                &format!("zero_optimization.offload_param.device={param}"),
+                "zero_optimization.offload_param.nvme_path=/tmp",
+                "zero_optimization.offload_optimizer.nvme_path=/tmp",
                 &format!("train.host_memory={memory}"),
             ],
         )
@@ -655,6 +657,7 @@ fn a_plan_over_the_host_memory_names_the_change_that_fits() {
         assert!(found.len() <= 1, "{found:?}");
         found.first().map(|w| w.to_string())
     };
+    let warning = |memory: &str| warning_with(memory, ("cpu", "cpu"));
     assert_eq!(warning("1e12"), None);
     let both = warning("8e9").unwrap();
     assert!(
@@ -662,5 +665,8 @@ fn a_plan_over_the_host_memory_names_the_change_that_fits() {
         "{both}"
     );
     let none = warning("1e8").unwrap();
-    assert!(none.contains("even with every state on NVMe"), "{none}");
+    assert!(
+        none.contains("even with --set zero_optimization.offload_optimizer.device=nvme"),
+        "{none}"
+    );
 }

@@ -29,13 +29,20 @@ pub enum DeviceError {
     ForeignMark,
 }
 
-/// Host memory the kernel says is available for new allocations without swapping
-/// (`MemAvailable` of `/proc/meminfo`), bytes; None where it cannot be read.
+/// One process's share of the host memory the kernel says is available for new
+/// allocations without swapping (`MemAvailable` of `/proc/meminfo`), bytes: divided among
+/// the processes torchrun starts on this machine (`LOCAL_WORLD_SIZE`); None where it
+/// cannot be read.
 fn available_host_memory() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    let processes = std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(1)
+        .max(1);
+    Some(kib * 1024 / processes)
 }
 
 /// What this machine has, for the plan's `"auto"` choices (asks libtorch; no GPU and no

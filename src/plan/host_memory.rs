@@ -165,8 +165,10 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
 
 /// When the process's predicted host bytes exceed `train.host_memory`: what `plan` says,
 /// with the smallest change that makes the prediction fit, trying in turn (each on top
-/// of the ones before) the optimizer state on NVMe, the parameters on NVMe (stage 3) and
-/// a smaller micro-batch — or, when even all of them do not fit, how much memory it needs.
+/// of the ones before) what the config allows of: the optimizer state on NVMe, every
+/// parameter unit on NVMe (stage 3, the optimizer off the device), and on CPU ranks —
+/// whose activations are host memory — a smaller micro-batch; or, when even all of them
+/// do not fit, what the model needs at least.
 pub fn host_fit_warning(plan: &Plan) -> Option<String> {
     let memory = plan.train.host_memory?;
     let predicted = predict_host(plan).total;
@@ -185,16 +187,20 @@ pub fn host_fit_warning(plan: &Plan) -> Option<String> {
                 break 'fix true;
             }
         }
-        if p.zero.stage == 3 && p.zero.offload_param.tier == Tier::Cpu {
-            p.zero.offload_param.tier = Tier::Nvme;
+        let optimizer_off_device = p.zero.offload_optimizer.tier != Tier::Device;
+        let params_in_host = param_tiers(&p).contains(&Tier::Cpu);
+        if p.zero.stage == 3 && optimizer_off_device && params_in_host {
+            if p.zero.offload_param.tier == Tier::Cpu {
+                p.zero.offload_param.tier = Tier::Nvme;
+                sets.push("zero_optimization.offload_param.device=nvme".into());
+            }
             p.zero.offload_param.max_in_cpu = 0;
-            sets.push("zero_optimization.offload_param.device=nvme".into());
             sets.push("zero_optimization.offload_param.max_in_cpu=0".into());
             if fits(&p) {
                 break 'fix true;
             }
         }
-        while p.batch.micro_batch_per_gpu > 1 {
+        while p.train.accelerator == Accelerator::Cpu && p.batch.micro_batch_per_gpu > 1 {
             p.batch.micro_batch_per_gpu /= 2;
             if fits(&p) {
                 sets.push(format!(
@@ -206,16 +212,22 @@ pub fn host_fit_warning(plan: &Plan) -> Option<String> {
         }
         false
     };
+    let sets: Vec<String> = sets.iter().map(|s| format!("--set {s}")).collect();
     let fix = if fix {
-        let sets: Vec<String> = sets.iter().map(|s| format!("--set {s}")).collect();
         format!(
             "{} plans {} (with nvme_path set)",
             sets.join(" "),
             gib(predict_host(&p).total)
         )
+    } else if sets.is_empty() {
+        format!(
+            "no offload the config allows makes it fit: it needs {}",
+            gib(predicted)
+        )
     } else {
         format!(
-            "even with every state on NVMe and a micro-batch of 1 it needs {}",
+            "even with {} it needs {}",
+            sets.join(" "),
             gib(predict_host(&p).total)
         )
     };
