@@ -239,7 +239,16 @@ fn zero_rows(out: &mut String, plan: &Plan) {
         ),
     ] {
         if let Some(p) = path {
-            row(out, what, p.display().to_string());
+            // parameters on NVMe that max_in_cpu keeps in host memory leave theirs unused
+            let unused = what == "offload_param.nvme_path"
+                && plan.zero.offload_param.tier == Tier::Nvme
+                && !tiers.contains(&Tier::Nvme);
+            let note = if unused {
+                " (unused: every unit fits offload_param.max_in_cpu)"
+            } else {
+                ""
+            };
+            row(out, what, format!("{}{note}", p.display()));
         }
     }
     let device = crate::plan::memory::predict(plan);
