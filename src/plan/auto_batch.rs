@@ -263,6 +263,7 @@ pub(super) fn fit_params_in_host(plan: &mut Plan) {
         return;
     };
     let budget = (memory as f64 * HOST_MARGIN) as u64;
+    let share = format!("{:.0}% of train.host_memory", HOST_MARGIN * 100.0);
     // every prefix of the units, counted in elements, from all of them down to none
     let mut prefixes = vec![0usize];
     for numel in plan.model.config.unit_numels() {
@@ -279,7 +280,7 @@ pub(super) fn fit_params_in_host(plan: &mut Plan) {
         Some(n) => (
             n,
             format!(
-                "the units whose parameters fit in host memory: the process then holds {} of {} (90% of train.host_memory {})",
+                "the units whose parameters fit in host memory: the process then holds {} of {} ({share} {})",
                 gib(host_bytes(n)),
                 gib(budget),
                 gib(memory)
@@ -288,7 +289,7 @@ pub(super) fn fit_params_in_host(plan: &mut Plan) {
         None => (
             0,
             format!(
-                "even with every unit on NVMe the process holds {}, over {} (90% of train.host_memory {}): no unit stays in host memory",
+                "even with every unit on NVMe the process holds {}, over {} ({share} {}): no unit stays in host memory",
                 gib(host_bytes(0)),
                 gib(budget),
                 gib(memory)

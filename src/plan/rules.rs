@@ -124,11 +124,6 @@ pub fn param_tiers(plan: &Plan) -> Vec<Tier> {
         .collect()
 }
 
-/// Whether any unit's parameters live on NVMe ([`param_tiers`]).
-pub fn nvme_params(plan: &Plan) -> bool {
-    param_tiers(plan).contains(&Tier::Nvme)
-}
-
 /// Whether unit `u` keeps its autograd graph from forward to backward (no recompute):
 /// kept activations are on, `u` is a block, and its parameters stay on the device
 /// through the step (a replica on the device below stage 3, a persistent unit at stage
