@@ -483,3 +483,32 @@ fn resume_across_parameter_placements_is_bit_exact() {
         assert_resumed_bit_exact(&full, &run(&again, Some(&step_dir(&whole, 2))), 2, &what);
     }
 }
+
+/// A run whose optimizer state is all on NVMe resumes with its first units' state in host
+/// memory (`train.optimizer_max_in_cpu`), and the other way round, bit for bit:
+/// checkpoints do not record the placement. (A unit on the device, DeepSpeed's partial
+/// offload, updates with torch's fused AdamW instead of the CPU kernel: the same state,
+/// other roundings; `a_mixed_optimizer_placement_trains_the_bits_of_one_tier` covers it.)
+#[test]
+fn resume_across_optimizer_placements_is_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let placed = |dir: &Path, spread: bool| {
+        let mut plan = plan(2, 3, "cpu", "nvme", 4, dir);
+        if spread {
+            let numels = plan.model.config.unit_numels();
+            plan.zero.offload_optimizer.max_in_cpu = numels[0] + numels[1];
+        }
+        plan
+    };
+    for (saved, resumed) in [(false, true), (true, false)] {
+        let dir = tmp.path().join(format!("from-{saved}"));
+        let whole = placed(&dir, saved);
+        let full = run(&whole, None);
+        let again = placed(&dir.join("again"), resumed);
+        let tiers =
+            tierzero::plan::rules::optimizer_tiers(&if saved { whole.clone() } else { again.clone() });
+        assert_eq!(&tiers[..3], &[Tier::Cpu, Tier::Cpu, Tier::Nvme]);
+        let what = format!("saved spread {saved}, resumed spread {resumed}");
+        assert_resumed_bit_exact(&full, &run(&again, Some(&step_dir(&whole, 2))), 2, &what);
+    }
+}

@@ -292,3 +292,58 @@ fn bench_comm_measures_gloo_beside_memcpy() {
         assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
     }
 }
+
+/// `plan --largest` on one H100's capacities (the profile's 80 GB, 128 GiB of host memory,
+/// 64 GiB of disk): tierzero's largest Llama-8B-shaped model, its state over all three
+/// tiers, fits each of them and is at least twice the largest DeepSpeed's own ZeRO-3
+/// estimator places on the same device and host memory.
+#[test]
+fn plan_largest_fills_every_tier_to_twice_deepspeeds_estimate() {
+    let dir = tempfile::tempdir().unwrap();
+    let nvme = dir.path().join("nvme");
+    let config = dir.path().join("ds_config.json");
+    let text = serde_json::json!({
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 8,
+        "bf16": { "enabled": true },
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": { "device": "nvme", "nvme_path": nvme, "max_in_cpu": "auto" },
+            "offload_optimizer": { "device": "nvme", "nvme_path": nvme, "ratio": "auto" }
+        },
+        "model": { "preset": "llama-8b" },
+        "data": { "synthetic": "markov", "seq_len": 2048 },
+        "train": { "optimizer_max_in_cpu": "auto", "host_memory": 137438953472u64, "nvme_space": 68719476736u64 }
+    });
+    std::fs::write(&config, text.to_string()).unwrap();
+    let out = tierzero()
+        .args([
+            "plan",
+            "--config",
+            config.to_str().unwrap(),
+            "--largest",
+            "--simulate",
+            "h100-pcie5",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ours = &v["tierzero"];
+    let fit = &ours["fit"];
+    for (bytes, cap) in [
+        ("device", "device_budget"),
+        ("host", "host_memory"),
+        ("nvme", "nvme_space"),
+    ] {
+        assert!(fit[bytes].as_u64().unwrap() > 0, "{bytes}: {fit}");
+        assert!(fit[bytes].as_u64() <= fit[cap].as_u64(), "{bytes}: {fit}");
+    }
+    let theirs = v["deepspeed_estimator"]["parameters"].as_u64().unwrap();
+    let ours = ours["parameters"].as_u64().unwrap();
+    assert!(
+        ours >= 2 * theirs,
+        "tierzero {ours} vs DeepSpeed's estimator {theirs}"
+    );
+}

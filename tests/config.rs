@@ -670,3 +670,122 @@ fn a_plan_over_the_host_memory_names_the_change_that_fits() {
         "{none}"
     );
 }
+
+/// DeepSpeed's partial offload: `offload_optimizer.ratio` is the fraction of units whose
+/// optimizer state is offloaded, the first `⌊(1 − ratio)·units⌋` stay on the device; it
+/// needs the state offloaded and a fraction, and `"auto"` keeps on the device as many
+/// units as fit its budget. `train.optimizer_max_in_cpu` then keeps the next units' state
+/// in host memory, the rest on NVMe; its `"auto"` fills host memory, and the plan prints
+/// the placement.
+#[test]
+fn optimizer_state_spreads_over_device_host_and_nvme() {
+    let nvme = std::env::temp_dir();
+    let sets = |extra: &[&str]| {
+        let mut sets = vec![
+            "zero_optimization.stage=3".to_string(),
+            "zero_optimization.offload_optimizer.device=nvme".into(),
+            format!("zero_optimization.offload_optimizer.nvme_path={}", nvme.display()),
+        ];
+        sets.extend(extra.iter().map(|s| s.to_string()));
+        sets
+    };
+    let plan_with = |extra: &[&str]| {
+        let sets = sets(extra);
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        with(base(), &sets).unwrap().plan
+    };
+    let tiers = |plan: &tierzero::plan::Plan| tierzero::plan::rules::optimizer_tiers(plan);
+    // DeepSpeed's default swaps every unit
+    assert!(tiers(&plan_with(&[])).iter().all(|t| *t == Tier::Nvme));
+    let plan = plan_with(&["zero_optimization.offload_optimizer.ratio=0.5"]);
+    let n = tiers(&plan).len();
+    let numels = plan.model.config.unit_numels();
+    let spread = plan_with(&[
+        "zero_optimization.offload_optimizer.ratio=0.5",
+        &format!("train.optimizer_max_in_cpu={}", numels[n / 2]),
+    ]);
+    let t = tiers(&spread);
+    assert!(t[..n / 2].iter().all(|t| *t == Tier::Device), "{t:?}");
+    assert_eq!(t[n / 2], Tier::Cpu);
+    assert!(t[n / 2 + 1..].iter().all(|t| *t == Tier::Nvme), "{t:?}");
+    let table = tierzero::plan::plan_table(&spread);
+    assert_eq!(n, 4);
+    let expected = "units 0–1 on the device, 2 in host memory, 3 on nvme";
+    assert!(table.contains(expected), "{table}");
+    // a fraction, of offloaded state
+    for (set, needle) in [
+        (
+            "zero_optimization.offload_optimizer.ratio=1.5",
+            "is not a fraction",
+        ),
+        (
+            "zero_optimization.offload_optimizer.device=none",
+            "needs the optimizer state offloaded",
+        ),
+    ] {
+        let err = error_of(
+            base(),
+            &[
+                "zero_optimization.stage=3",
+                "zero_optimization.offload_optimizer.ratio=0.5",
+                set,
+            ],
+        );
+        assert!(err.contains(needle), "{set}: {err}");
+    }
+    // "auto": as many units on a device budget as fit, and host memory filled after them
+    let device = plan_with(&[
+        "zero_optimization.offload_optimizer.ratio=auto",
+        "train.device_memory=1e12",
+    ]);
+    assert!(tiers(&device).iter().all(|t| *t == Tier::Device));
+    let none = plan_with(&[
+        "zero_optimization.offload_optimizer.ratio=auto",
+        "train.device_memory=1",
+    ]);
+    assert!(!tiers(&none).contains(&Tier::Device));
+    let host = plan_with(&["train.optimizer_max_in_cpu=auto", "train.host_memory=1e12"]);
+    assert!(tiers(&host).iter().all(|t| *t == Tier::Cpu));
+    let choice = host
+        .auto
+        .iter()
+        .find(|c| c.key == "train.optimizer_max_in_cpu")
+        .unwrap();
+    assert!(choice.why.contains("fit in host memory"), "{}", choice.why);
+    // without NVMe the key has nothing to place: said once
+    let loaded = with(
+        base(),
+        &["zero_optimization.stage=3", "train.optimizer_max_in_cpu=5"],
+    )
+    .unwrap();
+    assert!(loaded
+        .warnings
+        .iter()
+        .any(|w| w.contains("train.optimizer_max_in_cpu has no effect")));
+}
+
+/// Swap files over `train.nvme_space` are said at plan time, with what would fit them.
+#[test]
+fn swap_files_over_the_nvme_space_are_said() {
+    let nvme = std::env::temp_dir();
+    let warnings = |space: &str| {
+        with(
+            base(),
+            &[
+                "zero_optimization.stage=3",
+                "zero_optimization.offload_optimizer.device=nvme",
+                &format!("zero_optimization.offload_optimizer.nvme_path={}", nvme.display()),
+                &format!("train.nvme_space={space}"),
+            ],
+        )
+        .unwrap()
+        .warnings
+    };
+    assert!(!warnings("1e12").iter().any(|w| w.contains("train.nvme_space")));
+    let over = warnings("1000");
+    assert!(
+        over.iter()
+            .any(|w| w.contains("over train.nvme_space") && w.contains("train.optimizer_max_in_cpu")),
+        "{over:?}"
+    );
+}

@@ -634,3 +634,48 @@ fn a_mixed_parameter_placement_trains_the_bits_of_one_tier() {
         );
     }
 }
+
+/// Optimizer state over several tiers (`rules::optimizer_tiers`): with
+/// `train.optimizer_max_in_cpu` the first units' state (and at stage 2–3 their gradient
+/// partitions) stay in host memory and the rest are swapped, at stages 2 and 3 — the same
+/// arithmetic as either single tier (the NVMe pipeline is in-memory AdamW bit for bit,
+/// and with accumulation every gradient is fp32), so the same bits; and with DeepSpeed's
+/// partial offload (`offload_optimizer.ratio`) the first units' state stays on the device
+/// (torch's fused AdamW there, the CPU kernel for the rest), matching the single-rank run.
+#[test]
+fn a_mixed_optimizer_placement_trains_the_bits_of_one_tier() {
+    let dir = disk_dir();
+    for (stage, param) in [(2, "none"), (3, "cpu")] {
+        let on_nvme = plan(2, stage, param, "nvme", 2, dir.path(), "bf16");
+        let numels = on_nvme.model.config.unit_numels();
+        let mut mixed = on_nvme.clone();
+        mixed.zero.offload_optimizer.max_in_cpu = numels[0] + numels[1];
+        let tiers = tierzero::plan::rules::optimizer_tiers(&mixed);
+        assert_eq!(&tiers[..3], &[Tier::Cpu, Tier::Cpu, Tier::Nvme]);
+        assert!(tiers[2..].iter().all(|t| *t == Tier::Nvme));
+        let in_host = plan(2, stage, param, "cpu", 2, dir.path(), "bf16");
+        let mixed_master = master(&mixed);
+        assert!(mixed_master == master(&on_nvme), "stage {stage}: mixed vs NVMe");
+        assert!(mixed_master == master(&in_host), "stage {stage}: mixed vs host");
+    }
+    let reference = master(&plan(1, 0, "none", "none", 4, dir.path(), "fp32"));
+    for (stage, param, optimizer) in [(2, "none", "cpu"), (3, "cpu", "nvme")] {
+        let mut partial = plan(2, stage, param, optimizer, 2, dir.path(), "fp32");
+        partial.zero.offload_optimizer.ratio = 0.5;
+        partial.zero.offload_optimizer.max_in_cpu = partial.model.config.unit_numels()[2];
+        let tiers = tierzero::plan::rules::optimizer_tiers(&partial);
+        let on_device = tiers.len() / 2;
+        assert!(tiers[..on_device].iter().all(|t| *t == Tier::Device));
+        assert_eq!(tiers[on_device], Tier::Cpu);
+        if optimizer == "nvme" {
+            assert_eq!(tiers.last(), Some(&Tier::Nvme));
+        }
+        // the tolerance of every_world_size_stage_and_tier_matches_the_single_rank_run
+        assert_close(
+            &format!("stage {stage} ratio 0.5, optimizer {optimizer}"),
+            &master(&partial),
+            &reference,
+            2e-5,
+        );
+    }
+}

@@ -8,10 +8,9 @@
 //! save stages the new one before pruning, so `keep_last + 1` exist for a moment. The NVMe
 //! tier's swap files of this node's ranks count when they live on the same file system.
 
+use crate::plan::disk::{bytes_under, file_system, node_ranks};
 use crate::plan::report::model_states;
 use crate::plan::{Plan, Tier};
-use std::os::unix::fs::MetadataExt;
-use std::path::Path;
 
 /// Bytes one checkpoint of `plan` takes.
 pub fn checkpoint_bytes(plan: &Plan) -> u64 {
@@ -25,46 +24,6 @@ pub fn checkpoint_bytes(plan: &Plan) -> u64 {
     params * (3 * 4 + low + model)
 }
 
-/// The nearest existing directory at or above `path` (a relative path's last ancestor,
-/// "", is the working directory).
-fn existing(path: &Path) -> Option<&Path> {
-    path.ancestors()
-        .map(|p| {
-            if p.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                p
-            }
-        })
-        .find(|p| p.exists())
-}
-
-/// Bytes of the files under `dir`, recursively (0 when it does not exist).
-fn bytes_under(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| match e.file_type() {
-            Ok(t) if t.is_dir() => bytes_under(&e.path()),
-            _ => e.metadata().map_or(0, |m| m.len()),
-        })
-        .sum()
-}
-
-/// (device id, bytes available to this user) of the file system holding `path`.
-fn file_system(path: &Path) -> Option<(u64, u64)> {
-    let dir = existing(path)?;
-    let device = std::fs::metadata(dir).ok()?.dev();
-    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
-    // SAFETY: a NUL-terminated path and a zeroed statvfs the call fills
-    let stat = unsafe {
-        let mut stat: libc::statvfs = std::mem::zeroed();
-        (libc::statvfs(c.as_ptr(), &mut stat) == 0).then_some(stat)
-    }?;
-    Some((device, stat.f_bavail * stat.f_frsize))
-}
-
 /// A warning when `output_dir`'s file system cannot hold the checkpoints `keep_last`
 /// asks for (`train` always saves after its last step) beside this node's NVMe swap
 /// files on the same file system; `None` when it fits or the space cannot be read.
@@ -73,12 +32,7 @@ pub fn warning(plan: &Plan) -> Option<String> {
     let (device, free) = file_system(output)?;
     // a restart: the checkpoints already saved are among those kept, their space is ours
     let available = free + bytes_under(&super::save::root(output));
-    // this node's ranks: this process's, or every process torchrun started here
-    let local_processes = std::env::var("LOCAL_WORLD_SIZE")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(1);
-    let ranks = plan.train.devices as u64 * local_processes;
+    let ranks = node_ranks(plan);
     let mut swap = 0u64;
     for row in model_states(plan) {
         let path = match row.state {

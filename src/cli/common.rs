@@ -107,16 +107,21 @@ pub fn load_config(args: &ConfigArgs) -> Result<Loaded, ConfigError> {
 
 /// [`load_config`] as on a machine with `facts` (`plan --simulate`: the profile's).
 pub fn load_config_on(args: &ConfigArgs, facts: tierzero::plan::DeviceFacts) -> Result<Loaded, ConfigError> {
+    let loaded = plan::load(&args.config, &config_sets(args)?, facts)?;
+    for warning in &loaded.warnings {
+        tracing::warn!("{warning}");
+    }
+    Ok(loaded)
+}
+
+/// The `--set`s a config is loaded with: the user's, then `--devices` and the launch's.
+pub fn config_sets(args: &ConfigArgs) -> Result<Vec<String>, ConfigError> {
     let mut sets = args.sets.clone();
     if let Some(n) = args.devices {
         sets.push(format!("train.devices={n}"));
     }
     launch_sets(&args.launch, &mut sets)?;
-    let loaded = plan::load(&args.config, &sets, facts)?;
-    for warning in &loaded.warnings {
-        tracing::warn!("{warning}");
-    }
-    Ok(loaded)
+    Ok(sets)
 }
 
 /// Warns (once, on node 0, which writes the checkpoints) when `output_dir`'s disk cannot

@@ -1,10 +1,13 @@
 //! `tierzero plan`: the resolved plan as a table or JSON, with the data opened as
 //! `train` would open it and the disk-space check.
 
-use super::common::{check_data, disk_space_warning, load_config, load_config_on, ConfigArgs, Failure};
+use super::common::{
+    check_data, config_sets, disk_space_warning, load_config, load_config_on, ConfigArgs, Failure,
+};
 use anyhow::Context;
 use clap::Args;
 use tierzero::plan;
+use tierzero::plan::capacity;
 use tierzero::plan::simulate::profile::Profile;
 
 #[derive(Args)]
@@ -21,6 +24,12 @@ pub struct PlanArgs {
     /// With --simulate: write the simulated step as a Chrome trace (one track per lane).
     #[arg(long, value_name = "FILE", requires = "simulate")]
     pub trace: Option<std::path::PathBuf>,
+    /// The largest model the machine trains with this config: its model with the most
+    /// layers whose plan fits the device, host memory and the NVMe path (on the
+    /// --simulate profile's device when given), beside the largest DeepSpeed's ZeRO-3
+    /// estimator places on the same capacities.
+    #[arg(long)]
+    pub largest: bool,
 }
 
 pub fn run(
@@ -29,16 +38,17 @@ pub fn run(
         json,
         simulate,
         trace,
+        largest,
     }: PlanArgs,
 ) -> Result<(), Failure> {
-    if let Some(profile) = simulate {
-        let profile = Profile::load(&profile).map_err(|e| {
-            tierzero::config::ConfigError::invalid(
-                "--simulate",
-                e.to_string(),
-                "name a built-in profile or a file `tierzero bench profile` wrote",
-            )
-        })?;
+    let profile = simulate.map(|p| load_profile(&p)).transpose()?;
+    if largest {
+        let facts = profile
+            .as_ref()
+            .map_or_else(tierzero::device::facts, |p| p.facts());
+        return run_largest(&config, facts, json);
+    }
+    if let Some(profile) = profile {
         let loaded = load_config_on(&config, profile.facts())?;
         return run_simulation(&loaded.plan, &profile, json, trace.as_deref());
     }
@@ -84,5 +94,57 @@ fn run_simulation(
     } else {
         print!("{}", simulation.human(plan));
     }
+    Ok(())
+}
+
+fn load_profile(name: &str) -> Result<Profile, tierzero::config::ConfigError> {
+    Profile::load(name).map_err(|e| {
+        tierzero::config::ConfigError::invalid(
+            "--simulate",
+            e.to_string(),
+            "name a built-in profile or a file `tierzero bench profile` wrote",
+        )
+    })
+}
+
+/// Layers tried at most by `plan --largest` (a 1024-layer Llama-8B shape is ~225B).
+const MAX_LAYERS: usize = 1024;
+
+/// `plan --largest`: tierzero's largest model on the machine beside DeepSpeed's by its
+/// estimator on the same device and host capacities.
+fn run_largest(config: &ConfigArgs, facts: plan::DeviceFacts, json: bool) -> Result<(), Failure> {
+    let sets = config_sets(config)?;
+    let plan_with = |layers: usize| {
+        let mut sets = sets.clone();
+        sets.push(format!("model.num_hidden_layers={layers}"));
+        plan::load(&config.config, &sets, facts).map(|l| l.plan)
+    };
+    let base = plan_with(1)?;
+    let ours = capacity::largest(MAX_LAYERS, facts, plan_with)?;
+    let fit = capacity::TierFit::of(&base, facts);
+    let (device, host) = match (fit.device_budget, fit.host_memory) {
+        (Some(d), Some(h)) => (d, h),
+        _ => {
+            return Err(Failure::Config(tierzero::config::ConfigError::invalid(
+                "train.host_memory",
+                "plan --largest needs the device's and the host's capacities",
+                "run where torch sees the GPU, or give --simulate PROFILE or train.device_memory, and train.host_memory",
+            )))
+        }
+    };
+    let gpus = base.train.devices as u64;
+    let theirs = capacity::deepspeed_largest(MAX_LAYERS, (device, host, gpus), plan_with)?;
+    if json {
+        let value = serde_json::json!({ "tierzero": ours, "deepspeed_estimator": theirs });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&value).context("serialising the capacities")?
+        );
+        return Ok(());
+    }
+    print!(
+        "{}",
+        capacity::render(&base, (ours.as_ref(), theirs.as_ref()), fit)
+    );
     Ok(())
 }

@@ -247,6 +247,14 @@ pub struct TrainSection {
     /// Bytes of host memory this process may hold ("auto": what the machine has
     /// available when the plan is made), the budget of `"auto"` placements.
     pub host_memory: Option<Num>,
+    /// Parameter elements whose optimizer state (fp32 master, Adam moments and gradient)
+    /// stays in host memory when `offload_optimizer.device` is "nvme": the first units in
+    /// forward order that fit, the rest on NVMe (DeepSpeed has no such key: it swaps all;
+    /// the default 0 does the same). "auto": as many as fit `host_memory`.
+    pub optimizer_max_in_cpu: Option<Num>,
+    /// Bytes the NVMe swap files may take on `nvme_path` ("auto": its file system's free
+    /// space when the plan is made), the budget of `"auto"` placements and plan's disk row.
+    pub nvme_space: Option<Num>,
     /// Gradient accumulation's sums on the device: "auto" (on a GPU, where they fit the
     /// budget), true or false.
     pub accumulate_on_device: Option<Flag>,

@@ -101,42 +101,54 @@ struct DeviceSums {
 }
 
 impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
-    /// Every unit's accumulator, zeroed: in `nvme` (stages 2–3) with a chunk buffer per
-    /// reduction in flight, else in one arena (and at stage 1 the partition copies in
-    /// another), allocated here once for the run.
+    /// Every unit's accumulator, zeroed: the units `stored` marks (stages 2–3) in the
+    /// store with a chunk buffer per reduction in flight, the others in one arena (and at
+    /// stage 1 the partition copies in another), allocated here once for the run.
     pub(super) fn new(
         (stage, rank, bf16, on_device): (u8, usize, bool, bool),
         (wire, chunk): (Wire, usize),
         parts: Vec<Partition>,
         partitions: Vec<Range<usize>>,
         pinning: &Pinning,
-        nvme: Option<&'a SwapStore>,
+        (store, stored): (Option<&'a SwapStore>, Vec<bool>),
     ) -> Result<Self, EngineError> {
         let carve_err = |what: &'static str| move |source| EngineError::Arena { rank, what, source };
-        let (accumulators, nvme) = match nvme.filter(|_| stage >= 2) {
-            Some(store) => {
+        let stored: Vec<bool> = stored.iter().map(|&s| s && stage >= 2).collect();
+        let nvme = match (store, stored.contains(&true)) {
+            (Some(store), true) => {
                 // one chunk (of the stored element) per reduction in flight: the compute
                 // thread waits for the lane's oldest before starting another (`accumulate`)
                 let elem = if bf16 { 2 } else { 4 };
                 let chunks =
                     BufferPool::new(REDUCE_DEPTH, store.chunk_bytes(elem)).map_err(On(rank).alloc())?;
-                let stored = parts.iter().map(|_| Accumulator::Nvme(Stored::Nothing)).collect();
-                (stored, Some(NvmeGrads { store, chunks }))
+                Some(NvmeGrads { store, chunks })
             }
-            None => {
-                let lens: Vec<usize> = parts
-                    .iter()
-                    .zip(&partitions)
-                    .map(|(p, r)| accumulator_len(stage, p, r))
-                    .collect();
-                let here = Grads::carve(&lens, bf16, pinning)
-                    .map_err(carve_err("gradient"))?
-                    .into_iter()
-                    .map(Accumulator::Here)
-                    .collect();
-                (here, None)
+            (None, true) => {
+                return Err(EngineError::Invariant {
+                    rank,
+                    what: "gradients on nvme without a swap store",
+                })
             }
+            (_, false) => None,
         };
+        let lens: Vec<usize> = (0..parts.len())
+            .filter(|&u| !stored[u])
+            .map(|u| accumulator_len(stage, &parts[u], &partitions[u]))
+            .collect();
+        let mut here = Grads::carve(&lens, bf16, pinning)
+            .map_err(carve_err("gradient"))?
+            .into_iter();
+        let accumulators = stored
+            .iter()
+            .map(|&on_nvme| match (on_nvme, here.next()) {
+                (true, _) => Ok(Accumulator::Nvme(Stored::Nothing)),
+                (false, Some(g)) => Ok(Accumulator::Here(g)),
+                (false, None) => Err(EngineError::Invariant {
+                    rank,
+                    what: "fewer gradient accumulators carved than units in memory",
+                }),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let copies = if stage == 1 {
             let lens: Vec<usize> = partitions.iter().map(|r| r.len()).collect();
             Grads::carve(&lens, false, pinning)
@@ -532,7 +544,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
 
     /// Host bytes of unit `u`'s accumulator, wherever it is now (none when stored).
     pub(super) fn unit_bytes(&self, u: usize) -> usize {
-        if self.nvme.is_some() {
+        if matches!(self.accumulators[u], Accumulator::Nvme(_)) {
             return 0;
         }
         let elem = if self.bf16 { 2 } else { 4 };

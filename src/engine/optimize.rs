@@ -16,7 +16,7 @@ use super::rank::RankEngine;
 use super::units::{Destination, NewParams, Units};
 use crate::comm::Collective;
 use crate::metrics::timeline::{Phase, Track};
-use crate::plan::{Precision, Tier};
+use crate::plan::Precision;
 use std::time::Instant;
 use tch::{Kind, Tensor};
 use tierzero_offload::adam::{self, GradSlice, Sweep};
@@ -104,13 +104,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         self.grads.all_here()?;
         self.grads.store_missing(&self.tracks.compute)?;
         let mut jobs = Vec::with_capacity(self.units.len());
-        let device_optimizer = self.plan.zero.offload_optimizer.tier == Tier::Device;
         for u in 0..self.units.len() {
             let len = self.optimizer.partition(u).len();
             jobs.push(OptimizerJob {
                 unit: u,
                 grad: self.grads.lend_to_optimizer(u)?,
-                destination: self.units.destination(u, len, device_optimizer)?,
+                destination: self.units.destination(u, len, self.optimizer.on_device(u))?,
                 moments: self.optimizer.lend(u),
             });
         }

@@ -10,7 +10,7 @@ use super::gradients::FinalGrad;
 use super::params::LowParams;
 use super::units::NewParams;
 use crate::plan::schedule::{learning_rate, LossScaler};
-use crate::plan::Plan;
+use crate::plan::{Plan, Tier};
 use crate::torch::{pod_bytes, pod_bytes_mut};
 use std::ops::Range;
 use std::sync::Arc;
@@ -61,6 +61,8 @@ pub(super) type Update<'a> = (usize, NewParams, Moments<'a>, FinalGrad);
 
 pub(super) struct Optimizer<'a> {
     moments: Vec<Moments<'a>>,
+    /// Each unit's tier (`rules::optimizer_tiers`).
+    tiers: Vec<Tier>,
     /// Each unit's optimizer partition within its padded buffer.
     partitions: Vec<Range<usize>>,
     on: On,
@@ -78,58 +80,61 @@ pub(super) struct Optimizer<'a> {
 }
 
 impl<'a> Optimizer<'a> {
-    /// The state of every unit's `partitions` entry: on NVMe when `nvme` is given, zeroed
-    /// tensors on `device` when given, else zeroed slabs of one arena allocated here for
-    /// the run (a unit's three side by side).
+    /// The state of every unit's `partitions` entry on the unit's tier: in `nvme`, zeroed
+    /// tensors on `device`, or zeroed slabs of one arena allocated here for the run (a
+    /// unit's three side by side).
     pub(super) fn new(
         rank: usize,
-        (nvme, device): (Option<NvmeTier<'a>>, Option<tch::Device>),
+        (tiers, nvme, device): (Vec<Tier>, Option<NvmeTier<'a>>, tch::Device),
         (adam_steps, scaler): (u64, LossScaler),
         partitions: Vec<Range<usize>>,
         pinning: &Pinning,
     ) -> Result<Self, EngineError> {
-        let moments = match (&nvme, device) {
-            (Some(tier), _) => partitions.iter().map(|_| Moments::Nvme(tier.clone())).collect(),
-            (None, Some(device)) => {
-                let zeros = |len: usize| {
-                    Tensor::f_zeros([len as i64], (Kind::Float, device))
-                        .map_err(|source| EngineError::Torch { rank, source })
-                };
-                partitions
-                    .iter()
-                    .map(|r| {
-                        Ok(Moments::Device(DeviceState {
-                            master: zeros(r.len())?,
-                            exp_avg: zeros(r.len())?,
-                            exp_avg_sq: zeros(r.len())?,
-                        }))
-                    })
-                    .collect::<Result<_, EngineError>>()?
-            }
-            (None, None) => {
-                let lens: Vec<usize> = partitions.iter().flat_map(|r| [r.len(); 3]).collect();
-                let mut slabs = arena::carve::<f32>(&lens, pinning)
-                    .map_err(|source| EngineError::Arena {
-                        rank,
-                        what: "optimizer state",
-                        source,
-                    })?
-                    .into_iter();
-                let mut moments = Vec::with_capacity(partitions.len());
-                while let (Some(master), Some(exp_avg), Some(exp_avg_sq)) =
-                    (slabs.next(), slabs.next(), slabs.next())
-                {
-                    moments.push(Moments::Memory(OptimizerState {
+        let zeros = |len: usize| {
+            Tensor::f_zeros([len as i64], (Kind::Float, device))
+                .map_err(|source| EngineError::Torch { rank, source })
+        };
+        let in_memory: Vec<usize> = (0..partitions.len())
+            .filter(|&u| tiers[u] == Tier::Cpu)
+            .flat_map(|u| [partitions[u].len(); 3])
+            .collect();
+        let mut slabs = if in_memory.is_empty() {
+            Vec::new()
+        } else {
+            arena::carve::<f32>(&in_memory, pinning).map_err(|source| EngineError::Arena {
+                rank,
+                what: "optimizer state",
+                source,
+            })?
+        }
+        .into_iter();
+        let missing = |what| EngineError::Invariant { rank, what };
+        let moments = partitions
+            .iter()
+            .zip(&tiers)
+            .map(|(r, tier)| match tier {
+                Tier::Nvme => match &nvme {
+                    Some(tier) => Ok(Moments::Nvme(tier.clone())),
+                    None => Err(missing("optimizer state on nvme without a swap store")),
+                },
+                Tier::Device => Ok(Moments::Device(DeviceState {
+                    master: zeros(r.len())?,
+                    exp_avg: zeros(r.len())?,
+                    exp_avg_sq: zeros(r.len())?,
+                })),
+                Tier::Cpu => match (slabs.next(), slabs.next(), slabs.next()) {
+                    (Some(master), Some(exp_avg), Some(exp_avg_sq)) => Ok(Moments::Memory(OptimizerState {
                         master,
                         exp_avg,
                         exp_avg_sq,
-                    }));
-                }
-                moments
-            }
-        };
+                    })),
+                    _ => Err(missing("fewer optimizer slabs carved than units in memory")),
+                },
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
         Ok(Optimizer {
             moments,
+            tiers,
             partitions,
             on: On(rank),
             nvme,
@@ -197,6 +202,11 @@ impl<'a> Optimizer<'a> {
             rank: self.on.0 as u32,
             state,
         }
+    }
+
+    /// Whether unit `u`'s state is on the device.
+    pub(super) fn on_device(&self, u: usize) -> bool {
+        self.tiers[u] == Tier::Device
     }
 
     /// Unit `u`'s optimizer partition within its padded buffer.
@@ -370,13 +380,18 @@ impl<'a> Optimizer<'a> {
         })
     }
 
-    /// Host bytes of optimizer state in memory (counted by size while lent), and of the
-    /// NVMe pipeline's buffers.
+    /// Host bytes of optimizer state in memory (counted by size while lent: a unit's tier
+    /// is `tiers`'), and of the NVMe pipeline's buffers.
     pub(super) fn memory_bytes(&self) -> usize {
-        match &self.nvme {
-            Some(tier) => tier.pool.count() * tier.pool.buffer_bytes(),
-            None => self.partitions.iter().map(|p| 12 * p.len()).sum(),
-        }
+        let pipeline = self
+            .nvme
+            .as_ref()
+            .map_or(0, |t| t.pool.count() * t.pool.buffer_bytes());
+        let in_memory: usize = (0..self.partitions.len())
+            .filter(|&u| self.tiers[u] == Tier::Cpu)
+            .map(|u| 12 * self.partitions[u].len())
+            .sum();
+        pipeline + in_memory
     }
 }
 

@@ -40,7 +40,7 @@ use crate::metrics::trace::TierBytes;
 use crate::model::layout::UnitKind;
 use crate::model::Model;
 use crate::plan::partition::Partition;
-use crate::plan::rules::{bf16_gradients, nvme_gradients};
+use crate::plan::rules::{bf16_gradients, optimizer_tiers, stored_gradients};
 use crate::plan::{Plan, Precision, Tier};
 use crate::torch;
 use std::sync::Arc;
@@ -141,14 +141,14 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             parts.clone(),
             partitions.clone(),
             &pinning,
-            optimizer_store.filter(|_| nvme_gradients(plan)),
+            (optimizer_store, stored_gradients(plan)),
         )?;
         let adam_steps = start.checkpoint().map_or(0, |c| c.manifest.adam_steps);
-        // `offload_optimizer: none`: the state is tensors on the rank's device
-        let optimizer_device = (plan.zero.offload_optimizer.tier == Tier::Device).then_some(compute);
+        // each unit's state on its tier: tensors on the rank's device, slabs of a host
+        // arena, or the swap store
         let mut optimizer = Optimizer::new(
             rank,
-            (optimizer_nvme, optimizer_device),
+            (optimizer_tiers(plan), optimizer_nvme, compute),
             (adam_steps, loss_scaler(plan, start)),
             partitions.clone(),
             &pinning,
@@ -275,12 +275,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// Bytes on each tier now (device: the peak since the last call; NVMe: the swap
     /// stores' files, every rank's). State lent to a lane counts by its size.
     pub fn tier_bytes(&self) -> TierBytes {
-        let zero = &self.plan.zero;
-        let optimizer = match zero.offload_optimizer.tier {
-            Tier::Device => 0,
-            _ => self.optimizer.memory_bytes(),
-        };
-        let grads = match zero.offload_optimizer.tier {
+        let optimizer = self.optimizer.memory_bytes();
+        let grads = match self.plan.zero.offload_optimizer.tier {
             Tier::Device => 0,
             _ => self.grads.bytes(),
         };

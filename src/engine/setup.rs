@@ -12,7 +12,7 @@ use crate::device::cpu::{CpuDevice, Reservation};
 use crate::device::cuda::{Cuda, CudaStreams};
 use crate::device::lanes::Streams;
 use crate::plan::partition::Partition;
-use crate::plan::rules::{nvme_gradients, param_tiers, pipeline_sets};
+use crate::plan::rules::{nvme_gradients, nvme_optimizer, param_tiers, pipeline_sets};
 use crate::plan::schedule::LossScaler;
 use crate::plan::{Plan, Precision, Tier};
 use std::sync::Arc;
@@ -21,23 +21,23 @@ use tierzero_offload::nvme::swap::SwapStore;
 use tierzero_offload::pipeline;
 
 /// Where the rank's optimizer state and parameters live: the NVMe tier of optimizer state
-/// (the swap store and the pipeline's buffers) when it is there, and each unit's
-/// parameter home (`rules::param_tiers`); `stores` are the optimizer's and the
-/// parameters' swap stores.
+/// (the swap store and the pipeline's buffers) when any unit's is there
+/// (`rules::optimizer_tiers`), and each unit's parameter home (`rules::param_tiers`);
+/// `stores` are the optimizer's and the parameters' swap stores.
 pub(super) fn homes<'a>(
     plan: &Plan,
     rank: usize,
     stores: (Option<&'a SwapStore>, Option<&'a SwapStore>),
 ) -> Result<(Option<NvmeTier<'a>>, Vec<Home<'a>>), EngineError> {
     let missing = |what| EngineError::Invariant { rank, what };
-    let optimizer = match (plan.zero.offload_optimizer.tier, stores.0) {
-        (Tier::Nvme, Some(store)) => Some(NvmeTier {
+    let optimizer = match (nvme_optimizer(plan), stores.0) {
+        (true, Some(store)) => Some(NvmeTier {
             store,
             pool: pipeline::buffer_pool_for(store, pipeline_sets(plan), nvme_gradients(plan))
                 .map_err(On(rank).io())?,
         }),
-        (Tier::Nvme, None) => return Err(missing("optimizer on nvme without a swap store")),
-        _ => None,
+        (true, None) => return Err(missing("optimizer on nvme without a swap store")),
+        (false, _) => None,
     };
     let params = param_tiers(plan)
         .into_iter()
@@ -132,8 +132,8 @@ pub(super) fn unit_start(
 /// What of unit `u` sits on the device for the whole run, reserved: its stored
 /// parameters (`params_len` elements, plus the partition stages 1–2 gather each update
 /// from) on the device tier, and its gradients and optimizer state (a partition of
-/// `partition_len` elements, gradients of `grad_bytes`) when the optimizer is on the
-/// device.
+/// `partition_len` elements, gradients of `grad_bytes`) when its optimizer state is on
+/// the device (`rules::optimizer_tiers`).
 pub(super) fn device_reservations(
     plan: &Plan,
     device: &Arc<CpuDevice>,
@@ -152,7 +152,7 @@ pub(super) fn device_reservations(
         let bytes = ((params_len + gathered_from) * plan.precision.bytes()) as u64;
         held.push(device.reserve(bytes, &format!("parameters of unit {u}"))?);
     }
-    if plan.zero.offload_optimizer.tier == Tier::Device {
+    if crate::plan::rules::optimizer_tiers(plan)[u] == Tier::Device {
         held.push(device.reserve(grad_bytes as u64, &format!("gradients of unit {u}"))?);
         let state_bytes = 12 * partition_len as u64;
         held.push(device.reserve(state_bytes, &format!("optimizer state of unit {u}"))?);

@@ -96,7 +96,7 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
         plan.batch.train_batch_size = micro * accumulation * world;
         plan.auto.push(AutoChoice {
             key: "train_micro_batch_size_per_gpu",
-            value: micro,
+            value: micro as f64,
             why,
         });
     }
@@ -104,7 +104,7 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
     if auto.accumulation {
         plan.auto.push(AutoChoice {
             key: "gradient_accumulation_steps",
-            value: b.gradient_accumulation_steps,
+            value: b.gradient_accumulation_steps as f64,
             why: match auto.tbs_given {
                 Some(t) => format!(
                     "train_batch_size {t} / (micro {} × devices {world})",
@@ -117,7 +117,7 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
     if auto.tbs {
         plan.auto.push(AutoChoice {
             key: "train_batch_size",
-            value: b.train_batch_size,
+            value: b.train_batch_size as f64,
             why: format!(
                 "micro {} × accumulation {} × devices {world}",
                 b.micro_batch_per_gpu, b.gradient_accumulation_steps
@@ -127,7 +127,7 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
 }
 
 /// A rank's device memory budget, and what sets it.
-fn budget(plan: &Plan, facts: DeviceFacts) -> (Option<u64>, &'static str) {
+pub(super) fn budget(plan: &Plan, facts: DeviceFacts) -> (Option<u64>, &'static str) {
     match plan.train.accelerator {
         Accelerator::Cuda => (facts.cuda_memory, "the GPU's memory"),
         Accelerator::Cpu => (plan.train.device_memory, "train.device_memory"),
@@ -135,7 +135,7 @@ fn budget(plan: &Plan, facts: DeviceFacts) -> (Option<u64>, &'static str) {
 }
 
 /// Whether the plan's predicted device bytes fit its budget (always, without one).
-fn fits_budget(plan: &Plan, facts: DeviceFacts) -> bool {
+pub(super) fn fits_budget(plan: &Plan, facts: DeviceFacts) -> bool {
     budget(plan, facts)
         .0
         .is_none_or(|budget| crate::plan::memory::predict(plan).total <= budget)
@@ -155,7 +155,7 @@ pub(super) fn fit_device_sums(plan: &mut Plan, facts: DeviceFacts) {
             if fits && crate::plan::rules::device_accumulation(plan) {
                 plan.auto.push(AutoChoice {
                     key: "train.accumulate_on_device",
-                    value: 1,
+                    value: 1.0,
                     why: "on: gradient sums stay on the GPU over the micro-batches and leave it once per step; its memory has room"
                         .into(),
                 });
@@ -180,7 +180,7 @@ pub(super) fn fit_kept_activations(plan: &mut Plan, facts: DeviceFacts) {
             if fits && any {
                 plan.auto.push(AutoChoice {
                     key: "train.keep_activations",
-                    value: 1,
+                    value: 1.0,
                     why: "on: units whose parameters stay on the device keep their activations for backward instead of recomputing the forward; the device has room"
                         .into(),
                 });
@@ -230,7 +230,7 @@ pub(super) fn fit_gathered(plan: &mut Plan, facts: DeviceFacts) {
         let kept = numels.iter().filter(|&&n| n <= threshold).count();
         plan.auto.push(AutoChoice {
             key: "train.keep_gathered",
-            value: kept,
+            value: kept as f64,
             why: format!(
                 "of {} units stay gathered for the whole step, the most that fit the GPU's memory: \
                  stage3_param_persistence_threshold {given} → {threshold}",
@@ -238,68 +238,4 @@ pub(super) fn fit_gathered(plan: &mut Plan, facts: DeviceFacts) {
             ),
         });
     }
-}
-
-/// Of host memory, what an `"auto"` placement may fill: the rest is left to the page
-/// cache (the NVMe files are read through it when O_DIRECT is off) and whatever else the
-/// machine runs.
-pub const HOST_MARGIN: f64 = 0.9;
-
-/// Parameters on NVMe with `offload_param.max_in_cpu: "auto"`: the most units, in forward
-/// order, whose parameters fit in host memory beside everything else the process holds
-/// there (`host_memory::predict_host` at most [`HOST_MARGIN`] of `train.host_memory`);
-/// without a known budget, DeepSpeed's default of 1e9 elements.
-pub(super) fn fit_params_in_host(plan: &mut Plan) {
-    let param = &plan.zero.offload_param;
-    if !param.max_in_cpu_auto || param.tier != super::Tier::Nvme {
-        return;
-    }
-    let Some(memory) = plan.train.host_memory else {
-        plan.auto.push(AutoChoice {
-            key: "zero_optimization.offload_param.max_in_cpu",
-            value: plan.zero.offload_param.max_in_cpu,
-            why: "the host memory is unknown (set train.host_memory): DeepSpeed's default".into(),
-        });
-        return;
-    };
-    let budget = (memory as f64 * HOST_MARGIN) as u64;
-    let share = format!("{:.0}% of train.host_memory", HOST_MARGIN * 100.0);
-    // every prefix of the units, counted in elements, from all of them down to none
-    let mut prefixes = vec![0usize];
-    for numel in plan.model.config.unit_numels() {
-        prefixes.push(prefixes.last().copied().unwrap_or(0) + numel);
-    }
-    let host_bytes = |max_in_cpu: usize| {
-        let mut p = plan.clone();
-        p.zero.offload_param.max_in_cpu = max_in_cpu;
-        crate::plan::host_memory::predict_host(&p).total
-    };
-    let chosen = prefixes.iter().rev().copied().find(|&n| host_bytes(n) <= budget);
-    let gib = |b: u64| format!("{:.2} GiB", b as f64 / f64::from(1u32 << 30));
-    let (value, why) = match chosen {
-        Some(n) => (
-            n,
-            format!(
-                "the units whose parameters fit in host memory: the process then holds {} of {} ({share} {})",
-                gib(host_bytes(n)),
-                gib(budget),
-                gib(memory)
-            ),
-        ),
-        None => (
-            0,
-            format!(
-                "even with every unit on NVMe the process holds {}, over {} ({share} {}): no unit stays in host memory",
-                gib(host_bytes(0)),
-                gib(budget),
-                gib(memory)
-            ),
-        ),
-    };
-    plan.zero.offload_param.max_in_cpu = value;
-    plan.auto.push(AutoChoice {
-        key: "zero_optimization.offload_param.max_in_cpu",
-        value,
-        why,
-    });
 }

@@ -13,8 +13,8 @@
 use super::memory::predict;
 use super::partition::Partition;
 use super::rules::{
-    bf16_gradients, chunk_elements, device_accumulation, gathers_updates, nvme_gradients, param_tiers,
-    pipeline_sets, swap_chunk, MAX_IN_FLIGHT, REDUCE_DEPTH,
+    bf16_gradients, chunk_elements, device_accumulation, gathers_updates, nvme_gradients, optimizer_tiers,
+    param_tiers, pipeline_sets, stored_gradients, swap_chunk, MAX_IN_FLIGHT, REDUCE_DEPTH,
 };
 use super::{Accelerator, Plan, Tier, Wire};
 use serde::Serialize;
@@ -60,7 +60,10 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     let nvme_grads = nvme_gradients(plan);
     let mut rank = HostBytes::default();
     let param_tiers = param_tiers(plan);
-    for (p, &param_tier) in parts.iter().zip(&param_tiers) {
+    let optimizer_tiers = optimizer_tiers(plan);
+    let stored = stored_gradients(plan);
+    for (u, (p, &param_tier)) in parts.iter().zip(&param_tiers).enumerate() {
+        let optimizer_tier = optimizer_tiers[u];
         if in_host(param_tier) {
             rank.parameters += elem
                 * match (param_tier, stage) {
@@ -73,11 +76,11 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
                     _ => 2 * kept(p),
                 };
         }
-        if param_tier == Tier::Device && plan.zero.offload_optimizer.tier != Tier::Device {
+        if param_tier == Tier::Device && optimizer_tier != Tier::Device {
             // the host buffer the CPU optimizer writes the new partition into
             rank.parameters += elem * opt_len(p);
         }
-        if !nvme_grads {
+        if !stored[u] {
             rank.gradients += grad_elem * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
         }
         if cpu && device_accumulation(plan) {
@@ -88,13 +91,13 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
             // the partition copy lent to the optimizer
             rank.gradients += 4 * opt_len(p);
         }
-        if plan.zero.offload_optimizer.tier != Tier::Nvme {
+        if in_host(optimizer_tier) {
             rank.optimizer += 12 * opt_len(p);
         }
     }
     let aligned = |bytes: u64| bytes.div_ceil(4096) * 4096;
     let swap_chunk = swap_chunk(plan, max_opt as usize) as u64;
-    if plan.zero.offload_optimizer.tier == Tier::Nvme {
+    if optimizer_tiers.contains(&Tier::Nvme) {
         let sets = pipeline_sets(plan) as u64;
         let per_set = 3 + u64::from(nvme_grads);
         rank.buffers += per_set * sets * aligned(4 * swap_chunk);

@@ -176,7 +176,8 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
     let parts: Vec<Partition> = numels.iter().map(|&n| Partition::new(n, world)).collect();
     let opt_len = |p: &Partition| if stage == 0 { p.padded } else { p.shard } as u64;
     let mut bytes = DeviceBytes::default();
-    for p in &parts {
+    let optimizer_tiers = super::rules::optimizer_tiers(plan);
+    for (p, &optimizer_tier) in parts.iter().zip(&optimizer_tiers) {
         if plan.zero.offload_param.tier == Tier::Device {
             bytes.parameters += elem * if stage == 3 { p.shard } else { p.padded } as u64;
             if gathers_updates(stage, world) {
@@ -184,13 +185,13 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
                 bytes.parameters += elem * p.shard as u64;
             }
         }
-        if plan.zero.offload_optimizer.tier == Tier::Device {
+        if optimizer_tier == Tier::Device {
             bytes.gradients += 4 * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
             bytes.optimizer += 12 * opt_len(p);
         }
         if device_accumulation(plan) {
             bytes.accumulators += 4 * opt_len(p);
-            if plan.zero.offload_optimizer.tier != Tier::Device {
+            if optimizer_tier != Tier::Device {
                 bytes.gradients += 4 * opt_len(p);
             }
         }

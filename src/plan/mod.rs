@@ -1,14 +1,19 @@
 //! What a config costs before anything runs: the validated [`Plan`] the engine is allowed
 //! to read (`types.rs`, built from the config as read by `resolve.rs`,
-//! `resolve_zero.rs`, `resolve_data.rs` and `resolve_optimizer.rs`, with `"auto"` batch sizes from `auto_batch.rs`), the partitions of
+//! `resolve_zero.rs`, `resolve_data.rs` and `resolve_optimizer.rs`, with `"auto"` batch sizes from `auto_batch.rs` and `"auto"` placements from
+//! `auto_tiers.rs`), the partitions of
 //! every unit (`partition.rs`), the rules every room asks (`rules.rs`), the stage-3 fetch
 //! order (`fetch.rs`), DeepSpeed's learning-rate schedules and loss scaler
 //! (`schedule.rs`), device and host memory predictions (`memory.rs`, `host_memory.rs`),
-//! DeepSpeed's ZeRO-3 estimate (`estimate.rs`), the table `plan` prints (`report.rs`),
+//! the NVMe path's room (`disk.rs`), the largest model a machine's tiers hold
+//! (`capacity.rs`), DeepSpeed's ZeRO-3 estimate (`estimate.rs`), the table `plan` prints (`report.rs`),
 //! and the simulated step on a hardware profile (`simulate/`). Below the engine and above
 //! the config as written: nothing here runs a step.
 
 mod auto_batch;
+mod auto_tiers;
+pub mod capacity;
+pub mod disk;
 pub mod estimate;
 pub mod fetch;
 pub mod host_memory;
@@ -24,7 +29,7 @@ pub mod schedule;
 pub mod simulate;
 mod types;
 
-pub use auto_batch::HOST_MARGIN;
+pub use auto_tiers::HOST_MARGIN;
 pub use report::plan_table;
 pub use types::*;
 
@@ -55,6 +60,7 @@ pub fn from_json(json: Value, sets: &[String], facts: DeviceFacts) -> Result<Loa
     let mut warnings = read.warnings;
     let plan = Plan::build(&read.ds, facts, &mut warnings)?;
     warnings.extend(host_memory::host_fit_warning(&plan));
+    warnings.extend(disk::nvme_fit_warning(&plan));
     warnings.extend(read.not_yet);
     Ok(Loaded {
         ds: read.ds,

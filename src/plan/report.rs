@@ -17,65 +17,87 @@ pub struct StateRow {
     pub sharded: bool,
 }
 
-/// Model-state bytes per rank and where they live.
+/// Model-state bytes per rank and where they live: a row per state and tier that holds
+/// some of it (units are placed per tier: `rules::param_tiers`, `rules::optimizer_tiers`).
 pub fn model_states(plan: &Plan) -> Vec<StateRow> {
-    let params = plan.model.config.num_parameters() as u64;
     let world = plan.world_size as u64;
     let stage = plan.zero.stage;
-    let per_rank = |bytes_per_param: u64, sharded: bool| {
-        if sharded {
-            (params * bytes_per_param).div_ceil(world)
-        } else {
-            params * bytes_per_param
-        }
+    let numels = plan.model.config.unit_numels();
+    let rows = |state: &'static str, tiers: &[Tier], bytes_per_param: u64, sharded: bool| -> Vec<StateRow> {
+        [Tier::Device, Tier::Cpu, Tier::Nvme]
+            .into_iter()
+            .filter_map(|tier| {
+                let elements: u64 = numels
+                    .iter()
+                    .zip(tiers)
+                    .filter(|(_, t)| **t == tier)
+                    .map(|(n, _)| *n as u64)
+                    .sum();
+                let bytes = elements * bytes_per_param;
+                (elements > 0).then(|| StateRow {
+                    state,
+                    tier,
+                    bytes_per_rank: if sharded { bytes.div_ceil(world) } else { bytes },
+                    sharded,
+                })
+            })
+            .collect()
     };
     let low = plan.precision.bytes() as u64;
-    let optimizer_tier = plan.zero.offload_optimizer.tier;
-    // parameters on NVMe keep their first `max_in_cpu` elements in host memory: a row
-    // per tier that holds some
-    let numels = plan.model.config.unit_numels();
-    let tiers = super::rules::param_tiers(plan);
-    let mut rows: Vec<StateRow> = [Tier::Device, Tier::Cpu, Tier::Nvme]
-        .into_iter()
-        .filter_map(|tier| {
-            let elements: u64 = numels
-                .iter()
-                .zip(&tiers)
-                .filter(|(_, t)| **t == tier)
-                .map(|(n, _)| *n as u64)
-                .sum();
-            let bytes = elements * low;
-            (elements > 0).then(|| StateRow {
-                state: "parameters",
-                tier,
-                bytes_per_rank: if stage >= 3 { bytes.div_ceil(world) } else { bytes },
-                sharded: stage >= 3,
+    let optimizer_tiers = super::rules::optimizer_tiers(plan);
+    let mut out: Vec<StateRow> = rows("parameters", &super::rules::param_tiers(plan), low, stage >= 3);
+    if stage >= 2 {
+        // a unit's gradient shard sits next to its optimizer state, on NVMe too (as
+        // DeepSpeed's optimizer swapper keeps it), there in bf16 when the run trains in
+        // bf16 without accumulation
+        let bf16 = crate::plan::rules::bf16_gradients(plan);
+        out.extend(rows(
+            "gradients",
+            &optimizer_tiers,
+            if bf16 { 2 } else { 4 },
+            true,
+        ));
+    } else {
+        out.extend(rows("gradients", &vec![Tier::Device; numels.len()], low, false));
+    }
+    out.extend(rows("optimizer states", &optimizer_tiers, 12, stage >= 1));
+    out
+}
+
+/// "units 0–6 on the device, 7–20 in host memory, 21–33 on nvme": the runs of units on
+/// each tier in forward order; None when every unit is on one tier.
+pub fn placement(tiers: &[Tier]) -> Option<String> {
+    let place = |t: Tier| match t {
+        Tier::Device => "on the device",
+        Tier::Cpu => "in host memory",
+        Tier::Nvme => "on nvme",
+    };
+    let mut runs: Vec<(usize, usize, Tier)> = Vec::new();
+    for (u, &t) in tiers.iter().enumerate() {
+        match runs.last_mut() {
+            Some(run) if run.2 == t => run.1 = u,
+            _ => runs.push((u, u, t)),
+        }
+    }
+    (runs.len() > 1).then(|| {
+        let parts: Vec<String> = runs
+            .iter()
+            .enumerate()
+            .map(|(i, &(a, b, t))| {
+                let units = if a == b {
+                    format!("{a}")
+                } else {
+                    format!("{a}–{b}")
+                };
+                if i == 0 {
+                    format!("units {units} {}", place(t))
+                } else {
+                    format!("{units} {}", place(t))
+                }
             })
-        })
-        .collect();
-    rows.extend([
-        StateRow {
-            state: "gradients",
-            // the gradient shard sits next to the optimizer state, on NVMe too (as
-            // DeepSpeed's optimizer swapper keeps it), there in bf16 when the run trains
-            // in bf16 without accumulation
-            tier: if stage >= 2 { optimizer_tier } else { Tier::Device },
-            bytes_per_rank: if stage >= 2 {
-                let bf16 = crate::plan::rules::bf16_gradients(plan);
-                per_rank(if bf16 { 2 } else { 4 }, true)
-            } else {
-                per_rank(low, false)
-            },
-            sharded: stage >= 2,
-        },
-        StateRow {
-            state: "optimizer states",
-            tier: optimizer_tier,
-            bytes_per_rank: per_rank(12, stage >= 1),
-            sharded: stage >= 1,
-        },
-    ]);
-    rows
+            .collect();
+        parts.join(", ")
+    })
 }
 
 pub fn gib(bytes: u64) -> f64 {
@@ -219,16 +241,23 @@ fn zero_rows(out: &mut String, plan: &Plan) {
         );
     }
     let tiers = super::rules::param_tiers(plan);
-    if let Some(first) = tiers.iter().position(|t| *t == Tier::Nvme).filter(|&u| u > 0) {
+    if let Some(placed) = placement(&tiers) {
+        let why = format!("offload_param.max_in_cpu {}", plan.zero.offload_param.max_in_cpu);
+        row(out, "param placement", format!("{placed} ({why})"));
+    }
+    let offload = &plan.zero.offload_optimizer;
+    if let Some(placed) = placement(&super::rules::optimizer_tiers(plan)) {
+        let mut why = Vec::new();
+        if offload.ratio < 1.0 {
+            why.push(format!("offload_optimizer.ratio {}", offload.ratio));
+        }
+        if offload.tier == Tier::Nvme && offload.max_in_cpu > 0 {
+            why.push(format!("train.optimizer_max_in_cpu {}", offload.max_in_cpu));
+        }
         row(
             out,
-            "param placement",
-            format!(
-                "units 0–{} in host memory, {first}–{} on nvme (offload_param.max_in_cpu {})",
-                first - 1,
-                tiers.len() - 1,
-                plan.zero.offload_param.max_in_cpu
-            ),
+            "optimizer placement",
+            format!("{placed} ({})", why.join(", ")),
         );
     }
     for (what, path) in [
@@ -290,6 +319,23 @@ fn zero_rows(out: &mut String, plan: &Plan) {
                 gib(memory.abs_diff(host.total)),
                 if memory >= host.total { "left" } else { "short" }
             ),
+        );
+    }
+    let nvme = super::disk::nvme_bytes(plan);
+    if nvme > 0 {
+        let room = match plan.train.nvme_space {
+            Some(room) => format!(
+                " of {:.3} GiB (train.nvme_space): {:.3} GiB {}",
+                gib(room),
+                gib(room.abs_diff(nvme)),
+                if room >= nvme { "left" } else { "short" }
+            ),
+            None => String::new(),
+        };
+        row(
+            out,
+            "nvme swap files per node",
+            format!("{:.3} GiB{room}", gib(nvme)),
         );
     }
     row(out, "sub_group_size", plan.zero.sub_group_size.to_string());

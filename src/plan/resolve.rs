@@ -12,7 +12,7 @@ use super::resolve_optimizer::{build_optimizer, build_scheduler};
 use super::types::*;
 use crate::config::ds::*;
 use crate::config::model::{ModelConfig, PRESETS};
-use crate::config::value::{count, number, positive, Flag, Num};
+use crate::config::value::{count, count_or_auto, number, positive, Flag, Num};
 use crate::config::ConfigError;
 use std::path::PathBuf;
 
@@ -67,12 +67,36 @@ impl Plan {
                 ))
             }
         };
-        let zero = super::resolve_zero::build_zero(
+        let mut zero = super::resolve_zero::build_zero(
             ds.zero_optimization.clone().unwrap_or_default(),
             &model.config,
             warnings,
         )?;
+        let t = ds.train.clone().unwrap_or_default();
+        zero.offload_optimizer.max_in_cpu = count_or_auto(
+            "train.optimizer_max_in_cpu",
+            t.optimizer_max_in_cpu,
+            0,
+            // "auto" is decided after the parameters' placement (`auto_tiers.rs`)
+            0,
+        )?;
+        zero.offload_optimizer.max_in_cpu_auto = matches!(t.optimizer_max_in_cpu, Some(Num::Auto));
+        if t.optimizer_max_in_cpu.is_some() && zero.offload_optimizer.tier != Tier::Nvme {
+            warnings.push(
+                "train.optimizer_max_in_cpu has no effect: it places optimizer state between host memory and NVMe, \
+                 and zero_optimization.offload_optimizer.device is not \"nvme\""
+                    .into(),
+            );
+        }
         let aio = super::resolve_zero::build_aio(ds.aio.clone().unwrap_or_default(), warnings)?;
+        let mut train = train;
+        if train.nvme_space.is_none() {
+            // "auto": the room on the NVMe path the swap files go to
+            let on_nvme = |tier: Tier, path: &Option<PathBuf>| path.clone().filter(|_| tier == Tier::Nvme);
+            let path = on_nvme(zero.offload_optimizer.tier, &zero.offload_optimizer.nvme_path)
+                .or_else(|| on_nvme(zero.offload_param.tier, &zero.offload_param.nvme_path));
+            train.nvme_space = path.and_then(|p| super::disk::nvme_room(&p));
+        }
         let mut plan = Plan {
             world_size,
             batch,
@@ -101,10 +125,15 @@ impl Plan {
             .keep_activations
             .unwrap_or(!plan.train.activation_checkpointing);
         super::auto_batch::decide(&mut plan, auto, facts);
+        // the device's memory goes to optimizer state first ("auto" partial offload: the
+        // units there need neither the CPU optimizer nor PCIe), then to what speeds the
+        // offloaded rest
+        super::auto_tiers::fit_optimizer_on_device(&mut plan, facts);
         super::auto_batch::fit_device_sums(&mut plan, facts);
         super::auto_batch::fit_gathered(&mut plan, facts);
         super::auto_batch::fit_kept_activations(&mut plan, facts);
-        super::auto_batch::fit_params_in_host(&mut plan);
+        super::auto_tiers::fit_params_in_host(&mut plan);
+        super::auto_tiers::fit_optimizer_in_host(&mut plan);
         Ok(plan)
     }
 
@@ -177,6 +206,11 @@ fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError
         host_memory: match t.host_memory {
             None | Some(Num::Auto) => facts.host_memory,
             some => Some(positive("train.host_memory", some, 1)? as u64),
+        },
+        // "auto" is read from the NVMe path's file system once the zero section is built
+        nvme_space: match t.nvme_space {
+            None | Some(Num::Auto) => None,
+            some => Some(positive("train.nvme_space", some, 1)? as u64),
         },
         accumulate_on_device: match t.accumulate_on_device {
             None | Some(Flag::Auto) => None,

@@ -239,12 +239,23 @@ fn check_tiers(
             _ => {}
         }
     }
-    let ratio = number("zero_optimization.offload_optimizer.ratio", oo.ratio, 1.0)?;
-    if ratio != 1.0 {
+    let key = "zero_optimization.offload_optimizer.ratio";
+    let ratio = match oo.ratio {
+        Some(Num::Auto) => 1.0,
+        other => number(key, other, 1.0)?,
+    };
+    if !(0.0..=1.0).contains(&ratio) {
         return Err(ConfigError::invalid(
-            "zero_optimization.offload_optimizer.ratio",
-            "partial optimizer offload is not supported",
-            "remove it or set it to 1.0",
+            key,
+            format!("{ratio} is not a fraction"),
+            "DeepSpeed's partial offload: the fraction of the optimizer state offloaded, from 0 to 1 (default 1.0)",
+        ));
+    }
+    if ratio < 1.0 && optimizer_tier == Tier::Device {
+        return Err(ConfigError::invalid(
+            key,
+            "partial offload needs the optimizer state offloaded; the config keeps it on the device",
+            "set zero_optimization.offload_optimizer.device to \"cpu\" or \"nvme\", or leave ratio out",
         ));
     }
     Ok(ratio)
@@ -287,6 +298,10 @@ fn optimizer_offload(
         pipeline_read: oo.pipeline_read.unwrap_or(false),
         pipeline_write: oo.pipeline_write.unwrap_or(false),
         ratio,
+        ratio_auto: matches!(oo.ratio, Some(Num::Auto)),
+        // `train.optimizer_max_in_cpu`, read with the train section (`resolve.rs`)
+        max_in_cpu: 0,
+        max_in_cpu_auto: false,
     })
 }
 

@@ -42,11 +42,63 @@ pub fn swap_chunk(plan: &Plan, largest: usize) -> usize {
     plan.zero.sub_group_size.min(SWAP_CHUNK_LIMIT).min(largest.max(1))
 }
 
-/// Whether gradient partitions live in the optimizer's swap store on NVMe (stages 2–3
-/// with the optimizer state there; `engine/grad_store.rs`), as DeepSpeed's optimizer
-/// swapper keeps them, instead of in host memory.
+/// Each unit's optimizer-state tier (fp32 master, Adam moments, and at stages 2–3 the
+/// gradient partition with them): `offload_optimizer.device`, except that DeepSpeed's
+/// partial offload (`offload_optimizer.ratio` below 1) keeps the first
+/// `⌊(1 − ratio)·units⌋` units on the device, as DeepSpeed keeps that share of its
+/// sub-groups there; and with the state on NVMe the next units whose elements, counted in
+/// forward order, fit `train.optimizer_max_in_cpu` stay in host memory. Whole units: the
+/// first that does not fit, and every one after it, is on NVMe.
+pub fn optimizer_tiers(plan: &Plan) -> Vec<Tier> {
+    let offload = &plan.zero.offload_optimizer;
+    let numels = plan.model.config.unit_numels();
+    let on_device = if offload.tier == Tier::Device {
+        numels.len()
+    } else {
+        ((1.0 - offload.ratio) * numels.len() as f64).floor() as usize
+    };
+    let mut in_cpu = 0usize;
+    let mut spilled = false;
+    numels
+        .into_iter()
+        .enumerate()
+        .map(|(u, numel)| {
+            if u < on_device {
+                return Tier::Device;
+            }
+            if offload.tier != Tier::Nvme {
+                return offload.tier;
+            }
+            in_cpu = in_cpu.saturating_add(numel);
+            spilled |= in_cpu > offload.max_in_cpu;
+            if spilled {
+                Tier::Nvme
+            } else {
+                Tier::Cpu
+            }
+        })
+        .collect()
+}
+
+/// Whether each unit's gradient partition lives in the optimizer's swap store on NVMe
+/// (stages 2–3, the unit's optimizer state there; `engine/grad_store.rs`), as DeepSpeed's
+/// optimizer swapper keeps them, instead of in host memory.
+pub fn stored_gradients(plan: &Plan) -> Vec<bool> {
+    let stage = plan.zero.stage;
+    optimizer_tiers(plan)
+        .into_iter()
+        .map(|tier| stage >= 2 && tier == Tier::Nvme)
+        .collect()
+}
+
+/// Whether any unit's gradient partition is in the swap store ([`stored_gradients`]).
 pub fn nvme_gradients(plan: &Plan) -> bool {
-    plan.zero.stage >= 2 && plan.zero.offload_optimizer.tier == Tier::Nvme
+    stored_gradients(plan).contains(&true)
+}
+
+/// Whether any unit's optimizer state is on NVMe.
+pub fn nvme_optimizer(plan: &Plan) -> bool {
+    optimizer_tiers(plan).contains(&Tier::Nvme)
 }
 
 /// Whether gradients accumulate on the device across a step's micro-batches (stages 2–3
@@ -65,15 +117,17 @@ pub fn pipeline_sets(plan: &Plan) -> usize {
     tierzero_offload::pipeline::sets_for(plan.zero.offload_optimizer.buffer_count, nvme_gradients(plan))
 }
 
-/// Whether gradient accumulators are kept in bf16: a bf16 run whose optimizer state is on
-/// NVMe, at stages 2–3, without gradient accumulation (see `engine/grads.rs`). With
-/// several micro-batches per step a bf16 sum of nearly cancelling micro-batch gradients
-/// can flip a sign that Adam then follows at full step size, so those runs keep fp32.
+/// Whether gradient accumulators are kept in bf16: a bf16 run whose optimizer state is
+/// all on NVMe, at stages 2–3, without gradient accumulation (see `engine/grads.rs`); a
+/// placement over several tiers keeps fp32, the accumulators of its units in memory as
+/// those of a run in memory. With several micro-batches per step a bf16 sum of nearly
+/// cancelling micro-batch gradients can flip a sign that Adam then follows at full step
+/// size, so those runs keep fp32.
 pub fn bf16_gradients(plan: &Plan) -> bool {
     plan.zero.stage >= 2
-        && plan.zero.offload_optimizer.tier == Tier::Nvme
         && plan.precision == Precision::Bf16
         && plan.batch.gradient_accumulation_steps == 1
+        && optimizer_tiers(plan).iter().all(|&t| t == Tier::Nvme)
 }
 
 /// Whether a unit's new partition is all-gathered into its replica from a partition of

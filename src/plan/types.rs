@@ -180,7 +180,7 @@ pub struct ParamOffload {
     pub buffer_count: usize,
     pub buffer_size: usize,
     pub max_in_cpu: usize,
-    /// `max_in_cpu` was `"auto"`: the plan fills host memory (`auto_batch::fit_params_in_host`).
+    /// `max_in_cpu` was `"auto"`: the plan fills host memory (`auto_tiers::fit_params_in_host`).
     pub max_in_cpu_auto: bool,
 }
 
@@ -192,7 +192,19 @@ pub struct OptimizerOffload {
     pub buffer_count: usize,
     pub pipeline_read: bool,
     pub pipeline_write: bool,
+    /// DeepSpeed's partial offload: the fraction of units (sub-groups in DeepSpeed) whose
+    /// optimizer state is offloaded; the first `(1 - ratio)` of them stay on the device
+    /// (`rules::optimizer_tiers`).
     pub ratio: f64,
+    /// `ratio` was `"auto"`: the plan keeps as many units on the device as fit its memory
+    /// (`auto_tiers::fit_optimizer_on_device`).
+    pub ratio_auto: bool,
+    /// With the state on NVMe: parameter elements (whole units in forward order, after
+    /// those on the device) whose optimizer state stays in host memory
+    /// (`train.optimizer_max_in_cpu`).
+    pub max_in_cpu: usize,
+    /// `max_in_cpu` was `"auto"` (`auto_tiers::fit_optimizer_in_host`).
+    pub max_in_cpu_auto: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -294,6 +306,9 @@ pub struct Train {
     /// Host memory this process may hold, bytes (`train.host_memory`, by default what the
     /// machine had available at plan time); None = unknown.
     pub host_memory: Option<u64>,
+    /// Bytes the swap files may take on the NVMe path (`train.nvme_space`, by default its
+    /// file system's free space at plan time); None = unknown.
+    pub nvme_space: Option<u64>,
     /// `train.accumulate_on_device`: None for "auto".
     pub accumulate_on_device: Option<bool>,
     /// `train.keep_gathered`: None for "auto".
@@ -343,10 +358,10 @@ pub struct Plan {
 
 /// A `"auto"` value tierzero decided (the Hugging Face Trainer fills these in; tierzero is
 /// the trainer here).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct AutoChoice {
     pub key: &'static str,
-    pub value: usize,
+    pub value: f64,
     pub why: String,
 }
 

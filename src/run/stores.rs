@@ -77,11 +77,15 @@ pub(super) fn open_stores(
     plan: &Plan,
     model: &Model,
 ) -> Result<(Option<SwapStore>, Option<SwapStore>), TrainError> {
+    // the units whose optimizer state (and at stages 2-3 gradient) lives on NVMe
+    // (`offload_optimizer.ratio` and `train.optimizer_max_in_cpu` keep the first on the
+    // device and in host memory)
+    let optimizer_tiers = crate::plan::rules::optimizer_tiers(plan);
     let optimizer = match (
-        &plan.zero.offload_optimizer.tier,
+        optimizer_tiers.contains(&Tier::Nvme),
         &plan.zero.offload_optimizer.nvme_path,
     ) {
-        (Tier::Nvme, Some(path)) => {
+        (true, Some(path)) => {
             let mut specs = swap_specs(plan, model, &State::OPTIMIZER, 4);
             if crate::plan::rules::nvme_gradients(plan) {
                 let elem = if crate::plan::rules::bf16_gradients(plan) {
@@ -91,6 +95,7 @@ pub(super) fn open_stores(
                 };
                 specs.extend(swap_specs(plan, model, &[State::Grad], elem));
             }
+            specs.retain(|spec| optimizer_tiers[spec.key.unit as usize] == Tier::Nvme);
             Some(open_store(plan, path, "tierzero-optimizer", &specs)?)
         }
         _ => None,

@@ -179,18 +179,31 @@ fn bound(plan: &Plan, profile: &Profile, compute_s: f64, pcie_min: f64) -> (Stri
             each_way / (profile.copies.d2h_pinned.value * gb),
         ));
     }
-    let opt = plan.zero.offload_optimizer.tier;
-    if opt != Tier::Device {
+    // the share of the parameters whose optimizer state is off the device, and on NVMe
+    let tiers = crate::plan::rules::optimizer_tiers(plan);
+    let numels = plan.model.config.unit_numels();
+    let share = |tier: &dyn Fn(Tier) -> bool| {
+        let of: usize = numels
+            .iter()
+            .zip(&tiers)
+            .filter(|(_, &t)| tier(t))
+            .map(|(n, _)| n)
+            .sum();
+        of as f64 / numels.iter().sum::<usize>().max(1) as f64
+    };
+    let off_device = share(&|t| t != Tier::Device);
+    if off_device > 0.0 {
         // the CPU optimizers of a machine's ranks share its cores
         let ranks_per_host = plan.train.devices as f64;
         candidates.push((
             "CPU optimizer".into(),
-            per_rank * ranks_per_host / profile.cpu_adam.params_per_s.value,
+            off_device * per_rank * ranks_per_host / profile.cpu_adam.params_per_s.value,
         ));
     }
-    if opt == Tier::Nvme {
+    let on_nvme = share(&|t| t == Tier::Nvme);
+    if on_nvme > 0.0 {
         // master and both moments read and written once (ranks of a machine share its disk)
-        let bytes = 12.0 * per_rank * plan.train.devices as f64;
+        let bytes = 12.0 * on_nvme * per_rank * plan.train.devices as f64;
         let nvme = &profile.nvme;
         candidates.push((
             "NVMe".into(),

@@ -41,6 +41,8 @@ pub(super) struct Replay<'a> {
     parts: Vec<Partition>,
     /// Each unit's parameter tier (`rules::param_tiers`).
     param_tiers: Vec<Tier>,
+    /// Each unit's optimizer-state tier (`rules::optimizer_tiers`).
+    optimizer_tiers: Vec<Tier>,
     /// When each unit's update of the previous step is installed (the optimizer thread).
     updated: Vec<Mark>,
     /// Reductions in flight on the collectives lane (their end marks).
@@ -76,6 +78,7 @@ impl<'a> Replay<'a> {
             clocks: Clocks::default(),
             parts,
             param_tiers: rules::param_tiers(plan),
+            optimizer_tiers: rules::optimizer_tiers(plan),
             updated,
             reducing: Vec::new(),
             pcie: [0, 0],
@@ -236,9 +239,7 @@ impl<'a> Replay<'a> {
         self.fresh[u] = false;
         let m = self.updated[u];
         self.clocks.wait(Track::Compute, m);
-        if self.plan.zero.offload_param.tier == Tier::Device
-            && self.plan.zero.offload_optimizer.tier != Tier::Device
-        {
+        if self.plan.zero.offload_param.tier == Tier::Device && self.optimizer_tiers[u] != Tier::Device {
             let bytes = self.optimizer_len(u) * self.p();
             let rate = self.h2d_rate(false);
             self.clocks

@@ -15,14 +15,14 @@ impl Replay<'_> {
         let (read_gb_s, write_gb_s, adam) = self.shared();
         let opt = &self.plan.zero.offload_optimizer;
         let swap_chunk = self.swap_chunk() as u64;
-        let stored_grads = rules::nvme_gradients(self.plan);
+        let stored_grads = rules::stored_gradients(self.plan);
         let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
         let pipelined = (opt.pipeline_read || opt.pipeline_write) && rules::pipeline_sets(self.plan) >= 2;
         // the step's stored gradients are consumed here
         self.stored.fill(false);
-        for u in 0..self.parts.len() {
+        for (u, stored) in stored_grads.into_iter().enumerate() {
             let len = self.optimizer_len(u);
-            match opt.tier {
+            match self.optimizer_tiers[u] {
                 Tier::Device => {
                     // the host accumulator to the device, then fused AdamW there
                     let grads = len * 4;
@@ -49,7 +49,7 @@ impl Replay<'_> {
                     let n = len.div_ceil(swap_chunk);
                     let states = 3 * round_4k(swap_chunk * 4);
                     let read_bytes = states
-                        + if stored_grads {
+                        + if stored {
                             round_4k(swap_chunk * accumulator)
                         } else {
                             0

@@ -45,7 +45,7 @@ impl Replay<'_> {
         let stretch = (rules::chunk_elements(self.plan) as u64 / world).max(1);
         let shard = part.shard as u64;
         let chunks = shard.div_ceil(stretch);
-        let nvme = rules::nvme_gradients(self.plan);
+        let nvme = rules::stored_gradients(self.plan)[u];
         let swap_chunk = self.swap_chunk() as u64;
         let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
         // gradient accumulation on the device: each stretch is added there, and only the
@@ -126,9 +126,13 @@ impl Replay<'_> {
             let bytes: u64 = self.parts.iter().map(|p| p.padded as u64 * 4).sum();
             seconds += self.collective(bytes) * 2.0;
         }
-        if !rules::nvme_gradients(self.plan) {
-            // Σ g²: a pass over every accumulator, on every core
-            let elements: u64 = (0..self.parts.len()).map(|u| self.optimizer_len(u)).sum();
+        let stored = rules::stored_gradients(self.plan);
+        if stored.contains(&false) {
+            // Σ g²: a pass over every accumulator in memory, on every core
+            let elements: u64 = (0..self.parts.len())
+                .filter(|&u| !stored[u])
+                .map(|u| self.optimizer_len(u))
+                .sum();
             seconds += Self::seconds(elements * 4, self.profile.copies.host_memcpy_parallel.value);
         }
         self.clocks.run(Track::Compute, "reduce", None, seconds, 0);

@@ -1,0 +1,221 @@
+//! The largest model a machine trains: the config's model grown or shrunk by its number
+//! of layers (its hidden size, heads, FFN and vocabulary kept), the most layers whose
+//! plan fits every tier — the device budget (`memory::predict`), the process's host
+//! memory (`host_memory::predict_host` within `train.host_memory`) and the NVMe path's
+//! room (`disk::nvme_bytes` within `train.nvme_space`) — beside the most that DeepSpeed's
+//! own rules place on the same capacities: its ZeRO-3 estimator
+//! (`estimate_zero3_model_states_mem_needs`, `estimate.rs`), each offload combination
+//! it lists, the largest whose host and per-GPU bytes both fit. `plan --largest` prints
+//! both.
+
+use super::auto_batch::budget;
+use super::estimate::{estimate_row, EstimateRow};
+use super::{DeviceFacts, Plan};
+use crate::config::ConfigError;
+use serde::Serialize;
+
+/// A plan's bytes on each tier beside its capacities (None: unknown, not checked).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct TierFit {
+    pub device: u64,
+    pub device_budget: Option<u64>,
+    pub host: u64,
+    pub host_memory: Option<u64>,
+    pub nvme: u64,
+    pub nvme_space: Option<u64>,
+}
+
+impl TierFit {
+    pub fn of(plan: &Plan, facts: DeviceFacts) -> TierFit {
+        TierFit {
+            device: super::memory::predict(plan).total,
+            device_budget: budget(plan, facts).0,
+            host: super::host_memory::predict_host(plan).total,
+            host_memory: plan.train.host_memory,
+            nvme: super::disk::nvme_bytes(plan),
+            nvme_space: plan.train.nvme_space,
+        }
+    }
+
+    pub fn fits(&self) -> bool {
+        let within = |bytes: u64, cap: Option<u64>| cap.is_none_or(|c| bytes <= c);
+        within(self.device, self.device_budget)
+            && within(self.host, self.host_memory)
+            && within(self.nvme, self.nvme_space)
+    }
+}
+
+/// The largest model found: its layers, parameters and what it holds on each tier.
+#[derive(Clone, Debug, Serialize)]
+pub struct Largest {
+    pub layers: usize,
+    pub parameters: u64,
+    pub fit: TierFit,
+}
+
+/// DeepSpeed's largest by its estimator: the layers, parameters and the estimator row
+/// that places it.
+#[derive(Clone, Debug, Serialize)]
+pub struct DeepSpeedLargest {
+    pub layers: usize,
+    pub parameters: u64,
+    pub row: EstimateRow,
+}
+
+/// The most layers, up to `max_layers`, for which `fits` holds (fitting shrinks with
+/// layers); None when not even one layer fits.
+fn most_layers(
+    max_layers: usize,
+    mut fits: impl FnMut(usize) -> Result<bool, ConfigError>,
+) -> Result<Option<usize>, ConfigError> {
+    if !fits(1)? {
+        return Ok(None);
+    }
+    let (mut lo, mut hi) = (1, max_layers + 1);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid)? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(Some(lo))
+}
+
+/// tierzero's largest: `plan_with(layers)` builds the config's plan with that many layers
+/// (its `"auto"` placements decided for that model).
+pub fn largest(
+    max_layers: usize,
+    facts: DeviceFacts,
+    plan_with: impl Fn(usize) -> Result<Plan, ConfigError>,
+) -> Result<Option<Largest>, ConfigError> {
+    let Some(layers) = most_layers(max_layers, |l| Ok(TierFit::of(&plan_with(l)?, facts).fits()))? else {
+        return Ok(None);
+    };
+    let plan = plan_with(layers)?;
+    Ok(Some(Largest {
+        layers,
+        parameters: plan.model.config.num_parameters() as u64,
+        fit: TierFit::of(&plan, facts),
+    }))
+}
+
+/// DeepSpeed's largest on `device` bytes per GPU and `host` bytes: the most layers for
+/// which a row of its estimator (1 node, `gpus` GPUs; the largest layer is the largest
+/// unit, the embedding or the LM head) needs at most both; the row with the most
+/// layers wins.
+pub fn deepspeed_largest(
+    max_layers: usize,
+    (device, host, gpus): (u64, u64, u64),
+    plan_with: impl Fn(usize) -> Result<Plan, ConfigError>,
+) -> Result<Option<DeepSpeedLargest>, ConfigError> {
+    let shape = |l: usize| -> Result<(u64, u64), ConfigError> {
+        let numels = plan_with(l)?.model.config.unit_numels();
+        Ok((
+            numels.iter().sum::<usize>() as u64,
+            numels.iter().copied().max().unwrap_or(0) as u64,
+        ))
+    };
+    let mut best: Option<DeepSpeedLargest> = None;
+    for (offload_param, offload_optimizer) in [(true, true), (false, true), (false, false)] {
+        for zero_init in [true, false] {
+            let row = |l: usize| -> Result<EstimateRow, ConfigError> {
+                let (params, largest) = shape(l)?;
+                Ok(estimate_row(
+                    params,
+                    largest,
+                    gpus,
+                    1,
+                    offload_param,
+                    offload_optimizer,
+                    zero_init,
+                ))
+            };
+            let fits = |l: usize| row(l).map(|r| r.gpu_bytes <= device && r.cpu_bytes <= host);
+            if let Some(layers) = most_layers(max_layers, fits)? {
+                if best.as_ref().is_none_or(|b| layers > b.layers) {
+                    best = Some(DeepSpeedLargest {
+                        layers,
+                        parameters: shape(layers)?.0,
+                        row: row(layers)?,
+                    });
+                }
+            }
+        }
+    }
+    Ok(best)
+}
+
+/// `plan --largest` as text: the capacities, then each side's largest model.
+pub fn render(
+    base: &Plan,
+    (ours, theirs): (Option<&Largest>, Option<&DeepSpeedLargest>),
+    caps: TierFit,
+) -> String {
+    let gib = |b: u64| format!("{:.2} GiB", b as f64 / f64::from(1u32 << 30));
+    let cap = |c: Option<u64>| c.map_or("unknown (not checked)".to_string(), gib);
+    let m = &base.model.config;
+    let b = |p: u64| format!("{:.2} B parameters", p as f64 / 1e9);
+    let mut out = String::new();
+    let mut line = |k: &str, v: String| out.push_str(&format!("  {k:<22} {v}\n"));
+    line(
+        "shape",
+        format!(
+            "{:?}: hidden {}, heads {} (kv {}), ffn {}, vocab {}; layers varied",
+            m.architecture,
+            m.hidden_size,
+            m.num_attention_heads,
+            m.num_key_value_heads,
+            m.intermediate_size,
+            m.vocab_size
+        ),
+    );
+    line("device per rank", cap(caps.device_budget));
+    line(
+        "host memory",
+        format!("{} (train.host_memory)", cap(caps.host_memory)),
+    );
+    line(
+        "nvme space",
+        format!("{} (train.nvme_space)", cap(caps.nvme_space)),
+    );
+    line(
+        "tierzero",
+        match ours {
+            Some(l) => format!(
+                "{} layers, {}: device {}, host {}, nvme {}",
+                l.layers,
+                b(l.parameters),
+                gib(l.fit.device),
+                gib(l.fit.host),
+                gib(l.fit.nvme)
+            ),
+            None => "not even one layer fits".into(),
+        },
+    );
+    let device = |on: bool| if on { "cpu" } else { "none" };
+    line(
+        "DeepSpeed's estimator",
+        match theirs {
+            Some(d) => format!(
+                "{} layers, {}: per GPU {}, per CPU {} (offload_param={}, offload_optimizer={}, zero_init={})",
+                d.layers,
+                b(d.parameters),
+                gib(d.row.gpu_bytes),
+                gib(d.row.cpu_bytes),
+                device(d.row.offload_param),
+                device(d.row.offload_optimizer),
+                u8::from(d.row.zero_init)
+            ),
+            None => "not even one layer fits".into(),
+        },
+    );
+    if let (Some(l), Some(d)) = (ours, theirs) {
+        line(
+            "ratio",
+            format!("{:.2}×", l.parameters as f64 / d.parameters as f64),
+        );
+    }
+    format!("largest model\n{out}")
+}
