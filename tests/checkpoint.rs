@@ -330,9 +330,9 @@ fn damaged_or_foreign_checkpoints_are_refused_naming_the_file() {
     let path = newer.join("manifest.json");
     let text = std::fs::read_to_string(&path)
         .unwrap()
-        .replacen("\"version\": 1", "\"version\": 2", 1);
+        .replacen("\"version\": 1", "\"version\": 3", 1);
     std::fs::write(&path, text).unwrap();
-    expect_corrupt(Checkpoint::open(&newer), "newer", "format version 2");
+    expect_corrupt(Checkpoint::open(&newer), "newer", "format version 3");
     // another model
     let mut other = plan(2, 3, "none", "cpu", 4, &tmp.path().join("r2"));
     other.model.config.hidden_size = 64;
@@ -511,4 +511,79 @@ fn resume_across_optimizer_placements_is_bit_exact() {
         let what = format!("saved spread {saved}, resumed spread {resumed}");
         assert_resumed_bit_exact(&full, &run(&again, Some(&step_dir(&whole, 2))), 2, &what);
     }
+}
+
+/// A run's final save takes its NVMe swap files into the checkpoint as they are (renamed:
+/// no second copy of the state on NVMe): the manifest places those slices in
+/// `nvme/<store>/r<rank>.<state>.swp`, the state files leave them as holes, and the
+/// checkpoint reads — every byte verified — exactly as the same step saved mid-run by
+/// copying, and resumes the run bit for bit. The run's swap directories are left empty.
+#[test]
+fn the_final_save_takes_the_swap_files_without_a_copy() {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().unwrap();
+    // optimizer state on NVMe past the first unit, parameters on NVMe
+    let placed = |dir: &Path, steps: u64| {
+        let mut plan = plan(2, 3, "nvme", "nvme", steps, dir);
+        plan.zero.offload_optimizer.max_in_cpu = plan.model.config.unit_numels()[0];
+        plan
+    };
+    let long = placed(&tmp.path().join("long"), 4);
+    let full = run(&long, None);
+    let short = placed(&tmp.path().join("short"), 2);
+    run(&short, None);
+    let (copied, taken) = (step_dir(&long, 2), step_dir(&short, 2));
+    let copied = Checkpoint::open(&copied).unwrap();
+    let taken = Checkpoint::open(&taken).unwrap();
+    taken.verify().unwrap();
+    let placed_files: Vec<_> = taken
+        .manifest
+        .files
+        .iter()
+        .map(|f| (f.state.clone(), f.placed.len()))
+        .collect();
+    assert!(copied.manifest.files.iter().all(|f| f.placed.is_empty()));
+    for (state, n) in &placed_files {
+        // parameters: every unit on NVMe; optimizer state: every unit but the first;
+        // each of both ranks' slices
+        let units = taken.manifest.units.len();
+        let expected = if state == "param" {
+            2 * units
+        } else {
+            2 * (units - 1)
+        };
+        assert_eq!(*n, expected, "{state}: {placed_files:?}");
+    }
+    for state in ["master", "exp_avg", "exp_avg_sq"] {
+        assert!(taken.dir.join(format!("nvme/optimizer/r1.{state}.swp")).is_file());
+    }
+    assert!(taken.dir.join("nvme/params/r0.param.swp").is_file());
+    let master = std::fs::metadata(taken.dir.join("master.safetensors")).unwrap();
+    assert!(
+        master.blocks() * 512 < master.len(),
+        "the placed slices are holes"
+    );
+    for state in tierzero_offload::nvme::swap::State::ALL {
+        for (u, unit) in taken.manifest.units.iter().enumerate() {
+            assert_eq!(
+                taken.read(state, u, 0..unit.numel).unwrap(),
+                copied.read(state, u, 0..unit.numel).unwrap(),
+                "{state:?} unit {u}"
+            );
+        }
+    }
+    for store in ["nvme-optimizer/tierzero-optimizer", "nvme-params/tierzero-params"] {
+        let left = tmp.path().join("short").join(store);
+        assert!(
+            !left.exists() || std::fs::read_dir(&left).unwrap().next().is_none(),
+            "{store}"
+        );
+    }
+    let again = placed(&tmp.path().join("again"), 4);
+    assert_resumed_bit_exact(
+        &full,
+        &run(&again, Some(&step_dir(&short, 2))),
+        2,
+        "from the taken files",
+    );
 }

@@ -295,8 +295,9 @@ fn bench_comm_measures_gloo_beside_memcpy() {
 
 /// `plan --largest` on one H100's capacities (the profile's 80 GB, 128 GiB of host memory,
 /// 64 GiB of disk): tierzero's largest Llama-8B-shaped model, its state over all three
-/// tiers, fits each of them and is at least twice the largest DeepSpeed's own ZeRO-3
-/// estimator places on the same device and host memory.
+/// tiers, fits each of them and is at least twice the largest DeepSpeed places by its
+/// own rules on the same capacities (its ZeRO-3 estimator's rows, or ZeRO-Infinity's swap
+/// files on the disk).
 #[test]
 fn plan_largest_fills_every_tier_to_twice_deepspeeds_estimate() {
     let dir = tempfile::tempdir().unwrap();

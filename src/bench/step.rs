@@ -64,8 +64,9 @@ fn measure(plan: &Plan, options: TrainOptions<'_>) -> Result<(StepRun, Breakdown
     let run = StepRun {
         devices: plan.world_size,
         stage: plan.zero.stage,
-        offload_param: plan.zero.offload_param.tier.name().into(),
-        offload_optimizer: plan.zero.offload_optimizer.tier.name().into(),
+        // per-unit placements name every tier they use ("cpu+nvme")
+        offload_param: crate::plan::report::tiers_name(&crate::plan::rules::param_tiers(plan)),
+        offload_optimizer: crate::plan::report::tiers_name(&crate::plan::rules::optimizer_tiers(plan)),
         step_seconds,
         tokens_per_s,
         mfu: mfu(

@@ -1,9 +1,11 @@
 //! Reading a checkpoint: open, verify, read element ranges of any unit.
 //!
 //! [`Checkpoint::open`] reads the manifest (self-checked), then checks that every
-//! state file exists, has the recorded length and the recorded header. Reads take an
-//! element range of one unit: they read the save-time slices that cover it, verify each
-//! slice's crc32c, and return the range. A rank loading with a different world size
+//! state file exists, has the recorded length and the recorded header, and that every
+//! file holding slices outside them (swap files a final save took as they were) exists.
+//! Reads take an element range of one unit: they read the save-time slices that cover
+//! it, each from its state file or its placed file, verify each slice's crc32c, and
+//! return the range. A rank loading with a different world size
 //! than the save reads at most its own range plus the two partial slices at its ends.
 
 use super::files::{param_dtype, state_files, StateFile};
@@ -86,6 +88,28 @@ impl Checkpoint {
                     "the manifest's slice checksums do not match the model",
                 ));
             }
+            for placed in &entry.placed {
+                let at = dir.join(&placed.file);
+                // inside the checkpoint only: no absolute path, no `..`
+                let inside = Path::new(&placed.file)
+                    .components()
+                    .all(|c| matches!(c, std::path::Component::Normal(_)));
+                if !inside
+                    || placed.unit >= layouts.len()
+                    || placed.rank >= manifest.world_size
+                    || !at.is_file()
+                {
+                    return Err(corrupt(
+                        &at,
+                        format!(
+                            "holds {}'s unit {} slice of rank {} by the manifest, and is missing or out of range",
+                            layout.file_name(),
+                            placed.unit,
+                            placed.rank
+                        ),
+                    ));
+                }
+            }
             files.push((layout, file, path));
         }
         Ok(Checkpoint {
@@ -130,21 +154,29 @@ impl Checkpoint {
         let last = (range.end - 1) / part.shard;
         let span = part.real(first).start..part.real(last).end;
         let width = layout.elem_bytes();
+        let entry = &self.manifest.files[index];
         let mut bytes = vec![0u8; span.len() * width];
-        let offset = layout.offset(u, span.start);
-        file.read_exact_at(&mut bytes, offset).map_err(io_err(path))?;
-        let crcs = &self.manifest.files[index].slice_crc32c[u];
-        for (rank, &expected) in crcs.iter().enumerate().take(last + 1).skip(first) {
+        for rank in first..=last {
             let real = part.real(rank);
-            let piece = &bytes[(real.start - span.start) * width..(real.end - span.start) * width];
-            if crc32c::crc32c(piece) != expected {
+            let piece = &mut bytes[(real.start - span.start) * width..(real.end - span.start) * width];
+            let placed = entry.placed.iter().find(|p| p.unit == u && p.rank == rank);
+            let (at, offset) = match placed {
+                Some(p) => (self.dir.join(&p.file), p.offset),
+                None => (path.clone(), layout.offset(u, real.start)),
+            };
+            let read = match placed {
+                Some(_) => File::open(&at).and_then(|f| f.read_exact_at(piece, offset)),
+                None => file.read_exact_at(piece, offset),
+            };
+            read.map_err(io_err(&at))?;
+            if crc32c::crc32c(piece) != entry.slice_crc32c[u][rank] {
                 return Err(corrupt(
-                    path,
+                    &at,
                     format!(
                         "unit {} elements {real:?} (bytes {}..{}) fail their checksum: the file is damaged; use an earlier checkpoint",
                         self.manifest.units[u].name,
-                        layout.offset(u, real.start),
-                        layout.offset(u, real.end)
+                        offset,
+                        offset + (real.len() * width) as u64
                     ),
                 ));
             }

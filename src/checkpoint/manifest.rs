@@ -19,7 +19,18 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 pub const FORMAT: &str = "tierzero-checkpoint";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
+
+/// The version a manifest is written with: 1 unless slices are placed outside their
+/// state files (`Placed`, version 2), so checkpoints without them stay readable by
+/// builds that read version 1.
+pub fn version_for(files: &[FileEntry]) -> u32 {
+    if files.iter().any(|f| !f.placed.is_empty()) {
+        2
+    } else {
+        1
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct UnitEntry {
@@ -36,6 +47,21 @@ pub struct FileEntry {
     pub header_crc32c: u32,
     /// `[unit][save rank]`: crc32c of that rank's real elements of the unit.
     pub slice_crc32c: Vec<Vec<u32>>,
+    /// Slices stored outside the state file: NVMe swap files a run's final save took
+    /// into the checkpoint as they were (no second copy); the state file leaves their
+    /// bytes unwritten (a hole).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub placed: Vec<Placed>,
+}
+
+/// Where one save rank's slice of a unit is when not in its state file: `file`, relative
+/// to the checkpoint's directory, from byte `offset` on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Placed {
+    pub unit: usize,
+    pub rank: usize,
+    pub file: String,
+    pub offset: u64,
 }
 
 /// Where the data stream is: the next step's batches follow from these alone.

@@ -132,6 +132,45 @@ fn sync_dir(dir: &Path, step: u64, point: &'static str) -> Result<(), Checkpoint
     op(point, step, dir, || File::open(dir)?.sync_all())
 }
 
+/// Takes the NVMe swap file `from` of a run's final save into the checkpoint being staged
+/// for `step`, as it is (`nvme/<store>/<its name>`; the run has no further use for it):
+/// synced, then renamed — no byte copied — or, where the rename cannot cross (two mounts
+/// of one file system), copied; then the directories the entry lands in are synced (the
+/// staging directory itself is synced by [`commit`]). Returns its path relative to the
+/// checkpoint's directory, which the manifest records.
+pub fn take_file(root: &Path, step: u64, from: &Path, store: &str) -> Result<String, CheckpointError> {
+    let name = from
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let relative = format!("nvme/{store}/{name}");
+    let staging = staging_dir(root, step);
+    let to = staging.join(&relative);
+    let failed = |what: &'static str, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| CheckpointError::Save { what, path, source }
+    };
+    File::open(from)
+        .and_then(|f| f.sync_all())
+        .map_err(failed("syncing", from))?;
+    let dir = to.parent().unwrap_or(root);
+    std::fs::create_dir_all(dir).map_err(failed("creating the directory of", dir))?;
+    match std::fs::rename(from, &to) {
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+            std::fs::copy(from, &to)
+                .and_then(|_| File::open(&to)?.sync_all())
+                .map_err(failed("copying the swap file into the checkpoint:", from))?;
+        }
+        other => other.map_err(failed("taking the swap file into the checkpoint:", from))?,
+    }
+    for d in [dir, &staging.join("nvme")] {
+        File::open(d)
+            .and_then(|f| f.sync_all())
+            .map_err(failed("syncing the directory", d))?;
+    }
+    Ok(relative)
+}
+
 /// The step of a `step-N` directory name.
 pub fn parse_step(name: &str) -> Option<u64> {
     name.strip_prefix("step-")?.parse().ok()

@@ -31,9 +31,12 @@ pub fn warning(plan: &Plan) -> Option<String> {
     let output = &plan.train.output_dir;
     let (device, free) = file_system(output)?;
     // a restart: the checkpoints already saved are among those kept, their space is ours
-    let available = free + bytes_under(&super::save::root(output));
+    let saved = bytes_under(&super::save::root(output));
+    let available = free + saved;
     let ranks = node_ranks(plan);
     let mut swap = 0u64;
+    // what a final save takes from the swap files as they are (`engine/snapshot.rs`)
+    let mut taken = 0u64;
     for row in model_states(plan) {
         let path = match row.state {
             "parameters" => &plan.zero.offload_param.nvme_path,
@@ -45,20 +48,46 @@ pub fn warning(plan: &Plan) -> Option<String> {
             .is_some_and(|(d, _)| d == device);
         if row.tier == Tier::Nvme && on_this_disk {
             swap += row.bytes_per_rank * ranks;
+            if row.state != "gradients" {
+                taken += row.bytes_per_rank * ranks;
+            }
         }
     }
     let each = checkpoint_bytes(plan);
-    let kept = plan.train.keep_last.max(1) as u64 + 1;
-    let needed = kept * each + swap;
+    // a run that saves only after its last step makes one checkpoint, with the state on
+    // NVMe taken into it without a copy
+    let steps = plan.train.steps;
+    let only_final = plan.train.save_interval == 0 || plan.train.save_interval >= steps;
+    let kept = if only_final {
+        1
+    } else {
+        plan.train.keep_last.max(1) as u64 + 1
+    };
+    let needed = if only_final {
+        // the checkpoints a restart finds stay until the new one is committed
+        saved + each.saturating_sub(taken) + swap
+    } else {
+        kept * each + swap
+    };
     (needed > available).then(|| {
         let gb = |b: u64| b as f64 / 1e9;
         format!(
-            "{} is on a file system with {:.2} GB free (its saved checkpoints counted as free); {} checkpoints of {:.2} GB (train.keep_last {} and the one being saved){} need {:.2} GB: free space, lower train.keep_last or set train.output_dir elsewhere",
+            "{} is on a file system with {:.2} GB free (its saved checkpoints counted as free); {}{} need {:.2} GB: free space, lower train.keep_last or set train.output_dir elsewhere",
             output.display(),
             gb(available),
-            kept,
-            gb(each),
-            plan.train.keep_last,
+            if only_final {
+                format!(
+                    "the final checkpoint of {:.2} GB ({:.2} GB of it the swap files, taken as they are)",
+                    gb(each),
+                    gb(taken)
+                )
+            } else {
+                format!(
+                    "{kept} checkpoints of {:.2} GB (train.keep_last {} and the one being saved)",
+                    gb(each),
+                    plan.train.keep_last
+                )
+            },
             if swap > 0 {
                 format!(" beside {:.2} GB of NVMe swap files on the same file system", gb(swap))
             } else {

@@ -122,29 +122,47 @@ fn run_largest(config: &ConfigArgs, facts: plan::DeviceFacts, json: bool) -> Res
     let base = plan_with(1)?;
     let ours = capacity::largest(MAX_LAYERS, facts, plan_with)?;
     let fit = capacity::TierFit::of(&base, facts);
+    // a CPU device's memory is the host's: DeepSpeed's GPU and CPU bytes share it
+    let cpu = base.train.accelerator == plan::Accelerator::Cpu;
     let (device, host) = match (fit.device_budget, fit.host_memory) {
-        (Some(d), Some(h)) => (d, h),
+        (_, Some(h)) if cpu => (None, h),
+        (Some(d), Some(h)) => (Some(d), h),
         _ => {
             return Err(Failure::Config(tierzero::config::ConfigError::invalid(
                 "train.host_memory",
                 "plan --largest needs the device's and the host's capacities",
-                "run where torch sees the GPU, or give --simulate PROFILE or train.device_memory, and train.host_memory",
+                "run where torch sees the GPU, or give --simulate PROFILE, and train.host_memory",
             )))
         }
     };
+    let without_nvme = |layers: usize| {
+        let mut sets = sets.clone();
+        sets.extend([
+            format!("model.num_hidden_layers={layers}"),
+            "train.nvme_space=1".into(),
+        ]);
+        plan::load(&config.config, &sets, facts).map(|l| l.plan)
+    };
     let gpus = base.train.devices as u64;
-    let theirs = capacity::deepspeed_largest(MAX_LAYERS, (device, host, gpus), plan_with)?;
+    let found = capacity::Comparison {
+        tierzero: ours,
+        tierzero_without_nvme: match fit.nvme_space {
+            Some(_) => capacity::largest(MAX_LAYERS, facts, without_nvme)?,
+            None => None,
+        },
+        deepspeed_estimator: capacity::deepspeed_largest(MAX_LAYERS, (device, host, gpus), plan_with)?,
+        deepspeed_nvme: match fit.nvme_space {
+            Some(room) => capacity::deepspeed_nvme_largest(MAX_LAYERS, room, plan_with)?,
+            None => None,
+        },
+    };
     if json {
-        let value = serde_json::json!({ "tierzero": ours, "deepspeed_estimator": theirs });
         println!(
             "{}",
-            serde_json::to_string_pretty(&value).context("serialising the capacities")?
+            serde_json::to_string_pretty(&found).context("serialising the capacities")?
         );
         return Ok(());
     }
-    print!(
-        "{}",
-        capacity::render(&base, (ours.as_ref(), theirs.as_ref()), fit)
-    );
+    print!("{}", capacity::render(&base, &found, fit));
     Ok(())
 }

@@ -67,6 +67,8 @@ struct NvmeGrads<'a> {
 
 pub(super) struct Gradients<'a, C: Collective> {
     accumulators: Vec<Accumulator>,
+    /// Which units' accumulators live in the store (`rules::stored_gradients`).
+    in_store: Vec<bool>,
     nvme: Option<NvmeGrads<'a>>,
     /// Stage 1: the buffers the optimizer partition is copied into for the optimizer
     /// lane (the replica's accumulator stays here, whole); None while lent.
@@ -114,6 +116,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     ) -> Result<Self, EngineError> {
         let carve_err = |what: &'static str| move |source| EngineError::Arena { rank, what, source };
         let stored: Vec<bool> = stored.iter().map(|&s| s && stage >= 2).collect();
+        let in_store = stored.clone();
         let nvme = match (store, stored.contains(&true)) {
             (Some(store), true) => {
                 // one chunk (of the stored element) per reduction in flight: the compute
@@ -166,6 +169,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         });
         Ok(Gradients {
             accumulators,
+            in_store,
             nvme,
             copies,
             parts,
@@ -544,7 +548,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
 
     /// Host bytes of unit `u`'s accumulator, wherever it is now (none when stored).
     pub(super) fn unit_bytes(&self, u: usize) -> usize {
-        if matches!(self.accumulators[u], Accumulator::Nvme(_)) {
+        if self.in_store[u] {
             return 0;
         }
         let elem = if self.bf16 { 2 } else { 4 };

@@ -209,6 +209,14 @@ impl<'a> Optimizer<'a> {
         self.tiers[u] == Tier::Device
     }
 
+    /// The swap store holding unit `u`'s state, when it is on NVMe.
+    pub(super) fn nvme_store(&self, u: usize) -> Option<&'a SwapStore> {
+        match &self.moments[u] {
+            Moments::Nvme(tier) => Some(tier.store),
+            _ => None,
+        }
+    }
+
     /// Unit `u`'s optimizer partition within its padded buffer.
     pub(super) fn partition(&self, u: usize) -> Range<usize> {
         self.partitions[u].clone()

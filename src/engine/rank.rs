@@ -41,7 +41,7 @@ use crate::model::layout::UnitKind;
 use crate::model::Model;
 use crate::plan::partition::Partition;
 use crate::plan::rules::{bf16_gradients, optimizer_tiers, stored_gradients};
-use crate::plan::{Plan, Precision, Tier};
+use crate::plan::{Plan, Precision};
 use crate::torch;
 use std::sync::Arc;
 use std::time::Instant;
@@ -276,10 +276,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// stores' files, every rank's). State lent to a lane counts by its size.
     pub fn tier_bytes(&self) -> TierBytes {
         let optimizer = self.optimizer.memory_bytes();
-        let grads = match self.plan.zero.offload_optimizer.tier {
-            Tier::Device => 0,
-            _ => self.grads.bytes(),
-        };
+        // gradient accumulators are host arenas on every tier but NVMe
+        let grads = self.grads.bytes();
         let params = self.units.memory_bytes();
         TierBytes {
             device: self.site.device.take_window_peak(),

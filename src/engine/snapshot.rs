@@ -4,7 +4,10 @@
 //! its own partition slice of every unit (`Partition::real(rank)`, the same slice at
 //! every stage, so together the ranks cover each unit exactly once) into each state
 //! file: fp32 master and moments from memory or streamed chunk by chunk from the NVMe
-//! swap store, and the low-precision parameters. Each slice's crc32c is all-gathered;
+//! swap store, and the low-precision parameters. A run's final save takes the NVMe swap
+//! files into the checkpoint as they are instead (renamed, where they share the
+//! checkpoint's file system: no second copy of the largest state; the manifest records
+//! where each slice lies in them). Each slice's crc32c (and placement) is all-gathered;
 //! rank 0 writes the manifest and commits. Each phase ends in an agreement (an
 //! all-reduce of failures), so a failure on any rank is an error on every rank and the
 //! previous checkpoint is untouched.
@@ -13,14 +16,16 @@ use super::error::EngineError;
 use super::optimizer::Sink;
 use super::rank::RankEngine;
 use crate::checkpoint::files::{param_dtype, state_files, unit_name, StateFile};
-use crate::checkpoint::manifest::{self, DataPosition, FileEntry, Manifest, SchedulerState, UnitEntry};
+use crate::checkpoint::manifest::{
+    self, DataPosition, FileEntry, Manifest, Placed, SchedulerState, UnitEntry,
+};
 use crate::checkpoint::save::{self, SliceWriter};
 use crate::comm::{Collective, ReduceOp};
 use crate::model::hf::SaveDtype;
 use crate::plan::Precision;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use tierzero_offload::nvme::swap::State;
+use tierzero_offload::nvme::swap::{State, TensorKey};
 
 impl<C: Collective + Clone> RankEngine<'_, C> {
     /// Every rank learns whether every rank succeeded; this rank's own error wins.
@@ -43,15 +48,17 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
     }
 
     /// Saves the state after `step` completed steps under `root` (the checkpoints
-    /// directory). Rank 0 returns the checkpoint's directory.
+    /// directory); `last`: the run's final save (its NVMe swap files become the
+    /// checkpoint's, and the swap stores must not be written again). Rank 0 returns the
+    /// checkpoint's directory.
     pub fn save_checkpoint(
         &mut self,
         root: &Path,
-        step: u64,
-        last_lr: f64,
+        (step, last_lr): (u64, f64),
         keep_last: usize,
+        last: bool,
     ) -> Result<Option<PathBuf>, EngineError> {
-        let saved = self.try_save(root, step, last_lr, keep_last);
+        let saved = self.try_save(root, (step, last_lr), keep_last, last);
         if saved.is_err() && self.site.rank == 0 {
             // every rank learnt of the failure (`agree`) and stopped writing
             save::discard(root, step);
@@ -62,9 +69,9 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
     fn try_save(
         &mut self,
         root: &Path,
-        step: u64,
-        last_lr: f64,
+        (step, last_lr): (u64, f64),
         keep_last: usize,
+        last: bool,
     ) -> Result<Option<PathBuf>, EngineError> {
         self.install_all()?;
         let files = state_files(&self.model.units, param_dtype(self.plan.precision.name()));
@@ -76,17 +83,22 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
             Ok(())
         };
         self.agree(staged, "staging the checkpoint")?;
-        let written = self.write_slices(root, step, &files);
-        let crcs = match &written {
-            Ok(crcs) => crcs.clone(),
-            Err(_) => vec![0.0; files.len() * self.units.len()],
+        let written = self.write_slices(root, step, &files, last);
+        let (crcs, placed) = match &written {
+            Ok(slices) => slices.clone(),
+            Err(_) => {
+                let n = files.len() * self.units.len();
+                (vec![0.0; n], vec![-1.0; n])
+            }
         };
         self.agree(written.map(|_| ()), "writing its checkpoint slices")?;
         let world = self.comms.main.world();
         let mut all = vec![0f64; crcs.len() * world];
         self.comms.main.all_gather(&crcs, &mut all)?;
+        let mut all_placed = vec![0f64; placed.len() * world];
+        self.comms.main.all_gather(&placed, &mut all_placed)?;
         let committed = if self.site.rank == 0 {
-            let manifest = self.manifest(step, last_lr, &files, &all);
+            let manifest = self.manifest((step, last_lr), &files, (&all, &all_placed));
             save::commit(root, &manifest, keep_last)
                 .map_err(self.checkpoint_err())
                 .and_then(|dir| self.save_16bit_model(&dir).map(|()| Some(dir)))
@@ -118,16 +130,49 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
     }
 
     /// Writes this rank's slice of every unit into every file; returns the slices'
-    /// crc32c as `[file][unit]` (f64 so they travel through the collectives exactly).
-    fn write_slices(&self, root: &Path, step: u64, files: &[StateFile]) -> Result<Vec<f64>, EngineError> {
+    /// crc32c and, for a final save (`last`), where each slice lies in a swap file taken
+    /// into the checkpoint (its byte offset; −1: in the state file), both as
+    /// `[file][unit]` (f64 so they travel through the collectives exactly).
+    fn write_slices(
+        &self,
+        root: &Path,
+        step: u64,
+        files: &[StateFile],
+        last: bool,
+    ) -> Result<(Vec<f64>, Vec<f64>), EngineError> {
         let writer = SliceWriter::open(root, step, files).map_err(self.checkpoint_err())?;
+        let rank = self.site.rank;
         let mut crcs = Vec::with_capacity(files.len() * self.units.len());
+        let mut placed = Vec::with_capacity(crcs.capacity());
+        let mut taken: Vec<(PathBuf, &'static str)> = Vec::new();
         for (fi, file) in files.iter().enumerate() {
             for u in 0..self.units.len() {
-                let real = self.units.part(u).real(self.site.rank);
+                let real = self.units.part(u).real(rank);
+                let store = match file.state {
+                    State::Param => self.units.nvme_store(u).map(|s| (s, "params")),
+                    _ => self.optimizer.nvme_store(u).map(|s| (s, "optimizer")),
+                };
+                let take = store.filter(|(s, _)| last && !real.is_empty() && same_file_system(s.dir(), root));
                 let mut crc = 0u32;
+                let mut offset = -1.0;
+                let write = take.is_none();
+                if let Some((store, kind)) = take {
+                    let key = TensorKey {
+                        unit: u as u32,
+                        rank: rank as u32,
+                        state: file.state,
+                    };
+                    let (path, at) = store.placement(key).map_err(self.site_io())?;
+                    offset = at as f64;
+                    if !taken.iter().any(|(p, _)| *p == path) {
+                        taken.push((path, kind));
+                    }
+                }
                 let mut sink = |elem: usize, bytes: &[u8]| -> Result<(), EngineError> {
                     crc = crc32c::crc32c_append(crc, bytes);
+                    if !write {
+                        return Ok(());
+                    }
                     writer.write(fi, u, elem, bytes).map_err(self.checkpoint_err())
                 };
                 if !real.is_empty() {
@@ -137,10 +182,18 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
                     }
                 }
                 crcs.push(f64::from(crc));
+                placed.push(offset);
             }
         }
         writer.sync().map_err(self.checkpoint_err())?;
-        Ok(crcs)
+        for (path, kind) in taken {
+            save::take_file(root, step, &path, kind).map_err(self.checkpoint_err())?;
+        }
+        Ok((crcs, placed))
+    }
+
+    fn site_io(&self) -> impl Fn(tierzero_offload::nvme::IoError) -> EngineError {
+        super::error::On(self.site.rank).io()
     }
 
     /// The low-precision parameters of elements `real` of unit `u`.
@@ -160,12 +213,17 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
         })
     }
 
-    fn manifest(&self, step: u64, last_lr: f64, files: &[StateFile], crcs: &[f64]) -> Manifest {
+    fn manifest(
+        &self,
+        (step, last_lr): (u64, f64),
+        files: &[StateFile],
+        (crcs, placed): (&[f64], &[f64]),
+    ) -> Manifest {
         let plan = self.plan;
         let world = self.comms.main.world();
         let units = self.units.len();
         let per_rank = files.len() * units;
-        let entries = files
+        let entries: Vec<FileEntry> = files
             .iter()
             .enumerate()
             .map(|(fi, f)| FileEntry {
@@ -181,11 +239,28 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
                             .collect()
                     })
                     .collect(),
+                placed: (0..units)
+                    .flat_map(|u| (0..world).map(move |r| (u, r)))
+                    .filter_map(|(u, r)| {
+                        let offset = placed[r * per_rank + fi * units + u];
+                        let store = if f.state == State::Param {
+                            "params"
+                        } else {
+                            "optimizer"
+                        };
+                        (offset >= 0.0).then(|| Placed {
+                            unit: u,
+                            rank: r,
+                            file: format!("nvme/{store}/r{r}.{}.swp", f.state.name()),
+                            offset: offset as u64,
+                        })
+                    })
+                    .collect(),
             })
             .collect();
         let mut manifest = Manifest {
             format: manifest::FORMAT.into(),
-            version: manifest::VERSION,
+            version: manifest::version_for(&entries),
             step,
             adam_steps: self.optimizer.adam_steps,
             world_size: world,
@@ -220,5 +295,15 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
         };
         manifest.seal();
         manifest
+    }
+}
+
+/// Whether `a` and `b` (existing paths) are on one file system: a rename between them
+/// moves no data.
+fn same_file_system(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev(),
+        _ => false,
     }
 }

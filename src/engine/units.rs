@@ -183,6 +183,14 @@ impl<'a> Units<'a> {
         }
     }
 
+    /// The swap store holding unit `u`'s parameters, when they are on NVMe.
+    pub(super) fn nvme_store(&self, u: usize) -> Option<&'a SwapStore> {
+        match &self.units[u].params {
+            Params::Nvme(store) => Some(*store),
+            _ => None,
+        }
+    }
+
     /// This rank's stored parameters of unit `u` in host memory: copied from the device
     /// or read from NVMe when they live there.
     pub(super) fn stored(&self, u: usize, track: &Track) -> Result<LowParams, EngineError> {

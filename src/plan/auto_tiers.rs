@@ -83,6 +83,9 @@ pub(super) fn fit_optimizer_on_device(plan: &mut Plan, facts: DeviceFacts) {
     });
 }
 
+/// Places the first `n` elements' state of one kind in host memory.
+type Set = fn(&mut Plan, usize);
+
 /// The largest of `candidates` (element counts, largest first) whose placement, made by
 /// `set`, keeps the process's host prediction within [`HOST_MARGIN`] of
 /// `train.host_memory` and leaves a plan `rest_fits` accepts (the largest within the host
@@ -91,7 +94,7 @@ fn fill_host(
     plan: &mut Plan,
     (key, what): (&'static str, &str),
     candidates: &[usize],
-    (set, rest_fits): (fn(&mut Plan, usize), fn(&Plan) -> bool),
+    (set, rest_fits): (Set, fn(&Plan) -> bool),
 ) {
     let Some(memory) = plan.train.host_memory else {
         return;
@@ -163,7 +166,7 @@ pub(super) fn fit_params_in_host(plan: &mut Plan) {
     // parameters in host memory save the most NVMe traffic, but take host memory the
     // optimizer state would otherwise keep off the disk: the most parameter units that
     // still leave the optimizer's placement within the NVMe path's room
-    let set: fn(&mut Plan, usize) = |p, n| p.zero.offload_param.max_in_cpu = n;
+    let set: Set = |p, n| p.zero.offload_param.max_in_cpu = n;
     let rest_fits: fn(&Plan) -> bool = |p| {
         let mut p = p.clone();
         fit_optimizer_in_host(&mut p);
@@ -208,7 +211,7 @@ pub(super) fn fit_optimizer_in_host(plan: &mut Plan) {
         .filter(|(_, t)| *t != Tier::Device)
         .map(|(n, _)| n)
         .collect();
-    let set: fn(&mut Plan, usize) = |p, n| p.zero.offload_optimizer.max_in_cpu = n;
+    let set: Set = |p, n| p.zero.offload_optimizer.max_in_cpu = n;
     fill_host(
         plan,
         (KEY, "optimizer state"),

@@ -5,8 +5,11 @@
 //! room (`disk::nvme_bytes` within `train.nvme_space`) — beside the most that DeepSpeed's
 //! own rules place on the same capacities: its ZeRO-3 estimator
 //! (`estimate_zero3_model_states_mem_needs`, `estimate.rs`), each offload combination
-//! it lists, the largest whose host and per-GPU bytes both fit. `plan --largest` prints
-//! both.
+//! it lists, the largest whose host and per-GPU bytes both fit; and, since the estimator
+//! has no NVMe row, ZeRO-Infinity's swap files (its optimizer swapper keeps fp32
+//! parameters, both moments and fp32 gradients, 16 bytes per parameter, beside the 2-byte
+//! parameters: 18 bytes per parameter on the disk). `plan --largest` prints both, and
+//! tierzero's largest without the disk.
 
 use super::auto_batch::budget;
 use super::estimate::{estimate_row, EstimateRow};
@@ -103,11 +106,12 @@ pub fn largest(
 
 /// DeepSpeed's largest on `device` bytes per GPU and `host` bytes: the most layers for
 /// which a row of its estimator (1 node, `gpus` GPUs; the largest layer is the largest
-/// unit, the embedding or the LM head) needs at most both; the row with the most
+/// unit, the embedding or the LM head) needs at most both — on a CPU device (`device`
+/// None) the GPU's bytes and the CPU's together at most `host`; the row with the most
 /// layers wins.
 pub fn deepspeed_largest(
     max_layers: usize,
-    (device, host, gpus): (u64, u64, u64),
+    (device, host, gpus): (Option<u64>, u64, u64),
     plan_with: impl Fn(usize) -> Result<Plan, ConfigError>,
 ) -> Result<Option<DeepSpeedLargest>, ConfigError> {
     let shape = |l: usize| -> Result<(u64, u64), ConfigError> {
@@ -132,7 +136,12 @@ pub fn deepspeed_largest(
                     zero_init,
                 ))
             };
-            let fits = |l: usize| row(l).map(|r| r.gpu_bytes <= device && r.cpu_bytes <= host);
+            let fits = |l: usize| {
+                row(l).map(|r| match device {
+                    Some(device) => r.gpu_bytes <= device && r.cpu_bytes <= host,
+                    None => r.gpu_bytes * gpus + r.cpu_bytes <= host,
+                })
+            };
             if let Some(layers) = most_layers(max_layers, fits)? {
                 if best.as_ref().is_none_or(|b| layers > b.layers) {
                     best = Some(DeepSpeedLargest {
@@ -147,12 +156,40 @@ pub fn deepspeed_largest(
     Ok(best)
 }
 
+/// Bytes per parameter of ZeRO-Infinity's swap files: fp32 parameters, exp_avg,
+/// exp_avg_sq and gradients (its `PartitionedOptimizerSwapper`) and the 16-bit
+/// parameters (its parameter swapper).
+pub const DEEPSPEED_NVME_BYTES: u64 = 18;
+
+/// DeepSpeed's largest on the disk alone: the most layers whose swap files
+/// ([`DEEPSPEED_NVME_BYTES`] per parameter) fit `nvme_space`.
+pub fn deepspeed_nvme_largest(
+    max_layers: usize,
+    nvme_space: u64,
+    plan_with: impl Fn(usize) -> Result<Plan, ConfigError>,
+) -> Result<Option<(usize, u64)>, ConfigError> {
+    let params = |l: usize| plan_with(l).map(|p| p.model.config.num_parameters() as u64);
+    let fits = |l: usize| params(l).map(|p| p * DEEPSPEED_NVME_BYTES <= nvme_space);
+    match most_layers(max_layers, fits)? {
+        Some(l) => Ok(Some((l, params(l)?))),
+        None => Ok(None),
+    }
+}
+
+/// Everything `plan --largest` found.
+#[derive(Clone, Debug, Serialize)]
+pub struct Comparison {
+    pub tierzero: Option<Largest>,
+    /// tierzero on the device and host memory alone (`train.nvme_space` 1 byte).
+    pub tierzero_without_nvme: Option<Largest>,
+    pub deepspeed_estimator: Option<DeepSpeedLargest>,
+    /// (layers, parameters) of ZeRO-Infinity's swap files on the disk.
+    pub deepspeed_nvme: Option<(usize, u64)>,
+}
+
 /// `plan --largest` as text: the capacities, then each side's largest model.
-pub fn render(
-    base: &Plan,
-    (ours, theirs): (Option<&Largest>, Option<&DeepSpeedLargest>),
-    caps: TierFit,
-) -> String {
+pub fn render(base: &Plan, found: &Comparison, caps: TierFit) -> String {
+    let (ours, theirs) = (found.tierzero.as_ref(), found.deepspeed_estimator.as_ref());
     let gib = |b: u64| format!("{:.2} GiB", b as f64 / f64::from(1u32 << 30));
     let cap = |c: Option<u64>| c.map_or("unknown (not checked)".to_string(), gib);
     let m = &base.model.config;
@@ -171,7 +208,13 @@ pub fn render(
             m.vocab_size
         ),
     );
-    line("device per rank", cap(caps.device_budget));
+    line(
+        "device per rank",
+        match caps.device_budget {
+            Some(b) => gib(b),
+            None => "host memory (a CPU device; no budget of its own)".into(),
+        },
+    );
     line(
         "host memory",
         format!("{} (train.host_memory)", cap(caps.host_memory)),
@@ -194,6 +237,18 @@ pub fn render(
             None => "not even one layer fits".into(),
         },
     );
+    if let Some(l) = &found.tierzero_without_nvme {
+        line(
+            "tierzero without nvme",
+            format!(
+                "{} layers, {}: device {}, host {}",
+                l.layers,
+                b(l.parameters),
+                gib(l.fit.device),
+                gib(l.fit.host)
+            ),
+        );
+    }
     let device = |on: bool| if on { "cpu" } else { "none" };
     line(
         "DeepSpeed's estimator",
@@ -211,10 +266,25 @@ pub fn render(
             None => "not even one layer fits".into(),
         },
     );
-    if let (Some(l), Some(d)) = (ours, theirs) {
+    if caps.nvme_space.is_some() {
+        line(
+            "DeepSpeed on nvme",
+            match found.deepspeed_nvme {
+                Some((layers, p)) => format!(
+                    "{layers} layers, {}: its swap files, {DEEPSPEED_NVME_BYTES} bytes per parameter",
+                    b(p)
+                ),
+                None => "not even one layer fits".into(),
+            },
+        );
+    }
+    let best = theirs
+        .map(|d| d.parameters)
+        .max(found.deepspeed_nvme.map(|(_, p)| p));
+    if let (Some(l), Some(d)) = (ours, best) {
         line(
             "ratio",
-            format!("{:.2}×", l.parameters as f64 / d.parameters as f64),
+            format!("{:.2}× DeepSpeed's largest", l.parameters as f64 / d as f64),
         );
     }
     format!("largest model\n{out}")

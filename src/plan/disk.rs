@@ -21,7 +21,8 @@ pub fn existing(path: &Path) -> Option<&Path> {
         .find(|p| p.exists())
 }
 
-/// Bytes of the files under `dir`, recursively (0 when it does not exist).
+/// Bytes the files under `dir` occupy on disk, recursively (allocated blocks: a
+/// checkpoint's holes take none; 0 when it does not exist).
 pub fn bytes_under(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
         .into_iter()
@@ -29,7 +30,7 @@ pub fn bytes_under(dir: &Path) -> u64 {
         .flatten()
         .map(|e| match e.file_type() {
             Ok(t) if t.is_dir() => bytes_under(&e.path()),
-            _ => e.metadata().map_or(0, |m| m.len()),
+            _ => e.metadata().map_or(0, |m| m.blocks() * 512),
         })
         .sum()
 }
@@ -50,12 +51,21 @@ pub fn file_system(path: &Path) -> Option<(u64, u64)> {
 /// The swap stores' directories under an NVMe path (`run/stores.rs` names them).
 const STORES: [&str; 2] = ["tierzero-optimizer", "tierzero-params"];
 
-/// Room for swap files on `nvme_path`: its file system's free space, with the swap files
-/// an earlier run left there counted as free (a new run replaces them).
-pub fn nvme_room(nvme_path: &Path) -> Option<u64> {
-    let (_, free) = file_system(nvme_path)?;
-    let left: u64 = STORES.iter().map(|s| bytes_under(&nvme_path.join(s))).sum();
-    Some(free + left)
+/// Room for swap files on the NVMe paths: each distinct file system's free space, with
+/// the swap files an earlier run left there counted as free (a new run replaces them).
+pub fn nvme_room(paths: &[&Path]) -> Option<u64> {
+    let mut seen = Vec::new();
+    let mut room = 0;
+    for path in paths {
+        let (device, free) = file_system(path)?;
+        let left: u64 = STORES.iter().map(|s| bytes_under(&path.join(s))).sum();
+        if !seen.contains(&device) {
+            seen.push(device);
+            room += free;
+        }
+        room += left;
+    }
+    (!seen.is_empty()).then_some(room)
 }
 
 /// The local ranks of this node: this process's, or every process torchrun started here.

@@ -64,6 +64,18 @@ pub fn model_states(plan: &Plan) -> Vec<StateRow> {
     out
 }
 
+/// The tiers that hold some units, in forward order, as one name: "nvme", "cpu+nvme",
+/// "device+cpu+nvme".
+pub fn tiers_name(tiers: &[Tier]) -> String {
+    let mut names: Vec<&str> = Vec::new();
+    for t in tiers {
+        if !names.contains(&t.name()) {
+            names.push(t.name());
+        }
+    }
+    names.join("+")
+}
+
 /// "units 0–6 on the device, 7–20 in host memory, 21–33 on nvme": the runs of units on
 /// each tier in forward order; None when every unit is on one tier.
 pub fn placement(tiers: &[Tier]) -> Option<String> {

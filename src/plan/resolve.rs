@@ -93,9 +93,16 @@ impl Plan {
         if train.nvme_space.is_none() {
             // "auto": the room on the NVMe path the swap files go to
             let on_nvme = |tier: Tier, path: &Option<PathBuf>| path.clone().filter(|_| tier == Tier::Nvme);
-            let path = on_nvme(zero.offload_optimizer.tier, &zero.offload_optimizer.nvme_path)
-                .or_else(|| on_nvme(zero.offload_param.tier, &zero.offload_param.nvme_path));
-            train.nvme_space = path.and_then(|p| super::disk::nvme_room(&p));
+            let mut paths: Vec<PathBuf> = [
+                on_nvme(zero.offload_optimizer.tier, &zero.offload_optimizer.nvme_path),
+                on_nvme(zero.offload_param.tier, &zero.offload_param.nvme_path),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            paths.dedup();
+            let paths: Vec<&std::path::Path> = paths.iter().map(PathBuf::as_path).collect();
+            train.nvme_space = super::disk::nvme_room(&paths);
         }
         let mut plan = Plan {
             world_size,

@@ -137,7 +137,9 @@ fn run_rank(
                 || done == plan.train.steps
                 || preempted;
             let saved = if options.save_checkpoints && due {
-                engine.save_checkpoint(&root, done, report.lr, plan.train.keep_last)?
+                // the final save takes the NVMe swap files as they are
+                let last = done == plan.train.steps || preempted;
+                engine.save_checkpoint(&root, (done, report.lr), plan.train.keep_last, last)?
             } else {
                 None
             };

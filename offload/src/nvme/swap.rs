@@ -145,7 +145,7 @@ impl SwapStore {
         let mut file_keys: Vec<_> = sizes.keys().copied().collect();
         file_keys.sort();
         for (rank, state) in file_keys {
-            let path = dir.join(format!("r{rank}.{}.swp", state.name()));
+            let path = file_name(&dir, rank, state);
             let file = BlockFile::open(&path, true, engine.direct())?;
             paths.push(path);
             file.preallocate(sizes[&(rank, state)])?;
@@ -318,6 +318,20 @@ impl SwapStore {
     }
 
     /// Bytes the store's files occupy.
+    /// The file holding `key`'s tensor and the byte offset of its first element: a
+    /// tensor's elements lie back to back from there (its chunks are whole multiples of
+    /// the alignment; only the last is padded), so a file moved elsewhere still holds
+    /// them at that offset (a checkpoint's final save takes the files as they are).
+    pub fn placement(&self, key: TensorKey) -> Result<(PathBuf, u64), IoError> {
+        let extent = self.extent(key)?;
+        Ok((self.file_path(key.rank, key.state), extent.offset))
+    }
+
+    /// The path of the file of `rank`'s `state` tensors.
+    pub fn file_path(&self, rank: u32, state: State) -> PathBuf {
+        file_name(&self.dir, rank, state)
+    }
+
     pub fn disk_bytes(&self) -> u64 {
         self.files
             .iter()
@@ -325,6 +339,10 @@ impl SwapStore {
             .map(|m| m.len())
             .sum()
     }
+}
+
+fn file_name(dir: &Path, rank: u32, state: State) -> PathBuf {
+    dir.join(format!("r{rank}.{}.swp", state.name()))
 }
 
 fn padded_bytes(numel: usize, elem_bytes: usize, chunk_elems: usize) -> u64 {
