@@ -8,8 +8,9 @@
 //! save stages the new one before pruning, so `keep_last + 1` exist for a moment. The NVMe
 //! tier's swap files of this node's ranks count when they live on the same file system.
 
-use crate::plan::disk::{bytes_under, file_system, node_ranks};
+use crate::plan::disk::{bytes_under, file_system};
 use crate::plan::report::model_states;
+use crate::plan::report::node_ranks;
 use crate::plan::{Plan, Tier};
 
 /// Bytes one checkpoint of `plan` takes.

@@ -172,7 +172,7 @@ pub(super) fn fit_params_in_host(plan: &mut Plan) {
         fit_optimizer_in_host(&mut p);
         p.train
             .nvme_space
-            .is_none_or(|room| super::disk::nvme_bytes(&p) <= room)
+            .is_none_or(|room| super::report::nvme_bytes(&p) <= room)
     };
     fill_host(plan, (KEY, "parameters"), &candidates, (set, rest_fits));
 }

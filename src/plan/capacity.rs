@@ -2,7 +2,7 @@
 //! of layers (its hidden size, heads, FFN and vocabulary kept), the most layers whose
 //! plan fits every tier — the device budget (`memory::predict`), the process's host
 //! memory (`host_memory::predict_host` within `train.host_memory`) and the NVMe path's
-//! room (`disk::nvme_bytes` within `train.nvme_space`) — beside the most that DeepSpeed's
+//! room (`report::nvme_bytes` within `train.nvme_space`) — beside the most that DeepSpeed's
 //! own rules place on the same capacities: its ZeRO-3 estimator
 //! (`estimate_zero3_model_states_mem_needs`, `estimate.rs`), each offload combination
 //! it lists, the largest whose host and per-GPU bytes both fit; and, since the estimator
@@ -35,7 +35,7 @@ impl TierFit {
             device_budget: budget(plan, facts).0,
             host: super::host_memory::predict_host(plan).total,
             host_memory: plan.train.host_memory,
-            nvme: super::disk::nvme_bytes(plan),
+            nvme: super::report::nvme_bytes(plan),
             nvme_space: plan.train.nvme_space,
         }
     }

@@ -1,9 +1,9 @@
 //! The disk beside the plan: how much a file system has free, what is already under a
-//! directory, the bytes a node's NVMe swap files take (`model_states`' NVMe rows), and
-//! the check that they fit `train.nvme_space`, the NVMe path's room.
+//! directory, the NVMe paths' room, and the check that a node's swap files
+//! (`report::nvme_bytes`) fit `train.nvme_space`.
 
-use super::report::model_states;
-use super::{Plan, Tier};
+use super::report::nvme_bytes;
+use super::Plan;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
@@ -66,26 +66,6 @@ pub fn nvme_room(paths: &[&Path]) -> Option<u64> {
         room += left;
     }
     (!seen.is_empty()).then_some(room)
-}
-
-/// The local ranks of this node: this process's, or every process torchrun started here.
-pub fn node_ranks(plan: &Plan) -> u64 {
-    let local_processes = std::env::var("LOCAL_WORLD_SIZE")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(1);
-    plan.train.devices as u64 * local_processes
-}
-
-/// Bytes of this node's NVMe swap files: every NVMe row of the model states, for each of
-/// its ranks.
-pub fn nvme_bytes(plan: &Plan) -> u64 {
-    let per_rank: u64 = model_states(plan)
-        .iter()
-        .filter(|row| row.tier == Tier::Nvme)
-        .map(|row| row.bytes_per_rank)
-        .sum();
-    per_rank * node_ranks(plan)
 }
 
 /// When this node's swap files exceed `train.nvme_space`: what `plan` says, with what

@@ -64,6 +64,26 @@ pub fn model_states(plan: &Plan) -> Vec<StateRow> {
     out
 }
 
+/// The local ranks of this node: this process's, or every process torchrun started here.
+pub fn node_ranks(plan: &Plan) -> u64 {
+    let local_processes = std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(1);
+    plan.train.devices as u64 * local_processes
+}
+
+/// Bytes of this node's NVMe swap files: every NVMe row of the model states, for each of
+/// its ranks.
+pub fn nvme_bytes(plan: &Plan) -> u64 {
+    let per_rank: u64 = model_states(plan)
+        .iter()
+        .filter(|row| row.tier == Tier::Nvme)
+        .map(|row| row.bytes_per_rank)
+        .sum();
+    per_rank * node_ranks(plan)
+}
+
 /// The tiers that hold some units, in forward order, as one name: "nvme", "cpu+nvme",
 /// "device+cpu+nvme".
 pub fn tiers_name(tiers: &[Tier]) -> String {
@@ -333,7 +353,7 @@ fn zero_rows(out: &mut String, plan: &Plan) {
             ),
         );
     }
-    let nvme = super::disk::nvme_bytes(plan);
+    let nvme = nvme_bytes(plan);
     if nvme > 0 {
         let room = match plan.train.nvme_space {
             Some(room) => format!(
