@@ -14,6 +14,7 @@ pub mod flops;
 pub mod profile;
 mod step;
 
+use crate::plan::partition::Partition;
 use crate::plan::{Plan, Tier};
 use clock::{Clocks, Track};
 use profile::Profile;
@@ -161,8 +162,33 @@ pub fn simulate(plan: &Plan, profile: &Profile) -> Simulation {
     }
 }
 
+/// Bytes one rank reads and writes per step for its parameters on NVMe (stage 3): each
+/// use of such a unit in a micro-batch's fetch order (`fetch::schedule`) reads its shard,
+/// a unit that stays gathered once per step; each update writes it once.
+fn nvme_param_bytes(plan: &Plan) -> (f64, f64) {
+    let tiers = crate::plan::rules::param_tiers(plan);
+    if plan.zero.stage != 3 || !tiers.contains(&Tier::Nvme) {
+        return (0.0, 0.0);
+    }
+    let numels = plan.model.config.unit_numels();
+    let threshold = plan.zero.param_persistence_threshold;
+    let persistent = |u: usize| numels[u] <= threshold;
+    let order = crate::plan::fetch::schedule(numels.len(), plan.model.config.tie_word_embeddings, persistent);
+    let micro_batches = plan.batch.gradient_accumulation_steps as f64;
+    let elem = plan.precision.bytes() as f64;
+    let (mut read, mut written) = (0.0, 0.0);
+    for (u, _) in tiers.iter().enumerate().filter(|(_, t)| **t == Tier::Nvme) {
+        let shard = Partition::new(numels[u], plan.world_size).shard as f64 * elem;
+        let uses = order.iter().filter(|(v, _)| *v == u).count() as f64;
+        read += shard * if persistent(u) { 1.0 } else { uses * micro_batches };
+        written += shard;
+    }
+    (read, written)
+}
+
 /// The step's lower bound: the slowest of compute, PCIe each way with the layout's
-/// minimal traffic, NVMe with the optimizer's minimal traffic, and the CPU optimizer.
+/// minimal traffic, the NVMe optimizer's minimal traffic (with the parameter writes the
+/// same thread makes), the parameter reads of the h2d lane, and the CPU optimizer.
 fn bound(plan: &Plan, profile: &Profile, compute_s: f64, pcie_min: f64) -> (String, f64) {
     let params = plan.model.config.num_parameters() as f64;
     let per_rank = params / plan.world_size as f64;
@@ -201,13 +227,24 @@ fn bound(plan: &Plan, profile: &Profile, compute_s: f64, pcie_min: f64) -> (Stri
         ));
     }
     let on_nvme = share(&|t| t == Tier::Nvme);
-    if on_nvme > 0.0 {
-        // master and both moments read and written once (ranks of a machine share its disk)
-        let bytes = 12.0 * on_nvme * per_rank * plan.train.devices as f64;
-        let nvme = &profile.nvme;
+    let (param_reads, param_writes) = nvme_param_bytes(plan);
+    let ranks_per_host = plan.train.devices as f64;
+    let nvme = &profile.nvme;
+    if on_nvme > 0.0 || param_writes > 0.0 {
+        // the optimizer thread: master and both moments read and written once, and the
+        // new parameters of units on NVMe written (ranks of a machine share its disk)
+        let state = 12.0 * on_nvme * per_rank * ranks_per_host;
+        let written = state + param_writes * ranks_per_host;
         candidates.push((
             "NVMe".into(),
-            bytes / (nvme.read_gb_s.value * gb) + bytes / (nvme.write_gb_s.value * gb),
+            state / (nvme.read_gb_s.value * gb) + written / (nvme.write_gb_s.value * gb),
+        ));
+    }
+    if param_reads > 0.0 {
+        // the h2d lane: each use of a unit on NVMe reads its shard
+        candidates.push((
+            "NVMe parameter reads".into(),
+            param_reads * ranks_per_host / (nvme.read_gb_s.value * gb),
         ));
     }
     candidates
