@@ -150,9 +150,13 @@ fn run_largest(config: &ConfigArgs, facts: plan::DeviceFacts, json: bool) -> Res
             Some(_) => capacity::largest(MAX_LAYERS, facts, without_nvme)?,
             None => None,
         },
-        deepspeed_estimator: capacity::deepspeed_largest(MAX_LAYERS, (device, host, gpus), plan_with)?,
+        deepspeed_estimator: capacity::deepspeed_largest(
+            MAX_LAYERS,
+            (device, host, gpus),
+            &base.model.config,
+        ),
         deepspeed_nvme: match fit.nvme_space {
-            Some(room) => capacity::deepspeed_nvme_largest(MAX_LAYERS, room, plan_with)?,
+            Some(room) => capacity::deepspeed_nvme_largest(MAX_LAYERS, room, &base.model.config),
             None => None,
         },
     };

@@ -115,9 +115,8 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         (store, stored): (Option<&'a SwapStore>, Vec<bool>),
     ) -> Result<Self, EngineError> {
         let carve_err = |what: &'static str| move |source| EngineError::Arena { rank, what, source };
-        let stored: Vec<bool> = stored.iter().map(|&s| s && stage >= 2).collect();
-        let in_store = stored.clone();
-        let nvme = match (store, stored.contains(&true)) {
+        let in_store: Vec<bool> = stored.iter().map(|&s| s && stage >= 2).collect();
+        let nvme = match (store, in_store.contains(&true)) {
             (Some(store), true) => {
                 // one chunk (of the stored element) per reduction in flight: the compute
                 // thread waits for the lane's oldest before starting another (`accumulate`)
@@ -135,13 +134,13 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             (_, false) => None,
         };
         let lens: Vec<usize> = (0..parts.len())
-            .filter(|&u| !stored[u])
+            .filter(|&u| !in_store[u])
             .map(|u| accumulator_len(stage, &parts[u], &partitions[u]))
             .collect();
         let mut here = Grads::carve(&lens, bf16, pinning)
             .map_err(carve_err("gradient"))?
             .into_iter();
-        let accumulators = stored
+        let accumulators = in_store
             .iter()
             .map(|&on_nvme| match (on_nvme, here.next()) {
                 (true, _) => Ok(Accumulator::Nvme(Stored::Nothing)),

@@ -211,10 +211,10 @@ impl<'a> Optimizer<'a> {
 
     /// The swap store holding unit `u`'s state, when it is on NVMe.
     pub(super) fn nvme_store(&self, u: usize) -> Option<&'a SwapStore> {
-        match &self.moments[u] {
-            Moments::Nvme(tier) => Some(tier.store),
-            _ => None,
-        }
+        self.nvme
+            .as_ref()
+            .filter(|_| self.tiers[u] == Tier::Nvme)
+            .map(|t| t.store)
     }
 
     /// Unit `u`'s optimizer partition within its padded buffer.

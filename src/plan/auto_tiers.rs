@@ -51,11 +51,11 @@ pub(super) fn fit_optimizer_on_device(plan: &mut Plan, facts: DeviceFacts) {
         return;
     };
     let n = plan.model.config.unit_numels().len();
-    // decided before the device's other "auto" uses (`resolve.rs`): gradient sums on the
-    // device only where the config asks for them
-    plan.zero.device_accumulation = plan.train.accumulate_on_device.unwrap_or(false);
     let with = |k: usize| {
         let mut p = plan.clone();
+        // decided before the device's other "auto" uses (`resolve.rs`): gradient sums on
+        // the device only where the config asks for them
+        p.zero.device_accumulation = plan.train.accumulate_on_device.unwrap_or(false);
         // the fraction offloaded that leaves exactly k units on the device
         p.zero.offload_optimizer.ratio = (n - k) as f64 / n as f64;
         while super::rules::optimizer_tiers(&p)

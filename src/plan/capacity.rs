@@ -14,6 +14,7 @@
 use super::auto_batch::budget;
 use super::estimate::{estimate_row, EstimateRow};
 use super::{DeviceFacts, Plan};
+use crate::config::model::ModelConfig;
 use crate::config::ConfigError;
 use serde::Serialize;
 
@@ -104,29 +105,36 @@ pub fn largest(
     }))
 }
 
-/// DeepSpeed's largest on `device` bytes per GPU and `host` bytes: the most layers for
-/// which a row of its estimator (1 node, `gpus` GPUs; the largest layer is the largest
-/// unit, the embedding or the LM head) needs at most both — on a CPU device (`device`
-/// None) the GPU's bytes and the CPU's together at most `host`; the row with the most
-/// layers wins.
+/// (parameters, largest unit) of `model` with `layers` layers: the model DeepSpeed's
+/// rules are asked about (its shape alone; no plan is resolved for it).
+fn shape(model: &ModelConfig, layers: usize) -> (u64, u64) {
+    let numels = ModelConfig {
+        num_hidden_layers: layers,
+        ..model.clone()
+    }
+    .unit_numels();
+    (
+        numels.iter().sum::<usize>() as u64,
+        numels.iter().copied().max().unwrap_or(0) as u64,
+    )
+}
+
+/// DeepSpeed's largest `model` (its layers varied) on `device` bytes per GPU and `host`
+/// bytes: the most layers for which a row of its estimator (1 node, `gpus` GPUs; the
+/// largest layer is the largest unit, the embedding or the LM head) needs at most both —
+/// on a CPU device (`device` None) the GPU's bytes and the CPU's together at most `host`;
+/// the row with the most layers wins.
 pub fn deepspeed_largest(
     max_layers: usize,
     (device, host, gpus): (Option<u64>, u64, u64),
-    plan_with: impl Fn(usize) -> Result<Plan, ConfigError>,
-) -> Result<Option<DeepSpeedLargest>, ConfigError> {
-    let shape = |l: usize| -> Result<(u64, u64), ConfigError> {
-        let numels = plan_with(l)?.model.config.unit_numels();
-        Ok((
-            numels.iter().sum::<usize>() as u64,
-            numels.iter().copied().max().unwrap_or(0) as u64,
-        ))
-    };
+    model: &ModelConfig,
+) -> Option<DeepSpeedLargest> {
     let mut best: Option<DeepSpeedLargest> = None;
     for (offload_param, offload_optimizer) in [(true, true), (false, true), (false, false)] {
         for zero_init in [true, false] {
-            let row = |l: usize| -> Result<EstimateRow, ConfigError> {
-                let (params, largest) = shape(l)?;
-                Ok(estimate_row(
+            let row = |l: usize| {
+                let (params, largest) = shape(model, l);
+                estimate_row(
                     params,
                     largest,
                     gpus,
@@ -134,26 +142,28 @@ pub fn deepspeed_largest(
                     offload_param,
                     offload_optimizer,
                     zero_init,
-                ))
+                )
             };
             let fits = |l: usize| {
-                row(l).map(|r| match device {
+                let r = row(l);
+                Ok(match device {
                     Some(device) => r.gpu_bytes <= device && r.cpu_bytes <= host,
                     None => r.gpu_bytes * gpus + r.cpu_bytes <= host,
                 })
             };
-            if let Some(layers) = most_layers(max_layers, fits)? {
-                if best.as_ref().is_none_or(|b| layers > b.layers) {
-                    best = Some(DeepSpeedLargest {
-                        layers,
-                        parameters: shape(layers)?.0,
-                        row: row(layers)?,
-                    });
-                }
+            let Ok(Some(layers)) = most_layers(max_layers, fits) else {
+                continue;
+            };
+            if best.as_ref().is_none_or(|b| layers > b.layers) {
+                best = Some(DeepSpeedLargest {
+                    layers,
+                    parameters: shape(model, layers).0,
+                    row: row(layers),
+                });
             }
         }
     }
-    Ok(best)
+    best
 }
 
 /// Bytes per parameter of ZeRO-Infinity's swap files: fp32 parameters, exp_avg,
@@ -161,19 +171,17 @@ pub fn deepspeed_largest(
 /// parameters (its parameter swapper).
 pub const DEEPSPEED_NVME_BYTES: u64 = 18;
 
-/// DeepSpeed's largest on the disk alone: the most layers whose swap files
+/// DeepSpeed's largest `model` on the disk alone: the most layers whose swap files
 /// ([`DEEPSPEED_NVME_BYTES`] per parameter) fit `nvme_space`.
 pub fn deepspeed_nvme_largest(
     max_layers: usize,
     nvme_space: u64,
-    plan_with: impl Fn(usize) -> Result<Plan, ConfigError>,
-) -> Result<Option<(usize, u64)>, ConfigError> {
-    let params = |l: usize| plan_with(l).map(|p| p.model.config.num_parameters() as u64);
-    let fits = |l: usize| params(l).map(|p| p * DEEPSPEED_NVME_BYTES <= nvme_space);
-    match most_layers(max_layers, fits)? {
-        Some(l) => Ok(Some((l, params(l)?))),
-        None => Ok(None),
-    }
+    model: &ModelConfig,
+) -> Option<(usize, u64)> {
+    let params = |l: usize| shape(model, l).0;
+    let fits = |l: usize| Ok(params(l) * DEEPSPEED_NVME_BYTES <= nvme_space);
+    let layers = most_layers(max_layers, fits).ok().flatten()?;
+    Some((layers, params(layers)))
 }
 
 /// Everything `plan --largest` found.

@@ -57,27 +57,34 @@ pub fn optimizer_tiers(plan: &Plan) -> Vec<Tier> {
     } else {
         ((1.0 - offload.ratio) * numels.len() as f64).floor() as usize
     };
-    let mut in_cpu = 0usize;
-    let mut spilled = false;
+    let mut spill = spill_to_nvme(offload.max_in_cpu);
     numels
         .into_iter()
         .enumerate()
-        .map(|(u, numel)| {
-            if u < on_device {
-                return Tier::Device;
-            }
-            if offload.tier != Tier::Nvme {
-                return offload.tier;
-            }
-            in_cpu = in_cpu.saturating_add(numel);
-            spilled |= in_cpu > offload.max_in_cpu;
-            if spilled {
-                Tier::Nvme
-            } else {
-                Tier::Cpu
-            }
+        .map(|(u, numel)| match offload.tier {
+            _ if u < on_device => Tier::Device,
+            Tier::Nvme => spill(numel),
+            tier => tier,
         })
         .collect()
+}
+
+/// The tier of each next unit, in forward order, of state kept on NVMe except for the
+/// first `max_in_cpu` elements (both `max_in_cpu` keys): host memory while the units'
+/// elements, counted from the first, fit; NVMe from the first that does not, and for
+/// every unit after it.
+fn spill_to_nvme(max_in_cpu: usize) -> impl FnMut(usize) -> Tier {
+    let mut in_cpu = 0usize;
+    let mut spilled = false;
+    move |numel| {
+        in_cpu = in_cpu.saturating_add(numel);
+        spilled |= in_cpu > max_in_cpu;
+        if spilled {
+            Tier::Nvme
+        } else {
+            Tier::Cpu
+        }
+    }
 }
 
 /// Whether each unit's gradient partition lives in the optimizer's swap store on NVMe
@@ -157,23 +164,14 @@ pub fn head_slice_rows(vocab: i64, hidden: i64) -> i64 {
 /// not fit, and every one after it, is on NVMe.
 pub fn param_tiers(plan: &Plan) -> Vec<Tier> {
     let param = &plan.zero.offload_param;
-    let mut in_cpu = 0usize;
-    let mut spilled = false;
+    let mut spill = spill_to_nvme(param.max_in_cpu);
     plan.model
         .config
         .unit_numels()
         .into_iter()
-        .map(|numel| {
-            if param.tier != Tier::Nvme {
-                return param.tier;
-            }
-            in_cpu += numel;
-            spilled |= in_cpu > param.max_in_cpu;
-            if spilled {
-                Tier::Nvme
-            } else {
-                Tier::Cpu
-            }
+        .map(|numel| match param.tier {
+            Tier::Nvme => spill(numel),
+            tier => tier,
         })
         .collect()
 }
