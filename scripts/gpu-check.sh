@@ -16,10 +16,11 @@
 # the profile.
 # With PARTS=disk it also measures that machine's disk for the NVMe tier (bench nvme,
 # bench swap), which issue 3's targets need.
-# PARTS="tests bench tiny big memory" (the default) picks parts, so a run that would
-# exceed one command's time limit can be split over several calls.
+# PARTS="tests bench tiny big memory sanitizer" (the default) picks parts, so a run that would
+# exceed one command's time limit can be split over several calls. Each run is stopped
+# after RUN_TIMEOUT seconds (default 300): one hung run costs its own time, not the rest.
 set -uo pipefail
-PARTS=${PARTS:-tests bench tiny big memory}
+PARTS=${PARTS:-tests bench tiny big memory sanitizer}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 BIN=$(realpath "${1:?usage: gpu-check.sh BINARY OUT_DIR}")
 OUT=$(realpath -m "${2:?usage: gpu-check.sh BINARY OUT_DIR}")
@@ -36,9 +37,12 @@ log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 run() { # name, command...
   local name=$1; shift
   log "$name: $*"
-  local t0=$(date +%s.%N)
-  "$@" >"$OUT/$name.out" 2>"$OUT/$name.err"; local rc=$?
-  echo "   rc=$rc, $(echo "$(date +%s.%N) - $t0" | bc) s" | tee -a "$OUT/summary.txt"
+  local t0=$(date +%s%N)
+  # through bash -c, so that the exported functions below (tiny, big) can be timed out too
+  timeout -k 5 "${RUN_TIMEOUT:-300}" bash -c '"$@"' _ "$@" >"$OUT/$name.out" 2>"$OUT/$name.err"; local rc=$?
+  [ $rc -eq 124 ] && echo "   stopped after RUN_TIMEOUT=${RUN_TIMEOUT:-300} s" | tee -a "$OUT/summary.txt"
+  local ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  echo "   rc=$rc, $((ms / 1000)).$(printf %03d $((ms % 1000))) s" | tee -a "$OUT/summary.txt"
   tail -n 30 "$OUT/$name.out" | tee -a "$OUT/summary.txt"
   [ $rc -eq 0 ] || tail -n 15 "$OUT/$name.err" | tee -a "$OUT/summary.txt"
   return 0
@@ -72,6 +76,8 @@ tiny() { # name, accelerator, param tier, optimizer tier, more train arguments
     --set zero_optimization.offload_optimizer.device="$4" \
     --set zero_optimization.offload_optimizer.nvme_path="$WORK/$1/nvme-opt" "${@:5}"
 }
+export BIN WORK
+export -f tiny
 compare() { # reference run, run compared with it (names under $WORK)
   $PY - "$WORK/$1/metrics.jsonl" "$WORK/$2/metrics.jsonl" "$1" "$2" <<'PYEOF' | tee -a "$OUT/summary.txt"
 import json, sys
@@ -109,6 +115,13 @@ part tiny && for tiers in "none none" "cpu cpu" "nvme nvme"; do
     --set zero_optimization.offload_param.device="$1" --set zero_optimization.offload_optimizer.device="$2"
   compare "tiny-$1-cpu" "tiny-$1-cuda"
 done
+# checked lanes on the GPU (random delays on every lane job, also queued on the device;
+# NaN-poisoned pools): a missing wait shows as a different loss, so the losses must be
+# the unchecked run's bit for bit
+if part tiny; then
+  run tiny-cpu-cuda-checked env TIERZERO_CHECKED_LANES=1 bash -c 'tiny "$@"' _ tiny-cpu-cuda-checked cuda cpu cpu
+  compare tiny-cpu-cuda tiny-cpu-cuda-checked
+fi
 # gradient accumulation: on the GPU "auto" keeps the sums on the device (flushed through
 # pinned memory once per step) and every unit gathered for the step; on the CPU neither
 if part tiny; then
@@ -140,20 +153,31 @@ if part tiny && [ "$GPUS" -ge 2 ]; then
 fi
 
 big() { # name, config
-  "$BIN" train --config "$2" --set data.path=null --set data.synthetic=markov \
+  "$BIN" train --config "$2" --trace --set data.path=null --set data.synthetic=markov \
     --set train.steps="${STEPS_1B:-6}" --set gradient_accumulation_steps=1 \
     --set scheduler.params.warmup_num_steps=2 \
     --set train.output_dir="$WORK/$1" --set train.save_interval=0 \
     --set zero_optimization.offload_param.nvme_path="$WORK/$1/nvme" \
     --set zero_optimization.offload_optimizer.nvme_path="$WORK/$1/nvme"
 }
+export -f big
+# BIG="cpu nvme" (the default) picks the 1B configs' tiers
 if part big; then
-  run llama-1b-cpu big llama-1b-cpu configs/llama-1b-1gpu-cpu.json
-  predict llama-1b-cpu --config configs/llama-1b-1gpu-cpu.json --set gradient_accumulation_steps=1
-  cp "$WORK/llama-1b-cpu/summary.json" "$OUT/llama-1b-cpu-summary.json" 2>/dev/null
-  run llama-1b-nvme big llama-1b-nvme configs/llama-1b-1gpu-nvme.json
-  predict llama-1b-nvme --config configs/llama-1b-1gpu-nvme.json --set gradient_accumulation_steps=1
-  cp "$WORK/llama-1b-nvme/summary.json" "$OUT/llama-1b-nvme-summary.json" 2>/dev/null
+  for tier in ${BIG:-cpu nvme}; do
+    run "llama-1b-$tier" big "llama-1b-$tier" "configs/llama-1b-1gpu-$tier.json"
+    predict "llama-1b-$tier" --config "configs/llama-1b-1gpu-$tier.json" --set gradient_accumulation_steps=1
+    cp "$WORK/llama-1b-$tier/summary.json" "$OUT/llama-1b-$tier-summary.json" 2>/dev/null
+  done
+fi
+# compute-sanitizer's memcheck over a few steps of the tiny Llama (host and device tiers,
+# pinned staging, NCCL), torch's caching allocator off so that every device buffer is
+# its own allocation
+if part sanitizer && command -v compute-sanitizer >/dev/null; then
+  run sanitizer-memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+    --leak-check no --error-exitcode 3 "$BIN" train --config configs/default.json --devices 1 \
+    --set train.accelerator=cuda --set train.steps=3 --set bf16.enabled=true \
+    --set zero_optimization.stage=3 --set zero_optimization.offload_param.device=cpu \
+    --set zero_optimization.offload_optimizer.device=cpu --set train.output_dir="$WORK/sanitizer"
 fi
 part memory && run bench-memory "$BIN" bench memory --config configs/default.json --devices 1 --stages 0,3 \
   --set train.output_dir="$WORK/memory" --set zero_optimization.offload_optimizer.nvme_path="$WORK/memory/nvme"

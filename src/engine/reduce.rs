@@ -43,9 +43,10 @@ pub struct ChunkBuffers {
     bucket: Option<Tensor>,
     reduced: Option<Tensor>,
     host: Vec<f32>,
-    /// Pinned host memory a GPU's device sum is copied into when it is flushed (a copy
-    /// at the link's DMA speed; a pageable one goes through a bounce buffer).
-    pinned: Option<Tensor>,
+    /// Pinned host memory a GPU's stretch (a reduced stretch in its own kind, or a device
+    /// sum in fp32) is copied into: one copy at the link's DMA speed, where a pageable
+    /// one of the fp32 form ran at a tenth of it on an H200.
+    staging: Option<Tensor>,
 }
 
 impl ChunkBuffers {
@@ -56,7 +57,7 @@ impl ChunkBuffers {
             bucket: None,
             reduced: None,
             host: Vec::new(),
-            pinned: None,
+            staging: None,
         }
     }
 
@@ -91,15 +92,45 @@ fn slot_view(
 }
 
 /// `t`'s values as fp32 in host memory: its own storage when it is an fp32 CPU tensor
-/// (device memory on CPU devices), else copied into `host`.
-fn host_f32<'b>(t: &'b Tensor, host: &'b mut Vec<f32>) -> Result<&'b [f32], tch::TchError> {
+/// (device memory on CPU devices); from a GPU, copied in its own kind into the pinned
+/// `staging` buffer (half of fp32's bytes for a 16-bit kind) and read there, or widened
+/// from there into `host`; else widened or copied into `host`. The same values either
+/// way: widening is exact.
+fn host_f32<'b>(
+    t: &'b Tensor,
+    staging: &'b mut Option<Tensor>,
+    host: &'b mut Vec<f32>,
+) -> Result<&'b [f32], tch::TchError> {
+    let n = t.numel();
     if t.device() == tch::Device::Cpu && t.kind() == Kind::Float {
         // SAFETY: only read while the slice lives: a chunk buffer of this reduction, or
         // the gradient, which nothing writes once backward produced it.
-        return unsafe { torch::host_slice::<f32>(t, t.numel()) };
+        return unsafe { torch::host_slice::<f32>(t, n) };
     }
-    host.resize(t.numel(), 0.0);
-    torch::widen_to_f32(t, host)?;
+    if t.device() == tch::Device::Cpu {
+        host.resize(n, 0.0);
+        torch::widen_to_f32(t, host)?;
+        return Ok(host);
+    }
+    let kind = t.kind();
+    let fits = |p: &Tensor| p.numel() >= n && p.kind() == kind;
+    if !staging.as_ref().is_some_and(fits) {
+        let bytes = torch::shim::pinned_bytes(n * kind.elt_size_in_bytes())?;
+        *staging = Some(bytes.f_view_dtype(kind)?);
+    }
+    let Some(pinned) = staging.as_ref() else {
+        unreachable!("made above")
+    };
+    // blocking: the DMA copy on the calling thread's current stream (the lane's), which
+    // waited for compute when the job was queued; torch waits for the copy to land
+    pinned.f_narrow(0, 0, n as i64)?.f_copy_(t)?;
+    if kind == Kind::Float {
+        // SAFETY: the staging buffer is this reduction's own; the copy into it has landed
+        // and nothing writes it while the slice is read
+        return unsafe { torch::host_slice::<f32>(pinned, n) };
+    }
+    host.resize(n, 0.0);
+    torch::widen_to_f32(&pinned.f_narrow(0, 0, n as i64)?, host)?;
     Ok(host)
 }
 
@@ -197,7 +228,7 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
                 return Err(no_accumulator(rank));
             };
             let values = if real.len() == k {
-                host_f32(&view, &mut buffers.host).map_err(torch_err)?
+                host_f32(&view, &mut buffers.staging, &mut buffers.host).map_err(torch_err)?
             } else {
                 let host = &mut buffers.host;
                 host.resize(k, 0.0);
@@ -207,7 +238,13 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
                 host[real.len()..].fill(0.0);
                 &host[..]
             };
-            track.record(Phase::D2h, Some(unit), copy_start, 4 * k as u64);
+            // what crossed: from a GPU the gradient's own kind (`host_f32`)
+            let crossed = if view.device().is_cuda() {
+                view.kind().elt_size_in_bytes() * k
+            } else {
+                4 * k
+            };
+            track.record(Phase::D2h, Some(unit), copy_start, crossed as u64);
             acc.add(start, values, track)?;
             start += k;
             continue;
@@ -257,7 +294,7 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
         };
         acc.add(
             start,
-            host_f32(&reduced, &mut buffers.host).map_err(torch_err)?,
+            host_f32(&reduced, &mut buffers.staging, &mut buffers.host).map_err(torch_err)?,
             track,
         )?;
         start += k;
@@ -285,28 +322,7 @@ fn flush<A: Accumulate + ?Sized>(
         return Err(no_accumulator(rank));
     };
     let torch_err = |source| EngineError::Torch { rank, source };
-    if dst.device() == tch::Device::Cpu {
-        let values = host_f32(dst, &mut buffers.host).map_err(torch_err)?;
-        return acc.add(start, values, track);
-    }
-    // a GPU's sum: into pinned memory in one DMA copy, read there
-    let bytes = 4 * dst.numel();
-    let pinned = match &buffers.pinned {
-        Some(p) if p.numel() >= bytes => p.shallow_clone(),
-        _ => {
-            let p = torch::shim::pinned_bytes(bytes).map_err(torch_err)?;
-            buffers.pinned = Some(p.shallow_clone());
-            p
-        }
-    };
-    let mut host = pinned
-        .f_narrow(0, 0, bytes as i64)
-        .and_then(|p| p.f_view_dtype(Kind::Float))
-        .map_err(torch_err)?;
-    host.f_copy_(dst).map_err(torch_err)?;
-    // SAFETY: the pinned buffer is this reduction's own; the copy into it was synchronous
-    // and nothing writes it while the slice is read
-    let values = unsafe { torch::host_slice::<f32>(&host, dst.numel()) }.map_err(torch_err)?;
+    let values = host_f32(dst, &mut buffers.staging, &mut buffers.host).map_err(torch_err)?;
     acc.add(start, values, track)
 }
 

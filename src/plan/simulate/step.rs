@@ -199,8 +199,14 @@ impl<'a> Replay<'a> {
             };
             return overhead + Self::seconds(bytes, self.profile.copies.device_to_device.value);
         } else if u == last {
-            // model/head.rs computes the logits in fp32 whatever the weights' kind
-            (flops::head(c, tokens), Work::Head, "fp32")
+            // model/head.rs computes the logits in a 16-bit weight's kind on a GPU, in
+            // fp32 on a CPU
+            let low = !self.profile.is_cpu() && self.plan.precision.bytes() == 2;
+            (
+                flops::head(c, tokens),
+                Work::Head,
+                if low { self.dtype() } else { "fp32" },
+            )
         } else if work == Work::Forward {
             (flops::block_forward(c, numel, tokens, seq), work, self.dtype())
         } else if crate::plan::rules::keeps_activations(self.plan, u) {

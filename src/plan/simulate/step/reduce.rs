@@ -17,10 +17,11 @@ impl Replay<'_> {
         let copies = self.profile.copies.clone();
         let wire = self.plan.communication.kind().elt_size_in_bytes() as u64;
         if self.stage() < 2 {
-            // widen to fp32 and copy to the host accumulator, in the compute thread
+            // to the host accumulator as fp32, in the compute thread (from a GPU in the
+            // training precision, widened on the host)
             let bytes = part.padded as u64 * 4;
-            let copy = Self::seconds(bytes, self.d2h_rate(false));
-            self.clocks.run(Track::Compute, "d2h", Some(u), copy, bytes);
+            let (copy, crossing) = self.to_host(part.padded as u64, self.p());
+            self.clocks.run(Track::Compute, "d2h", Some(u), copy, crossing);
             self.clocks.run(
                 Track::Compute,
                 "host_add",
@@ -31,7 +32,7 @@ impl Replay<'_> {
                 ),
                 0,
             );
-            self.pcie[1] += if self.cuda() { bytes } else { 0 };
+            self.pcie[1] += if self.cuda() { crossing } else { 0 };
             return;
         }
         // at most REDUCE_DEPTH reductions in flight: compute waits for the oldest
@@ -70,17 +71,25 @@ impl Replay<'_> {
             if !to_host {
                 continue;
             }
-            // to the host as fp32 (a device sum in one DMA copy into pinned memory, else
-            // a blocking pageable copy): with one rank the stretch straight from the
-            // gradient, else the reduced stretch, which only a GPU copies; then the add
-            let copy = Self::seconds(out, self.d2h_rate(on_device));
+            // to the host: with one rank the stretch straight from the gradient, else the
+            // reduced stretch, which only a GPU copies; from a GPU in one DMA copy into
+            // pinned memory in the kind it has there (a device sum fp32, a gradient in the
+            // training precision, a reduced stretch in the communication type), widened
+            // there to fp32 (reduce.rs, `host_f32`); then the add
+            let kind = match (on_device, world) {
+                (true, _) => 4,
+                (false, 1) => self.p(),
+                (false, _) => wire,
+            };
+            let (copy, crossing) = self.to_host(k, kind);
             if world == 1 {
-                self.clocks.run(Track::Collectives, "d2h", Some(u), copy, out);
+                self.clocks
+                    .run(Track::Collectives, "d2h", Some(u), copy, crossing);
             } else if self.cuda() {
                 self.clocks
-                    .run(Track::Collectives, "copy_out", Some(u), copy, out);
+                    .run(Track::Collectives, "copy_out", Some(u), copy, crossing);
             }
-            self.pcie[1] += if self.cuda() { out } else { 0 };
+            self.pcie[1] += if self.cuda() { crossing } else { 0 };
             let add = Self::seconds(out, self.host_add(k));
             self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
         }
@@ -105,6 +114,23 @@ impl Replay<'_> {
         } else {
             self.clocks.wait(Track::Compute, done);
         }
+    }
+
+    /// Seconds and bytes of `elements` reaching the host as fp32 from a device tensor of
+    /// `kind` bytes per element: on a CPU device read in place (counted as fp32); from
+    /// a GPU one DMA copy into pinned memory, then widened there on every core when
+    /// 16-bit (reduce.rs, `host_f32`).
+    fn to_host(&self, elements: u64, kind: u64) -> (f64, u64) {
+        let out = 4 * elements;
+        if !self.cuda() {
+            return (Self::seconds(out, self.d2h_rate(false)), out);
+        }
+        let crossing = kind * elements;
+        let mut seconds = Self::seconds(crossing, self.d2h_rate(true));
+        if kind < 4 {
+            seconds += Self::seconds(out, self.host_add(elements));
+        }
+        (seconds, crossing)
     }
 
     /// Elements per swap chunk: the store's rule over the largest optimizer partition,
