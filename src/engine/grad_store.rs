@@ -13,7 +13,7 @@
 //! the state it updates (`pipeline::GradIn::Stored`).
 
 use super::error::{EngineError, On};
-use super::grads::{add_bf16, add_f32, sum_squares_bf16, sum_squares_f32, Grads};
+use super::grads::{add_values_bf16, add_values_f32, sum_squares_bf16, sum_squares_f32, Grads, Values};
 use crate::metrics::timeline::{Phase, Track};
 use std::time::Instant;
 use tierzero_offload::nvme::swap::{SwapStore, TensorKey};
@@ -22,12 +22,12 @@ use tierzero_offload::pool::IoBuf;
 /// Where a reduction adds: `offset` is the element of the accumulator `x[0]` goes to;
 /// I/O it does is recorded on `track` (the thread's).
 pub trait Accumulate {
-    fn add(&mut self, offset: usize, x: &[f32], track: &Track) -> Result<(), EngineError>;
+    fn add(&mut self, offset: usize, x: Values, track: &Track) -> Result<(), EngineError>;
 }
 
 impl Accumulate for Grads {
-    fn add(&mut self, offset: usize, x: &[f32], _: &Track) -> Result<(), EngineError> {
-        Grads::add(self, offset, x);
+    fn add(&mut self, offset: usize, x: Values, _: &Track) -> Result<(), EngineError> {
+        Grads::add_values(self, offset, x);
         Ok(())
     }
 }
@@ -154,7 +154,7 @@ impl<'s> GradStream<'s> {
 }
 
 impl Accumulate for GradStream<'_> {
-    fn add(&mut self, offset: usize, x: &[f32], track: &Track) -> Result<(), EngineError> {
+    fn add(&mut self, offset: usize, x: Values, track: &Track) -> Result<(), EngineError> {
         let chunk = self.store.chunk_elems();
         let (mut offset, mut x) = (offset, x);
         while !x.is_empty() {
@@ -165,12 +165,12 @@ impl Accumulate for GradStream<'_> {
             let bf16 = self.bf16;
             let buf = self.buffer()?;
             if bf16 {
-                add_bf16(&mut buf.typed_mut::<u16>(within + n)[within..], &x[..n]);
+                add_values_bf16(&mut buf.typed_mut::<u16>(within + n)[within..], x.range(0..n));
             } else {
-                add_f32(&mut buf.typed_mut::<f32>(within + n)[within..], &x[..n]);
+                add_values_f32(&mut buf.typed_mut::<f32>(within + n)[within..], x.range(0..n));
             }
             offset += n;
-            x = &x[n..];
+            x = x.range(n..x.len());
         }
         Ok(())
     }
@@ -193,7 +193,7 @@ impl Acc<'_> {
 }
 
 impl Accumulate for Acc<'_> {
-    fn add(&mut self, offset: usize, x: &[f32], track: &Track) -> Result<(), EngineError> {
+    fn add(&mut self, offset: usize, x: Values, track: &Track) -> Result<(), EngineError> {
         match self {
             Acc::Here(g) => Accumulate::add(g, offset, x, track),
             Acc::Stream(s) => s.add(offset, x, track),
@@ -243,7 +243,7 @@ mod tests {
                 let mut stream = GradStream::new(on, &store, key(unit), bf16, micro == 0, buf);
                 for start in (0..numel).step_by(stretch) {
                     let end = (start + stretch).min(numel);
-                    stream.add(start, &x[start..end], &track).unwrap();
+                    stream.add(start, Values::F32(&x[start..end]), &track).unwrap();
                     memory.add(start, &x[start..end]);
                 }
                 stream.finish(&track).unwrap();

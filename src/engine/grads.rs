@@ -12,7 +12,7 @@
 
 use tierzero_offload::adam::GradSlice;
 use tierzero_offload::arena::{self, CarveError, Pinning, Slab};
-use tierzero_offload::convert::{bf16_to_f32, f32_to_bf16};
+use tierzero_offload::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16};
 use tierzero_offload::host::AllocError;
 
 #[derive(Debug)]
@@ -77,9 +77,14 @@ impl Grads {
 
     /// `self[offset + i] += x[i]` (bf16: added in fp32, rounded once).
     pub fn add(&mut self, offset: usize, x: &[f32]) {
+        self.add_values(offset, Values::F32(x));
+    }
+
+    /// [`Grads::add`] of any [`Values`].
+    pub fn add_values(&mut self, offset: usize, x: Values) {
         match self {
-            Grads::F32(g) => add_f32(&mut g[offset..offset + x.len()], x),
-            Grads::Bf16(g) => add_bf16(&mut g[offset..offset + x.len()], x),
+            Grads::F32(g) => add_values_f32(&mut g[offset..offset + x.len()], x),
+            Grads::Bf16(g) => add_values_bf16(&mut g[offset..offset + x.len()], x),
         }
     }
 
@@ -106,22 +111,73 @@ use crate::plan::rules::PARALLEL_CHUNK;
 /// alignment (4096 elements), so that a sum continued chunk by chunk is the whole's.
 pub const NORM_BLOCK: usize = 4096;
 
+/// Values a reduction adds into an accumulator, as they reached the host: fp32, or the
+/// bits of a 16-bit gradient, widened to fp32 as they are added (exact: the same sums
+/// as widening them first, without writing and reading an fp32 copy).
+#[derive(Clone, Copy, Debug)]
+pub enum Values<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+    F16(&'a [u16]),
+}
+
+impl<'a> Values<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            Values::F32(x) => x.len(),
+            Values::Bf16(x) | Values::F16(x) => x.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values in `range`.
+    pub fn range(&self, range: std::ops::Range<usize>) -> Values<'a> {
+        match *self {
+            Values::F32(x) => Values::F32(&x[range]),
+            Values::Bf16(x) => Values::Bf16(&x[range]),
+            Values::F16(x) => Values::F16(&x[range]),
+        }
+    }
+}
+
 /// `g[i] += x[i]`, on every core for long stretches (element-wise: the same bits).
 pub fn add_f32(g: &mut [f32], x: &[f32]) {
-    each(g, x, |g, x| *g += x);
+    add_values_f32(g, Values::F32(x));
 }
 
 /// `g[i] += x[i]` on bf16 bits: added in fp32, rounded once (to nearest even); on every
 /// core for long stretches.
 pub fn add_bf16(g: &mut [u16], x: &[f32]) {
-    each(g, x, |g, x| *g = f32_to_bf16(bf16_to_f32(*g) + x));
+    add_values_bf16(g, Values::F32(x));
+}
+
+/// [`add_f32`] of any [`Values`].
+pub fn add_values_f32(g: &mut [f32], x: Values) {
+    match x {
+        Values::F32(x) => each(g, x, |g, x| *g += x),
+        Values::Bf16(x) => each(g, x, |g, b| *g += bf16_to_f32(b)),
+        Values::F16(x) => each(g, x, |g, b| *g += f16_to_f32(b)),
+    }
+}
+
+/// [`add_bf16`] of any [`Values`].
+pub fn add_values_bf16(g: &mut [u16], x: Values) {
+    let add = |g: &mut u16, x: f32| *g = f32_to_bf16(bf16_to_f32(*g) + x);
+    match x {
+        Values::F32(x) => each(g, x, add),
+        Values::Bf16(x) => each(g, x, |g, b| add(g, bf16_to_f32(b))),
+        Values::F16(x) => each(g, x, |g, b| add(g, f16_to_f32(b))),
+    }
 }
 
 /// `f(g[i], x[i])` for every element, on every core for stretches longer than
 /// [`PARALLEL_CHUNK`].
-fn each<T: Send>(g: &mut [T], x: &[f32], f: impl Fn(&mut T, f32) + Sync) {
+fn each<T: Send, X: Copy + Sync>(g: &mut [T], x: &[X], f: impl Fn(&mut T, X) + Sync) {
     use rayon::prelude::*;
-    let run = |g: &mut [T], x: &[f32]| g.iter_mut().zip(x).for_each(|(g, &x)| f(g, x));
+    let run = |g: &mut [T], x: &[X]| g.iter_mut().zip(x).for_each(|(g, &x)| f(g, x));
     if g.len() <= PARALLEL_CHUNK {
         return run(g, x);
     }

@@ -20,6 +20,7 @@
 
 use super::error::EngineError;
 use super::grad_store::{Acc, Accumulate};
+use super::grads::Values;
 use crate::comm::{Collective, ReduceOp};
 use crate::device::lanes::{Event, Lane};
 use crate::metrics::timeline::{Phase, Track};
@@ -91,26 +92,45 @@ fn slot_view(
     view
 }
 
-/// `t`'s values as fp32 in host memory: its own storage when it is an fp32 CPU tensor
-/// (device memory on CPU devices); from a GPU, copied in its own kind into the pinned
-/// `staging` buffer (half of fp32's bytes for a 16-bit kind) and read there, or widened
-/// from there into `host`; else widened or copied into `host`. The same values either
-/// way: widening is exact.
-fn host_f32<'b>(
+/// The values of `t`, a contiguous CPU tensor, read in place as a reduction adds them
+/// (None for a kind it does not add).
+///
+/// # Safety
+/// Nothing may write `t`'s elements while the values are read (a chunk buffer of this
+/// reduction, the gradient, which nothing writes once backward produced it, or this
+/// reduction's staging buffer).
+unsafe fn in_place(t: &Tensor, n: usize) -> Result<Option<Values<'_>>, tch::TchError> {
+    // SAFETY: the kinds match the element types (16-bit floats read as their bits); the
+    // caller's contract
+    Ok(Some(match t.kind() {
+        Kind::Float => Values::F32(unsafe { torch::host_slice::<f32>(t, n) }?),
+        Kind::BFloat16 => Values::Bf16(unsafe { torch::host_slice::<u16>(t, n) }?),
+        Kind::Half => Values::F16(unsafe { torch::host_slice::<u16>(t, n) }?),
+        _ => return Ok(None),
+    }))
+}
+
+/// `t`'s values in host memory, as a reduction adds them into an accumulator: in place
+/// when it is a contiguous CPU tensor (device memory on CPU devices), fp32 or the bits of
+/// a 16-bit kind (widened as they are added); from a GPU, copied in its own kind into the
+/// pinned `staging` buffer (half of fp32's bytes for a 16-bit kind) and read there;
+/// else copied into `host` as fp32. The same values either way: widening is exact.
+fn host_values<'b>(
     t: &'b Tensor,
     staging: &'b mut Option<Tensor>,
     host: &'b mut Vec<f32>,
-) -> Result<&'b [f32], tch::TchError> {
+) -> Result<Values<'b>, tch::TchError> {
     let n = t.numel();
-    if t.device() == tch::Device::Cpu && t.kind() == Kind::Float {
-        // SAFETY: only read while the slice lives: a chunk buffer of this reduction, or
-        // the gradient, which nothing writes once backward produced it.
-        return unsafe { torch::host_slice::<f32>(t, n) };
+    if t.device() == tch::Device::Cpu && t.is_contiguous() {
+        // SAFETY: a chunk buffer of this reduction, or the gradient (see `in_place`)
+        if let Some(values) = unsafe { in_place(t, n) }? {
+            return Ok(values);
+        }
     }
-    if t.device() == tch::Device::Cpu {
+    if !t.device().is_cuda() {
         host.resize(n, 0.0);
         torch::widen_to_f32(t, host)?;
-        return Ok(host);
+        return Ok(Values::F32(host));
     }
     let kind = t.kind();
     let fits = |p: &Tensor| p.numel() >= n && p.kind() == kind;
@@ -124,14 +144,16 @@ fn host_f32<'b>(
     // blocking: the DMA copy on the calling thread's current stream (the lane's), which
     // waited for compute when the job was queued; torch waits for the copy to land
     pinned.f_narrow(0, 0, n as i64)?.f_copy_(t)?;
-    if kind == Kind::Float {
-        // SAFETY: the staging buffer is this reduction's own; the copy into it has landed
-        // and nothing writes it while the slice is read
-        return unsafe { torch::host_slice::<f32>(pinned, n) };
+    // SAFETY: the staging buffer is this reduction's own; the copy into it has landed and
+    // nothing writes it while the values are read
+    match unsafe { in_place(pinned, n) }? {
+        Some(values) => Ok(values),
+        None => {
+            host.resize(n, 0.0);
+            torch::copy_to_f32(&pinned.f_narrow(0, 0, n as i64)?, host)?;
+            Ok(Values::F32(host))
+        }
     }
-    host.resize(n, 0.0);
-    torch::widen_to_f32(&pinned.f_narrow(0, 0, n as i64)?, host)?;
-    Ok(host)
 }
 
 /// Where a gradient goes: reduce-scattered into this rank's shard (stages 2–3), or added
@@ -228,7 +250,7 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
                 return Err(no_accumulator(rank));
             };
             let values = if real.len() == k {
-                host_f32(&view, &mut buffers.staging, &mut buffers.host).map_err(torch_err)?
+                host_values(&view, &mut buffers.staging, &mut buffers.host).map_err(torch_err)?
             } else {
                 let host = &mut buffers.host;
                 host.resize(k, 0.0);
@@ -236,9 +258,9 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
                     torch::widen_to_f32(&view, &mut host[..real.len()]).map_err(torch_err)?;
                 }
                 host[real.len()..].fill(0.0);
-                &host[..]
+                Values::F32(&host[..])
             };
-            // what crossed: from a GPU the gradient's own kind (`host_f32`)
+            // what crossed: from a GPU the gradient's own kind (`host_values`)
             let crossed = if view.device().is_cuda() {
                 view.kind().elt_size_in_bytes() * k
             } else {
@@ -294,7 +316,7 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
         };
         acc.add(
             start,
-            host_f32(&reduced, &mut buffers.staging, &mut buffers.host).map_err(torch_err)?,
+            host_values(&reduced, &mut buffers.staging, &mut buffers.host).map_err(torch_err)?,
             track,
         )?;
         start += k;
@@ -322,7 +344,7 @@ fn flush<A: Accumulate + ?Sized>(
         return Err(no_accumulator(rank));
     };
     let torch_err = |source| EngineError::Torch { rank, source };
-    let values = host_f32(dst, &mut buffers.staging, &mut buffers.host).map_err(torch_err)?;
+    let values = host_values(dst, &mut buffers.staging, &mut buffers.host).map_err(torch_err)?;
     acc.add(start, values, track)
 }
 

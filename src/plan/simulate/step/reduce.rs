@@ -74,8 +74,8 @@ impl Replay<'_> {
             // to the host: with one rank the stretch straight from the gradient, else the
             // reduced stretch, which only a GPU copies; from a GPU in one DMA copy into
             // pinned memory in the kind it has there (a device sum fp32, a gradient in the
-            // training precision, a reduced stretch in the communication type), widened
-            // there to fp32 (reduce.rs, `host_f32`); then the add
+            // training precision, a reduced stretch in the communication type; reduce.rs,
+            // `host_values`); then the add, widening 16-bit values as it reads them
             let kind = match (on_device, world) {
                 (true, _) => 4,
                 (false, 1) => self.p(),
@@ -116,21 +116,16 @@ impl Replay<'_> {
         }
     }
 
-    /// Seconds and bytes of `elements` reaching the host as fp32 from a device tensor of
-    /// `kind` bytes per element: on a CPU device read in place (counted as fp32); from
-    /// a GPU one DMA copy into pinned memory, then widened there on every core when
-    /// 16-bit (reduce.rs, `host_f32`).
+    /// Seconds and bytes of `elements` reaching the host from a device tensor of `kind`
+    /// bytes per element: on a CPU device counted as an fp32 copy; from a GPU one DMA
+    /// copy into pinned memory in its own kind (reduce.rs, `host_values`).
     fn to_host(&self, elements: u64, kind: u64) -> (f64, u64) {
         let out = 4 * elements;
         if !self.cuda() {
             return (Self::seconds(out, self.d2h_rate(false)), out);
         }
         let crossing = kind * elements;
-        let mut seconds = Self::seconds(crossing, self.d2h_rate(true));
-        if kind < 4 {
-            seconds += Self::seconds(out, self.host_add(elements));
-        }
-        (seconds, crossing)
+        (Self::seconds(crossing, self.d2h_rate(true)), crossing)
     }
 
     /// Elements per swap chunk: the store's rule over the largest optimizer partition,
