@@ -383,8 +383,8 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
 impl<C: Collective> Fetcher<C> {
     /// The h2d lane's job: a shard in host memory or on NVMe into device staging (on
     /// CPU devices a memcpy, or the NVMe read straight into it; on a GPU through one of
-    /// two alternating pinned buffers, copied asynchronously on the lane's stream, so the
-    /// next shard's read overlaps this copy).
+    /// two alternating pinned buffers, filled on every core and copied asynchronously on
+    /// the lane's stream, so the next shard's fill overlaps this copy).
     fn to_staging(
         &self,
         unit: usize,
@@ -436,7 +436,8 @@ impl<C: Collective> Fetcher<C> {
                     out.copy_from_slice(&params.as_bytes()[..bytes])
                 })
             }
-            Source::Host(params) => out.copy_from_slice(&params.as_bytes()[..bytes]),
+            // into a pinned buffer for the GPU's DMA copy: on every core
+            Source::Host(params) => tierzero_offload::host::copy_parallel(out, &params.as_bytes()[..bytes]),
             Source::Device(_) => {}
         }
         let Some(slot) = slot else {

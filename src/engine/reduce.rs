@@ -100,11 +100,13 @@ fn slot_view(
 /// reduction, the gradient, which nothing writes once backward produced it, or this
 /// reduction's staging buffer).
 unsafe fn in_place(t: &Tensor, n: usize) -> Result<Option<Values<'_>>, tch::TchError> {
-    // SAFETY: the kinds match the element types (16-bit floats read as their bits); the
-    // caller's contract
     Ok(Some(match t.kind() {
+        // SAFETY: the element type is the kind's (16-bit floats read as their bits, in
+        // all three arms); the caller's contract
         Kind::Float => Values::F32(unsafe { torch::host_slice::<f32>(t, n) }?),
+        // SAFETY: as above
         Kind::BFloat16 => Values::Bf16(unsafe { torch::host_slice::<u16>(t, n) }?),
+        // SAFETY: as above
         Kind::Half => Values::F16(unsafe { torch::host_slice::<u16>(t, n) }?),
         _ => return Ok(None),
     }))

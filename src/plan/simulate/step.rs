@@ -288,7 +288,8 @@ impl<'a> Replay<'a> {
             Tier::Device => {}
             tier => {
                 // the h2d lane: (NVMe: read chunk by chunk through a bounce buffer, one in
-                // flight) then a one-thread memcpy into the pinned slot and the copy
+                // flight) then a memcpy into the pinned slot (a host shard's on every core)
+                // and the copy
                 self.clocks.wait(Track::H2d, issued);
                 if tier == Tier::Nvme {
                     let read = Self::seconds(shard_bytes, self.shared().0)
@@ -297,7 +298,12 @@ impl<'a> Replay<'a> {
                         .run(Track::H2d, "nvme_read", Some(u), read, shard_bytes);
                 }
                 if self.cuda() {
-                    let memcpy = Self::seconds(shard_bytes, copies.host_memcpy.value);
+                    let rate = if tier == Tier::Cpu {
+                        copies.host_memcpy_parallel.value
+                    } else {
+                        copies.host_memcpy.value
+                    };
+                    let memcpy = Self::seconds(shard_bytes, rate);
                     self.clocks.run(Track::H2d, "staging", Some(u), memcpy, 0);
                     let copy = Self::seconds(shard_bytes, copies.h2d_pinned.value);
                     self.pcie[0] += shard_bytes;
