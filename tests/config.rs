@@ -102,6 +102,7 @@ fn auto_resolves_from_the_model_like_the_hf_integration() {
         &[],
         DeviceFacts {
             cuda_bf16: true,
+            cpu_bf16: false,
             cuda_devices: 1,
             cuda_memory: None,
             host_memory: None,
@@ -392,6 +393,7 @@ fn accelerator_follows_the_machine_and_refuses_what_it_lacks() {
     let cpu = DeviceFacts::default();
     let gpu = DeviceFacts {
         cuda_bf16: true,
+        cpu_bf16: false,
         cuda_devices: 2,
         cuda_memory: None,
         host_memory: None,
@@ -462,6 +464,7 @@ fn launch_keys_set_the_world_and_refuse_a_bad_node_rank() {
     // on CUDA, a process's ranks take GPUs from first_device on
     let gpu = DeviceFacts {
         cuda_bf16: true,
+        cpu_bf16: false,
         cuda_devices: 4,
         cuda_memory: None,
         host_memory: None,

@@ -37,7 +37,9 @@ config = json.load(open(a.config))
 for key in ("model", "data", "train"):
     config.pop(key, None)
 keep = HfDeepSpeedConfig(config)  # makes from_pretrained build under zero.Init
-model = AutoModelForCausalLM.from_pretrained(a.hf_dir, dtype=torch.bfloat16)
+# the config's precision, as tierzero reads the same file
+bf16 = config.get("bf16", {}).get("enabled") is True
+model = AutoModelForCausalLM.from_pretrained(a.hf_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 vocab = model.config.vocab_size
 micro = config.get("train_micro_batch_size_per_gpu", 1)

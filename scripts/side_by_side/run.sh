@@ -6,6 +6,7 @@
 # and the medians.
 #
 #   scripts/side_by_side/run.sh [ROUNDS]          (environment: WORK, default runs/side_by_side;
+#                                                  BF16=false trains both in fp32;
 #                                                  DSVENV, default .dsvenv; SEQ, STEPS, WARMUP)
 #
 # DeepSpeed lives in its own virtualenv ($DSVENV) that reuses the project's torch:
@@ -31,12 +32,12 @@ config() { # $1: nvme path; $2: output dir
  "gradient_accumulation_steps": 1,
  "gradient_clipping": 1.0,
  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
- "bf16": {"enabled": true},
+ "bf16": {"enabled": ${BF16:-true}},
  "zero_optimization": {
   "stage": 3,
   "stage3_param_persistence_threshold": 0,
   "sub_group_size": 1e7,
-  "offload_param": {"device": "nvme", "nvme_path": "$1", "max_in_cpu": 0},
+  "offload_param": {"device": "nvme", "nvme_path": "$1"},
   "offload_optimizer": {"device": "nvme", "nvme_path": "$1"}
  },
  "model": {"hf_dir": "$work/llama"},
@@ -66,7 +67,8 @@ PY
 }
 
 deepspeed_run() {
-  DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 "$dsvenv/bin/python" -m torch.distributed.run --nproc_per_node 2 \
+  # the venv's bin first: its ninja JIT-builds DeepSpeed's ops
+  PATH="$dsvenv/bin:$PATH" DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 "$dsvenv/bin/python" -m torch.distributed.run --nproc_per_node 2 \
     "$here/ds_train.py" --hf-dir "$work/llama" --config "$work/deepspeed.json" \
     --steps $steps --warmup $warmup --seq $seq --out "$work/ds.json" > "$work/ds.log" 2>&1
   python3 -c "

@@ -14,7 +14,7 @@ use super::adam::{run as adam_bench, AdamBenchArgs};
 use super::comm::{run as comm_bench, Backend, CommBenchArgs};
 use super::median;
 use super::nvme::{run as nvme_bench, NvmeBenchArgs};
-use crate::model::head::Weight;
+use crate::model::head::{Matmul, Weight};
 use crate::model::Model;
 use crate::plan::simulate::flops;
 use crate::plan::simulate::profile::{Compute, Copies, CpuAdam, Figure, Link, Nvme, Profile, Rate, Work};
@@ -72,7 +72,9 @@ fn one_rank_rates(
     let (rows, seq) = (plan.batch.micro_batch_per_gpu as i64, plan.data.seq_len as i64);
     let tokens = (rows * seq) as usize;
     let h = config.hidden_size as i64;
-    let model = Model::new(config.clone(), kind);
+    let low_head = plan.train.low_precision_head;
+    let head_matmul = if low_head { Matmul::Low } else { Matmul::Fp32 };
+    let model = Model::new(config.clone(), kind).with_head(head_matmul);
     let last = model.units.len() - 1;
     let numel = |u: usize| model.units[u].numel as i64;
     let options = (kind, Device::Cpu);
@@ -136,10 +138,10 @@ fn one_rank_rates(
             backward,
             "a block's backward by recompute",
         ),
-        // the head computes in fp32 whatever the training precision
+        // the head computes in fp32 unless the plan runs it in the training precision
         rate(
             Work::Head,
-            "fp32",
+            if low_head { dtype } else { "fp32" },
             flops::head(&config, tokens),
             head,
             "the final unit's loss and backward",

@@ -47,6 +47,17 @@ fn available_host_memory() -> Option<u64> {
 
 /// What this machine has, for the plan's `"auto"` choices (asks libtorch; no GPU and no
 /// driver is simply 0 GPUs).
+/// Whether this CPU has bf16 matrix units (`avx512_bf16` or `amx_bf16` in /proc/cpuinfo;
+/// false where it cannot be read).
+pub fn cpu_bf16() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|info| {
+        info.lines().filter(|l| l.starts_with("flags")).any(|l| {
+            l.split_whitespace()
+                .any(|f| f == "avx512_bf16" || f == "amx_bf16")
+        })
+    })
+}
+
 pub fn facts() -> DeviceFacts {
     let cuda_devices = if tch::Cuda::is_available() {
         tch::Cuda::device_count().max(0) as usize
@@ -59,6 +70,7 @@ pub fn facts() -> DeviceFacts {
         .map(|(_, total)| total);
     DeviceFacts {
         cuda_bf16: cuda_devices > 0,
+        cpu_bf16: cpu_bf16(),
         cuda_devices,
         cuda_memory,
         host_memory: available_host_memory(),

@@ -11,12 +11,13 @@
 //! kind. Targets < 0 are ignored. With the whole vocabulary in one slice (small models)
 //! this is exactly the unsliced computation, bit for bit.
 //!
-//! On a GPU with a 16-bit weight the products run in the weight's kind ([`Matmul::Low`]:
-//! tensor cores, fp32 accumulation inside each product), as Hugging Face models compute
-//! their logits: the logits are widened to fp32 for the log-sum-exp and dlogits, and a
-//! slice's dW is one product over every token, rounded once into the weight's kind. On
-//! a CPU, where 16-bit products are slow without bf16 units, the head stays fp32. The
-//! loss is summed on the device and read once per call, not once per chunk.
+//! With [`Matmul::Low`] (the plan's `train.low_precision_head`: a 16-bit weight on a GPU,
+//! or on a CPU with bf16 units) the products run in the weight's kind (fp32 accumulation
+//! inside each product), as Hugging Face models compute their logits: the logits are
+//! widened to fp32 for the log-sum-exp and dlogits, and a slice's dW is one product over
+//! every token, rounded once into the weight's kind. On a CPU without bf16 units, where
+//! 16-bit products are slow, the head stays fp32. The loss is summed on the device and
+//! read once per call, not once per chunk.
 
 use tch::{Kind, TchError, Tensor};
 
@@ -34,20 +35,9 @@ fn ranges(n: i64, step: i64) -> impl Iterator<Item = (i64, i64)> {
 pub enum Matmul {
     /// fp32 operands (a 16-bit weight converted slice by slice).
     Fp32,
-    /// The weight's own 16-bit kind, hidden states rounded to it; logits widened to fp32.
+    /// The weight's own kind, hidden states rounded to it; logits widened to fp32 (for a
+    /// 16-bit weight; an fp32 weight computes in fp32 either way).
     Low,
-}
-
-impl Matmul {
-    /// [`Matmul::Low`] for a 16-bit weight on a GPU, else fp32.
-    pub fn for_weight(weight: &Tensor) -> Matmul {
-        let low = matches!(weight.kind(), Kind::BFloat16 | Kind::Half);
-        if low && weight.device().is_cuda() {
-            Matmul::Low
-        } else {
-            Matmul::Fp32
-        }
-    }
 }
 
 /// Tokens flattened to [n, H] in the products' kind, the targets to [n].
@@ -172,9 +162,14 @@ impl Chunk {
     }
 }
 
-/// Sum of per-token losses and the number of counted tokens.
-pub fn loss_sum(h: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<(f64, i64), TchError> {
-    loss_sum_in(h, weight, targets, None, Matmul::for_weight(weight))
+/// Sum of per-token losses and the number of counted tokens, products in `matmul`.
+pub fn loss_sum(
+    h: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    matmul: Matmul,
+) -> Result<(f64, i64), TchError> {
+    loss_sum_in(h, weight, targets, None, matmul)
 }
 
 /// The chunks' loss sums, added in chunk order in fp64 on the device (the bits of adding
@@ -225,14 +220,15 @@ pub enum Weight {
 
 /// Gradients of the loss weighted by `weight` with respect to h [.., H] (as fp32, h's
 /// shape) and W [V, H] (in W's kind), with the loss sum and `count`, the number of
-/// counted tokens.
+/// counted tokens; products in `matmul`.
 pub fn backward(
     h: &Tensor,
     weight: &Tensor,
     targets: &Tensor,
     scale: Weight,
+    matmul: Matmul,
 ) -> Result<(Tensor, Tensor, f64, i64), TchError> {
-    backward_in(h, weight, targets, scale, None, Matmul::for_weight(weight))
+    backward_in(h, weight, targets, scale, None, matmul)
 }
 
 /// A slice's dW over the chunks: added chunk by chunk into fp32 (fp32 products), or one
@@ -401,8 +397,9 @@ mod tests {
             let _ = targets.view([-1]).get(i).fill_(-100);
         }
         let scale = 2.5;
-        let (loss, count) = loss_sum(&h, &w, &targets).unwrap();
-        let (dh, dw, loss_b, count_b) = backward(&h, &w, &targets, Weight::Mean(scale)).unwrap();
+        let (loss, count) = loss_sum(&h, &w, &targets, Matmul::Fp32).unwrap();
+        let (dh, dw, loss_b, count_b) =
+            backward(&h, &w, &targets, Weight::Mean(scale), Matmul::Fp32).unwrap();
         assert_eq!((count, count_b), (1396, 1396));
         // the vocabulary in slices of 7 rows (the last of 1), and a bf16 weight whose
         // gradient comes back in bf16

@@ -36,6 +36,8 @@ pub struct Model {
     pub units: Vec<UnitLayout>,
     /// Element type of parameters and activations.
     pub kind: Kind,
+    /// What the LM head's products run in (fp32 unless [`Model::with_head`] says).
+    pub head: head::Matmul,
     rope: Mutex<Vec<(i64, tch::Device, Tensor, Tensor)>>,
 }
 
@@ -125,8 +127,16 @@ impl Model {
             config,
             units,
             kind,
+            head: head::Matmul::Fp32,
             rope: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The same model with the LM head's products in `head` (the plan's
+    /// `train.low_precision_head`).
+    pub fn with_head(mut self, head: head::Matmul) -> Model {
+        self.head = head;
+        self
     }
 
     /// cos/sin tables for `seq_len` positions on `device` (cached per length and device).
@@ -149,7 +159,7 @@ impl Model {
             (true, None) => Err(TchError::Kind(
                 "tied embeddings: the embedding unit's parameters are needed".into(),
             )),
-            (false, _) => Params::new(self.units.last().unwrap_or_else(|| unreachable!()), final_params)
+            (false, _) => Params::new(self.units.last().unwrap_or_else(|| unreachable!()), final_params)?
                 .get("lm_head.weight"),
         }
     }
@@ -194,7 +204,7 @@ impl Model {
         attend: Attend,
     ) -> Result<Tensor, TchError> {
         let layout = &self.units[u];
-        let p = Params::new(layout, params);
+        let p = Params::new(layout, params)?;
         let (t, device) = (input.size()[1], input.device());
         match layout.kind {
             UnitKind::Embedding => {
@@ -290,7 +300,7 @@ impl Model {
     ) -> Result<(f64, i64), TchError> {
         tch::no_grad(|| {
             let h = self.forward_graph(self.units.len() - 1, params, x, None)?;
-            head::loss_sum(&h, &self.head_weight(params, tied)?, targets)
+            head::loss_sum(&h, &self.head_weight(params, tied)?, targets, self.head)
         })
     }
 
@@ -364,7 +374,8 @@ impl Model {
         // the final unit is the norm: it works token by token, no segments needed
         let h = self.forward_graph(last, &leaf, &x_leaf, None)?;
         let head_weight = tch::no_grad(|| self.head_weight(params, tied))?;
-        let (dh, dw, loss_sum, count) = head::backward(&h.f_detach()?, &head_weight, targets, weight)?;
+        let (dh, dw, loss_sum, count) =
+            head::backward(&h.f_detach()?, &head_weight, targets, weight, self.head)?;
         let dh = dh.f_to_kind(h.kind())?;
         let mut grads = shim::grad(&[&h], &[&dh], &[&leaf, &x_leaf], false)?;
         let missing = || TchError::Kind("autograd returned no gradient for the final unit".into());

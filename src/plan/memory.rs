@@ -134,20 +134,16 @@ pub fn transient(plan: &Plan) -> u64 {
         (3 * logits).max(2 * logits + slice_grad)
     };
     let last_numel = *numels.last().unwrap_or(&0) as u64;
-    // on a GPU a 16-bit head keeps every token's dlogits of a slice in its kind for the
-    // slice's one dW product (head.rs, `Matmul::Low`), and converts no slice to fp32
-    let low_head = plan.train.accelerator == crate::plan::Accelerator::Cuda && e == 2;
-    let (weight_fp32, kept_dlogits) = if low_head {
-        (0, e * tokens * rows)
+    // a 16-bit head (head.rs, `Matmul::Low`) converts no slice to fp32 and keeps no fp32
+    // dW: it keeps every token's dlogits of a slice in its kind beside the chunk's three
+    // fp32 tensors, and at the slice's end their concatenation and the product
+    let (weight_fp32, logits_peak) = if plan.train.low_precision_head {
+        let kept = e * tokens * rows;
+        (0, (3 * logits + kept).max(2 * kept + e * rows * h))
     } else {
-        (weight_fp32, 0)
+        (weight_fp32, logits_peak)
     };
-    let head = tokens * (8 * h + 4 * h + 2 * e * h)
-        + weight_fp32
-        + e * v * h
-        + logits_peak
-        + kept_dlogits
-        + e * last_numel;
+    let head = tokens * (8 * h + 4 * h + 2 * e * h) + weight_fp32 + e * v * h + logits_peak + e * last_numel;
     // a replica off the device is copied there for each use (on the device it is used
     // in place)
     let in_use = if plan.zero.stage < 3 && plan.zero.offload_param.tier != Tier::Device {

@@ -126,6 +126,11 @@ impl Plan {
             auto: Vec::new(),
         };
         plan.train.activation_checkpointing = ds.activation_checkpointing.is_some();
+        plan.train.low_precision_head = plan.precision.bytes() == 2
+            && match plan.train.accelerator {
+                Accelerator::Cuda => true,
+                Accelerator::Cpu => facts.cpu_bf16,
+            };
         // the micro-batch is sized with activations kept where they will be asked to
         plan.train.kept_activations = plan
             .train
@@ -233,6 +238,7 @@ fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError
         },
         activation_checkpointing: false,
         kept_activations: false,
+        low_precision_head: false,
     })
 }
 

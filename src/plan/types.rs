@@ -320,6 +320,9 @@ pub struct Train {
     /// Resolved: units whose parameters stay on the device keep their activations for
     /// backward (`rules::keeps_activations`); decided by `auto_batch::fit_kept_activations`.
     pub kept_activations: bool,
+    /// Resolved: the LM head's products run in the 16-bit training precision
+    /// (`model/head.rs`, `Matmul::Low`): on a GPU, or on a CPU with bf16 units; else fp32.
+    pub low_precision_head: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -418,6 +421,8 @@ impl Accelerator {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DeviceFacts {
     pub cuda_bf16: bool,
+    /// This CPU has bf16 matrix units (AVX-512 BF16 or AMX): its 16-bit products are fast.
+    pub cpu_bf16: bool,
     /// GPUs torch can use (0 on machines without a driver).
     pub cuda_devices: usize,
     /// Bytes of the first GPU's memory (the budget of an `"auto"` micro-batch on CUDA).

@@ -43,7 +43,12 @@ pub(super) struct Prepared {
 
 impl Prepared {
     pub(super) fn new(plan: &Plan, resume: Option<&std::path::Path>) -> Result<Prepared, TrainError> {
-        let model = Model::new(plan.model.config.clone(), kind_for(&plan.precision));
+        let head = if plan.train.low_precision_head {
+            crate::model::head::Matmul::Low
+        } else {
+            crate::model::head::Matmul::Fp32
+        };
+        let model = Model::new(plan.model.config.clone(), kind_for(&plan.precision)).with_head(head);
         let dataset = Dataset::open(plan)?;
         if dataset.vocab_needed() > model.config.vocab_size {
             return Err(TrainError::VocabTooSmall {

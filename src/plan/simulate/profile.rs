@@ -209,6 +209,7 @@ impl Profile {
         }
         crate::plan::DeviceFacts {
             cuda_bf16: true,
+            cpu_bf16: false,
             cuda_devices: 1024,
             cuda_memory: Some(self.device_memory_bytes.value as u64),
             host_memory: None,

@@ -199,9 +199,9 @@ impl<'a> Replay<'a> {
             };
             return overhead + Self::seconds(bytes, self.profile.copies.device_to_device.value);
         } else if u == last {
-            // model/head.rs computes the logits in a 16-bit weight's kind on a GPU, in
-            // fp32 on a CPU
-            let low = !self.profile.is_cpu() && self.plan.precision.bytes() == 2;
+            // model/head.rs computes the logits in the 16-bit training precision on a GPU
+            // or a CPU with bf16 units, else in fp32
+            let low = self.plan.train.low_precision_head;
             (
                 flops::head(c, tokens),
                 Work::Head,
