@@ -271,8 +271,15 @@ fn prediction_matches_libtorchs_allocator() {
             "{sets:?}: libtorch peak {measured}, predicted {predicted} ({:+.1}%)",
             100.0 * gap
         );
+        // two ranks of one process: the prediction is both at their peaks at once, which
+        // they reach only when their steps run in step (measured −8% to −20% under load)
+        let below = if sets.contains(&"train.devices=2") {
+            0.3
+        } else {
+            0.15
+        };
         assert!(
-            gap.abs() <= 0.15,
+            (-below..=0.15).contains(&gap),
             "{sets:?}: libtorch held {measured} bytes at its peak, predicted {predicted}"
         );
     }
