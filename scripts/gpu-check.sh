@@ -25,6 +25,8 @@ part() { [[ " $PARTS " == *" $1 "* ]]; }
 BIN=$(realpath "${1:?usage: gpu-check.sh BINARY OUT_DIR}")
 OUT=$(realpath -m "${2:?usage: gpu-check.sh BINARY OUT_DIR}")
 mkdir -p "$OUT"
+# configs/ and profiles/ are read from the repository's root, wherever this was started
+cd "$(dirname "$(realpath "$0")")/.."
 PY=${PYTHON:-python3}
 TORCH=$($PY -c "import torch, os; print(os.path.dirname(torch.__file__))")
 export LD_LIBRARY_PATH="$TORCH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
