@@ -95,17 +95,8 @@ pub fn widen_to_f32(t: &Tensor, out: &mut [f32]) -> Result<(), TchError> {
     // SAFETY: a contiguous CPU tensor of 2-byte elements, only read; the caller does not
     // write it meanwhile.
     let bits = unsafe { host_slice::<u16>(t, out.len()) }?;
-    let run = |out: &mut [f32], bits: &[u16]| out.iter_mut().zip(bits).for_each(|(o, &b)| *o = widen(b));
-    // element-wise, so the same bits on every core (a reduced stretch of a billion-parameter
-    // model is hundreds of MB)
-    const PARALLEL_CHUNK: usize = 1 << 16;
-    if out.len() <= PARALLEL_CHUNK {
-        run(out, bits);
-    } else {
-        use rayon::prelude::*;
-        out.par_chunks_mut(PARALLEL_CHUNK)
-            .zip(bits.par_chunks(PARALLEL_CHUNK))
-            .for_each(|(o, b)| run(o, b));
+    for (o, &b) in out.iter_mut().zip(bits) {
+        *o = widen(b);
     }
     Ok(())
 }

@@ -264,14 +264,14 @@ impl<'a> Replay<'a> {
         }
     }
 
-    /// A copy out of the device: from pinned or pageable host memory on a GPU, a memcpy
-    /// on a CPU.
-    fn d2h_rate(&self, pinned: bool) -> f64 {
+    /// A copy out of the device: into pinned host memory on a GPU (every stretch leaves
+    /// through pinned staging, reduce.rs), a memcpy on a CPU.
+    fn d2h_rate(&self) -> f64 {
         let c = &self.profile.copies;
-        match (self.cuda(), pinned) {
-            (false, _) => c.host_memcpy.value,
-            (true, true) => c.d2h_pinned.value,
-            (true, false) => c.d2h_pageable.value,
+        if self.cuda() {
+            c.d2h_pinned.value
+        } else {
+            c.host_memcpy.value
         }
     }
 

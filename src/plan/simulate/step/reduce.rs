@@ -122,10 +122,10 @@ impl Replay<'_> {
     fn to_host(&self, elements: u64, kind: u64) -> (f64, u64) {
         let out = 4 * elements;
         if !self.cuda() {
-            return (Self::seconds(out, self.d2h_rate(false)), out);
+            return (Self::seconds(out, self.d2h_rate()), out);
         }
         let crossing = kind * elements;
-        (Self::seconds(crossing, self.d2h_rate(true)), crossing)
+        (Self::seconds(crossing, self.d2h_rate()), crossing)
     }
 
     /// Elements per swap chunk: the store's rule over the largest optimizer partition,
