@@ -199,3 +199,114 @@ fn the_replay_moves_the_bytes_the_engine_moves() {
         );
     }
 }
+
+/// The simulated device (`device/sim.rs`) runs the engine itself on CPU tensors with its
+/// real math, its streams keeping virtual clocks priced by a profile: the losses are the
+/// CPU run's bit for bit (checked lanes on), and its steady step is the dry-run replay's
+/// prediction for the same plan and profile, since both price the same pieces of work
+/// with the same rates (`plan/simulate/costs.rs`) and follow the same schedule: the
+/// replay by its own account of it, the simulated device by running it.
+#[test]
+fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
+    use tierzero::device::lanes::Mode;
+    use tierzero::engine::context::LaneOptions;
+    use tierzero::engine::prefetch::DroppedWait;
+    let checked = LaneOptions {
+        mode: Mode::Checked {
+            seed: 3,
+            max_delay_us: 200,
+        },
+        dropped: DroppedWait::None,
+    };
+    let gpu = Profile::load("h100-pcie5").unwrap();
+    let mut cpu = gpu.clone();
+    cpu.device = "cpu".into();
+    let variants: [&[&str]; 12] = [
+        &[],
+        &[
+            "zero_optimization.stage=0",
+            "zero_optimization.offload_optimizer.device=none",
+        ],
+        &["zero_optimization.stage=1"],
+        &[
+            "zero_optimization.offload_param.device=nvme",
+            "zero_optimization.offload_param.max_in_cpu=62592",
+            "(the parameters' NVMe directory)",
+        ],
+        &["bf16.enabled=true"],
+        &["zero_optimization.stage=2"],
+        &["zero_optimization.offload_param.device=cpu"],
+        &["zero_optimization.offload_optimizer.device=none"],
+        &["gradient_accumulation_steps=3", "train.accumulate_on_device=true"],
+        &[
+            "gradient_accumulation_steps=2",
+            "train.keep_gathered=true",
+            "train.accumulate_on_device=true",
+        ],
+        &["gradient_accumulation_steps=2", "train.devices=4"],
+        &["zero_optimization.stage=1", "train.devices=1"],
+    ];
+    let mut gaps = Vec::new();
+    for (i, sets) in variants.iter().enumerate() {
+        let params = tempfile::tempdir().unwrap();
+        let param_nvme = format!(
+            "zero_optimization.offload_param.nvme_path={}",
+            params.path().display()
+        );
+        let mut all = vec!["train.steps=4"];
+        all.extend(sets.iter().map(|&s| {
+            if s.starts_with('(') {
+                param_nvme.as_str()
+            } else {
+                s
+            }
+        }));
+        let (_dir, plan) = crate::default_run::default_config(&format!("simulated-device-{i}"), &all);
+        let plain = train(
+            &plan,
+            TrainOptions {
+                lanes: Some(checked),
+                collect_master: true,
+                ..TrainOptions::default()
+            },
+        )
+        .unwrap();
+        for profile in [&gpu, &cpu] {
+            let simulated = train(
+                &plan,
+                TrainOptions {
+                    lanes: Some(checked),
+                    collect_master: true,
+                    simulate: Some(profile),
+                    ..TrainOptions::default()
+                },
+            )
+            .unwrap();
+            let losses = |r: &tierzero::run::TrainResult| -> Vec<u64> {
+                r.steps.iter().map(|s| s.loss.to_bits()).collect()
+            };
+            assert_eq!(
+                losses(&simulated),
+                losses(&plain),
+                "{sets:?}: losses on the simulated device"
+            );
+            assert_eq!(
+                simulated.master, plain.master,
+                "{sets:?}: master weights on the simulated device"
+            );
+            let device = simulated.steps[3].simulated.as_ref().unwrap().step_seconds;
+            let replay = simulate(&plan, profile).step_s;
+            gaps.push((sets.to_vec(), profile.device.clone(), device / replay - 1.0));
+        }
+    }
+    for (sets, device, gap) in &gaps {
+        eprintln!("{device:>4} {:+.3}%  {sets:?}", 100.0 * gap);
+    }
+    for (sets, device, gap) in &gaps {
+        assert!(
+            gap.abs() < 1e-6,
+            "{sets:?} on {device}: the simulated device's step {:+.4}% from the replay's",
+            100.0 * gap
+        );
+    }
+}

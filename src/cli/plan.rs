@@ -97,7 +97,7 @@ fn run_simulation(
     Ok(())
 }
 
-fn load_profile(name: &str) -> Result<Profile, tierzero::config::ConfigError> {
+pub(super) fn load_profile(name: &str) -> Result<Profile, tierzero::config::ConfigError> {
     Profile::load(name).map_err(|e| {
         tierzero::config::ConfigError::invalid(
             "--simulate",

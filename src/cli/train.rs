@@ -1,7 +1,7 @@
 //! `tierzero train`: the run, then its summary (`summary.json`, the memory and host
 //! lines); a run stopped by SIGTERM/SIGUSR1 exits with `EXIT_PREEMPTED`.
 
-use super::common::{disk_space_warning, load_config, ConfigArgs, Failure};
+use super::common::{disk_space_warning, load_config, load_config_on, ConfigArgs, Failure};
 use anyhow::Context;
 use clap::Args;
 use tierzero::metrics::summary::Summary;
@@ -20,6 +20,12 @@ pub struct TrainArgs {
     /// Write a Chrome trace of every step to <output_dir>/trace.json.
     #[arg(long)]
     pub trace: bool,
+    /// Also time every step on a profiled machine's virtual clocks: a built-in profile
+    /// (h100-pcie5, h200, rtx4090) or a profile file (`tierzero bench profile` writes
+    /// this machine's). The plan is made for that machine; the run computes here, on
+    /// the CPU, with its real math (metrics.jsonl → `simulated`).
+    #[arg(long, value_name = "PROFILE")]
+    pub simulate: Option<String>,
 }
 
 pub fn run(
@@ -27,9 +33,23 @@ pub fn run(
         config,
         resume,
         trace,
+        simulate,
     }: TrainArgs,
 ) -> Result<(), Failure> {
-    let loaded = load_config(&config)?;
+    let profile = simulate.as_deref().map(super::plan::load_profile).transpose()?;
+    let loaded = match &profile {
+        Some(profile) => {
+            let mut loaded = load_config_on(&config, profile.facts())?;
+            // the machine's plan, computed on this CPU
+            loaded.plan.train.accelerator = plan::Accelerator::Cpu;
+            println!(
+                "simulating {}: the plan is made for it, the steps run on this CPU and are timed on its clocks",
+                profile.name
+            );
+            loaded
+        }
+        None => load_config(&config)?,
+    };
     disk_space_warning(&loaded.plan);
     let output_dir = &loaded.plan.train.output_dir;
     let resume_dir = match resume.as_deref() {
@@ -48,6 +68,7 @@ pub fn run(
         save_checkpoints: true,
         resume: resume_dir.as_deref(),
         trace,
+        simulate: profile.as_ref(),
         ..TrainOptions::default()
     };
     tierzero::run::preempt::install().context("installing the SIGTERM/SIGUSR1 handler")?;

@@ -15,6 +15,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod lanes;
 pub mod pool;
+pub mod sim;
 
 use crate::plan::DeviceFacts;
 

@@ -8,6 +8,7 @@ use crate::data::Dataset;
 use crate::device::lanes::Mode;
 use crate::metrics::timeline::{Timeline, Track};
 use crate::model::Model;
+use crate::plan::simulate::profile::Profile;
 use crate::plan::Plan;
 use tierzero_offload::nvme::swap::SwapStore;
 
@@ -41,6 +42,9 @@ pub struct RankContext<'a> {
     pub overlap: bool,
     /// How the rank's lanes run (checked in tests), and a wait left out on purpose.
     pub lanes: LaneOptions,
+    /// Time the step on this profiled machine's virtual clocks (`device/sim.rs`): the
+    /// payload runs on the CPU as it would without it.
+    pub simulate: Option<&'a Profile>,
 }
 
 /// How a rank's lanes run: [`Mode::Checked`] in tests; `dropped` leaves one wait out on

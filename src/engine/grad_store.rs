@@ -14,7 +14,9 @@
 
 use super::error::{EngineError, On};
 use super::grads::{add_values_bf16, add_values_f32, sum_squares_bf16, sum_squares_f32, Grads, Values};
+use crate::device::sim;
 use crate::metrics::timeline::{Phase, Track};
+use crate::plan::simulate::costs::Work;
 use std::time::Instant;
 use tierzero_offload::nvme::swap::{SwapStore, TensorKey};
 use tierzero_offload::pool::IoBuf;
@@ -123,6 +125,7 @@ impl<'s> GradStream<'s> {
             let read = store.read_async(key, c, buf).map_err(|(e, _)| io(e))?;
             let buf = read.wait().map_err(&io)?;
             track.record(Phase::NvmeRead, self.unit(), start, buf.capacity() as u64);
+            sim::charge(Work::NvmeRead(buf.capacity() as u64));
             self.buf = Some(buf);
         }
         self.held = Some(c);
@@ -147,6 +150,7 @@ impl<'s> GradStream<'s> {
         let write = store.write_async(key, c, buf).map_err(|(e, _)| io(e))?;
         let buf = write.wait().map_err(&io)?;
         track.record(Phase::NvmeWrite, self.unit(), start, buf.capacity() as u64);
+        sim::charge(Work::NvmeWrite(buf.capacity() as u64));
         self.buf = Some(buf);
         self.written = c + 1;
         Ok(())

@@ -9,9 +9,11 @@ use super::grad_store::{Acc, GradStream};
 use super::grads::Grads;
 use super::reduce::{reduce_into, ChunkBuffers, OnDevice, Reducer, Target};
 use crate::comm::{Collective, ReduceOp};
+use crate::device::sim;
 use crate::metrics::timeline::Track;
 use crate::plan::partition::Partition;
 use crate::plan::rules::REDUCE_DEPTH;
+use crate::plan::simulate::costs::Work;
 use crate::plan::Wire;
 use std::ops::Range;
 use tch::Tensor;
@@ -434,6 +436,10 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
                     comm.all_reduce(g, ReduceOp::Avg)?;
                     if world > 1 {
                         round_through(wire, g);
+                        // a ring all-reduce moves the buffer twice
+                        let bytes = 4 * g.len() as u64;
+                        sim::charge(Work::Collective(bytes));
+                        sim::charge(Work::Collective(bytes));
                     }
                 }
                 Grads::Bf16(_) => {
@@ -461,7 +467,11 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         let mut sum = 0.0;
         for u in 0..self.accumulators.len() {
             sum += match &self.accumulators[u] {
-                Accumulator::Here(acc) => acc.sum_squares(self.read_range(u, acc)),
+                Accumulator::Here(acc) => {
+                    let range = self.read_range(u, acc);
+                    sim::charge(Work::Pass(range.len() as u64));
+                    acc.sum_squares(range)
+                }
                 Accumulator::Nvme(Stored::Whole { sum_squares }) => *sum_squares,
                 Accumulator::Nvme(Stored::Nothing) => 0.0,
                 Accumulator::Lent(_) => return Err(self.lent(u)),

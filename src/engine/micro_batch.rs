@@ -10,11 +10,13 @@ use super::rank::RankEngine;
 use crate::comm::{Collective, ReduceOp};
 use crate::data::Batch;
 use crate::device::cpu::Reservation;
+use crate::device::sim;
 use crate::metrics::timeline::Phase;
 use crate::model::head::Weight;
 use crate::model::{Graph, Segments};
 use crate::plan::memory::kept_graph_bytes;
 use crate::plan::rules::keeps_activations;
+use crate::plan::simulate::costs::Work;
 use crate::torch;
 use std::time::Instant;
 use tch::{TchError, Tensor};
@@ -151,6 +153,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                     } else {
                         (self.model.forward_unit(u, &params, &inputs[u], segments)?, None)
                     };
+                    sim::charge(Work::Forward(u));
                     self.settle().map(|()| out)
                 })
                 .map_err(self.torch_err())?;
@@ -202,6 +205,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 weight,
             )
             .map_err(self.torch_err())?;
+        sim::charge(Work::Head);
         self.settle().map_err(self.torch_err())?;
         self.tracks
             .compute
@@ -255,6 +259,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                             .model
                             .backward_unit(u, &params, &inputs[u], &grad_out, segments)?,
                     };
+                    sim::charge(Work::Backward(u));
                     self.settle().map(|()| grads)
                 })
                 .map_err(self.torch_err())?;

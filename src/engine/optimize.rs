@@ -15,7 +15,9 @@ use super::prefetch::{Source, Sources};
 use super::rank::RankEngine;
 use super::units::{Destination, NewParams, Units};
 use crate::comm::Collective;
+use crate::device::sim::{self, SimStream};
 use crate::metrics::timeline::{Phase, Track};
+use crate::plan::simulate::costs::Work;
 use crate::plan::Precision;
 use std::time::Instant;
 use tch::{Kind, Tensor};
@@ -46,11 +48,14 @@ impl<'a, C: Collective + Clone> Installer<'_, 'a, C> {
     }
 
     /// Installs the optimizer lane's updates for units up to and including `through`
-    /// (waiting for them).
+    /// (waiting for them; on a simulated device compute's clock waits for each too).
     pub(super) fn through(&mut self, through: usize) -> Result<(), EngineError> {
         while self.optimizer.pending_through(through) {
             let (start, next) = (Instant::now(), self.optimizer.next_unit());
-            let update = self.optimizer.receive()?;
+            let (update, mark) = self.optimizer.receive()?;
+            if let Some(mark) = mark {
+                mark.wait_here();
+            }
             self.track.waited(Phase::Optimizer, Some(next), start);
             self.install(update)?;
         }
@@ -128,9 +133,22 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         match scope {
             Some(scope) => {
                 let (tx, rx) = crossbeam_channel::unbounded();
+                // on a simulated device the thread keeps a clock of its own, from what
+                // compute had done when the step's update was issued; each update carries
+                // its mark, which compute waits for where it installs the update
+                let simulated = self
+                    .site
+                    .simulated
+                    .as_ref()
+                    .map(|sim| (sim.stream("optimizer"), sim.compute_mark()));
                 scope.spawn(move || {
+                    if let Some((stream, after)) = &simulated {
+                        stream.enter_after(after);
+                    }
                     for job in jobs {
-                        let result = context.run(job);
+                        let result = context
+                            .run(job)
+                            .map(|update| (update, simulated.as_ref().map(|(stream, _)| stream.point())));
                         let failed = result.is_err();
                         if tx.send(result).is_err() || failed {
                             return;
@@ -167,6 +185,27 @@ struct OptimizerContext {
     pipeline: PipelineConfig,
     step: AdamStep,
     tracks: Tracks,
+}
+
+/// The NVMe pipeline's legs: spans on the optimizer's tracks, and on a simulated device
+/// the reads and writes charged to the optimizer thread's stream (the legs run on the
+/// pipeline's own threads).
+struct Legs<'t> {
+    tracks: &'t Tracks,
+    simulated: Option<SimStream>,
+}
+
+impl pipeline::Observer for Legs<'_> {
+    fn leg(&self, leg: pipeline::Leg, unit: u32, start: Instant, end: Instant, bytes: u64) {
+        if let Some(stream) = &self.simulated {
+            match leg {
+                pipeline::Leg::Read => stream.run(Work::NvmeRead(bytes)),
+                pipeline::Leg::Write => stream.run(Work::NvmeWrite(bytes)),
+                _ => {}
+            }
+        }
+        self.tracks.leg(leg, unit, start, end, bytes);
+    }
 }
 
 impl pipeline::Observer for Tracks {
@@ -251,6 +290,7 @@ impl OptimizerContext {
         staging.scratch = store
             .write_tensor(key, bytes, staging.scratch)
             .map_err(self.on.io())?;
+        sim::charge(Work::NvmeWrite(bytes.len() as u64));
         self.tracks.nvme_write.record_between(
             Phase::NvmeWrite,
             false,
@@ -301,6 +341,7 @@ impl OptimizerContext {
                 self.tracks
                     .optimizer
                     .span(Phase::Optimizer, Some(unit), bytes, || {
+                        sim::charge(Work::Adam(opt_len as u64));
                         adam::step(&self.step.coefficients, sweep)
                     })
                     .map_err(|source| EngineError::Adam {
@@ -314,6 +355,7 @@ impl OptimizerContext {
                 self.tracks
                     .optimizer
                     .span(Phase::Optimizer, Some(unit), bytes, || {
+                        sim::charge(Work::DeviceAdam(opt_len as u64));
                         device_update(
                             state,
                             grad.slice(0..grad.len()),
@@ -342,15 +384,22 @@ impl OptimizerContext {
                     grad,
                     fresh.out_as(&self.precision),
                 );
+                let legs = Legs {
+                    tracks: &self.tracks,
+                    simulated: sim::entered(),
+                };
                 pipeline::nvme_adam_step_observed(
                     tier.store,
                     &tier.pool,
                     groups,
                     &self.step.coefficients,
                     self.pipeline,
-                    &self.tracks,
+                    &legs,
                 )
                 .map_err(self.on.io())?;
+                // priced one sub-group after another (DeepSpeed's default, without
+                // pipeline_read and pipeline_write)
+                sim::charge(Work::Adam(opt_len as u64));
             }
             (Moments::Lent, _) => return Err(invariant("an optimizer job was given state already lent")),
         }

@@ -9,6 +9,7 @@ use super::error::{EngineError, On};
 use super::gradients::FinalGrad;
 use super::params::LowParams;
 use super::units::NewParams;
+use crate::device::sim::SimMark;
 use crate::plan::schedule::{learning_rate, LossScaler};
 use crate::plan::{Plan, Tier};
 use crate::torch::{pod_bytes, pod_bytes_mut};
@@ -59,6 +60,10 @@ pub(super) enum Moments<'a> {
 /// and the gradient buffer back.
 pub(super) type Update<'a> = (usize, NewParams, Moments<'a>, FinalGrad);
 
+/// An update as the optimizer lane sends it: on a simulated device with the mark of its
+/// stream after the update, which compute waits for.
+pub(super) type Sent<'a> = (Update<'a>, Option<SimMark>);
+
 pub(super) struct Optimizer<'a> {
     moments: Vec<Moments<'a>>,
     /// Each unit's tier (`rules::optimizer_tiers`).
@@ -68,7 +73,7 @@ pub(super) struct Optimizer<'a> {
     on: On,
     nvme: Option<NvmeTier<'a>>,
     /// The optimizer lane's updates, in forward order, while it runs.
-    updates: Option<crossbeam_channel::Receiver<Result<Update<'a>, EngineError>>>,
+    updates: Option<crossbeam_channel::Receiver<Result<Sent<'a>, EngineError>>>,
     /// The next unit whose update is to be installed.
     next: usize,
     /// Optimizer steps applied (skipped steps do not count, as in DeepSpeed).
@@ -232,7 +237,7 @@ impl<'a> Optimizer<'a> {
     }
 
     /// The optimizer lane runs: its updates arrive on `updates`, unit 0 first.
-    pub(super) fn running(&mut self, updates: crossbeam_channel::Receiver<Result<Update<'a>, EngineError>>) {
+    pub(super) fn running(&mut self, updates: crossbeam_channel::Receiver<Result<Sent<'a>, EngineError>>) {
         self.updates = Some(updates);
         self.next = 0;
     }
@@ -247,7 +252,7 @@ impl<'a> Optimizer<'a> {
     }
 
     /// The next update from the lane (waiting for it), with the unit it is for.
-    pub(super) fn receive(&mut self) -> Result<Update<'a>, EngineError> {
+    pub(super) fn receive(&mut self) -> Result<Sent<'a>, EngineError> {
         let unit = self.next;
         let received = self.updates.as_ref().map(|rx| rx.recv());
         let update = match received {
@@ -261,7 +266,7 @@ impl<'a> Optimizer<'a> {
                 })
             }
         };
-        self.next = update.0 + 1;
+        self.next = update.0 .0 + 1;
         if self.next == self.moments.len() {
             self.updates = None;
         }

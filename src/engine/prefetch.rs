@@ -23,9 +23,11 @@ use crate::comm::Collective;
 use crate::device::cpu::{CpuDevice, Reservation};
 use crate::device::lanes::{Event, Lane, LaneError, Mark, Mode, Streams};
 use crate::device::pool::{tensor_buffer, Pool};
+use crate::device::sim;
 use crate::metrics::timeline::{Phase, Track};
 use crate::plan::fetch::{may_request, Limits, Purpose};
 use crate::plan::partition::Partition;
+use crate::plan::simulate::costs::Work;
 use crate::plan::Precision;
 use crate::torch;
 use std::collections::VecDeque;
@@ -404,6 +406,7 @@ impl<C: Collective> Fetcher<C> {
             });
         }
         let on_host = staging.device() == tch::Device::Cpu;
+        charge_staging(bytes as u64, matches!(shard, Source::Nvme(_)));
         let mut scratch = scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Scratch { io, pinned, next } = &mut *scratch;
         // where the shard's bytes land: the staging buffer itself on CPU devices (the
@@ -482,9 +485,33 @@ impl<C: Collective> Fetcher<C> {
         // is written only here and read by compute after this job's event
         self.comm.all_gather_tensor(&shard, &full)?;
         let bytes = (part.padded * self.precision.bytes()) as u64;
+        sim::charge(Work::Gather(bytes));
         self.gather_track
             .record(Phase::AllGather, Some(unit), start, bytes);
         Ok(())
+    }
+}
+
+/// Charges a shard's way to device staging on a simulated device as its device makes
+/// it: from NVMe a read through a bounce buffer; on a GPU then a fill of pinned staging
+/// (on every core from host memory) and the DMA copy; on a CPU device a host shard's
+/// memcpy.
+fn charge_staging(bytes: u64, from_nvme: bool) {
+    if from_nvme {
+        sim::charge(Work::NvmeRead(bytes));
+        sim::charge(Work::Fill {
+            bytes,
+            parallel: false,
+        });
+    }
+    if sim::gpu() {
+        sim::charge(Work::Fill {
+            bytes,
+            parallel: !from_nvme,
+        });
+        sim::charge(Work::H2d(bytes));
+    } else if !from_nvme {
+        sim::charge(Work::H2d(bytes));
     }
 }
 

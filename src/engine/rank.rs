@@ -35,12 +35,14 @@ use crate::comm::{Collective, ReduceOp};
 use crate::data::Dataset;
 use crate::device::cpu::{CpuDevice, Reservation};
 use crate::device::lanes::Streams;
+use crate::device::sim::{self, SimStreams};
 use crate::metrics::timeline::Phase;
 use crate::metrics::trace::TierBytes;
 use crate::model::layout::UnitKind;
 use crate::model::Model;
 use crate::plan::partition::Partition;
 use crate::plan::rules::{bf16_gradients, optimizer_tiers, stored_gradients};
+use crate::plan::simulate::costs::{Costs, Work};
 use crate::plan::{Plan, Precision};
 use crate::torch;
 use std::sync::Arc;
@@ -73,6 +75,8 @@ pub(super) struct Site<'a> {
     pub(super) rank: usize,
     pub(super) compute: tch::Device,
     pub(super) streams: Option<Arc<dyn Streams>>,
+    /// The same streams when they are a simulated device's (their virtual clocks).
+    pub(super) simulated: Option<Arc<SimStreams>>,
     pub(super) device: Arc<CpuDevice>,
     _held: Vec<Reservation>,
     stores: [Option<&'a SwapStore>; 2],
@@ -85,6 +89,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
 
     pub(super) fn stage(&self) -> u8 {
         self.plan.zero.stage
+    }
+
+    /// The rank's simulated streams, when it runs on a simulated device.
+    pub fn simulated(&self) -> Option<&SimStreams> {
+        self.site.simulated.as_deref()
     }
 
     /// Builds this rank's state: each unit initialised (a pure function of the seed),
@@ -104,6 +113,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             timeline,
             overlap,
             lanes,
+            simulate,
         } = context;
         let (rank, world, stage) = (comms.main.rank(), comms.main.world(), plan.zero.stage);
         let (optimizer_nvme, param_homes) = homes(plan, rank, (optimizer_store, param_store))?;
@@ -167,6 +177,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             )?);
             units.push(part, state.params, param_homes[u])?;
         }
+        // on a simulated device the calling thread, which issues the rank's compute,
+        // enters its compute stream
+        let trace = timeline.is_some_and(|t| t.keeps_for_trace());
+        let streams =
+            simulate.map(|profile| Arc::new(SimStreams::new(Arc::new(Costs::new(plan, profile)), trace)));
         Ok(RankEngine {
             comms,
             plan,
@@ -178,7 +193,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             site: Site {
                 rank,
                 compute,
-                streams: device_streams(compute, rank)?,
+                streams: match &streams {
+                    Some(sim) => Some(sim.clone() as Arc<dyn Streams>),
+                    None => device_streams(compute, rank)?,
+                },
+                simulated: streams,
                 device,
                 _held: held,
                 stores: [optimizer_store, param_store],
@@ -227,10 +246,17 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         // each rank's preemption flag travels with its loss: any rank asked, all stop
         let mut losses = [loss, f64::from(u8::from(stop))];
         self.comms.main.all_reduce(&mut losses, ReduceOp::Avg)?;
+        let world = self.comms.main.world();
+        if world > 1 {
+            sim::charge(Work::Latency);
+        }
         // the global gradient norm (of the unscaled gradients)
         let mut sum_sq = [self.grads.sum_squares()?];
         if self.stage() >= 1 {
             self.comms.main.all_reduce(&mut sum_sq, ReduceOp::Sum)?;
+            if world > 1 {
+                sim::charge(Work::Latency);
+            }
         }
         self.tracks.compute.record(Phase::Reduce, None, reduce_start, 0);
         let grad_norm = sum_sq[0].sqrt() / loss_scale;

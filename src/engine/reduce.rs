@@ -23,9 +23,11 @@ use super::grad_store::{Acc, Accumulate};
 use super::grads::Values;
 use crate::comm::{Collective, ReduceOp};
 use crate::device::lanes::{Event, Lane};
+use crate::device::sim;
 use crate::metrics::timeline::{Phase, Track};
 use crate::plan::partition::Partition;
 use crate::plan::rules::REDUCE_DEPTH;
+use crate::plan::simulate::costs::Work;
 use crate::torch;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -241,7 +243,9 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
                     .f_narrow(0, start as i64, k as i64)
                     .map_err(torch_err)?;
                 device_add(&dst, &view, device.first).map_err(torch_err)?;
+                sim::charge(Work::OnDevice(4 * k as u64));
                 if device.flush {
+                    charge_to_host(k, 4, false);
                     flush(&dst, start, acc.as_deref_mut(), buffers, track, rank)?;
                     track.record(Phase::D2h, Some(unit), copy_start, 4 * k as u64);
                 }
@@ -269,6 +273,7 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
                 4 * k
             };
             track.record(Phase::D2h, Some(unit), copy_start, crossed as u64);
+            charge_to_host(k, view.kind().elt_size_in_bytes(), false);
             acc.add(start, values, track)?;
             start += k;
             continue;
@@ -301,13 +306,17 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
         let reduced = slot_view(&mut buffers.reduced, k, wire, device).map_err(torch_err)?;
         comm.reduce_scatter_tensor(&bucket, &reduced, ReduceOp::Avg)?;
         track.record(Phase::Reduce, Some(unit), reduce_start, bytes);
+        sim::charge(Work::OnDevice(bytes));
+        sim::charge(Work::Collective(bytes));
         if let Some(device) = on_device {
             let dst = device
                 .acc
                 .f_narrow(0, start as i64, k as i64)
                 .map_err(torch_err)?;
             device_add(&dst, &reduced, device.first).map_err(torch_err)?;
+            sim::charge(Work::OnDevice(4 * k as u64));
             if device.flush {
+                charge_to_host(k, 4, true);
                 flush(&dst, start, acc.as_deref_mut(), buffers, track, rank)?;
             }
             start += k;
@@ -316,6 +325,7 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
         let Some(acc) = acc.as_deref_mut() else {
             return Err(no_accumulator(rank));
         };
+        charge_to_host(k, wire.elt_size_in_bytes(), true);
         acc.add(
             start,
             host_values(&reduced, &mut buffers.staging, &mut buffers.host).map_err(torch_err)?,
@@ -324,6 +334,18 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
         start += k;
     }
     Ok(())
+}
+
+/// Charges `k` elements reaching the host accumulator on a simulated device: from a GPU
+/// one copy in their kind (`elt` bytes each); on a CPU device an fp32 copy, which only a
+/// stretch that did not travel between ranks makes; then the host's add.
+fn charge_to_host(k: usize, elt: usize, travelled: bool) {
+    if sim::gpu() {
+        sim::charge(Work::D2h((elt * k) as u64));
+    } else if !travelled {
+        sim::charge(Work::D2h(4 * k as u64));
+    }
+    sim::charge(Work::HostAdd(k as u64));
 }
 
 fn no_accumulator(rank: usize) -> EngineError {

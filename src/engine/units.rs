@@ -9,9 +9,11 @@ use super::prefetch::{self, GatherBuffers, Source};
 use crate::comm::Collective;
 use crate::device::cpu::Reservation;
 use crate::device::lanes::Mode;
+use crate::device::sim;
 use crate::metrics::timeline::{Phase, Track};
 use crate::plan::partition::Partition;
 use crate::plan::rules::gathers_updates;
+use crate::plan::simulate::costs::Work;
 use crate::plan::Precision;
 use crate::torch::{self, Shared};
 use std::sync::Arc;
@@ -204,6 +206,7 @@ impl<'a> Units<'a> {
             Params::Nvme(store) => {
                 let len = self.stored_len(u);
                 let bytes = (len * self.precision.bytes()) as u64;
+                sim::charge(Work::NvmeRead(bytes));
                 track.span(Phase::NvmeRead, Some(u), bytes, || {
                     prefetch::read_param_shard(store, self.on.0, u, len, &self.precision)
                 })
@@ -246,6 +249,7 @@ impl<'a> Units<'a> {
         }
         self.with_stored(u, track, |params| {
             let bytes = (numel * params.elem_bytes()) as u64;
+            sim::charge(Work::H2dPageable(bytes));
             track
                 .span(Phase::H2d, Some(u), bytes, || self.upload(params, numel))
                 .map_err(self.on.torch())
@@ -266,6 +270,7 @@ impl<'a> Units<'a> {
             _ => {
                 let stored = self.stored(u, track)?;
                 let bytes = stored.as_bytes().len() as u64;
+                sim::charge(Work::H2dPageable(bytes));
                 track
                     .span(Phase::H2d, Some(u), bytes, || self.upload(&stored, part.shard))
                     .map_err(self.on.torch())?
@@ -359,6 +364,7 @@ impl<'a> Units<'a> {
                 // the CPU optimizer's output to the device
                 let target = self.update_target(u, fresh.len())?;
                 let bytes = fresh.as_bytes();
+                sim::charge(Work::H2dPageable(bytes.len() as u64));
                 track
                     .span(Phase::H2d, Some(u), bytes.len() as u64, || {
                         torch::copy_from_host(&target, bytes)
@@ -470,6 +476,7 @@ fn all_gather_into<C: Collective>(
         }
     }
     track.record(Phase::AllGather, None, start, bytes);
+    sim::charge(Work::Gather(bytes));
     Ok(())
 }
 
@@ -484,5 +491,6 @@ fn gather_tensor<C: Collective>(
     comm.all_gather_tensor(shard, full)?;
     let bytes = (full.numel() * full.kind().elt_size_in_bytes()) as u64;
     track.record(Phase::AllGather, None, start, bytes);
+    sim::charge(Work::Gather(bytes));
     Ok(())
 }

@@ -313,6 +313,11 @@ impl Timeline {
         })
     }
 
+    /// Whether the run writes a trace.
+    pub fn keeps_for_trace(&self) -> bool {
+        self.keep_for_trace
+    }
+
     pub fn track(&self, rank: usize, name: &'static str) -> Track {
         let data = Arc::new(TrackData {
             rank,

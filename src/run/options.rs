@@ -2,6 +2,7 @@
 //! switches tests use (blocking phases, one communicator, c10d in one process).
 
 use crate::engine::context::LaneOptions;
+use crate::plan::simulate::profile::Profile;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct TrainOptions<'a> {
@@ -32,4 +33,7 @@ pub struct TrainOptions<'a> {
     /// Ranks in one process talk through c10d as CUDA ranks do (a store served here on a
     /// loopback port; Gloo for CPU ranks): tests of that path without a GPU.
     pub c10d_in_process: bool,
+    /// Time every step on this profiled machine's virtual clocks as well
+    /// (`train --simulate PROFILE`; `device/sim.rs`): the run itself is the CPU run.
+    pub simulate: Option<&'a Profile>,
 }

@@ -13,6 +13,7 @@ use crate::engine::rank::{kind_for, RankEngine};
 use crate::engine::start::Start;
 use crate::metrics::timeline::Timeline;
 use crate::model::Model;
+use crate::plan::simulate::profile::Profile;
 use crate::plan::Plan;
 use tierzero_offload::nvme::swap::SwapStore;
 
@@ -96,6 +97,7 @@ impl Prepared {
         timeline: Option<&'a Timeline>,
         overlap: bool,
         lanes: LaneOptions,
+        simulate: Option<&'a Profile>,
     ) -> RankContext<'a> {
         RankContext {
             plan,
@@ -107,6 +109,7 @@ impl Prepared {
             timeline,
             overlap,
             lanes,
+            simulate,
         }
     }
 }
@@ -125,7 +128,7 @@ pub fn evaluate(plan: &Plan, checkpoint: Option<&std::path::Path>) -> Result<f64
         let handles: Vec<_> = local_comms(world, false)
             .into_iter()
             .map(|comms| {
-                let context = prepared.context(plan, None, true, LaneOptions::from_env());
+                let context = prepared.context(plan, None, true, LaneOptions::from_env(), None);
                 scope.spawn(move || -> Result<f64, TrainError> {
                     let guard = comms.clone();
                     let run = || -> Result<f64, TrainError> {

@@ -7,6 +7,7 @@ use super::options::TrainOptions;
 use crate::checkpoint::save;
 use crate::comm::{Collective, Group};
 use crate::device::cpu::CpuDevice;
+use crate::device::sim::SimulatedStep;
 use crate::engine::context::{Comms, RankContext, StepReport};
 use crate::engine::error::EngineError;
 use crate::engine::rank::RankEngine;
@@ -37,6 +38,8 @@ pub(super) struct RankOutcome {
     /// The run stopped on a preemption signal (every rank knows it from the step's
     /// all-reduce; only rank 0 reports steps).
     pub(super) preempted: bool,
+    /// On a simulated device with a trace: the rank's streams' spans in virtual time.
+    pub(super) simulated_trace: Vec<serde_json::Value>,
 }
 
 pub(super) struct RankMessage {
@@ -51,6 +54,8 @@ pub(super) struct RankMessage {
     /// step's update was issued (peak: of the steps so far).
     pub(super) host_start: Usage,
     pub(super) host: Usage,
+    /// The step on the simulated device's clocks (`train --simulate`).
+    pub(super) simulated: Option<SimulatedStep>,
 }
 
 /// A rank's thread: [`run_rank`], and on its failure or panic every communicator of the
@@ -116,10 +121,15 @@ fn run_rank(
         }
         for step in first_step..plan.train.steps {
             let start = Instant::now();
+            let clocks = engine.simulated().map(|s| s.figures());
             let concurrent = !(options.blocking_optimizer || options.no_overlap);
             let report = engine.step(step, concurrent.then_some(scope), super::preempt::requested())?;
             let host = Usage::now();
             let end = Instant::now();
+            let simulated = engine
+                .simulated()
+                .zip(clocks)
+                .map(|(sim, before)| sim.step(&before, &sim.figures()));
             let seconds = (end - start).as_secs_f64();
             let breakdown = context
                 .timeline
@@ -154,6 +164,7 @@ fn run_rank(
                     eval_loss,
                     host_start,
                     host,
+                    simulated,
                 });
             }
             if preempted {
@@ -179,5 +190,9 @@ fn run_rank(
         device_peak: engine.device_peak(),
         master,
         preempted: stopped,
+        simulated_trace: engine
+            .simulated()
+            .map(|s| s.trace_events(rank))
+            .unwrap_or_default(),
     })
 }

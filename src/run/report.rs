@@ -110,6 +110,12 @@ impl<'p> Reporter<'p> {
             breakdown: message.breakdown,
             memory: message.memory,
             host_rss: message.host.rss,
+            simulated: message.simulated.map(|mut s| {
+                s.tokens_per_s = self.tokens_per_step as f64 / s.step_seconds.max(1e-12);
+                let flops = self.flops_per_token * s.tokens_per_s;
+                s.mfu = crate::metrics::peak::mfu(flops, s.rank_peak, plan.world_size);
+                s
+            }),
         };
         result.preempted |= message.report.preempted;
         result.host = HostUsage {
@@ -164,6 +170,15 @@ impl<'p> Reporter<'p> {
                     eta,
                     if metrics.skipped { "  (skipped: overflow)" } else { "" }
                 ));
+                if let Some(s) = &metrics.simulated {
+                    progress.line(&format!(
+                        "         simulated on {}: {:.4} s/step  {:.0} tok/s  mfu {:.1}%",
+                        s.profile,
+                        s.step_seconds,
+                        s.tokens_per_s,
+                        100.0 * s.mfu
+                    ));
+                }
             }
             if let Some(saved) = &message.saved {
                 progress.line(&format!("saved checkpoint {}", saved.display()));

@@ -1,6 +1,7 @@
 //! What a run reports: each step's metrics (what `metrics.jsonl` holds), the run's
 //! result, and a step's scalars under DeepSpeed's monitor names.
 
+use crate::device::sim::SimulatedStep;
 use crate::metrics::host::HostUsage;
 use crate::metrics::monitor::Scalar;
 use crate::metrics::summary::Summary;
@@ -30,6 +31,9 @@ pub struct StepMetrics {
     pub memory: TierBytes,
     /// The process's resident set after the step, bytes (all ranks of this process).
     pub host_rss: u64,
+    /// Rank 0's step on the simulated device (`train --simulate PROFILE`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub simulated: Option<SimulatedStep>,
 }
 
 #[derive(Debug, Default)]

@@ -68,6 +68,7 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
                     Some(&timeline),
                     !options.no_overlap,
                     options.lanes.unwrap_or_default(),
+                    options.simulate,
                 );
                 std::thread::Builder::new()
                     .name(format!("tierzero-rank-{}", comms.main.rank()))
@@ -88,10 +89,12 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
             })
             .collect()
     });
+    let mut simulated_trace = Vec::new();
     let partitions = outcomes
         .into_iter()
         .map(|outcome| {
-            outcome.map(|p| {
+            outcome.map(|mut p| {
+                simulated_trace.append(&mut p.simulated_trace);
                 result.device_peaks.push(p.device_peak);
                 result.gpu_memory.extend(p.gpu_memory);
                 result.preempted |= p.preempted;
@@ -112,6 +115,12 @@ pub fn train(plan: &Plan, options: TrainOptions<'_>) -> Result<TrainResult, Trai
         std::fs::create_dir_all(&plan.train.output_dir)
             .and_then(|()| crate::metrics::trace::write_trace(&path, &timeline))
             .map_err(|source| TrainError::Output { path, source })?;
+        if !simulated_trace.is_empty() {
+            // the simulated device's streams, in virtual seconds from the run's start
+            let path = plan.train.output_dir.join("trace_simulated.json");
+            let json = serde_json::json!({ "traceEvents": simulated_trace, "displayTimeUnit": "ms" });
+            std::fs::write(&path, json.to_string()).map_err(|source| TrainError::Output { path, source })?;
+        }
     }
     reporter.plots(&result);
     Ok(result)

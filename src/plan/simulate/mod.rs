@@ -10,6 +10,7 @@
 //! critical path of the replay (the track compute waited for most).
 
 pub mod clock;
+pub mod costs;
 pub mod flops;
 pub mod profile;
 mod step;

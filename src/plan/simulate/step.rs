@@ -21,8 +21,8 @@
 //! together on the CPU.
 
 use super::clock::{Clocks, Mark, Track};
-use super::flops;
-use super::profile::{Profile, Shape, Work};
+use super::costs::{Costs, Work as Cost};
+use super::profile::{Profile, Work};
 use crate::plan::fetch::{may_request, schedule, Limits, Purpose};
 use crate::plan::partition::Partition;
 use crate::plan::rules;
@@ -31,12 +31,12 @@ use crate::plan::{Plan, Tier};
 mod optimizer;
 mod reduce;
 
-const GB: f64 = 1e9;
-
 /// What one rank's step costs, by track, in virtual seconds.
 pub(super) struct Replay<'a> {
     plan: &'a Plan,
     profile: &'a Profile,
+    /// The profile's price of each piece of work.
+    costs: Costs,
     pub clocks: Clocks,
     parts: Vec<Partition>,
     /// Each unit's parameter tier (`rules::param_tiers`).
@@ -75,6 +75,7 @@ impl<'a> Replay<'a> {
         Replay {
             plan,
             profile,
+            costs: Costs::new(plan, profile),
             clocks: Clocks::default(),
             parts,
             param_tiers: rules::param_tiers(plan),
@@ -90,7 +91,7 @@ impl<'a> Replay<'a> {
     }
 
     fn cuda(&self) -> bool {
-        !self.profile.is_cpu()
+        self.costs.cuda()
     }
 
     fn stage(&self) -> u8 {
@@ -106,10 +107,6 @@ impl<'a> Replay<'a> {
         self.plan.precision.bytes() as u64
     }
 
-    fn dtype(&self) -> &'static str {
-        self.plan.precision.name()
-    }
-
     /// Elements of unit `u`'s optimizer partition.
     fn optimizer_len(&self, u: usize) -> u64 {
         let part = self.parts[u];
@@ -118,41 +115,6 @@ impl<'a> Replay<'a> {
         } else {
             part.shard
         }) as u64
-    }
-
-    /// The machine's NVMe read and write rates and CPU AdamW rate as one rank sees them:
-    /// the ranks of a machine share its disk and cores, and all run the same schedule.
-    fn shared(&self) -> (f64, f64, f64) {
-        let ranks = self.plan.train.devices.max(1) as f64;
-        let p = self.profile;
-        (
-            p.nvme.read_gb_s.value / ranks,
-            p.nvme.write_gb_s.value / ranks,
-            p.cpu_adam.params_per_s.value / ranks,
-        )
-    }
-
-    /// The host's accumulator add over a stretch of `elements`: on every core when it is
-    /// long (`rules::PARALLEL_CHUNK`), else one thread's.
-    fn host_add(&self, elements: u64) -> f64 {
-        let copies = &self.profile.copies;
-        if elements as usize > rules::PARALLEL_CHUNK {
-            copies.host_add_parallel.value
-        } else {
-            copies.host_add.value
-        }
-    }
-
-    fn seconds(bytes: u64, gb_s: f64) -> f64 {
-        bytes as f64 / (gb_s * GB)
-    }
-
-    /// A collective moving `bytes` (the whole buffer) over the link: a ring's
-    /// (W-1)/W of it, plus the call's latency.
-    fn collective(&self, bytes: u64) -> f64 {
-        let w = self.world() as f64;
-        let link = &self.profile.link;
-        link.latency_s.value + bytes as f64 * (w - 1.0) / w / (link.bus_gb_s.value * GB)
     }
 
     /// One full step: the micro-batches, the step's reductions, the optimizer.
@@ -169,64 +131,16 @@ impl<'a> Replay<'a> {
         self.clocks.now(Track::Compute) - start
     }
 
-    fn shape(&self, tokens: usize) -> Shape {
-        let c = &self.plan.model.config;
-        Shape {
-            tokens,
-            hidden: c.hidden_size,
-            vocab: c.vocab_size,
-            seq_len: self.plan.data.seq_len,
-        }
-    }
-
-    fn tokens(&self) -> usize {
-        self.plan.batch.micro_batch_per_gpu * self.plan.data.seq_len
-    }
-
-    /// Seconds of a unit's forward or backward on the compute stream.
-    fn compute_seconds(&self, u: usize, work: Work) -> f64 {
-        let c = &self.plan.model.config;
-        let (tokens, seq) = (self.tokens(), self.plan.data.seq_len);
-        let last = self.parts.len() - 1;
-        let overhead = self.profile.compute.overhead_s.value;
-        let numel = self.parts[u].numel;
-        let (flops, work, dtype) = if u == 0 {
-            // a gather of rows; in backward a dense gradient of the table
-            let bytes = if work == Work::Backward {
-                (numel as u64) * self.p()
-            } else {
-                0
-            };
-            return overhead + Self::seconds(bytes, self.profile.copies.device_to_device.value);
-        } else if u == last {
-            // model/head.rs computes the logits in the 16-bit training precision on a GPU
-            // or a CPU with bf16 units, else in fp32
-            let low = self.plan.train.low_precision_head;
-            (
-                flops::head(c, tokens),
-                Work::Head,
-                if low { self.dtype() } else { "fp32" },
-            )
-        } else if work == Work::Forward {
-            (flops::block_forward(c, numel, tokens, seq), work, self.dtype())
-        } else if crate::plan::rules::keeps_activations(self.plan, u) {
-            (
-                flops::block_backward_kept(c, numel, tokens, seq),
-                work,
-                self.dtype(),
-            )
-        } else {
-            (flops::block_backward(c, numel, tokens, seq), work, self.dtype())
-        };
-        overhead + flops / self.profile.rate(work, dtype, self.shape(tokens))
-    }
-
     /// Runs a piece of compute after `after`.
     fn compute(&mut self, u: usize, work: Work, after: Option<Mark>) {
         if let Some(m) = after {
             self.clocks.wait(Track::Compute, m);
         }
-        let seconds = self.compute_seconds(u, work);
+        let seconds = self.costs.seconds(match work {
+            Work::Forward => Cost::Forward(u),
+            Work::Backward => Cost::Backward(u),
+            Work::Head => Cost::Head,
+        });
         let phase = if work == Work::Forward {
             "forward"
         } else {
@@ -247,32 +161,17 @@ impl<'a> Replay<'a> {
         self.clocks.wait(Track::Compute, m);
         if self.plan.zero.offload_param.tier == Tier::Device && self.optimizer_tiers[u] != Tier::Device {
             let bytes = self.optimizer_len(u) * self.p();
-            let rate = self.h2d_rate(false);
-            self.clocks
-                .run(Track::Compute, "h2d", Some(u), Self::seconds(bytes, rate), bytes);
+            let rate = self.costs.h2d_rate(false);
+            self.clocks.run(
+                Track::Compute,
+                "h2d",
+                Some(u),
+                Costs::seconds_at(bytes, rate),
+                bytes,
+            );
             self.pcie[0] += if self.cuda() { bytes } else { 0 };
         }
         true
-    }
-
-    fn h2d_rate(&self, pinned: bool) -> f64 {
-        let c = &self.profile.copies;
-        match (self.cuda(), pinned) {
-            (false, _) => c.host_memcpy.value,
-            (true, true) => c.h2d_pinned.value,
-            (true, false) => c.h2d_pageable.value,
-        }
-    }
-
-    /// A copy out of the device: into pinned host memory on a GPU (every stretch leaves
-    /// through pinned staging, reduce.rs), a memcpy on a CPU.
-    fn d2h_rate(&self) -> f64 {
-        let c = &self.profile.copies;
-        if self.cuda() {
-            c.d2h_pinned.value
-        } else {
-            c.host_memcpy.value
-        }
     }
 
     /// Issues the fetch of unit `u` (stage 3): its shard to the device, then the
@@ -292,8 +191,8 @@ impl<'a> Replay<'a> {
                 // and the copy
                 self.clocks.wait(Track::H2d, issued);
                 if tier == Tier::Nvme {
-                    let read = Self::seconds(shard_bytes, self.shared().0)
-                        + Self::seconds(shard_bytes, copies.host_memcpy.value);
+                    let read = Costs::seconds_at(shard_bytes, self.costs.shared().0)
+                        + Costs::seconds_at(shard_bytes, copies.host_memcpy.value);
                     self.clocks
                         .run(Track::H2d, "nvme_read", Some(u), read, shard_bytes);
                 }
@@ -303,13 +202,13 @@ impl<'a> Replay<'a> {
                     } else {
                         copies.host_memcpy.value
                     };
-                    let memcpy = Self::seconds(shard_bytes, rate);
+                    let memcpy = Costs::seconds_at(shard_bytes, rate);
                     self.clocks.run(Track::H2d, "staging", Some(u), memcpy, 0);
-                    let copy = Self::seconds(shard_bytes, copies.h2d_pinned.value);
+                    let copy = Costs::seconds_at(shard_bytes, copies.h2d_pinned.value);
                     self.pcie[0] += shard_bytes;
                     ready = self.clocks.run(Track::H2d, "h2d", Some(u), copy, shard_bytes);
                 } else if tier == Tier::Cpu {
-                    let memcpy = Self::seconds(shard_bytes, copies.host_memcpy.value);
+                    let memcpy = Costs::seconds_at(shard_bytes, copies.host_memcpy.value);
                     ready = self.clocks.run(Track::H2d, "h2d", Some(u), memcpy, shard_bytes);
                 } else {
                     ready = self.clocks.mark(Track::H2d);
@@ -322,7 +221,7 @@ impl<'a> Replay<'a> {
         self.clocks.wait(Track::Collectives, issued);
         self.clocks.wait(Track::Collectives, ready);
         let bytes = part.padded as u64 * self.p();
-        let seconds = self.collective(bytes);
+        let seconds = self.costs.seconds(Cost::Collective(bytes));
         self.clocks
             .run(Track::Collectives, "all_gather", Some(u), seconds, bytes)
     }
@@ -405,7 +304,7 @@ impl<'a> Replay<'a> {
     fn replica(&mut self, u: usize) -> Option<Mark> {
         if self.install(u) && rules::gathers_updates(self.stage(), self.world()) {
             let bytes = self.parts[u].padded as u64 * self.p();
-            let seconds = self.collective(bytes);
+            let seconds = self.costs.seconds(Cost::Collective(bytes));
             self.clocks
                 .run(Track::Compute, "all_gather", Some(u), seconds, bytes);
         }

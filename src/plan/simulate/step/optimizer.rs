@@ -3,6 +3,7 @@
 //! sent back to theirs.
 
 use super::super::clock::Track;
+use super::super::costs::{Costs, Work as Cost};
 use super::{round_4k, Replay};
 use crate::plan::rules;
 use crate::plan::Tier;
@@ -12,7 +13,7 @@ impl Replay<'_> {
     pub(super) fn optimizer(&mut self) {
         let start = self.clocks.mark(Track::Compute);
         self.clocks.wait(Track::Optimizer, start);
-        let (read_gb_s, write_gb_s, adam) = self.shared();
+        let (read_gb_s, write_gb_s, adam) = self.costs.shared();
         let opt = &self.plan.zero.offload_optimizer;
         let swap_chunk = self.swap_chunk() as u64;
         let stored_grads = rules::stored_gradients(self.plan);
@@ -24,14 +25,10 @@ impl Replay<'_> {
             let len = self.optimizer_len(u);
             match self.optimizer_tiers[u] {
                 Tier::Device => {
-                    // the host accumulator to the device, then fused AdamW there
+                    // the host accumulator to the device, then fused AdamW there; the span
+                    // counts the 16 bytes of state the engine's optimizer span counts
                     let grads = len * 4;
-                    let rate = self.h2d_rate(false);
-                    // 28 bytes of memory traffic per element; the span counts the 16 of
-                    // state the engine's optimizer span counts
-                    let traffic = 28 * len;
-                    let seconds = Self::seconds(grads, rate)
-                        + Self::seconds(traffic, self.profile.copies.device_to_device.value);
+                    let seconds = self.costs.seconds(Cost::DeviceAdam(len));
                     self.clocks
                         .run(Track::Optimizer, "optimizer", Some(u), seconds, 16 * len);
                     self.pcie[0] += if self.cuda() { grads } else { 0 };
@@ -41,7 +38,7 @@ impl Replay<'_> {
                         Track::Optimizer,
                         "optimizer",
                         Some(u),
-                        len as f64 / adam,
+                        self.costs.seconds(Cost::Adam(len)),
                         16 * len,
                     );
                 }
@@ -55,8 +52,8 @@ impl Replay<'_> {
                             0
                         };
                     let (r, w) = (
-                        Self::seconds(read_bytes, read_gb_s),
-                        Self::seconds(states, write_gb_s),
+                        Costs::seconds_at(read_bytes, read_gb_s),
+                        Costs::seconds_at(states, write_gb_s),
                     );
                     let up = swap_chunk.min(len) as f64 / adam;
                     for i in 0..n {
@@ -87,7 +84,7 @@ impl Replay<'_> {
                     Track::Optimizer,
                     "nvme_write",
                     Some(u),
-                    Self::seconds(shard, write_gb_s),
+                    Costs::seconds_at(shard, write_gb_s),
                     shard,
                 );
             }

@@ -4,6 +4,7 @@
 //! step's all-reduces and gradient norm after the micro-batches.
 
 use super::super::clock::Track;
+use super::super::costs::{Costs, Work as Cost};
 use super::{round_4k, Replay};
 use crate::plan::rules::{self, REDUCE_DEPTH};
 
@@ -26,9 +27,10 @@ impl Replay<'_> {
                 Track::Compute,
                 "host_add",
                 Some(u),
-                Self::seconds(
+                Costs::seconds_at(
                     bytes,
-                    self.host_add((rules::chunk_elements(self.plan) as u64).min(part.padded as u64)),
+                    self.costs
+                        .host_add_rate((rules::chunk_elements(self.plan) as u64).min(part.padded as u64)),
                 ),
                 0,
             );
@@ -53,15 +55,15 @@ impl Replay<'_> {
         // step's last contribution leaves for the host (`rules::device_accumulation`)
         let on_device = rules::device_accumulation(self.plan);
         let to_host = !on_device || (self.last_micro && !more);
-        let device_add = |out: u64| Self::seconds(out, copies.device_to_device.value);
+        let device_add = |out: u64| Costs::seconds_at(out, copies.device_to_device.value);
         for chunk in 0..chunks {
             let k = stretch.min(shard - chunk * stretch);
             let out = 4 * k;
             if world > 1 {
                 let bucket = wire * world * k;
-                let pack = Self::seconds(bucket, copies.device_to_device.value);
+                let pack = Costs::seconds_at(bucket, copies.device_to_device.value);
                 self.clocks.run(Track::Collectives, "d2h", Some(u), pack, bucket);
-                let rs = self.collective(bucket);
+                let rs = self.costs.seconds(Cost::Collective(bucket));
                 self.clocks.run(Track::Collectives, "reduce", Some(u), rs, bucket);
             }
             if on_device {
@@ -90,7 +92,7 @@ impl Replay<'_> {
                     .run(Track::Collectives, "copy_out", Some(u), copy, crossing);
             }
             self.pcie[1] += if self.cuda() { crossing } else { 0 };
-            let add = Self::seconds(out, self.host_add(k));
+            let add = Costs::seconds_at(out, self.costs.host_add_rate(k));
             self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
         }
         if nvme && to_host {
@@ -100,11 +102,11 @@ impl Replay<'_> {
             let n = elements.div_ceil(swap_chunk);
             let bytes = n * round_4k(swap_chunk * accumulator);
             if std::mem::replace(&mut self.stored[u], true) {
-                let read = Self::seconds(bytes, self.shared().0);
+                let read = Costs::seconds_at(bytes, self.costs.shared().0);
                 self.clocks
                     .run(Track::Collectives, "nvme_read", Some(u), read, bytes);
             }
-            let write = Self::seconds(bytes, self.shared().1);
+            let write = Costs::seconds_at(bytes, self.costs.shared().1);
             self.clocks
                 .run(Track::Collectives, "nvme_write", Some(u), write, bytes);
         }
@@ -122,10 +124,10 @@ impl Replay<'_> {
     fn to_host(&self, elements: u64, kind: u64) -> (f64, u64) {
         let out = 4 * elements;
         if !self.cuda() {
-            return (Self::seconds(out, self.d2h_rate()), out);
+            return (Costs::seconds_at(out, self.costs.d2h_rate()), out);
         }
         let crossing = kind * elements;
-        (Self::seconds(crossing, self.d2h_rate()), crossing)
+        (Costs::seconds_at(crossing, self.costs.d2h_rate()), crossing)
     }
 
     /// Elements per swap chunk: the store's rule over the largest optimizer partition,
@@ -140,12 +142,18 @@ impl Replay<'_> {
 
     /// The step's all-reduces and the gradient norm, on the compute thread.
     pub(super) fn after_micro_batches(&mut self) {
-        let latency = self.profile.link.latency_s.value;
-        let mut seconds = if self.world() > 1 { 2.0 * latency } else { 0.0 };
+        let mut seconds = 0.0;
         if self.stage() < 2 && self.world() > 1 {
-            // stages 0–1: an fp32 all-reduce of every unit's gradient
-            let bytes: u64 = self.parts.iter().map(|p| p.padded as u64 * 4).sum();
-            seconds += self.collective(bytes) * 2.0;
+            // stages 0–1: an fp32 all-reduce of each unit's gradient (a ring moves the
+            // buffer twice)
+            for p in &self.parts {
+                seconds += 2.0 * self.costs.seconds(Cost::Collective(p.padded as u64 * 4));
+            }
+        }
+        if self.world() > 1 {
+            // the losses' all-reduce, and from stage 1 on the norm's
+            let calls = if self.stage() >= 1 { 2.0 } else { 1.0 };
+            seconds += calls * self.costs.seconds(Cost::Latency);
         }
         let stored = rules::stored_gradients(self.plan);
         if stored.contains(&false) {
@@ -154,7 +162,7 @@ impl Replay<'_> {
                 .filter(|&u| !stored[u])
                 .map(|u| self.optimizer_len(u))
                 .sum();
-            seconds += Self::seconds(elements * 4, self.profile.copies.host_memcpy_parallel.value);
+            seconds += Costs::seconds_at(elements * 4, self.profile.copies.host_memcpy_parallel.value);
         }
         self.clocks.run(Track::Compute, "reduce", None, seconds, 0);
         // install_all: every update of the last step is in before this step's goes out

@@ -1,0 +1,249 @@
+//! What each piece of a step's work costs on a profiled machine: one definition for the
+//! replay of the schedule (`step.rs`, the dry run) and for the simulated device that
+//! times the engine itself (`device/sim.rs`, with payload).
+//!
+//! A piece of work is a [`Work`]: a unit's forward or backward, the LM head, a copy of so
+//! many bytes of a kind (pinned or pageable host → device, a fill of pinned staging,
+//! device → host, on the device), a collective over the link, an NVMe read or write, a
+//! host add, the CPU AdamW over so many elements. [`Costs::seconds`] turns it into
+//! seconds with the profile's rates; the machine's NVMe and cores are shared by the
+//! ranks of a process, all running the same schedule.
+
+use super::flops;
+use super::profile::{Profile, Shape, Work as Kernel};
+use crate::plan::rules;
+use crate::plan::Plan;
+
+const GB: f64 = 1e9;
+
+/// One piece of a step's work, as the simulated device is charged with it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Work {
+    /// Unit `u`'s forward (not the final unit's).
+    Forward(usize),
+    /// Unit `u`'s backward: by recompute, or through kept activations where the plan
+    /// keeps them; the embedding's is a dense gradient of its table.
+    Backward(usize),
+    /// The final unit: its norm, the LM head, the loss and their backward.
+    Head,
+    /// Bytes to the device by DMA from pinned memory (on a CPU device: a memcpy).
+    H2d(u64),
+    /// Bytes to the device from pageable memory (on a CPU device: a memcpy).
+    H2dPageable(u64),
+    /// A host memcpy into pinned staging, on every core or on one thread.
+    Fill {
+        bytes: u64,
+        parallel: bool,
+    },
+    /// Bytes out of the device into pinned memory (on a CPU device: a memcpy).
+    D2h(u64),
+    /// A copy within device memory.
+    OnDevice(u64),
+    /// The host's fp32 add of `elements` into an accumulator.
+    HostAdd(u64),
+    /// A collective over the whole buffer of `bytes`.
+    Collective(u64),
+    /// An all-gather into a buffer of `bytes` (priced as any collective).
+    Gather(u64),
+    /// A collective of a few bytes: the link's latency.
+    Latency,
+    NvmeRead(u64),
+    NvmeWrite(u64),
+    /// The CPU AdamW over `elements`.
+    Adam(u64),
+    /// The host accumulator of `elements` to the device and torch's fused AdamW there.
+    DeviceAdam(u64),
+    /// A pass over `elements` fp32 values on every core (the gradient norm's Σ g²).
+    Pass(u64),
+}
+
+impl Work {
+    /// The unit it concerns, where it is one unit's compute.
+    pub fn unit(self) -> Option<usize> {
+        match self {
+            Work::Forward(u) | Work::Backward(u) => Some(u),
+            _ => None,
+        }
+    }
+
+    /// The phase it is busy time of, as the trainer's breakdown names phases.
+    pub fn phase(self) -> &'static str {
+        match self {
+            Work::Forward(_) => "forward",
+            Work::Backward(_) | Work::Head => "backward",
+            Work::H2d(_) | Work::H2dPageable(_) | Work::Fill { .. } => "h2d",
+            Work::D2h(_) | Work::OnDevice(_) | Work::HostAdd(_) => "d2h",
+            Work::Collective(_) | Work::Latency | Work::Pass(_) => "reduce",
+            Work::Gather(_) => "all_gather",
+            Work::NvmeRead(_) => "nvme_read",
+            Work::NvmeWrite(_) => "nvme_write",
+            Work::Adam(_) | Work::DeviceAdam(_) => "optimizer",
+        }
+    }
+}
+
+/// The profile's rates for one plan.
+#[derive(Clone, Debug)]
+pub struct Costs {
+    plan: Plan,
+    profile: Profile,
+    numels: Vec<usize>,
+}
+
+impl Costs {
+    pub fn new(plan: &Plan, profile: &Profile) -> Costs {
+        Costs {
+            plan: plan.clone(),
+            profile: profile.clone(),
+            numels: plan.model.config.unit_numels(),
+        }
+    }
+
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+
+    /// The training precision's name (the profile's rates and peaks are by it).
+    pub fn precision(&self) -> &'static str {
+        self.plan.precision.name()
+    }
+
+    pub fn cuda(&self) -> bool {
+        !self.profile.is_cpu()
+    }
+
+    pub fn seconds_at(bytes: u64, gb_s: f64) -> f64 {
+        bytes as f64 / (gb_s * GB)
+    }
+
+    /// The machine's NVMe read and write rates and CPU AdamW rate as one rank sees them:
+    /// the ranks of a process share its disk and cores, and all run the same schedule.
+    pub fn shared(&self) -> (f64, f64, f64) {
+        let ranks = self.plan.train.devices.max(1) as f64;
+        let p = &self.profile;
+        (
+            p.nvme.read_gb_s.value / ranks,
+            p.nvme.write_gb_s.value / ranks,
+            p.cpu_adam.params_per_s.value / ranks,
+        )
+    }
+
+    /// A host→device copy's rate: pinned or pageable on a GPU, a memcpy on a CPU.
+    pub fn h2d_rate(&self, pinned: bool) -> f64 {
+        let c = &self.profile.copies;
+        match (self.cuda(), pinned) {
+            (false, _) => c.host_memcpy.value,
+            (true, true) => c.h2d_pinned.value,
+            (true, false) => c.h2d_pageable.value,
+        }
+    }
+
+    /// A copy out of the device: into pinned host memory on a GPU (every stretch leaves
+    /// through pinned staging, `engine/reduce.rs`), a memcpy on a CPU.
+    pub fn d2h_rate(&self) -> f64 {
+        let c = &self.profile.copies;
+        if self.cuda() {
+            c.d2h_pinned.value
+        } else {
+            c.host_memcpy.value
+        }
+    }
+
+    /// A collective moving `bytes` (the whole buffer) over the link: a ring's (W-1)/W of
+    /// it, plus the call's latency.
+    fn collective(&self, bytes: u64) -> f64 {
+        let w = self.plan.world_size as f64;
+        let link = &self.profile.link;
+        link.latency_s.value + bytes as f64 * (w - 1.0) / w / (link.bus_gb_s.value * GB)
+    }
+
+    /// The rate of the host's accumulator add over a stretch of `elements`: on every
+    /// core when it is long (`rules::PARALLEL_CHUNK`), else one thread's.
+    pub fn host_add_rate(&self, elements: u64) -> f64 {
+        let copies = &self.profile.copies;
+        if elements as usize > rules::PARALLEL_CHUNK {
+            copies.host_add_parallel.value
+        } else {
+            copies.host_add.value
+        }
+    }
+
+    fn tokens(&self) -> usize {
+        self.plan.batch.micro_batch_per_gpu * self.plan.data.seq_len
+    }
+
+    fn shape(&self, tokens: usize) -> Shape {
+        let c = &self.plan.model.config;
+        Shape {
+            tokens,
+            hidden: c.hidden_size,
+            vocab: c.vocab_size,
+            seq_len: self.plan.data.seq_len,
+        }
+    }
+
+    /// Seconds of a unit's forward or backward, or the head, on the compute stream.
+    fn compute(&self, u: usize, kernel: Kernel) -> f64 {
+        let c = &self.plan.model.config;
+        let (tokens, seq) = (self.tokens(), self.plan.data.seq_len);
+        let dtype = self.plan.precision.name();
+        let overhead = self.profile.compute.overhead_s.value;
+        let numel = self.numels[u];
+        let (flops, kernel, dtype) = if kernel == Kernel::Head {
+            // model/head.rs computes the logits in the 16-bit training precision on a GPU
+            // or a CPU with bf16 units, else in fp32
+            let low = self.plan.train.low_precision_head;
+            (flops::head(c, tokens), kernel, if low { dtype } else { "fp32" })
+        } else if u == 0 {
+            // a gather of rows; in backward a dense gradient of the table
+            let bytes = if kernel == Kernel::Backward {
+                (numel * self.plan.precision.bytes()) as u64
+            } else {
+                0
+            };
+            return overhead + Self::seconds_at(bytes, self.profile.copies.device_to_device.value);
+        } else if kernel == Kernel::Forward {
+            (flops::block_forward(c, numel, tokens, seq), kernel, dtype)
+        } else if rules::keeps_activations(&self.plan, u) {
+            (flops::block_backward_kept(c, numel, tokens, seq), kernel, dtype)
+        } else {
+            (flops::block_backward(c, numel, tokens, seq), kernel, dtype)
+        };
+        overhead + flops / self.profile.rate(kernel, dtype, self.shape(tokens))
+    }
+
+    /// Seconds `work` takes on the profiled machine.
+    pub fn seconds(&self, work: Work) -> f64 {
+        let copies = &self.profile.copies;
+        let (read, write, adam) = self.shared();
+        match work {
+            Work::Forward(u) => self.compute(u, Kernel::Forward),
+            Work::Backward(u) => self.compute(u, Kernel::Backward),
+            Work::Head => self.compute(self.numels.len() - 1, Kernel::Head),
+            Work::H2d(bytes) => Self::seconds_at(bytes, self.h2d_rate(true)),
+            Work::H2dPageable(bytes) => Self::seconds_at(bytes, self.h2d_rate(false)),
+            Work::Fill { bytes, parallel } => {
+                let rate = if parallel {
+                    copies.host_memcpy_parallel.value
+                } else {
+                    copies.host_memcpy.value
+                };
+                Self::seconds_at(bytes, rate)
+            }
+            Work::D2h(bytes) => Self::seconds_at(bytes, self.d2h_rate()),
+            Work::OnDevice(bytes) => Self::seconds_at(bytes, copies.device_to_device.value),
+            Work::HostAdd(elements) => Self::seconds_at(4 * elements, self.host_add_rate(elements)),
+            Work::Collective(bytes) | Work::Gather(bytes) => self.collective(bytes),
+            Work::Latency => self.profile.link.latency_s.value,
+            Work::NvmeRead(bytes) => Self::seconds_at(bytes, read),
+            Work::NvmeWrite(bytes) => Self::seconds_at(bytes, write),
+            Work::Adam(elements) => elements as f64 / adam,
+            Work::DeviceAdam(elements) => {
+                // 28 bytes of memory traffic per element on the device
+                Self::seconds_at(4 * elements, self.h2d_rate(false))
+                    + Self::seconds_at(28 * elements, copies.device_to_device.value)
+            }
+            Work::Pass(elements) => Self::seconds_at(4 * elements, copies.host_memcpy_parallel.value),
+        }
+    }
+}
