@@ -461,9 +461,19 @@ fn gradient_sums_on_the_device_train_the_bits_of_host_accumulation() {
         (3, 3, "cpu", "cpu", false),
         (3, 2, "none", "nvme", true),
         (2, 3, "nvme", "nvme", true),
+        // device-tier optimizer state takes the device's sum itself
+        (2, 3, "none", "none", true),
+        (3, 2, "none", "none", false),
+        // half the units' state on the device (DeepSpeed's partial offload)
+        (2, 3, "cpu", "cpu-half", true),
     ];
     for (world, stage, param, optimizer, overlap) in cases {
+        let half = optimizer == "cpu-half";
+        let optimizer = if half { "cpu" } else { optimizer };
         let mut p = plan(world, stage, param, optimizer, 3, dir.path(), "fp32");
+        if half {
+            p.zero.offload_optimizer.ratio = 0.5;
+        }
         p.model.config.tie_word_embeddings = true;
         p.zero.overlap_comm = overlap;
         assert!(!tierzero::plan::rules::device_accumulation(&p));

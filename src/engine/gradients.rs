@@ -223,6 +223,15 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         }))
     }
 
+    /// Unit `u`'s sum of the step's gradient on the device, once the step has added into
+    /// it (None without device accumulation).
+    pub(super) fn device_sum(&self, u: usize) -> Option<Tensor> {
+        let d = self.device.as_ref()?;
+        d.started[u]
+            .then(|| d.sums[u].as_ref().map(Tensor::shallow_clone))
+            .flatten()
+    }
+
     fn here(&mut self, u: usize) -> Result<&mut Grads, EngineError> {
         let rank = self.rank;
         match &mut self.accumulators[u] {

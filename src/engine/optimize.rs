@@ -111,10 +111,14 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let mut jobs = Vec::with_capacity(self.units.len());
         for u in 0..self.units.len() {
             let len = self.optimizer.partition(u).len();
+            let on_device = self.optimizer.on_device(u);
             jobs.push(OptimizerJob {
                 unit: u,
+                // device-tier state takes the device's sum of the step's gradient (the
+                // host accumulator's bits: the flush added it into zeros) where there is one
+                device_sum: if on_device { self.grads.device_sum(u) } else { None },
                 grad: self.grads.lend_to_optimizer(u)?,
-                destination: self.units.destination(u, len, self.optimizer.on_device(u))?,
+                destination: self.units.destination(u, len, on_device)?,
                 moments: self.optimizer.lend(u),
             });
         }
@@ -174,6 +178,8 @@ struct OptimizerJob<'a> {
     unit: usize,
     moments: Moments<'a>,
     grad: FinalGrad,
+    /// The step's gradient sum on the device, for device-tier state.
+    device_sum: Option<Tensor>,
     destination: Destination<'a>,
 }
 
@@ -242,15 +248,17 @@ impl OptimizerContext {
             unit,
             moments,
             grad,
+            device_sum,
             destination,
         } = job;
+        let grads = (&grad, device_sum);
         match destination {
             Destination::Host(mut fresh) => {
-                let moments = self.update(unit, moments, &grad, Fresh::Host(&mut fresh))?;
+                let moments = self.update(unit, moments, grads, Fresh::Host(&mut fresh))?;
                 Ok((unit, NewParams::Host(fresh), moments, grad))
             }
             Destination::Device(fresh) => {
-                let moments = self.update(unit, moments, &grad, Fresh::Device(&fresh))?;
+                let moments = self.update(unit, moments, grads, Fresh::Device(&fresh))?;
                 Ok((unit, NewParams::Device(fresh), moments, grad))
             }
             Destination::Nvme(store) => {
@@ -279,7 +287,7 @@ impl OptimizerContext {
             },
         };
         staging.values.resize(grad.len());
-        let moments = self.update(unit, moments, grad, Fresh::Host(&mut staging.values))?;
+        let moments = self.update(unit, moments, (grad, None), Fresh::Host(&mut staging.values))?;
         let key = TensorKey {
             unit: unit as u32,
             rank: self.on.0 as u32,
@@ -309,7 +317,7 @@ impl OptimizerContext {
         &self,
         unit: usize,
         mut moments: Moments<'a>,
-        grad: &FinalGrad,
+        (grad, device_sum): (&FinalGrad, Option<Tensor>),
         fresh: Fresh<'_>,
     ) -> Result<Moments<'a>, EngineError> {
         let opt_len = fresh.len();
@@ -355,14 +363,15 @@ impl OptimizerContext {
                 self.tracks
                     .optimizer
                     .span(Phase::Optimizer, Some(unit), bytes, || {
-                        sim::charge(Work::DeviceAdam(opt_len as u64));
-                        device_update(
-                            state,
-                            grad.slice(0..grad.len()),
-                            &self.step,
-                            fresh,
-                            &self.precision,
-                        )
+                        let grad = match device_sum {
+                            Some(sum) => DeviceGrad::Sum(sum),
+                            None => DeviceGrad::Host(grad.slice(0..grad.len())),
+                        };
+                        sim::charge(match grad {
+                            DeviceGrad::Sum(_) => Work::DeviceAdamOnly(opt_len as u64),
+                            DeviceGrad::Host(_) => Work::DeviceAdam(opt_len as u64),
+                        });
+                        device_update(state, grad, &self.step, fresh, &self.precision)
                     })
                     .map_err(self.on.torch())?;
             }
@@ -427,21 +436,31 @@ impl Fresh<'_> {
 /// state's device, torch's fused kernel there, and the new master in the training
 /// precision into `fresh`: on the device when the parameters live there, else copied back
 /// to host memory.
+/// Where a device-tier update reads its gradient: the step's sum on the device, or the
+/// host accumulator.
+enum DeviceGrad<'g> {
+    Sum(Tensor),
+    Host(GradSlice<'g>),
+}
+
 fn device_update(
     state: &mut DeviceState,
-    grad: GradSlice<'_>,
+    grad: DeviceGrad<'_>,
     step: &AdamStep,
     fresh: Fresh<'_>,
     precision: &Precision,
 ) -> Result<(), tch::TchError> {
     let device = state.master.device();
-    let grad = match grad {
-        GradSlice::F32(g) => Tensor::f_from_slice(g)?,
-        GradSlice::Bf16(g) => {
-            crate::torch::tensor_u16(g, Kind::BFloat16, tch::Device::Cpu)?.f_to_kind(Kind::Float)?
+    let mut grad = match grad {
+        // scaled in place: the next step's first contribution overwrites it
+        DeviceGrad::Sum(sum) => sum,
+        DeviceGrad::Host(GradSlice::F32(g)) => Tensor::f_from_slice(g)?.f_to(device)?,
+        DeviceGrad::Host(GradSlice::Bf16(g)) => {
+            crate::torch::tensor_u16(g, Kind::BFloat16, tch::Device::Cpu)?
+                .f_to_kind(Kind::Float)?
+                .f_to(device)?
         }
     };
-    let mut grad = grad.f_to(device)?;
     let _ = grad.f_mul_scalar_(f64::from(step.coefficients.grad_scale))?;
     let DeviceState {
         master,

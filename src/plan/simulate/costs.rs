@@ -53,6 +53,8 @@ pub enum Work {
     Adam(u64),
     /// The host accumulator of `elements` to the device and torch's fused AdamW there.
     DeviceAdam(u64),
+    /// Torch's fused AdamW over `elements` whose gradient is already on the device.
+    DeviceAdamOnly(u64),
     /// A pass over `elements` fp32 values on every core (the gradient norm's Σ g²).
     Pass(u64),
 }
@@ -77,7 +79,7 @@ impl Work {
             Work::Gather(_) => "all_gather",
             Work::NvmeRead(_) => "nvme_read",
             Work::NvmeWrite(_) => "nvme_write",
-            Work::Adam(_) | Work::DeviceAdam(_) => "optimizer",
+            Work::Adam(_) | Work::DeviceAdam(_) | Work::DeviceAdamOnly(_) => "optimizer",
         }
     }
 }
@@ -239,10 +241,11 @@ impl Costs {
             Work::NvmeWrite(bytes) => Self::seconds_at(bytes, write),
             Work::Adam(elements) => elements as f64 / adam,
             Work::DeviceAdam(elements) => {
-                // 28 bytes of memory traffic per element on the device
                 Self::seconds_at(4 * elements, self.h2d_rate(false))
-                    + Self::seconds_at(28 * elements, copies.device_to_device.value)
+                    + self.seconds(Work::DeviceAdamOnly(elements))
             }
+            // 28 bytes of memory traffic per element on the device
+            Work::DeviceAdamOnly(elements) => Self::seconds_at(28 * elements, copies.device_to_device.value),
             Work::Pass(elements) => Self::seconds_at(4 * elements, copies.host_memcpy_parallel.value),
         }
     }

@@ -122,10 +122,14 @@ pub fn simulate(plan: &Plan, profile: &Profile) -> Simulation {
     let p = plan.precision.bytes() as f64;
     let offloaded =
         plan.zero.offload_param.tier != Tier::Device || plan.zero.offload_optimizer.tier != Tier::Device;
+    // the parameters' training precision each way, except that the step's gradient of
+    // several micro-batches reaches an fp32 optimizer as their fp32 sum: 4 bytes once, or
+    // each micro-batch's gradient in the training precision, whichever is less
+    let micro_batches = plan.batch.gradient_accumulation_steps as f64;
     let pcie_minimum_per_param = if profile.is_cpu() || !offloaded {
         0.0
     } else {
-        2.0 * p
+        p + (micro_batches * p).min(4.0_f64.max(p))
     };
     let compute_s = busy.get(&Track::Compute).map_or(0.0, |b| b.0);
     let (bound, bound_s) = bound(plan, profile, compute_s, pcie_minimum_per_param);
@@ -196,15 +200,31 @@ fn bound(plan: &Plan, profile: &Profile, compute_s: f64, pcie_min: f64) -> (Stri
     let gb = 1e9;
     let mut candidates = vec![("compute".to_string(), compute_s)];
     if pcie_min > 0.0 {
-        let each_way = pcie_min / 2.0 * per_rank;
+        let p = plan.precision.bytes() as f64;
         candidates.push((
             "PCIe h2d".into(),
-            each_way / (profile.copies.h2d_pinned.value * gb),
+            p * per_rank / (profile.copies.h2d_pinned.value * gb),
         ));
         candidates.push((
             "PCIe d2h".into(),
-            each_way / (profile.copies.d2h_pinned.value * gb),
+            (pcie_min - p) * per_rank / (profile.copies.d2h_pinned.value * gb),
         ));
+    }
+    if plan.world_size > 1 {
+        // the link: a ring moves (W-1)/W of each buffer; at stages 2–3 every micro-batch
+        // reduce-scatters each gradient (a rank keeps only its shard's sum) and stage 3
+        // gathers each unit at least once a step; stages 0–1 all-reduce the step's fp32
+        // gradients once (twice a buffer's traffic)
+        let w = plan.world_size as f64;
+        let ring = (w - 1.0) / w * params;
+        let micro_batches = plan.batch.gradient_accumulation_steps as f64;
+        let wire = plan.communication.kind().elt_size_in_bytes() as f64;
+        let bytes = match plan.zero.stage {
+            0 | 1 => 2.0 * 4.0 * ring,
+            2 => micro_batches * wire * ring,
+            _ => micro_batches * wire * ring + plan.precision.bytes() as f64 * ring,
+        };
+        candidates.push(("the link".into(), bytes / (profile.link.bus_gb_s.value * gb)));
     }
     // the share of the parameters whose optimizer state is off the device, and on NVMe
     let tiers = crate::plan::rules::optimizer_tiers(plan);

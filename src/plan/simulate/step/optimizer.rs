@@ -24,9 +24,15 @@ impl Replay<'_> {
         for (u, stored) in stored_grads.into_iter().enumerate() {
             let len = self.optimizer_len(u);
             match self.optimizer_tiers[u] {
+                Tier::Device if rules::device_accumulation(self.plan) => {
+                    // fused AdamW on the step's gradient sum, already on the device; the
+                    // span counts the 16 bytes of state the engine's optimizer span counts
+                    let seconds = self.costs.seconds(Cost::DeviceAdamOnly(len));
+                    self.clocks
+                        .run(Track::Optimizer, "optimizer", Some(u), seconds, 16 * len);
+                }
                 Tier::Device => {
-                    // the host accumulator to the device, then fused AdamW there; the span
-                    // counts the 16 bytes of state the engine's optimizer span counts
+                    // the host accumulator to the device, then fused AdamW there
                     let grads = len * 4;
                     let seconds = self.costs.seconds(Cost::DeviceAdam(len));
                     self.clocks
