@@ -33,9 +33,11 @@ fn gib(b: u64) -> String {
 
 /// `offload_optimizer.ratio: "auto"`: the most units, in forward order, whose optimizer
 /// state (and gradient partition) fits on the device beside everything else the plan
-/// holds there. Without a device budget (a CPU device without `train.device_memory`),
-/// DeepSpeed's default: everything offloaded.
-pub(super) fn fit_optimizer_on_device(plan: &mut Plan, facts: DeviceFacts) {
+/// holds there (`after_speedups`: gradient sums, kept units and activations already
+/// decided; else before them, with the sums only where the config asks for them).
+/// Without a device budget (a CPU device without `train.device_memory`), DeepSpeed's
+/// default: everything offloaded.
+pub(super) fn fit_optimizer_on_device(plan: &mut Plan, facts: DeviceFacts, after_speedups: bool) {
     const KEY: &str = "zero_optimization.offload_optimizer.ratio";
     let offload = &plan.zero.offload_optimizer;
     if !offload.ratio_auto || offload.tier == Tier::Device {
@@ -53,9 +55,9 @@ pub(super) fn fit_optimizer_on_device(plan: &mut Plan, facts: DeviceFacts) {
     let n = plan.model.config.unit_numels().len();
     let with = |k: usize| {
         let mut p = plan.clone();
-        // decided before the device's other "auto" uses (`resolve.rs`): gradient sums on
-        // the device only where the config asks for them
-        p.zero.device_accumulation = plan.train.accumulate_on_device.unwrap_or(false);
+        if !after_speedups {
+            p.zero.device_accumulation = plan.train.accumulate_on_device.unwrap_or(false);
+        }
         // the fraction offloaded that leaves exactly k units on the device
         p.zero.offload_optimizer.ratio = (n - k) as f64 / n as f64;
         while super::rules::optimizer_tiers(&p)

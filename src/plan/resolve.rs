@@ -137,16 +137,21 @@ impl Plan {
             .keep_activations
             .unwrap_or(!plan.train.activation_checkpointing);
         super::auto_batch::decide(&mut plan, auto, facts);
-        // the device's memory goes to optimizer state first ("auto" partial offload: the
-        // units there need neither the CPU optimizer nor PCIe), then to what speeds the
-        // offloaded rest
-        super::auto_tiers::fit_optimizer_on_device(&mut plan, facts);
-        super::auto_batch::fit_device_sums(&mut plan, facts);
-        super::auto_batch::fit_gathered(&mut plan, facts);
-        super::auto_batch::fit_kept_activations(&mut plan, facts);
-        super::auto_tiers::fit_params_in_host(&mut plan);
-        super::auto_tiers::fit_optimizer_in_host(&mut plan);
-        Ok(plan)
+        // the device's memory goes first to what speeds every micro-batch (gradient sums,
+        // kept units, kept activations), then to optimizer state ("auto" partial offload:
+        // those units need neither the CPU optimizer nor PCIe), the rest to host memory
+        // and NVMe; where that leaves more than host memory and the disk hold, optimizer
+        // state takes the device first, the speed-ups what is left (if that fits)
+        let fits = |p: &Plan| super::capacity::TierFit::of(p, facts).fits();
+        let mut fast = plan.clone();
+        fill_device(&mut fast, facts, false);
+        if !fits(&fast) {
+            fill_device(&mut plan, facts, true);
+            if fits(&plan) {
+                return Ok(plan);
+            }
+        }
+        Ok(fast)
     }
 
     /// Bytes of tokens one optimizer step consumes on all ranks.
@@ -479,4 +484,20 @@ fn build_precision(ds: &DsConfig, facts: DeviceFacts) -> Result<Precision, Confi
         consecutive_hysteresis: f.consecutive_hysteresis.unwrap_or(false),
         min_scale: number("fp16.min_loss_scale", f.min_loss_scale, 1.0)?,
     }))
+}
+
+/// The device's `"auto"` uses, then the host's: optimizer state before or after the
+/// micro-batches' speed-ups.
+fn fill_device(plan: &mut Plan, facts: DeviceFacts, optimizer_first: bool) {
+    if optimizer_first {
+        super::auto_tiers::fit_optimizer_on_device(plan, facts, false);
+    }
+    super::auto_batch::fit_device_sums(plan, facts);
+    super::auto_batch::fit_gathered(plan, facts);
+    super::auto_batch::fit_kept_activations(plan, facts);
+    if !optimizer_first {
+        super::auto_tiers::fit_optimizer_on_device(plan, facts, true);
+    }
+    super::auto_tiers::fit_params_in_host(plan);
+    super::auto_tiers::fit_optimizer_in_host(plan);
 }
