@@ -223,7 +223,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     let gpu = Profile::load("h100-pcie5").unwrap();
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
-    let variants: [&[&str]; 13] = [
+    let variants: [&[&str]; 15] = [
         &[],
         &[
             "zero_optimization.stage=0",
@@ -236,6 +236,15 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
             "(the parameters' NVMe directory)",
         ],
         &["bf16.enabled=true"],
+        // the NVMe optimizer's pipeline: reads ahead and writes behind, or writes only
+        &[
+            "zero_optimization.offload_optimizer.pipeline_read=true",
+            "zero_optimization.offload_optimizer.pipeline_write=true",
+        ],
+        &[
+            "zero_optimization.offload_optimizer.pipeline_write=true",
+            "bf16.enabled=true",
+        ],
         &["zero_optimization.stage=2"],
         &["zero_optimization.offload_param.device=cpu"],
         &["zero_optimization.offload_optimizer.device=none"],

@@ -237,7 +237,8 @@ pub enum Leg {
     /// A sub-group's three reads, from when the disk could start them (submitted and the
     /// previous read done) to completion.
     Read,
-    /// AdamW on a sub-group.
+    /// AdamW on a sub-group (its bytes: 16 per element, master and moments read and
+    /// written).
     Update,
     /// A sub-group's three writes, likewise.
     Write,
@@ -395,7 +396,8 @@ pub fn nvme_adam_step_observed(
                     }
                 };
                 let update = t.elapsed();
-                observer.leg(Leg::Update, group.unit, t, Instant::now(), 0);
+                // the bytes of state it reads and writes, as an in-memory update counts them
+                observer.leg(Leg::Update, group.unit, t, Instant::now(), 16 * n as u64);
                 let submit = Instant::now();
                 let mut writes = Vec::with_capacity(3);
                 for (key, buf) in keys.into_iter().zip([master, exp_avg, exp_avg_sq]) {

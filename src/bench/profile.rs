@@ -26,11 +26,17 @@ use tch::{Device, Kind, Tensor};
 
 const REPEATS: usize = 3;
 
-/// Median seconds of `f` over [`REPEATS`] runs after one warm-up.
+/// Short work is repeated until its runs add up to this many seconds (at most
+/// [`MAX_REPEATS`] runs): a median of three sub-millisecond runs follows the machine's
+/// noise more than the work.
+const MIN_SECONDS: f64 = 0.3;
+const MAX_REPEATS: usize = 1000;
+
+/// Median seconds of `f` after one warm-up: [`REPEATS`] runs, more for short work.
 fn timed(mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
     f()?;
     let mut times = Vec::with_capacity(REPEATS);
-    for _ in 0..REPEATS {
+    while times.len() < REPEATS || (times.iter().sum::<f64>() < MIN_SECONDS && times.len() < MAX_REPEATS) {
         let start = Instant::now();
         f()?;
         times.push(start.elapsed().as_secs_f64());
@@ -105,7 +111,7 @@ fn one_rank_rates(
     let seq_len = seq as usize;
     let source = |what: &str| {
         format!(
-            "{what} of {} ({} tokens = {rows} × {seq}, hidden {h}) timed by `tierzero bench profile`, {threads} torch threads per rank, {} ranks at once, median of {REPEATS}",
+            "{what} of {} ({} tokens = {rows} × {seq}, hidden {h}) timed by `tierzero bench profile`, {threads} torch threads per rank, {} ranks at once, median of at least {REPEATS} runs and 0.3 s",
             plan.model.source,
             tokens,
             plan.train.devices

@@ -119,6 +119,27 @@ impl SimStream {
         }
     }
 
+    /// Seconds `work` takes on this stream's machine.
+    pub fn seconds(&self, work: Work) -> f64 {
+        self.0.costs.seconds(work)
+    }
+
+    /// Counts `work` done from `start` to `end` beside the stream's own order (a pipeline
+    /// the stream's thread runs on others), and keeps the stream busy until `end`.
+    pub fn overlapped(&self, work: Work, start: f64, end: f64) {
+        let mut clock = self.clock();
+        *clock.busy.entry(work.phase()).or_default() += end - start;
+        clock.now = clock.now.max(end);
+        if let Some(spans) = clock.spans.as_mut() {
+            spans.push(Span {
+                phase: work.phase(),
+                unit: work.unit(),
+                start,
+                end,
+            });
+        }
+    }
+
     /// Later work starts no earlier than `at`.
     fn wait_until(&self, at: f64) {
         let mut clock = self.clock();

@@ -194,23 +194,90 @@ struct OptimizerContext {
 }
 
 /// The NVMe pipeline's legs: spans on the optimizer's tracks, and on a simulated device
-/// the reads and writes charged to the optimizer thread's stream (the legs run on the
-/// pipeline's own threads).
+/// each sub-group's read, update and write priced on the optimizer thread's stream as
+/// the pipeline orders them (the legs run on its own threads; see [`LegClock`]).
 struct Legs<'t> {
     tracks: &'t Tracks,
-    simulated: Option<SimStream>,
+    simulated: Option<std::sync::Mutex<LegClock>>,
 }
 
 impl pipeline::Observer for Legs<'_> {
     fn leg(&self, leg: pipeline::Leg, unit: u32, start: Instant, end: Instant, bytes: u64) {
-        if let Some(stream) = &self.simulated {
-            match leg {
-                pipeline::Leg::Read => stream.run(Work::NvmeRead(bytes)),
-                pipeline::Leg::Write => stream.run(Work::NvmeWrite(bytes)),
-                _ => {}
-            }
+        if let Some(clock) = &self.simulated {
+            clock.lock().unwrap_or_else(|e| e.into_inner()).leg(leg, bytes);
         }
         self.tracks.leg(leg, unit, start, end, bytes);
+    }
+}
+
+/// One NVMe pipeline run in virtual time (`offload/src/pipeline.rs`): sub-group i's read
+/// waits for a free buffer set (the write of sub-group i − sets) and, without
+/// `pipeline_read`, for update i − 1; its update for its read and, without
+/// `pipeline_write`, for write i − 1; its write for its update; reads, updates and
+/// writes each one after another. The pipeline reports each kind of leg in sub-group
+/// order, each after what it waited for, so the i-th of a kind is sub-group i's.
+pub(super) struct LegClock {
+    stream: SimStream,
+    start: f64,
+    config: PipelineConfig,
+    reads: Vec<f64>,
+    updates: Vec<f64>,
+    writes: Vec<f64>,
+}
+
+impl LegClock {
+    fn new(stream: SimStream, config: PipelineConfig) -> LegClock {
+        LegClock {
+            start: stream.now(),
+            stream,
+            config,
+            reads: Vec::new(),
+            updates: Vec::new(),
+            writes: Vec::new(),
+        }
+    }
+
+    fn leg(&mut self, leg: pipeline::Leg, bytes: u64) {
+        let sets = self.config.sets.max(1);
+        // the end of the leg `back` sub-groups before i (none: the pipeline's start)
+        let at = |v: &[f64], i: usize, back: usize| {
+            i.checked_sub(back)
+                .and_then(|j| v.get(j).copied())
+                .unwrap_or(f64::NEG_INFINITY)
+        };
+        let (work, ready, ends) = match leg {
+            pipeline::Leg::Read => {
+                let i = self.reads.len();
+                let mut ready = at(&self.writes, i, sets).max(at(&self.reads, i, 1));
+                if !self.config.pipeline_read {
+                    // the reader waits for the updater's word, given after its writes
+                    // when it waits for them
+                    ready = ready.max(at(&self.updates, i, 1));
+                    if !self.config.pipeline_write {
+                        ready = ready.max(at(&self.writes, i, 1));
+                    }
+                }
+                (Work::NvmeRead(bytes), ready, &mut self.reads)
+            }
+            pipeline::Leg::Update => {
+                let i = self.updates.len();
+                let mut ready = at(&self.reads, i, 0).max(at(&self.updates, i, 1));
+                if !self.config.pipeline_write {
+                    ready = ready.max(at(&self.writes, i, 1));
+                }
+                (Work::Adam(bytes / 16), ready, &mut self.updates)
+            }
+            pipeline::Leg::Write => {
+                let i = self.writes.len();
+                let ready = at(&self.updates, i, 0).max(at(&self.writes, i, 1));
+                (Work::NvmeWrite(bytes), ready, &mut self.writes)
+            }
+            pipeline::Leg::ReadWait | pipeline::Leg::WriteWait => return,
+        };
+        let start = ready.max(self.start);
+        let end = start + self.stream.seconds(work);
+        ends.push(end);
+        self.stream.overlapped(work, start, end);
     }
 }
 
@@ -395,7 +462,7 @@ impl OptimizerContext {
                 );
                 let legs = Legs {
                     tracks: &self.tracks,
-                    simulated: sim::entered(),
+                    simulated: sim::entered().map(|s| std::sync::Mutex::new(LegClock::new(s, self.pipeline))),
                 };
                 pipeline::nvme_adam_step_observed(
                     tier.store,
@@ -406,9 +473,6 @@ impl OptimizerContext {
                     &legs,
                 )
                 .map_err(self.on.io())?;
-                // priced one sub-group after another (DeepSpeed's default, without
-                // pipeline_read and pipeline_write)
-                sim::charge(Work::Adam(opt_len as u64));
             }
             (Moments::Lent, _) => return Err(invariant("an optimizer job was given state already lent")),
         }

@@ -126,6 +126,31 @@ impl Clocks {
         Mark { at: end, track }
     }
 
+    /// Work on `track` from `start` to `end` beside the track's own order (a pipeline of
+    /// the track's thread running on others); the track is busy until `end`.
+    pub fn place(
+        &mut self,
+        track: Track,
+        (what, unit): (&'static str, Option<usize>),
+        (start, end): (f64, f64),
+        bytes: u64,
+    ) -> Mark {
+        let i = track.index();
+        self.now[i] = self.now[i].max(end);
+        if end > start {
+            self.spans.push(Span {
+                track,
+                what,
+                unit,
+                start,
+                end,
+                bytes,
+                waited_for: None,
+            });
+        }
+        Mark { at: end, track }
+    }
+
     /// Later work on `track` starts no earlier than `mark`.
     pub fn wait(&mut self, track: Track, mark: Mark) {
         let i = track.index();

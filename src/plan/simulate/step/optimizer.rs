@@ -13,12 +13,11 @@ impl Replay<'_> {
     pub(super) fn optimizer(&mut self) {
         let start = self.clocks.mark(Track::Compute);
         self.clocks.wait(Track::Optimizer, start);
-        let (read_gb_s, write_gb_s, adam) = self.costs.shared();
+        let write_gb_s = self.costs.shared().1;
         let opt = &self.plan.zero.offload_optimizer;
         let swap_chunk = self.swap_chunk() as u64;
         let stored_grads = rules::stored_gradients(self.plan);
         let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
-        let pipelined = (opt.pipeline_read || opt.pipeline_write) && rules::pipeline_sets(self.plan) >= 2;
         // the step's stored gradients are consumed here
         self.stored.fill(false);
         for (u, stored) in stored_grads.into_iter().enumerate() {
@@ -49,7 +48,10 @@ impl Replay<'_> {
                     );
                 }
                 Tier::Nvme => {
-                    let n = len.div_ceil(swap_chunk);
+                    // the pipeline's sub-groups (`engine/optimize.rs`, `LegClock`): a read
+                    // waits for a free buffer set and, without pipeline_read, for the last
+                    // update (and its writes without pipeline_write); an update for its read
+                    // and, without pipeline_write, the last write; a write for its update
                     let states = 3 * round_4k(swap_chunk * 4);
                     let read_bytes = states
                         + if stored {
@@ -57,29 +59,46 @@ impl Replay<'_> {
                         } else {
                             0
                         };
-                    let (r, w) = (
-                        Costs::seconds_at(read_bytes, read_gb_s),
-                        Costs::seconds_at(states, write_gb_s),
+                    let (sets, start) = (
+                        rules::pipeline_sets(self.plan).max(1),
+                        self.clocks.now(Track::Optimizer),
                     );
-                    let up = swap_chunk.min(len) as f64 / adam;
-                    for i in 0..n {
-                        // serial read → update → write per sub-group, or a pipeline whose
-                        // slowest stage sets the pace after the first sub-group
-                        let (rr, uu, ww) = if pipelined && i > 0 {
-                            let slowest = r.max(up).max(w);
-                            (
-                                if r == slowest { r } else { 0.0 },
-                                if up == slowest { up } else { 0.0 },
-                                if w == slowest { w } else { 0.0 },
-                            )
-                        } else {
-                            (r, up, w)
-                        };
+                    let at = |v: &[f64], i: usize, back: usize| {
+                        i.checked_sub(back)
+                            .and_then(|j| v.get(j).copied())
+                            .unwrap_or(start)
+                    };
+                    let (mut reads, mut updates, mut writes) = (Vec::new(), Vec::new(), Vec::new());
+                    for i in 0..len.div_ceil(swap_chunk) as usize {
+                        let elements = swap_chunk.min(len - i as u64 * swap_chunk);
+                        let mut ready = at(&writes, i, sets).max(at(&reads, i, 1));
+                        if !opt.pipeline_read {
+                            ready = ready.max(at(&updates, i, 1));
+                            if !opt.pipeline_write {
+                                ready = ready.max(at(&writes, i, 1));
+                            }
+                        }
+                        let end = ready + self.costs.seconds(Cost::NvmeRead(read_bytes));
                         self.clocks
-                            .run(Track::Optimizer, "nvme_read", Some(u), rr, read_bytes);
-                        self.clocks.run(Track::Optimizer, "optimizer", Some(u), uu, 0);
+                            .place(Track::Optimizer, ("nvme_read", Some(u)), (ready, end), read_bytes);
+                        reads.push(end);
+                        let mut ready = end.max(at(&updates, i, 1));
+                        if !opt.pipeline_write {
+                            ready = ready.max(at(&writes, i, 1));
+                        }
+                        let end = ready + self.costs.seconds(Cost::Adam(elements));
+                        self.clocks.place(
+                            Track::Optimizer,
+                            ("optimizer", Some(u)),
+                            (ready, end),
+                            16 * elements,
+                        );
+                        updates.push(end);
+                        let ready = end.max(at(&writes, i, 1));
+                        let end = ready + self.costs.seconds(Cost::NvmeWrite(states));
                         self.clocks
-                            .run(Track::Optimizer, "nvme_write", Some(u), ww, states);
+                            .place(Track::Optimizer, ("nvme_write", Some(u)), (ready, end), states);
+                        writes.push(end);
                     }
                 }
             }
