@@ -487,6 +487,35 @@ fn gradient_sums_on_the_device_train_the_bits_of_host_accumulation() {
     }
 }
 
+/// Stage 3 with parameters in host memory or on NVMe, some units' shards on the device
+/// instead (`train.shards_on_device`): the same arithmetic from another tier, so the
+/// bits of the run without it.
+#[test]
+fn shards_on_the_device_train_the_bits_of_shards_off_it() {
+    let dir = disk_dir();
+    for (world, param, optimizer, units) in [
+        (2, "nvme", "cpu", 2),
+        (3, "cpu", "nvme", 1),
+        (1, "nvme", "nvme", 3),
+    ] {
+        let mut p = plan(world, 3, param, optimizer, 3, dir.path(), "fp32");
+        p.zero.overlap_comm = true;
+        let off = master(&p);
+        p.zero.offload_param.device_units = units;
+        let tiers = tierzero::plan::rules::param_tiers(&p);
+        assert_eq!(
+            tiers.iter().filter(|&&t| t == Tier::Device).count(),
+            units,
+            "{tiers:?}"
+        );
+        let on = master(&p);
+        assert!(
+            on == off,
+            "world {world} param {param} optimizer {optimizer}: {units} shards on the device"
+        );
+    }
+}
+
 /// Checked lanes change when lane work runs, never what it computes: the parameters are
 /// the plain lanes' bits (stage 3 gathers on the h2d and gather lanes, stage 2 and 3
 /// reductions on the reduce lane).

@@ -262,6 +262,11 @@ pub struct TrainSection {
     /// gathered again for backward and every micro-batch: "auto" (on a GPU, as many as
     /// fit its memory), true or false.
     pub keep_gathered: Option<Flag>,
+    /// Stage 3 with parameters in host memory or on NVMe: the first units' shards stay on
+    /// the device instead, each gathered from there and updated there once a step:
+    /// "auto" (on a GPU, as many as fit its memory beside the micro-batches' speed-ups),
+    /// true (every unit's) or false.
+    pub shards_on_device: Option<Flag>,
     /// Backward from each unit's kept activations instead of recomputing its forward
     /// (DeepSpeed's behaviour without activation checkpointing), where the unit's
     /// parameters stay on the device through the step: "auto" (where the device budget

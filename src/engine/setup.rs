@@ -142,7 +142,7 @@ pub(super) fn device_reservations(
     (partition_len, grad_bytes): (usize, usize),
 ) -> Result<Vec<Reservation>, EngineError> {
     let mut held = Vec::new();
-    if plan.zero.offload_param.tier == Tier::Device {
+    if param_tiers(plan)[u] == Tier::Device {
         // stages 1-2 gather each update from a partition of its own (`units.rs`)
         let gathered_from = if crate::plan::rules::gathers_updates(plan.zero.stage, part.world) {
             part.shard

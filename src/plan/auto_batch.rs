@@ -6,7 +6,7 @@
 //! `plan` prints each with what it became and why. The same budget decides whether
 //! gradient accumulation may keep its sums on the device (`fit_device_sums`).
 
-use super::{Accelerator, AutoChoice, DeviceFacts, Plan};
+use super::{Accelerator, AutoChoice, DeviceFacts, Plan, Tier};
 
 /// Which batch keys were `"auto"`, and the numbers given beside them.
 #[derive(Clone, Copy, Debug, Default)]
@@ -188,6 +188,54 @@ pub(super) fn fit_kept_activations(plan: &mut Plan, facts: DeviceFacts) {
             fits
         }
     };
+}
+
+/// Stage 3 with parameters off the device: how many units, from the first, keep their
+/// shard on the device (`train.shards_on_device`), of the units fetched for each use (a
+/// unit kept gathered crosses PCIe once a step wherever its shard is): all for true, none
+/// for false, and for "auto", on a GPU, as many as fit its memory beside what the plan
+/// holds there. Such a unit is gathered from its shard with no copy across PCIe, and its
+/// update crosses once a step.
+pub(super) fn fit_shards(plan: &mut Plan, facts: DeviceFacts) {
+    if plan.zero.stage != 3 || plan.zero.offload_param.tier == Tier::Device {
+        return;
+    }
+    // the units fetched for each use: a unit kept gathered crosses once a step anyway
+    let threshold = plan.zero.param_persistence_threshold;
+    let units = plan
+        .model
+        .config
+        .unit_numels()
+        .into_iter()
+        .filter(|&n| n > threshold)
+        .count();
+    if units == 0 {
+        return;
+    }
+    let k = match plan.train.shards_on_device {
+        Some(false) => return,
+        Some(true) => units,
+        None if plan.train.accelerator == Accelerator::Cpu => return,
+        None => {
+            let fits = |k: usize| {
+                let mut p = plan.clone();
+                p.zero.offload_param.device_units = k;
+                fits_budget(&p, facts)
+            };
+            (0..=units).rev().find(|&k| fits(k)).unwrap_or(0)
+        }
+    };
+    plan.zero.offload_param.device_units = k;
+    if plan.train.shards_on_device.is_none() && k > 0 {
+        plan.auto.push(AutoChoice {
+            key: "train.shards_on_device",
+            value: k as f64,
+            why: format!(
+                "of the {units} units fetched for each use keep their parameter shard on the GPU, the most \
+                 that fit its memory: gathered from there, updated there once a step"
+            ),
+        });
+    }
 }
 
 /// Stage 3: which gathered units stay on the device for the whole step (gathered once per

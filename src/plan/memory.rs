@@ -186,8 +186,9 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
     let opt_len = |p: &Partition| if stage == 0 { p.padded } else { p.shard } as u64;
     let mut bytes = DeviceBytes::default();
     let optimizer_tiers = super::rules::optimizer_tiers(plan);
-    for (p, &optimizer_tier) in parts.iter().zip(&optimizer_tiers) {
-        if plan.zero.offload_param.tier == Tier::Device {
+    let param_tiers = super::rules::param_tiers(plan);
+    for ((p, &optimizer_tier), &param_tier) in parts.iter().zip(&optimizer_tiers).zip(&param_tiers) {
+        if param_tier == Tier::Device {
             bytes.parameters += elem * if stage == 3 { p.shard } else { p.padded } as u64;
             if gathers_updates(stage, world) {
                 // the new partition, all-gathered from there into the replica

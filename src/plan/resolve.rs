@@ -237,6 +237,10 @@ fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError
             None | Some(Flag::Auto) => None,
             Some(Flag::Value(on)) => Some(on),
         },
+        shards_on_device: match t.shards_on_device {
+            None | Some(Flag::Auto) => None,
+            Some(Flag::Value(on)) => Some(on),
+        },
         keep_activations: match t.keep_activations {
             None | Some(Flag::Auto) => None,
             Some(Flag::Value(on)) => Some(on),
@@ -496,6 +500,7 @@ fn fill_device(plan: &mut Plan, facts: DeviceFacts, optimizer_first: bool) {
     super::auto_batch::fit_gathered(plan, facts);
     super::auto_batch::fit_kept_activations(plan, facts);
     if !optimizer_first {
+        super::auto_batch::fit_shards(plan, facts);
         super::auto_tiers::fit_optimizer_on_device(plan, facts, true);
     }
     super::auto_tiers::fit_params_in_host(plan);

@@ -279,6 +279,8 @@ fn param_offload(tier: Tier, op: OffloadParamSection) -> Result<ParamOffload, Co
             1_000_000_000,
         )?,
         max_in_cpu_auto: matches!(op.max_in_cpu, Some(Num::Auto)),
+        // decided with the device's other uses (`auto_batch::fit_shards`)
+        device_units: 0,
     })
 }
 

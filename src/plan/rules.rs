@@ -161,15 +161,28 @@ pub fn head_slice_rows(vocab: i64, hidden: i64) -> i64 {
 /// `offload_param.max_in_cpu` stay in host memory (DeepSpeed's meaning: it keeps that many
 /// 16-bit parameter elements in CPU buffers and swaps the rest; its default 1e9 keeps a
 /// model of up to a billion parameters off the disk). Whole units: the first that does
-/// not fit, and every one after it, is on NVMe.
+/// not fit, and every one after it, is on NVMe. At stage 3 the shards of the first
+/// `offload_param.device_units` units that are fetched for each use (larger than
+/// `stage3_param_persistence_threshold`: a unit kept gathered crosses once a step
+/// wherever its shard is) stay on the device (`train.shards_on_device`).
 pub fn param_tiers(plan: &Plan) -> Vec<Tier> {
     let param = &plan.zero.offload_param;
     let mut spill = spill_to_nvme(param.max_in_cpu);
+    let mut on_device = if plan.zero.stage == 3 {
+        param.device_units
+    } else {
+        0
+    };
     plan.model
         .config
         .unit_numels()
         .into_iter()
         .map(|numel| match param.tier {
+            // `train.shards_on_device`: the first fetched units' shards stay on the device
+            _ if on_device > 0 && numel > plan.zero.param_persistence_threshold => {
+                on_device -= 1;
+                Tier::Device
+            }
             Tier::Nvme => spill(numel),
             tier => tier,
         })

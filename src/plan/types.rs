@@ -182,6 +182,10 @@ pub struct ParamOffload {
     pub max_in_cpu: usize,
     /// `max_in_cpu` was `"auto"`: the plan fills host memory (`auto_tiers::fit_params_in_host`).
     pub max_in_cpu_auto: bool,
+    /// Stage 3 with the parameters off the device: how many of the units fetched for each
+    /// use (not kept gathered), from the first, keep their shard on the device instead
+    /// (`train.shards_on_device`).
+    pub device_units: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -313,6 +317,8 @@ pub struct Train {
     pub accumulate_on_device: Option<bool>,
     /// `train.keep_gathered`: None for "auto".
     pub keep_gathered: Option<bool>,
+    /// `train.shards_on_device`: None for "auto".
+    pub shards_on_device: Option<bool>,
     /// `train.keep_activations`: None for "auto".
     pub keep_activations: Option<bool>,
     /// A ds_config `activation_checkpointing` section is present (recompute asked for).

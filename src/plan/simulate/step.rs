@@ -159,7 +159,7 @@ impl<'a> Replay<'a> {
         self.fresh[u] = false;
         let m = self.updated[u];
         self.clocks.wait(Track::Compute, m);
-        if self.plan.zero.offload_param.tier == Tier::Device && self.optimizer_tiers[u] != Tier::Device {
+        if self.param_tiers[u] == Tier::Device && self.optimizer_tiers[u] != Tier::Device {
             let bytes = self.optimizer_len(u) * self.p();
             let rate = self.costs.h2d_rate(false);
             self.clocks.run(
@@ -215,7 +215,7 @@ impl<'a> Replay<'a> {
                 }
             }
         }
-        if self.world() == 1 && self.plan.zero.offload_param.tier != Tier::Device {
+        if self.world() == 1 && self.param_tiers[u] != Tier::Device {
             return ready;
         }
         self.clocks.wait(Track::Collectives, issued);
