@@ -2,7 +2,8 @@
 # The simulated step against real CPU runs: measures this machine's profile at the
 # shapes of three runs (`tierzero bench profile`), runs each for real, and prints the
 # prediction (`plan --simulate`) beside the measurement: step time and each phase's
-# busy time (medians of the steps after the warm-up).
+# busy time (medians of the steps after the warm-up); each run also times itself on the
+# profile's clocks (`train --simulate`, the simulated device running the engine).
 #
 #   scripts/sim_check.sh [STEPS]          (default 6; the first 2 are warm-up)
 #
@@ -58,7 +59,8 @@ compare() { # $1: name; the rest: config arguments
   "$bin" plan "$@" --set "train.output_dir=$work/out-$name" --simulate "$work/profile.json" --json > "$work/sim-$name.json"
   if [ -z "${REUSE:-}" ] || [ ! -s "$work/out-$name/metrics.jsonl" ]; then
     rm -rf "$work/out-$name"
-    "$bin" train "$@" --set "train.output_dir=$work/out-$name" > "$work/train-$name.log" 2>&1
+    # the run also times itself on the profile's clocks (the simulated device)
+    "$bin" train "$@" --simulate "$work/profile.json" --set "train.output_dir=$work/out-$name" > "$work/train-$name.log" 2>&1
   fi
   python3 - "$work" "$name" <<'PY'
 import json, sys
@@ -68,6 +70,9 @@ steps = [json.loads(l) for l in open(f"{work}/out-{name}/metrics.jsonl")][2:]
 med = lambda xs: sorted(xs)[len(xs) // 2]
 real = med([s["step_seconds"] for s in steps])
 print(f"{name}: step {sim['step_s']:.4f} s predicted, {real:.4f} s measured ({sim['step_s'] / real - 1:+.0%})")
+if all("simulated" in s for s in steps):
+    device = med([s["simulated"]["step_seconds"] for s in steps])
+    print(f"  the same run on the simulated device: {device:.4f} s ({device / real - 1:+.0%})")
 for phase in ("forward", "backward", "all_gather", "reduce", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer"):
     r = med([s["breakdown"]["seconds"].get(phase, 0.0) for s in steps])
     p = sim["phases"].get(phase, 0.0)

@@ -39,7 +39,13 @@ pub fn run(
     let profile = simulate.as_deref().map(super::plan::load_profile).transpose()?;
     let loaded = match &profile {
         Some(profile) => {
-            let mut loaded = load_config_on(&config, profile.facts())?;
+            // a CPU profile is this machine's (or one like it): the plan is this CPU's
+            let facts = if profile.is_cpu() {
+                tierzero::device::facts()
+            } else {
+                profile.facts()
+            };
+            let mut loaded = load_config_on(&config, facts)?;
             // the machine's plan, computed on this CPU
             loaded.plan.train.accelerator = plan::Accelerator::Cpu;
             println!(

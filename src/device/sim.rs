@@ -64,6 +64,23 @@ struct Clock {
     spans: Option<Vec<Span>>,
 }
 
+impl Clock {
+    /// `work` from `start` to `end`: its phase's busy time, the clock at least at `end`,
+    /// and its span when tracing.
+    fn busy_with(&mut self, work: Work, start: f64, end: f64) {
+        *self.busy.entry(work.phase()).or_default() += end - start;
+        self.now = self.now.max(end);
+        if let Some(spans) = self.spans.as_mut() {
+            spans.push(Span {
+                phase: work.phase(),
+                unit: work.unit(),
+                start,
+                end,
+            });
+        }
+    }
+}
+
 /// A piece of work (its phase and unit) or a wait (phase "wait"), in virtual seconds.
 #[derive(Clone, Copy, Debug)]
 struct Span {
@@ -106,17 +123,7 @@ impl SimStream {
         let seconds = self.0.costs.seconds(work);
         let mut clock = self.clock();
         let start = clock.now;
-        clock.now += seconds;
-        *clock.busy.entry(work.phase()).or_default() += seconds;
-        let end = clock.now;
-        if let Some(spans) = clock.spans.as_mut() {
-            spans.push(Span {
-                phase: work.phase(),
-                unit: work.unit(),
-                start,
-                end,
-            });
-        }
+        clock.busy_with(work, start, start + seconds);
     }
 
     /// Seconds `work` takes on this stream's machine.
@@ -127,17 +134,7 @@ impl SimStream {
     /// Counts `work` done from `start` to `end` beside the stream's own order (a pipeline
     /// the stream's thread runs on others), and keeps the stream busy until `end`.
     pub fn overlapped(&self, work: Work, start: f64, end: f64) {
-        let mut clock = self.clock();
-        *clock.busy.entry(work.phase()).or_default() += end - start;
-        clock.now = clock.now.max(end);
-        if let Some(spans) = clock.spans.as_mut() {
-            spans.push(Span {
-                phase: work.phase(),
-                unit: work.unit(),
-                start,
-                end,
-            });
-        }
+        self.clock().busy_with(work, start, end);
     }
 
     /// Later work starts no earlier than `at`.

@@ -108,22 +108,8 @@ impl Clocks {
         seconds: f64,
         bytes: u64,
     ) -> Mark {
-        let i = track.index();
-        let start = self.now[i];
-        let end = start + seconds.max(0.0);
-        self.now[i] = end;
-        if end > start {
-            self.spans.push(Span {
-                track,
-                what,
-                unit,
-                start,
-                end,
-                bytes,
-                waited_for: None,
-            });
-        }
-        Mark { at: end, track }
+        let start = self.now(track);
+        self.place(track, (what, unit), (start, start + seconds.max(0.0)), bytes)
     }
 
     /// Work on `track` from `start` to `end` beside the track's own order (a pipeline of
