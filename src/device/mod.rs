@@ -10,6 +10,8 @@
 //! [`lanes`] are the ordered work queues (h2d, gather, reduce, …) with events that give
 //! the step its overlap, and [`pool`] the reusable buffers released only after the event
 //! of their last use; both have a checked mode that turns a missing wait into NaN.
+//! [`sim`] is the simulated device: streams with virtual clocks that time the engine's
+//! own schedule on a profiled machine while its payload runs on the CPU.
 
 pub mod cpu;
 pub mod cuda;
@@ -46,8 +48,6 @@ fn available_host_memory() -> Option<u64> {
     Some(kib * 1024 / processes)
 }
 
-/// What this machine has, for the plan's `"auto"` choices (asks libtorch; no GPU and no
-/// driver is simply 0 GPUs).
 /// Whether this CPU has bf16 matrix units (`avx512_bf16` or `amx_bf16` in /proc/cpuinfo;
 /// false where it cannot be read).
 pub fn cpu_bf16() -> bool {
@@ -59,6 +59,8 @@ pub fn cpu_bf16() -> bool {
     })
 }
 
+/// What this machine has, for the plan's `"auto"` choices (asks libtorch; no GPU and no
+/// driver is simply 0 GPUs).
 pub fn facts() -> DeviceFacts {
     let cuda_devices = if tch::Cuda::is_available() {
         tch::Cuda::device_count().max(0) as usize
