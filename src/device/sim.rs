@@ -70,10 +70,15 @@ impl Clock {
     fn busy_with(&mut self, work: Work, start: f64, end: f64) {
         *self.busy.entry(work.phase()).or_default() += end - start;
         self.now = self.now.max(end);
+        self.span(work.phase(), work.unit(), start, end);
+    }
+
+    /// Keeps a span for the trace, when tracing.
+    fn span(&mut self, phase: &'static str, unit: Option<usize>, start: f64, end: f64) {
         if let Some(spans) = self.spans.as_mut() {
             spans.push(Span {
-                phase: work.phase(),
-                unit: work.unit(),
+                phase,
+                unit,
                 start,
                 end,
             });
@@ -144,14 +149,7 @@ impl SimStream {
             let start = clock.now;
             clock.waited += at - start;
             clock.now = at;
-            if let Some(spans) = clock.spans.as_mut() {
-                spans.push(Span {
-                    phase: "wait",
-                    unit: None,
-                    start,
-                    end: at,
-                });
-            }
+            clock.span("wait", None, start, at);
         }
     }
 

@@ -496,10 +496,6 @@ impl Fresh<'_> {
     }
 }
 
-/// AdamW on device-tier state: the gradient (scaled as the CPU kernel scales it) to the
-/// state's device, torch's fused kernel there, and the new master in the training
-/// precision into `fresh`: on the device when the parameters live there, else copied back
-/// to host memory.
 /// Where a device-tier update reads its gradient: the step's sum on the device, or the
 /// host accumulator.
 enum DeviceGrad<'g> {
@@ -507,6 +503,10 @@ enum DeviceGrad<'g> {
     Host(GradSlice<'g>),
 }
 
+/// AdamW on device-tier state: the gradient (scaled as the CPU kernel scales it) to the
+/// state's device, torch's fused kernel there, and the new master in the training
+/// precision into `fresh`: on the device when the parameters live there, else copied back
+/// to host memory.
 fn device_update(
     state: &mut DeviceState,
     grad: DeviceGrad<'_>,
@@ -518,12 +518,13 @@ fn device_update(
     let mut grad = match grad {
         // scaled in place: the next step's first contribution overwrites it
         DeviceGrad::Sum(sum) => sum,
-        DeviceGrad::Host(GradSlice::F32(g)) => Tensor::f_from_slice(g)?.f_to(device)?,
-        DeviceGrad::Host(GradSlice::Bf16(g)) => {
-            crate::torch::tensor_u16(g, Kind::BFloat16, tch::Device::Cpu)?
-                .f_to_kind(Kind::Float)?
-                .f_to(device)?
+        DeviceGrad::Host(g) => match g {
+            GradSlice::F32(g) => Tensor::f_from_slice(g)?,
+            GradSlice::Bf16(g) => {
+                crate::torch::tensor_u16(g, Kind::BFloat16, tch::Device::Cpu)?.f_to_kind(Kind::Float)?
+            }
         }
+        .f_to(device)?,
     };
     let _ = grad.f_mul_scalar_(f64::from(step.coefficients.grad_scale))?;
     let DeviceState {

@@ -120,7 +120,7 @@ impl Costs {
 
     /// The machine's NVMe read and write rates and CPU AdamW rate as one rank sees them:
     /// the ranks of a process share its disk and cores, and all run the same schedule.
-    pub fn shared(&self) -> (f64, f64, f64) {
+    fn shared(&self) -> (f64, f64, f64) {
         let ranks = self.plan.train.devices.max(1) as f64;
         let p = &self.profile;
         (
@@ -131,7 +131,7 @@ impl Costs {
     }
 
     /// A host→device copy's rate: pinned or pageable on a GPU, a memcpy on a CPU.
-    pub fn h2d_rate(&self, pinned: bool) -> f64 {
+    fn h2d_rate(&self, pinned: bool) -> f64 {
         let c = &self.profile.copies;
         match (self.cuda(), pinned) {
             (false, _) => c.host_memcpy.value,
@@ -142,7 +142,7 @@ impl Costs {
 
     /// A copy out of the device: into pinned host memory on a GPU (every stretch leaves
     /// through pinned staging, `engine/reduce.rs`), a memcpy on a CPU.
-    pub fn d2h_rate(&self) -> f64 {
+    fn d2h_rate(&self) -> f64 {
         let c = &self.profile.copies;
         if self.cuda() {
             c.d2h_pinned.value

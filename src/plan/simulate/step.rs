@@ -34,7 +34,6 @@ mod reduce;
 /// What one rank's step costs, by track, in virtual seconds.
 pub(super) struct Replay<'a> {
     plan: &'a Plan,
-    profile: &'a Profile,
     /// The profile's price of each piece of work.
     costs: Costs,
     pub clocks: Clocks,
@@ -74,7 +73,6 @@ impl<'a> Replay<'a> {
         let parts_len = parts.len();
         Replay {
             plan,
-            profile,
             costs: Costs::new(plan, profile),
             clocks: Clocks::default(),
             parts,
@@ -161,14 +159,8 @@ impl<'a> Replay<'a> {
         self.clocks.wait(Track::Compute, m);
         if self.param_tiers[u] == Tier::Device && self.optimizer_tiers[u] != Tier::Device {
             let bytes = self.optimizer_len(u) * self.p();
-            let rate = self.costs.h2d_rate(false);
-            self.clocks.run(
-                Track::Compute,
-                "h2d",
-                Some(u),
-                Costs::seconds_at(bytes, rate),
-                bytes,
-            );
+            let seconds = self.costs.seconds(Cost::H2dPageable(bytes));
+            self.clocks.run(Track::Compute, "h2d", Some(u), seconds, bytes);
             self.pcie[0] += if self.cuda() { bytes } else { 0 };
         }
         true
@@ -181,7 +173,6 @@ impl<'a> Replay<'a> {
         let part = self.parts[u];
         let shard_bytes = part.shard as u64 * self.p();
         let issued = self.clocks.mark(Track::Compute);
-        let copies = self.profile.copies.clone();
         let mut ready = issued;
         match self.param_tiers[u] {
             Tier::Device => {}
@@ -191,24 +182,25 @@ impl<'a> Replay<'a> {
                 // and the copy
                 self.clocks.wait(Track::H2d, issued);
                 if tier == Tier::Nvme {
-                    let read = Costs::seconds_at(shard_bytes, self.costs.shared().0)
-                        + Costs::seconds_at(shard_bytes, copies.host_memcpy.value);
+                    let read = self.costs.seconds(Cost::NvmeRead(shard_bytes))
+                        + self.costs.seconds(Cost::Fill {
+                            bytes: shard_bytes,
+                            parallel: false,
+                        });
                     self.clocks
                         .run(Track::H2d, "nvme_read", Some(u), read, shard_bytes);
                 }
                 if self.cuda() {
-                    let rate = if tier == Tier::Cpu {
-                        copies.host_memcpy_parallel.value
-                    } else {
-                        copies.host_memcpy.value
-                    };
-                    let memcpy = Costs::seconds_at(shard_bytes, rate);
+                    let memcpy = self.costs.seconds(Cost::Fill {
+                        bytes: shard_bytes,
+                        parallel: tier == Tier::Cpu,
+                    });
                     self.clocks.run(Track::H2d, "staging", Some(u), memcpy, 0);
-                    let copy = Costs::seconds_at(shard_bytes, copies.h2d_pinned.value);
+                    let copy = self.costs.seconds(Cost::H2d(shard_bytes));
                     self.pcie[0] += shard_bytes;
                     ready = self.clocks.run(Track::H2d, "h2d", Some(u), copy, shard_bytes);
                 } else if tier == Tier::Cpu {
-                    let memcpy = Costs::seconds_at(shard_bytes, copies.host_memcpy.value);
+                    let memcpy = self.costs.seconds(Cost::H2d(shard_bytes));
                     ready = self.clocks.run(Track::H2d, "h2d", Some(u), memcpy, shard_bytes);
                 } else {
                     ready = self.clocks.mark(Track::H2d);
@@ -221,7 +213,7 @@ impl<'a> Replay<'a> {
         self.clocks.wait(Track::Collectives, issued);
         self.clocks.wait(Track::Collectives, ready);
         let bytes = part.padded as u64 * self.p();
-        let seconds = self.costs.seconds(Cost::Collective(bytes));
+        let seconds = self.costs.seconds(Cost::Gather(bytes));
         self.clocks
             .run(Track::Collectives, "all_gather", Some(u), seconds, bytes)
     }

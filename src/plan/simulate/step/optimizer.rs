@@ -3,7 +3,7 @@
 //! sent back to theirs.
 
 use super::super::clock::Track;
-use super::super::costs::{Costs, Work as Cost};
+use super::super::costs::Work as Cost;
 use super::{round_4k, Replay};
 use crate::plan::rules;
 use crate::plan::Tier;
@@ -13,7 +13,6 @@ impl Replay<'_> {
     pub(super) fn optimizer(&mut self) {
         let start = self.clocks.mark(Track::Compute);
         self.clocks.wait(Track::Optimizer, start);
-        let write_gb_s = self.costs.shared().1;
         let opt = &self.plan.zero.offload_optimizer;
         let swap_chunk = self.swap_chunk() as u64;
         let stored_grads = rules::stored_gradients(self.plan);
@@ -109,7 +108,7 @@ impl Replay<'_> {
                     Track::Optimizer,
                     "nvme_write",
                     Some(u),
-                    Costs::seconds_at(shard, write_gb_s),
+                    self.costs.seconds(Cost::NvmeWrite(shard)),
                     shard,
                 );
             }

@@ -15,7 +15,6 @@ impl Replay<'_> {
     /// head's precedes the embedding's).
     pub(super) fn accumulate(&mut self, u: usize, more: bool) {
         let part = self.parts[u];
-        let copies = self.profile.copies.clone();
         let wire = self.plan.communication.kind().elt_size_in_bytes() as u64;
         if self.stage() < 2 {
             // to the host accumulator as fp32, in the compute thread (from a GPU in the
@@ -55,13 +54,13 @@ impl Replay<'_> {
         // step's last contribution leaves for the host (`rules::device_accumulation`)
         let on_device = rules::device_accumulation(self.plan);
         let to_host = !on_device || (self.last_micro && !more);
-        let device_add = |out: u64| Costs::seconds_at(out, copies.device_to_device.value);
+        let device_add = |out: u64| self.costs.seconds(Cost::OnDevice(out));
         for chunk in 0..chunks {
             let k = stretch.min(shard - chunk * stretch);
             let out = 4 * k;
             if world > 1 {
                 let bucket = wire * world * k;
-                let pack = Costs::seconds_at(bucket, copies.device_to_device.value);
+                let pack = self.costs.seconds(Cost::OnDevice(bucket));
                 self.clocks.run(Track::Collectives, "d2h", Some(u), pack, bucket);
                 let rs = self.costs.seconds(Cost::Collective(bucket));
                 self.clocks.run(Track::Collectives, "reduce", Some(u), rs, bucket);
@@ -92,7 +91,7 @@ impl Replay<'_> {
                     .run(Track::Collectives, "copy_out", Some(u), copy, crossing);
             }
             self.pcie[1] += if self.cuda() { crossing } else { 0 };
-            let add = Costs::seconds_at(out, self.costs.host_add_rate(k));
+            let add = self.costs.seconds(Cost::HostAdd(k));
             self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
         }
         if nvme && to_host {
@@ -102,11 +101,11 @@ impl Replay<'_> {
             let n = elements.div_ceil(swap_chunk);
             let bytes = n * round_4k(swap_chunk * accumulator);
             if std::mem::replace(&mut self.stored[u], true) {
-                let read = Costs::seconds_at(bytes, self.costs.shared().0);
+                let read = self.costs.seconds(Cost::NvmeRead(bytes));
                 self.clocks
                     .run(Track::Collectives, "nvme_read", Some(u), read, bytes);
             }
-            let write = Costs::seconds_at(bytes, self.costs.shared().1);
+            let write = self.costs.seconds(Cost::NvmeWrite(bytes));
             self.clocks
                 .run(Track::Collectives, "nvme_write", Some(u), write, bytes);
         }
@@ -124,10 +123,10 @@ impl Replay<'_> {
     fn to_host(&self, elements: u64, kind: u64) -> (f64, u64) {
         let out = 4 * elements;
         if !self.cuda() {
-            return (Costs::seconds_at(out, self.costs.d2h_rate()), out);
+            return (self.costs.seconds(Cost::D2h(out)), out);
         }
         let crossing = kind * elements;
-        (Costs::seconds_at(crossing, self.costs.d2h_rate()), crossing)
+        (self.costs.seconds(Cost::D2h(crossing)), crossing)
     }
 
     /// Elements per swap chunk: the store's rule over the largest optimizer partition,
@@ -162,7 +161,7 @@ impl Replay<'_> {
                 .filter(|&u| !stored[u])
                 .map(|u| self.optimizer_len(u))
                 .sum();
-            seconds += Costs::seconds_at(elements * 4, self.profile.copies.host_memcpy_parallel.value);
+            seconds += self.costs.seconds(Cost::Pass(elements));
         }
         self.clocks.run(Track::Compute, "reduce", None, seconds, 0);
         // install_all: every update of the last step is in before this step's goes out
