@@ -285,6 +285,38 @@ fn pipeline_stops_with_the_error_instead_of_hanging() {
 }
 
 #[test]
+fn discarding_dead_gradients_frees_their_file_and_keeps_the_state() {
+    let dir = test_dir();
+    let engine = engines(dir.path(), None).remove(0);
+    let store = store_with(engine, dir.path(), &[10_000, 4096], 4096);
+    let key = |state| TensorKey {
+        unit: 0,
+        rank: 0,
+        state,
+    };
+    let master = values(10_000, 7, 1.0);
+    let mut scratch = IoBuf::new(store.chunk_bytes(4)).unwrap();
+    scratch = store
+        .write_tensor(key(State::Master), as_bytes(&master), scratch)
+        .unwrap();
+    let grads = store.file_path(0, State::Grad);
+    let before = std::fs::metadata(&grads).unwrap().len();
+    assert!(before > 0);
+    assert_eq!(store.discard(0, State::Grad).unwrap(), before);
+    assert_eq!(std::fs::metadata(&grads).unwrap().len(), 0);
+    assert_eq!(store.discard(3, State::Grad).unwrap(), 0, "no such file");
+    let mut back = vec![0f32; 10_000];
+    scratch = store
+        .read_tensor(key(State::Master), as_bytes_mut(&mut back), scratch)
+        .unwrap();
+    assert_eq!(back, master);
+    let mut dead = vec![0f32; 10_000];
+    assert!(store
+        .read_tensor(key(State::Grad), as_bytes_mut(&mut dead), scratch)
+        .is_err());
+}
+
+#[test]
 fn stale_files_are_removed_and_foreign_files_kept() {
     let dir = test_dir();
     let engine = engines(dir.path(), None).remove(0);

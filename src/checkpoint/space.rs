@@ -6,7 +6,8 @@
 //! moments, the parameters in the training precision) and, with
 //! `stage3_gather_16bit_weights_on_model_save`, once more in the training precision; a
 //! save stages the new one before pruning, so `keep_last + 1` exist for a moment. The NVMe
-//! tier's swap files of this node's ranks count when they live on the same file system.
+//! tier's swap files of this node's ranks count when they live on the same file system;
+//! a final save frees the gradients' swap files before it writes.
 
 use crate::plan::disk::{bytes_under, file_system};
 use crate::plan::report::model_states;
@@ -36,8 +37,10 @@ pub fn warning(plan: &Plan) -> Option<String> {
     let available = free + saved;
     let ranks = node_ranks(plan);
     let mut swap = 0u64;
-    // what a final save takes from the swap files as they are (`engine/snapshot.rs`)
+    // what a final save takes from the swap files as they are (`engine/snapshot.rs`),
+    // and the gradients' files it frees before it writes
     let mut taken = 0u64;
+    let mut dead = 0u64;
     for row in model_states(plan) {
         let path = match row.state {
             "parameters" => &plan.zero.offload_param.nvme_path,
@@ -49,7 +52,9 @@ pub fn warning(plan: &Plan) -> Option<String> {
             .is_some_and(|(d, _)| d == device);
         if row.tier == Tier::Nvme && on_this_disk {
             swap += row.bytes_per_rank * ranks;
-            if row.state != "gradients" {
+            if row.state == "gradients" {
+                dead += row.bytes_per_rank * ranks;
+            } else {
                 taken += row.bytes_per_rank * ranks;
             }
         }
@@ -65,8 +70,9 @@ pub fn warning(plan: &Plan) -> Option<String> {
         plan.train.keep_last.max(1) as u64 + 1
     };
     let needed = if only_final {
-        // the checkpoints a restart finds stay until the new one is committed
-        saved + each.saturating_sub(taken) + swap
+        // the checkpoints a restart finds stay until the new one is committed; the
+        // step runs with every swap file, the save with the gradients' freed
+        saved + swap.max(swap - dead + each.saturating_sub(taken))
     } else {
         kept * each + swap
     };

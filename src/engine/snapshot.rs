@@ -140,8 +140,11 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
         files: &[StateFile],
         last: bool,
     ) -> Result<(Vec<f64>, Vec<f64>), EngineError> {
-        let writer = SliceWriter::open(root, step, files).map_err(self.checkpoint_err())?;
         let rank = self.site.rank;
+        if last {
+            self.discard_gradients()?;
+        }
+        let writer = SliceWriter::open(root, step, files).map_err(self.checkpoint_err())?;
         let mut crcs = Vec::with_capacity(files.len() * self.units.len());
         let mut placed = Vec::with_capacity(crcs.capacity());
         let mut taken: Vec<(PathBuf, &'static str)> = Vec::new();
@@ -190,6 +193,24 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
             save::take_file(root, step, &path, kind).map_err(self.checkpoint_err())?;
         }
         Ok((crcs, placed))
+    }
+
+    /// A final save's first act: the last step's gradients on NVMe are dead (every update
+    /// is installed), so their swap file gives its room to the checkpoint's files.
+    fn discard_gradients(&self) -> Result<(), EngineError> {
+        let store = (0..self.units.len()).find_map(|u| self.optimizer.nvme_store(u));
+        if let Some(store) = store {
+            let freed = store
+                .discard(self.site.rank as u32, State::Grad)
+                .map_err(self.site_io())?;
+            if freed > 0 {
+                tracing::debug!(
+                    "rank {}: freed {freed} bytes of dead gradients before the final save",
+                    self.site.rank
+                );
+            }
+        }
+        Ok(())
     }
 
     fn site_io(&self) -> impl Fn(tierzero_offload::nvme::IoError) -> EngineError {

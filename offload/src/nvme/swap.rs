@@ -332,6 +332,31 @@ impl SwapStore {
         file_name(&self.dir, rank, state)
     }
 
+    /// Frees the disk space of `rank`'s `state` file, whose tensors are dead (a run's
+    /// final save drops the last step's gradients before it writes the checkpoint);
+    /// reading them fails afterwards. Returns the bytes freed (0: the store has no such file).
+    pub fn discard(&self, rank: u32, state: State) -> Result<u64, IoError> {
+        let path = self.file_path(rank, state);
+        if !self.files.contains(&path) {
+            return Ok(0);
+        }
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map_err(|source| IoError::Open {
+                path: path.clone(),
+                source,
+            })?;
+        let freed = file.metadata().map(|m| m.len()).unwrap_or(0);
+        file.set_len(0).map_err(|e| {
+            io_at(
+                &path,
+                format!("cannot truncate the dead {} file: {e}", state.name()),
+            )
+        })?;
+        Ok(freed)
+    }
+
     pub fn disk_bytes(&self) -> u64 {
         self.files
             .iter()
