@@ -4,6 +4,7 @@
 //! ranks, and the out-of-memory error.
 
 use serde_json::json;
+use tierzero::metrics::timeline::Phase;
 use tierzero::plan::memory::predict;
 use tierzero::plan::{from_json, DeviceFacts, Plan};
 use tierzero::run::{train, TrainError, TrainOptions};
@@ -91,6 +92,8 @@ fn max_live_parameters_caps_the_gathered_units() {
     for max_live in ["1000000000", "120000", "1"] {
         let sets = [
             "zero_optimization.stage3_param_persistence_threshold=0".to_string(),
+            // the prefetcher alone: no unit held for its backward
+            "zero_optimization.stage3_max_reuse_distance=0".to_string(),
             "zero_optimization.stage3_prefetch_bucket_size=50000000".to_string(),
             format!("zero_optimization.stage3_max_live_parameters={max_live}"),
         ];
@@ -157,7 +160,11 @@ fn a_zero_prefetch_bucket_gathers_only_what_compute_needs() {
             2,
             3,
             "none",
-            &["zero_optimization.stage3_param_persistence_threshold=0", &set],
+            &[
+                "zero_optimization.stage3_param_persistence_threshold=0",
+                "zero_optimization.stage3_max_reuse_distance=0",
+                &set,
+            ],
         );
         let predicted = predict(&p).reserved() as f64;
         let result = train(&p, TrainOptions::default()).unwrap();
@@ -177,6 +184,62 @@ fn a_zero_prefetch_bucket_gathers_only_what_compute_needs() {
     assert_eq!(none_losses, ahead_losses);
 }
 
+/// `stage3_max_reuse_distance` (DeepSpeed's meaning): after its forward a unit stays
+/// gathered for its backward when the elements gathered between are fewer than the
+/// distance, so it is not gathered again; the peak holds those units as predicted, and
+/// the losses are the bits of a run that gathers every use.
+#[test]
+fn units_reused_within_the_distance_are_not_gathered_again() {
+    let run = |distance: &str| {
+        let set = format!("zero_optimization.stage3_max_reuse_distance={distance}");
+        let p = plan(
+            2,
+            3,
+            "none",
+            &["zero_optimization.stage3_param_persistence_threshold=0", &set],
+        );
+        let predicted = predict(&p).reserved() as f64;
+        let result = train(&p, TrainOptions::default()).unwrap();
+        let peak = *result.device_peaks.iter().max().unwrap();
+        assert!(
+            (peak as f64 - predicted).abs() / predicted <= 0.10,
+            "distance {distance}: measured {peak}, predicted {predicted}"
+        );
+        let gathered: u64 = result
+            .steps
+            .iter()
+            .flat_map(|m| &m.breakdown.bytes)
+            .filter(|(phase, _)| *phase == Phase::AllGather)
+            .map(|(_, bytes)| bytes)
+            .sum();
+        let losses: Vec<u64> = result.steps.iter().map(|m| m.loss.to_bits()).collect();
+        (gathered, losses)
+    };
+    let config = plan(2, 3, "none", &[]).model.config;
+    let numels = config.unit_numels();
+    let last = numels.len() - 1;
+    // the unit before the final one: only the final unit (and a tied embedding) is
+    // gathered between its uses
+    let between = numels[last] + if config.tie_word_embeddings { numels[0] } else { 0 };
+    let one = between.to_string();
+    // (each run's peak is checked against its prediction: held units take the place of
+    // units fetched ahead, so the peaks need not rise with the distance)
+    let (every_gathered, every_losses) = run("0");
+    let (some_gathered, some_losses) = run(&(between + 1).to_string());
+    let (all_gathered, all_losses) = run("1000000000");
+    assert!(
+        every_gathered > some_gathered && some_gathered > all_gathered && all_gathered > 0,
+        "{every_gathered} {some_gathered} {all_gathered}"
+    );
+    assert_eq!(
+        run(&one).0,
+        every_gathered,
+        "a distance of exactly the final unit keeps none"
+    );
+    assert_eq!(every_losses, some_losses);
+    assert_eq!(every_losses, all_losses);
+}
+
 /// `tierzero train` in a process of its own (the bridge's allocator counts the whole
 /// process): libtorch's CPU allocator peak over the steps, and the plan's prediction
 /// of what torch tensors hold (all ranks of the process).
@@ -185,7 +248,7 @@ fn allocator_peak(sets: &[&str]) -> (u64, u64) {
     let config = json!({
         "train_micro_batch_size_per_gpu": 2,
         "bf16": { "enabled": true },
-        "zero_optimization": { "stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": { "device": "cpu" } },
+        "zero_optimization": { "stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "offload_optimizer": { "device": "cpu" } },
         "model": { "preset": "llama-tiny" },
         "data": { "synthetic": "markov", "seq_len": 32 },
         "train": { "steps": 3, "devices": 1, "output_dir": tmp.path().join("out"), "keep_activations": false }
@@ -374,7 +437,9 @@ fn device_sums_of_gradient_accumulation_fit_the_gpu_or_stay_on_the_host() {
 #[test]
 fn gathered_units_stay_on_the_gpu_as_far_as_its_memory_has_room() {
     let on_gpu = |memory, sets: &[&str]| {
-        let zero = json!({ "stage": 3, "stage3_param_persistence_threshold": 0 });
+        // no unit held for its backward: in a model this small every one would be
+        let zero =
+            json!({ "stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0 });
         let sets: Vec<&str> = sets
             .iter()
             .copied()

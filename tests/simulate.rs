@@ -36,7 +36,11 @@ fn pcie_bytes_per_parameter_follow_the_engines_schedule() {
     let profile = Profile::load("h100-pcie5").unwrap();
     let plan = plan_on(
         "llama-1b-1gpu-cpu.json",
-        &["train.keep_gathered=false", "train.shards_on_device=false"],
+        &[
+            "train.keep_gathered=false",
+            "train.shards_on_device=false",
+            "zero_optimization.stage3_max_reuse_distance=0",
+        ],
         &profile,
     );
     assert_eq!(plan.precision.name(), "bf16");
@@ -58,6 +62,18 @@ fn pcie_bytes_per_parameter_follow_the_engines_schedule() {
     );
     // bf16 parameters in, and the fp32 sum of 8 micro-batches' gradients out
     assert_eq!(sim.pcie_minimum_per_param, 6.0);
+    // DeepSpeed's default reuse distance (1e9 elements): the embedding and the blocks
+    // within the distance of the head keep their forward gather for the backward
+    let reused = plan_on(
+        "llama-1b-1gpu-cpu.json",
+        &["train.keep_gathered=false", "train.shards_on_device=false"],
+        &profile,
+    );
+    let [reused_h2d, _] = simulate(&reused, &profile).pcie_bytes_per_param;
+    assert!(
+        reused_h2d < h2d - 8.0 && reused_h2d >= 16.0,
+        "{reused_h2d} with reuse, {h2d} without"
+    );
     assert!(sim.mfu > 0.0 && sim.mfu < 1.0, "{}", sim.mfu);
     // as shipped, the GPU's memory keeps every unit gathered for the step: each crosses
     // once, after its update

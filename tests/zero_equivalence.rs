@@ -383,6 +383,8 @@ fn persistent_units_are_gathered_once_per_step() {
     let gathered_per_step = |threshold: usize| -> Vec<u64> {
         let mut p = plan(2, 3, "none", "cpu", 2, dir.path(), "fp32");
         p.zero.param_persistence_threshold = threshold;
+        // every use gathered (none held from its forward to its backward)
+        p.zero.max_reuse_distance = 0;
         let options = TrainOptions {
             lanes: Some(CHECKED),
             ..TrainOptions::default()
@@ -619,15 +621,21 @@ fn every_decomposition_of_a_global_batch_trains_on_the_same_samples() {
 
 /// Backward through kept activations (units whose parameters stay on the device keep
 /// their forward's graph) computes the bits of backward by recompute: stage 0, stage 2
-/// with the optimizer on the host, and stage 3 with every unit kept gathered, two ranks
-/// with accumulation, under checked lanes.
+/// with the optimizer on the host, stage 3 with every unit kept gathered, and stage 3
+/// with parameters on NVMe and the units held gathered from their forward to their
+/// backward (`stage3_max_reuse_distance`), two ranks with accumulation, under checked lanes.
 #[test]
 fn kept_activations_train_the_bits_of_recompute() {
     let nvme = disk_dir();
-    for (stage, optimizer, persistent) in [(0, "none", false), (2, "cpu", false), (3, "cpu", true)] {
-        let mut keep = plan(2, stage, "none", optimizer, 2, nvme.path(), "fp32");
-        if persistent {
-            keep.zero.param_persistence_threshold = usize::MAX;
+    for (stage, param, optimizer, threshold) in [
+        (0, "none", "none", None),
+        (2, "none", "cpu", None),
+        (3, "none", "cpu", Some(usize::MAX)),
+        (3, "nvme", "nvme", Some(0)),
+    ] {
+        let mut keep = plan(2, stage, param, optimizer, 2, nvme.path(), "fp32");
+        if let Some(threshold) = threshold {
+            keep.zero.param_persistence_threshold = threshold;
         }
         let units = keep.model.config.unit_numels().len();
         assert!(

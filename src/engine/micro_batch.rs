@@ -70,11 +70,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 let hold = self.site.device.reserve(bytes, &format!("gathered unit {u}"))?;
                 (
                     self.units.gather_now(u, &self.comms.main, &self.tracks.compute)?,
-                    hold,
+                    Some(hold),
                 )
             }
         };
-        Ok(self.units.keep_if_small(u, tensor, Some(hold)))
+        Ok(self.units.keep_if_small(u, tensor, hold))
     }
 
     /// One micro-batch: forward, the final unit's loss and backward, backward through
@@ -246,6 +246,12 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         for u in (0..graphs.len()).rev() {
             let graph = graphs[u].take();
             let (params, _gathered) = match graph {
+                // a unit held gathered for its backward (`stage3_max_reuse_distance`) is
+                // taken from the prefetcher, so its buffer, which the graph reads, goes
+                // back to the pool only after this use
+                Some(_) if self.stage() == 3 && self.units.persistent(u).is_none() => {
+                    (Tensor::new(), self.fetch(prefetch.as_deref_mut(), u)?.1)
+                }
                 Some(_) => (Tensor::new(), None),
                 None => self.fetch(prefetch.as_deref_mut(), u)?,
             };

@@ -2,7 +2,8 @@
 //! a shard in host memory or on NVMe first goes to device staging on the h2d lane, and
 //! the gather lane waits for that copy. The gather lane all-gathers into a pooled unit
 //! buffer on the device, and the compute thread waits for the gather's event before it
-//! computes, while later units are fetched.
+//! computes, while later units are fetched. A unit whose next use comes within
+//! `stage3_max_reuse_distance` elements stays gathered for it (`plan::fetch::Fetches`).
 //!
 //! Per micro-batch, the order in which units are fetched is fixed and the same on every
 //! rank (`plan::fetch::schedule`). The compute thread asks for units ahead of time, as many as fit
@@ -25,7 +26,7 @@ use crate::device::lanes::{Event, Lane, LaneError, Mark, Mode, Streams};
 use crate::device::pool::{tensor_buffer, Pool};
 use crate::device::sim;
 use crate::metrics::timeline::{Phase, Track};
-use crate::plan::fetch::{may_request, Limits, Purpose};
+use crate::plan::fetch::{may_request, Fetches, Limits, Purpose};
 use crate::plan::partition::Partition;
 use crate::plan::simulate::costs::Work;
 use crate::plan::Precision;
@@ -165,7 +166,12 @@ struct InFlight {
 /// The compute thread's side: issues fetches ahead, takes them in order, and holds the
 /// device memory of each gathered unit from request to release.
 pub struct Prefetcher<'env, C: Collective> {
+    /// The micro-batch's uses, and which are fetched.
+    fetches: Fetches,
+    /// The fetched uses, in order.
     schedule: Vec<(usize, Purpose)>,
+    /// Uses the compute thread took so far.
+    taken: usize,
     numels: Vec<usize>,
     padded_bytes: Vec<u64>,
     /// Units that stay gathered once fetched (not counted as in use, never pooled).
@@ -176,6 +182,10 @@ pub struct Prefetcher<'env, C: Collective> {
     in_use: usize,
     /// Their buffers, returned to the pool when the compute thread moves on.
     using: Vec<Tensor>,
+    /// Units that stay gathered for their next use (`stage3_max_reuse_distance`), with
+    /// their device memory; their elements count as live.
+    kept: Vec<(usize, Tensor, Reservation)>,
+    kept_numel: usize,
     in_flight: VecDeque<InFlight>,
     requested: usize,
     received: usize,
@@ -190,7 +200,7 @@ pub struct Prefetcher<'env, C: Collective> {
 impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        schedule: Vec<(usize, Purpose)>,
+        fetches: Fetches,
         elem_bytes: usize,
         limits: Limits,
         device: Arc<CpuDevice>,
@@ -201,7 +211,9 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
     ) -> Self {
         let parts = &fetcher.parts;
         Prefetcher {
-            schedule,
+            schedule: fetches.order(),
+            fetches,
+            taken: 0,
             numels: parts.iter().map(|p| p.numel).collect(),
             padded_bytes: parts.iter().map(|p| (p.padded * elem_bytes) as u64).collect(),
             persistent: parts
@@ -211,6 +223,8 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
             limits,
             in_use: 0,
             using: Vec::new(),
+            kept: Vec::new(),
+            kept_numel: 0,
             in_flight: VecDeque::new(),
             requested: 0,
             received: 0,
@@ -239,7 +253,7 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
                 outstanding,
                 outstanding_numel,
                 self.numels[unit],
-                self.in_use,
+                self.in_use + self.kept_numel,
                 self.limits,
             ) {
                 return Ok(());
@@ -313,50 +327,78 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
     }
 
     /// The next scheduled unit, gathered (its first `numel` elements as a tensor), with
-    /// its device memory; `sources` installs pending updates before units are fetched.
+    /// its device memory (None while the prefetcher keeps it for the unit's next use);
+    /// `sources` installs pending updates before units are fetched.
     pub(super) fn next(
         &mut self,
         expected: usize,
         sources: &mut dyn Sources<'env>,
-    ) -> Result<(Tensor, Reservation), EngineError> {
+    ) -> Result<(Tensor, Option<Reservation>), EngineError> {
+        let Some(&(unit, purpose)) = self.fetches.uses.get(self.taken) else {
+            return Err(self.order_error(expected, None));
+        };
         // the compute thread is done with the previous unit, except the final one while
         // the tied embedding joins it (on CPU compute is synchronous: its work is done; on
         // a GPU its kernels may still read it, but the next lane job to write the buffer
         // first waits for the compute queued before it was submitted, and compute's own
         // later use is in stream order)
-        if self.schedule.get(self.received).map(|s| s.1) != Some(Purpose::Tied) {
+        if purpose != Purpose::Tied {
             self.in_use = 0;
             for buffer in self.using.drain(..) {
                 self.buffers.units.release(buffer, Event::done());
             }
         }
-        self.fill(true, sources)?;
-        let Some(fetch) = self.in_flight.pop_front() else {
-            return Err(self.order_error(expected, None));
+        if unit != expected {
+            return Err(self.order_error(expected, Some(unit)));
+        }
+        let fetched = self.fetches.fetched[self.taken];
+        self.fill(fetched, sources)?;
+        let (buffer, hold) = if fetched {
+            let Some(fetch) = self.in_flight.pop_front() else {
+                return Err(self.order_error(expected, None));
+            };
+            if fetch.unit != expected || self.schedule.get(self.received).map(|s| s.0) != Some(expected) {
+                return Err(self.order_error(expected, Some(fetch.unit)));
+            }
+            if self.fetcher.dropped != DroppedWait::ComputeOnGather {
+                let start = Instant::now();
+                // on a GPU compute's stream waits for the gather; the thread goes on
+                fetch.gathered.order_compute()?;
+                self.track.waited(Phase::AllGather, Some(expected), start);
+            }
+            self.received += 1;
+            (fetch.buffer, fetch.hold)
+        } else {
+            // gathered at the unit's previous use, and kept for this one
+            let Some(at) = self.kept.iter().position(|k| k.0 == expected) else {
+                return Err(self.order_error(expected, None));
+            };
+            let (_, buffer, hold) = self.kept.swap_remove(at);
+            self.kept_numel -= self.numels[expected];
+            (buffer, hold)
         };
-        if fetch.unit != expected || self.schedule.get(self.received).map(|s| s.0) != Some(expected) {
-            return Err(self.order_error(expected, Some(fetch.unit)));
-        }
-        if self.fetcher.dropped != DroppedWait::ComputeOnGather {
-            let start = Instant::now();
-            // on a GPU compute's stream waits for the gather; the thread goes on
-            fetch.gathered.order_compute()?;
-            self.track.waited(Phase::AllGather, Some(expected), start);
-        }
-        self.received += 1;
+        let keep = self.fetches.keep[self.taken];
+        self.taken += 1;
         let numel = self.numels[expected];
         let torch_err = |source| EngineError::Torch {
             rank: self.fetcher.rank,
             source,
         };
-        let view = fetch.buffer.f_narrow(0, 0, numel as i64).map_err(torch_err)?;
-        if !self.persistent[expected] {
+        let view = buffer.f_narrow(0, 0, numel as i64).map_err(torch_err)?;
+        let hold = if self.persistent[expected] {
+            Some(hold)
+        } else if keep {
+            self.kept_numel += numel;
+            self.kept.push((expected, buffer, hold));
+            None
+        } else {
             self.in_use += numel;
-            self.using.push(fetch.buffer);
-        }
+            self.using.push(buffer);
+            Some(hold)
+        };
         // keep the lanes busy while this unit computes
         self.fill(false, sources)?;
-        Ok((view, fetch.hold))
+        Ok((view, hold))
     }
 
     fn order_error(&self, expected: usize, got: Option<usize>) -> EngineError {
@@ -374,6 +416,9 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
             self.buffers.units.release(fetch.buffer, fetch.gathered);
         }
         for buffer in self.using.drain(..) {
+            self.buffers.units.release(buffer, Event::done());
+        }
+        for (_, buffer, _) in self.kept.drain(..) {
             self.buffers.units.release(buffer, Event::done());
         }
         let _ = self.lanes.h2d.record().synchronize();

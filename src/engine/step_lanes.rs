@@ -17,7 +17,7 @@ use super::rank::RankEngine;
 use super::reduce::Reducer;
 use crate::comm::Collective;
 use crate::device::lanes::Lane;
-use crate::plan::fetch::{schedule, Limits};
+use crate::plan::fetch::{schedule, Fetches, Limits};
 use std::sync::Arc;
 
 /// The lanes of one step and the communicators they issue on.
@@ -119,6 +119,13 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         // pending every unit is fetched
         let pending = self.optimizer.any_pending();
         order.retain(|&(u, _)| pending || self.units.persistent(u).is_none());
+        let numels: Vec<usize> = parts.iter().map(|p| p.numel).collect();
+        let fetches = Fetches::new(
+            order,
+            &numels,
+            |u| numels[u] <= threshold,
+            self.plan.zero.max_reuse_distance,
+        );
         let fetcher = Fetcher {
             comm: self.comms.gather.clone(),
             rank: self.site.rank,
@@ -137,7 +144,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             persistence_threshold: threshold,
         };
         Some(Prefetcher::new(
-            order,
+            fetches,
             self.plan.precision.bytes(),
             limits,
             self.site.device.clone(),

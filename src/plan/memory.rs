@@ -15,7 +15,7 @@
 //! from the code of `model/` (tensor by tensor) and checked against libtorch's own
 //! allocator (`tests/memory.rs`), not against the engine's reservations.
 
-use super::fetch::{may_request, schedule, Limits, Purpose};
+use super::fetch::{may_request, schedule, Fetches, Limits, Purpose};
 use super::partition::Partition;
 use super::rules::{chunk_elements, device_accumulation, gathers_updates, keeps_activations};
 use super::{Plan, Tier};
@@ -235,7 +235,8 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
 
 /// Stage 3: replays the fetch schedule with the prefetcher's request rule
 /// (`Prefetcher::next`: fill, receive, fill again), tracking gathered units requested
-/// ahead, in use and kept, next to the activations alive at each point. Two cases: the
+/// ahead, in use, held for their next use (`stage3_max_reuse_distance`) and kept, next
+/// to the activations alive at each point. Two cases: the
 /// first step (nothing gathered yet; the cache of small units survives into the second
 /// micro-batch), and a later step, which starts with last step's kept units still
 /// gathered; the optimizer runs behind the forward, and each kept unit's old copy is
@@ -280,6 +281,7 @@ fn replay(
         persistence_threshold: threshold,
     };
     let gathered = |u: usize| elem * parts[u].padded as u64;
+    let numels: Vec<usize> = parts.iter().map(|p| p.numel).collect();
     let last = parts.len() - 1;
     let tied = plan.model.config.tie_word_embeddings;
     // units kept from a previous step are fetched again once (their update invalidates them)
@@ -287,14 +289,25 @@ fn replay(
     let mut kept_bytes: u64 = (0..parts.len()).filter(|&u| kept[u]).map(gathered).sum();
     let mut peak = 0u64;
     for _ in 0..micro_batches {
-        let mut order = schedule(parts.len(), tied, |u| parts[u].numel <= threshold);
-        order.retain(|&(u, _)| stale[u] || !kept[u]);
+        let mut uses = schedule(parts.len(), tied, |u| parts[u].numel <= threshold);
+        uses.retain(|&(u, _)| stale[u] || !kept[u]);
+        let fetches = Fetches::new(
+            uses,
+            &numels,
+            |u| parts[u].numel <= threshold,
+            plan.zero.max_reuse_distance,
+        );
+        let order = fetches.order();
         let mut requested = 0usize;
+        let mut received = 0usize;
         let mut outstanding = 0u64;
         let mut in_use = 0u64;
         let mut in_use_numel = 0usize;
+        // units held for their next use (`stage3_max_reuse_distance`)
+        let mut held = 0u64;
+        let mut held_numel = 0usize;
         let fill = |received: usize,
-                    in_use_numel: usize,
+                    live_numel: usize,
                     requested: &mut usize,
                     outstanding: &mut u64,
                     kept_bytes: &mut u64,
@@ -309,7 +322,7 @@ fn replay(
                     *requested - received,
                     ahead,
                     parts[next].numel,
-                    in_use_numel,
+                    live_numel,
                     limits,
                 ) {
                     break;
@@ -323,26 +336,40 @@ fn replay(
                 *requested += 1;
             }
         };
-        for (received, &(u, phase)) in order.iter().enumerate() {
+        for (k, &(u, phase)) in fetches.uses.iter().enumerate() {
+            // the final unit stays in use until the tied embedding joins it
+            if phase != Purpose::Tied {
+                in_use = 0;
+                in_use_numel = 0;
+            }
             fill(
                 received,
-                in_use_numel,
+                in_use_numel + held_numel,
                 &mut requested,
                 &mut outstanding,
                 &mut kept_bytes,
                 &mut stale,
             );
-            outstanding -= gathered(u);
+            if fetches.fetched[k] {
+                outstanding -= gathered(u);
+                received += 1;
+            } else {
+                held -= gathered(u);
+                held_numel -= parts[u].numel;
+            }
             if parts[u].numel <= threshold {
                 kept[u] = true;
                 kept_bytes += gathered(u);
+            } else if fetches.keep[k] {
+                held += gathered(u);
+                held_numel += parts[u].numel;
             } else {
                 in_use += gathered(u);
                 in_use_numel += parts[u].numel;
             }
             fill(
-                received + 1,
-                in_use_numel,
+                received,
+                in_use_numel + held_numel,
                 &mut requested,
                 &mut outstanding,
                 &mut kept_bytes,
@@ -352,12 +379,7 @@ fn replay(
                 Purpose::Forward => tokens + (u as u64 + 1) * hidden,
                 _ => tokens + last as u64 * hidden,
             };
-            peak = peak.max(activations + kept_bytes + in_use + outstanding);
-            // the final unit stays in use until the tied embedding joins it
-            if !(phase == Purpose::Final && tied) {
-                in_use = 0;
-                in_use_numel = 0;
-            }
+            peak = peak.max(activations + kept_bytes + held + in_use + outstanding);
         }
     }
     peak

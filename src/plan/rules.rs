@@ -191,17 +191,36 @@ pub fn param_tiers(plan: &Plan) -> Vec<Tier> {
 
 /// Whether unit `u` keeps its autograd graph from forward to backward (no recompute):
 /// kept activations are on, `u` is a block, and its parameters stay on the device
-/// through the step (a replica on the device below stage 3, a persistent unit at stage
-/// 3), so the graph's references to them stay valid.
+/// from its forward through its backward (a replica on the device below stage 3, at stage
+/// 3 a persistent unit or one held for its backward), so the graph's references to them
+/// stay valid.
 pub fn keeps_activations(plan: &Plan, u: usize) -> bool {
     let numels = plan.model.config.unit_numels();
     let block = u > 0 && u + 1 < numels.len();
-    let resident = if plan.zero.stage < 3 {
+    if !(plan.train.kept_activations && block) {
+        return false;
+    }
+    if plan.zero.stage < 3 {
         plan.zero.offload_param.tier == Tier::Device
     } else {
-        numels[u] <= plan.zero.param_persistence_threshold
-    };
-    plan.train.kept_activations && block && resident
+        numels[u] <= plan.zero.param_persistence_threshold || held_for_backward(plan, &numels, u)
+    }
+}
+
+/// Stage 3: whether block `u`'s forward gather stays for its backward in every
+/// micro-batch (`stage3_max_reuse_distance`, `fetch::Fetches`): with every unit's uses in
+/// the schedule, as in a step's first micro-batch; later ones leave out cached persistent
+/// units, so fewer elements lie between and what is held here is held there too.
+fn held_for_backward(plan: &Plan, numels: &[usize], u: usize) -> bool {
+    use super::fetch::{kept_until, schedule, Purpose};
+    let threshold = plan.zero.param_persistence_threshold;
+    let uses = schedule(numels.len(), plan.model.config.tie_word_embeddings, |v| {
+        numels[v] <= threshold
+    });
+    uses.iter()
+        .position(|&use_| use_ == (u, Purpose::Forward))
+        .and_then(|k| kept_until(&uses, k, numels, plan.zero.max_reuse_distance))
+        .is_some()
 }
 
 /// Whether micro-batches carry packed rows (a block-diagonal mask and per-sample

@@ -168,7 +168,7 @@ pub fn simulate(plan: &Plan, profile: &Profile) -> Simulation {
 }
 
 /// Bytes one rank reads and writes per step for its parameters on NVMe (stage 3): each
-/// use of such a unit in a micro-batch's fetch order (`fetch::schedule`) reads its shard,
+/// fetched use of such a unit in a micro-batch's fetch order (`fetch::Fetches`) reads its shard,
 /// a unit that stays gathered once per step; each update writes it once.
 fn nvme_param_bytes(plan: &Plan) -> (f64, f64) {
     let tiers = crate::plan::rules::param_tiers(plan);
@@ -178,7 +178,10 @@ fn nvme_param_bytes(plan: &Plan) -> (f64, f64) {
     let numels = plan.model.config.unit_numels();
     let threshold = plan.zero.param_persistence_threshold;
     let persistent = |u: usize| numels[u] <= threshold;
-    let order = crate::plan::fetch::schedule(numels.len(), plan.model.config.tie_word_embeddings, persistent);
+    let uses = crate::plan::fetch::schedule(numels.len(), plan.model.config.tie_word_embeddings, persistent);
+    // a use served by the gather of the unit's previous one reads nothing
+    let order =
+        crate::plan::fetch::Fetches::new(uses, &numels, persistent, plan.zero.max_reuse_distance).order();
     let micro_batches = plan.batch.gradient_accumulation_steps as f64;
     let elem = plan.precision.bytes() as f64;
     let (mut read, mut written) = (0.0, 0.0);

@@ -23,7 +23,7 @@
 use super::clock::{Clocks, Mark, Track};
 use super::costs::{Costs, Work as Cost};
 use super::profile::{Profile, Work};
-use crate::plan::fetch::{may_request, schedule, Limits, Purpose};
+use crate::plan::fetch::{may_request, schedule, Fetches, Limits, Purpose};
 use crate::plan::partition::Partition;
 use crate::plan::rules;
 use crate::plan::{Plan, Tier};
@@ -239,8 +239,13 @@ impl<'a> Replay<'a> {
             max_live: self.plan.zero.max_live_parameters,
             persistence_threshold: threshold,
         };
-        let mut fetcher = Fetches {
-            order: order.into_iter().collect(),
+        let numels: Vec<usize> = parts.iter().map(|p| p.numel).collect();
+        let uses = Fetches::new(order, &numels, persistent, self.plan.zero.max_reuse_distance);
+        let mut fetcher = Queue {
+            order: uses.order().into_iter().collect(),
+            uses,
+            taken: 0,
+            held: Vec::new(),
             outstanding: Vec::new(),
             limits,
         };
@@ -304,20 +309,37 @@ impl<'a> Replay<'a> {
     }
 
     /// The prefetcher's `next(u)`: issue what the limits allow, take the head of the
-    /// queue, issue more. Returns the mark compute waits for.
-    fn next(&mut self, f: &mut Fetches, u: usize, in_use: usize) -> Option<Mark> {
-        self.fill(f, true, in_use);
-        let head = f.outstanding.first().map(|(v, _, _)| *v);
-        let mark = match head {
-            Some(v) if v == u => Some(f.outstanding.remove(0).2),
-            // a cached persistent unit: nothing to wait for
-            _ => None,
+    /// queue (or the unit held since its previous use), issue more. Returns the mark
+    /// compute waits for.
+    fn next(&mut self, f: &mut Queue, u: usize, in_use: usize) -> Option<Mark> {
+        // a cached persistent unit's use is not among the prefetcher's
+        let use_ = (f.uses.uses.get(f.taken).map(|s| s.0) == Some(u)).then_some(f.taken);
+        let fetched = use_.is_none_or(|k| f.uses.fetched[k]);
+        self.fill(f, fetched, in_use);
+        let mark = if fetched {
+            let head = f.outstanding.first().map(|(v, _, _)| *v);
+            match head {
+                Some(v) if v == u => Some(f.outstanding.remove(0).2),
+                // a cached persistent unit: nothing to wait for
+                _ => None,
+            }
+        } else {
+            // gathered at its previous use: compute waited for it then
+            f.held.retain(|&v| v != u);
+            None
         };
+        if let Some(k) = use_ {
+            f.taken += 1;
+            if f.uses.keep[k] {
+                f.held.push(u);
+            }
+        }
         self.fill(f, false, in_use);
         mark
     }
 
-    fn fill(&mut self, f: &mut Fetches, needed: bool, in_use: usize) {
+    fn fill(&mut self, f: &mut Queue, needed: bool, in_use: usize) {
+        let held: usize = f.held.iter().map(|&v| self.parts[v].numel).sum();
         while let Some(&(v, _)) = f.order.front() {
             let numel = self.parts[v].numel;
             let outstanding_numel: usize = f.outstanding.iter().map(|(_, n, _)| n).sum();
@@ -326,7 +348,7 @@ impl<'a> Replay<'a> {
                 f.outstanding.len(),
                 outstanding_numel,
                 numel,
-                in_use,
+                in_use + held,
                 f.limits,
             );
             if !ok {
@@ -339,11 +361,17 @@ impl<'a> Replay<'a> {
     }
 }
 
-/// The stage-3 prefetcher's queue: what is still to be fetched and what is in flight.
-struct Fetches {
+/// The stage-3 prefetcher's queue: the micro-batch's uses, what is still to be fetched,
+/// what is in flight and what is held for a later use.
+struct Queue {
+    uses: Fetches,
+    /// Uses taken so far.
+    taken: usize,
     order: std::collections::VecDeque<(usize, Purpose)>,
     /// (unit, elements, gathered mark), oldest first.
     outstanding: Vec<(usize, usize, Mark)>,
+    /// Units held since a use for their next (`stage3_max_reuse_distance`).
+    held: Vec<usize>,
     limits: Limits,
 }
 
