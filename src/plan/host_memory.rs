@@ -141,7 +141,9 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
             } else {
                 0
             };
-            elem * (pool_footprint(&padded, MAX_IN_FLIGHT + 1) + staging)
+            // units held for a later use (`stage3_max_reuse_distance`) keep their buffers
+            let held = crate::plan::rules::held_at_once(plan);
+            elem * (pool_footprint(&padded, MAX_IN_FLIGHT + 1 + held) + staging)
         } else {
             0
         };

@@ -207,6 +207,20 @@ pub fn keeps_activations(plan: &Plan, u: usize) -> bool {
     }
 }
 
+/// Stage 3: the most units held gathered for a later use at once
+/// (`stage3_max_reuse_distance`): with the uses of a micro-batch whose persistent units are
+/// cached, the fewest elements lie between, so the most are held.
+pub fn held_at_once(plan: &Plan) -> usize {
+    use super::fetch::{schedule, Fetches};
+    let numels = plan.model.config.unit_numels();
+    let threshold = plan.zero.param_persistence_threshold;
+    let persistent = |v: usize| numels[v] <= threshold;
+    let mut uses = schedule(numels.len(), plan.model.config.tie_word_embeddings, persistent);
+    uses.retain(|&(v, _)| !persistent(v));
+    let fetches = Fetches::new(uses, &numels, persistent, plan.zero.max_reuse_distance);
+    fetches.keep.iter().filter(|&&k| k).count()
+}
+
 /// Stage 3: whether block `u`'s forward gather stays for its backward in every
 /// micro-batch (`stage3_max_reuse_distance`, `fetch::Fetches`): with every unit's uses in
 /// the schedule, as in a step's first micro-batch; later ones leave out cached persistent
