@@ -16,6 +16,7 @@ pub mod profile;
 mod step;
 
 use crate::plan::partition::Partition;
+use crate::plan::rules;
 use crate::plan::{Plan, Tier};
 use clock::{Clocks, Track};
 use profile::Profile;
@@ -126,13 +127,25 @@ pub fn simulate(plan: &Plan, profile: &Profile) -> Simulation {
     // several micro-batches reaches an fp32 optimizer as their fp32 sum: 4 bytes once, or
     // each micro-batch's gradient in the training precision, whichever is less
     let micro_batches = plan.batch.gradient_accumulation_steps as f64;
-    let pcie_minimum_per_param = if profile.is_cpu() || !offloaded {
-        0.0
+    // a unit whose optimizer state and parameters both stay on the device crosses no
+    // PCIe at all (`offload_optimizer.ratio`, `train.shards_on_device`)
+    let (optimizer_tiers, param_tiers) = (rules::optimizer_tiers(plan), rules::param_tiers(plan));
+    let crossing = config
+        .unit_numels()
+        .iter()
+        .enumerate()
+        .filter(|&(u, _)| !(optimizer_tiers[u] == Tier::Device && param_tiers[u] == Tier::Device))
+        .map(|(_, &n)| n as f64)
+        .sum::<f64>()
+        / params;
+    let pcie_minimum = if profile.is_cpu() || !offloaded {
+        [0.0, 0.0]
     } else {
-        p + (micro_batches * p).min(4.0_f64.max(p))
+        [crossing * p, crossing * (micro_batches * p).min(4.0_f64.max(p))]
     };
+    let pcie_minimum_per_param = pcie_minimum[0] + pcie_minimum[1];
     let compute_s = busy.get(&Track::Compute).map_or(0.0, |b| b.0);
-    let (bound, bound_s) = bound(plan, profile, compute_s, pcie_minimum_per_param);
+    let (bound, bound_s) = bound(plan, profile, compute_s, pcie_minimum);
     let critical = tracks
         .iter()
         .filter(|t| t.track != Track::Compute)
@@ -197,20 +210,19 @@ fn nvme_param_bytes(plan: &Plan) -> (f64, f64) {
 /// The step's lower bound: the slowest of compute, PCIe each way with the layout's
 /// minimal traffic, the NVMe optimizer's minimal traffic (with the parameter writes the
 /// same thread makes), the parameter reads of the h2d lane, and the CPU optimizer.
-fn bound(plan: &Plan, profile: &Profile, compute_s: f64, pcie_min: f64) -> (String, f64) {
+fn bound(plan: &Plan, profile: &Profile, compute_s: f64, [h2d, d2h]: [f64; 2]) -> (String, f64) {
     let params = plan.model.config.num_parameters() as f64;
     let per_rank = params / plan.world_size as f64;
     let gb = 1e9;
     let mut candidates = vec![("compute".to_string(), compute_s)];
-    if pcie_min > 0.0 {
-        let p = plan.precision.bytes() as f64;
+    if h2d + d2h > 0.0 {
         candidates.push((
             "PCIe h2d".into(),
-            p * per_rank / (profile.copies.h2d_pinned.value * gb),
+            h2d * per_rank / (profile.copies.h2d_pinned.value * gb),
         ));
         candidates.push((
             "PCIe d2h".into(),
-            (pcie_min - p) * per_rank / (profile.copies.d2h_pinned.value * gb),
+            d2h * per_rank / (profile.copies.d2h_pinned.value * gb),
         ));
     }
     if plan.world_size > 1 {
