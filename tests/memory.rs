@@ -149,6 +149,24 @@ fn over_budget_is_an_out_of_memory_error_naming_the_rank_request_and_budget() {
     }
 }
 
+/// A stage-3 run of 2 ranks with nothing persistent and `sets`, its device peak within
+/// 10% of the prediction; returns the peak and the run.
+fn stage3_within_prediction(sets: &[&str]) -> (u64, tierzero::run::TrainResult) {
+    let sets: Vec<&str> = ["zero_optimization.stage3_param_persistence_threshold=0"]
+        .into_iter()
+        .chain(sets.iter().copied())
+        .collect();
+    let p = plan(2, 3, "none", &sets);
+    let predicted = predict(&p).reserved() as f64;
+    let result = train(&p, TrainOptions::default()).unwrap();
+    let peak = *result.device_peaks.iter().max().unwrap();
+    assert!(
+        (peak as f64 - predicted).abs() / predicted <= 0.10,
+        "{sets:?}: measured {peak}, predicted {predicted}"
+    );
+    (peak, result)
+}
+
 /// `stage3_prefetch_bucket_size: 0` (DeepSpeed: no prefetch) gathers each unit only when
 /// compute needs it: the peak is the lowest of all buckets, within the prediction, and
 /// the losses are the prefetching run's bits.
@@ -156,23 +174,8 @@ fn over_budget_is_an_out_of_memory_error_naming_the_rank_request_and_budget() {
 fn a_zero_prefetch_bucket_gathers_only_what_compute_needs() {
     let run = |bucket: &str| {
         let set = format!("zero_optimization.stage3_prefetch_bucket_size={bucket}");
-        let p = plan(
-            2,
-            3,
-            "none",
-            &[
-                "zero_optimization.stage3_param_persistence_threshold=0",
-                "zero_optimization.stage3_max_reuse_distance=0",
-                &set,
-            ],
-        );
-        let predicted = predict(&p).reserved() as f64;
-        let result = train(&p, TrainOptions::default()).unwrap();
-        let peak = *result.device_peaks.iter().max().unwrap();
-        assert!(
-            (peak as f64 - predicted).abs() / predicted <= 0.10,
-            "bucket {bucket}: measured {peak}, predicted {predicted}"
-        );
+        let (peak, result) =
+            stage3_within_prediction(&["zero_optimization.stage3_max_reuse_distance=0", &set]);
         (
             peak,
             result.steps.iter().map(|m| m.loss.to_bits()).collect::<Vec<_>>(),
@@ -192,19 +195,7 @@ fn a_zero_prefetch_bucket_gathers_only_what_compute_needs() {
 fn units_reused_within_the_distance_are_not_gathered_again() {
     let run = |distance: &str| {
         let set = format!("zero_optimization.stage3_max_reuse_distance={distance}");
-        let p = plan(
-            2,
-            3,
-            "none",
-            &["zero_optimization.stage3_param_persistence_threshold=0", &set],
-        );
-        let predicted = predict(&p).reserved() as f64;
-        let result = train(&p, TrainOptions::default()).unwrap();
-        let peak = *result.device_peaks.iter().max().unwrap();
-        assert!(
-            (peak as f64 - predicted).abs() / predicted <= 0.10,
-            "distance {distance}: measured {peak}, predicted {predicted}"
-        );
+        let (_, result) = stage3_within_prediction(&[&set]);
         let gathered: u64 = result
             .steps
             .iter()
