@@ -600,6 +600,8 @@ fn max_in_cpu_auto_fills_host_memory_with_whole_units() {
                 "zero_optimization.offload_optimizer.device=nvme",
                 "zero_optimization.offload_param.device=nvme",
                 "zero_optimization.offload_param.max_in_cpu=auto",
+                // enough blocks that their parameters outweigh the NVMe tier's buffers
+                "model.num_hidden_layers=8",
                 &format!("zero_optimization.offload_param.nvme_path={}", nvme.display()),
                 &format!("zero_optimization.offload_optimizer.nvme_path={}", nvme.display()),
                 &format!("train.host_memory={memory}"),
@@ -617,9 +619,14 @@ fn max_in_cpu_auto_fills_host_memory_with_whole_units() {
     });
     assert!(tiers(&plan_with("1e12")).iter().all(|t| *t == Tier::Cpu));
     assert!(tiers(&plan_with("1e6")).iter().all(|t| *t == Tier::Nvme));
-    // room for 200 kB more than the NVMe layout: the embedding (two 64 kB buffers of
-    // it at stage 3), not the first block beside it
-    let memory = ((all_nvme + 200_000) as f64 / tierzero::plan::HOST_MARGIN).ceil() as u64;
+    // room for the embedding and the first block in host memory, not the second
+    let two_units = host(&{
+        let mut p = plan_with("1e12");
+        p.zero.offload_param.max_in_cpu = p.model.config.unit_numels()[..2].iter().sum();
+        p
+    });
+    assert!(all_nvme < two_units);
+    let memory = (two_units as f64 / tierzero::plan::HOST_MARGIN).ceil() as u64;
     let plan = plan_with(&memory.to_string());
     let split = tiers(&plan);
     assert!(

@@ -337,11 +337,33 @@ impl<'a> Units<'a> {
         Ok(match &self.units[u].params {
             Params::Nvme(store) => Destination::Nvme(store),
             Params::Device(_) if device_optimizer => Destination::Device(self.update_target(u, len)?),
+            Params::Host(_) if matches!(self.stage, 0 | 3) => self.overwritten(u, len),
             Params::Device(_) | Params::Host(_) => match self.units[u].spare.take() {
                 Some(p) if p.len() == len => Destination::Host(p),
                 _ => Destination::Host(LowParams::zeros(len, &self.precision)),
             },
         })
+    }
+
+    /// Stages 0 and 3, parameters in host memory: the update overwrites the unit's own
+    /// buffer (one copy of the parameters, not two). The old values are dead once the
+    /// step's backward is done: nothing reads a unit before its update is installed
+    /// (`install_through`, the prefetcher's sources, a checkpoint's `install_all`). A
+    /// buffer a lane still holds is left to it, and the update gets a new one.
+    fn overwritten(&mut self, u: usize, len: usize) -> Destination<'a> {
+        let old = match &mut self.units[u].params {
+            Params::Host(old) => std::mem::take(old),
+            Params::Device(_) | Params::Nvme(_) => {
+                return Destination::Host(LowParams::zeros(len, &self.precision))
+            }
+        };
+        match Arc::try_unwrap(old) {
+            Ok(own) if own.len() == len => Destination::Host(own),
+            kept => {
+                self.units[u].params = Params::Host(kept.map_or_else(|shared| shared, Arc::new));
+                Destination::Host(LowParams::zeros(len, &self.precision))
+            }
+        }
     }
 
     /// The new parameters of unit `u` to where they live: on the device written in place
@@ -419,11 +441,9 @@ impl<'a> Units<'a> {
                 full
             }
         };
-        let previous = std::mem::replace(&mut self.units[u].params, Params::Host(Arc::new(params)));
-        if let (Params::Host(old), 3 | 0) = (previous, self.stage) {
-            // a lane may still hold the old shard: then it is dropped, not reused
-            self.units[u].spare = Arc::try_unwrap(old).ok();
-        }
+        // stages 0 and 3: the update was written over the old buffer, or into a new one
+        // while a lane held the old (`overwritten`), which is dropped
+        self.units[u].params = Params::Host(Arc::new(params));
         Ok(())
     }
 

@@ -3,7 +3,8 @@
 //! against in the tests.
 //!
 //! Counted per rank of the process: parameters kept in host memory (the current
-//! partition and the spare the next update is written into), gradient accumulators
+//! partition, which the update overwrites at stages 0 and 3; at stages 1–2 beside the
+//! partition the next update is written into), gradient accumulators
 //! (host memory, or with the optimizer on NVMe at stages 2–3 one swap chunk per reduction
 //! in flight), optimizer state not on NVMe, the NVMe pipelines' buffers, the reduction's chunk buffers, and — on CPU ranks, whose device memory is
 //! host memory — the device prediction plus the largest unit's flat gradient tensor
@@ -70,10 +71,10 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
                     // tensors updated in place; stages 1-2 gather from a partition
                     (Tier::Device, _) if gathers_updates(stage, world) => p.padded as u64 + opt_len(p),
                     (Tier::Device, _) => kept(p),
-                    // host buffers replaced by an update: stages 0/3 the partition and
-                    // its spare, 1/2 the replica and a partition
+                    // stages 1-2 the replica and the partition an update is written
+                    // into; stages 0/3 the partition, which the update overwrites
                     (_, 1 | 2) => p.padded as u64 + opt_len(p),
-                    _ => 2 * kept(p),
+                    _ => kept(p),
                 };
         }
         if param_tier == Tier::Device && optimizer_tier != Tier::Device {
