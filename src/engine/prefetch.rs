@@ -8,7 +8,7 @@
 //! Per micro-batch, the order in which units are fetched is fixed and the same on every
 //! rank (`plan::fetch::schedule`). The compute thread asks for units ahead of time, as many as fit
 //! in `stage3_prefetch_bucket_size` elements and `stage3_max_live_parameters` (at least
-//! the one it needs now), at most `plan::rules::MAX_IN_FLIGHT` ahead, and takes them in order. The
+//! the one it needs now), at most `plan::fetch::MAX_IN_FLIGHT` ahead, and takes them in order. The
 //! gather lane is the step's collectives lane, which also runs the reductions: every
 //! rank issues the same collectives in the same order from one thread (on a GPU, on
 //! one stream), so they cannot deadlock each other. DeepSpeed's PartitionedParameterCoordinator

@@ -2,7 +2,9 @@
 //! prefetcher (`engine/prefetch.rs`) follows and the device-memory prediction
 //! (`memory.rs`) replays, so a plan's peak is the engine's.
 
-use super::rules::MAX_IN_FLIGHT;
+/// Gathers issued ahead of the one the compute thread waits for, at most (DeepSpeed
+/// bounds its in-flight all-gathers the same way).
+pub const MAX_IN_FLIGHT: usize = 2;
 
 /// Why a unit is fetched.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -11,11 +11,12 @@
 //! (a compute temporary the device row leaves out, as DeepSpeed's estimator does). Per
 //! process: [`RUNTIME_BYTES`] of code and libraries.
 
+use super::fetch::MAX_IN_FLIGHT;
 use super::memory::predict;
 use super::partition::Partition;
 use super::rules::{
     bf16_gradients, chunk_elements, device_accumulation, gathers_updates, nvme_gradients, optimizer_tiers,
-    param_tiers, pipeline_sets, stored_gradients, swap_chunk, MAX_IN_FLIGHT, REDUCE_DEPTH,
+    param_tiers, pipeline_sets, stored_gradients, swap_chunk, REDUCE_DEPTH,
 };
 use super::{Accelerator, Plan, Tier, Wire};
 use serde::Serialize;

@@ -115,12 +115,12 @@ pub(super) fn build_zero(
         // 0 is DeepSpeed's "no prefetch": only the unit needed now is gathered. "auto":
         // Hugging Face's 0.9·hidden² is sized for per-module parameters, smaller than one
         // of tierzero's units (a whole block), so it would fetch nothing ahead; auto
-        // covers the next two units (the most that are in flight, `rules::MAX_IN_FLIGHT`)
+        // covers the next two units (the most that are in flight, `fetch::MAX_IN_FLIGHT`)
         prefetch_bucket_size: count_or_auto(
             "zero_optimization.stage3_prefetch_bucket_size",
             z.stage3_prefetch_bucket_size,
             50_000_000,
-            ((0.9 * (hidden * hidden) as f64) as usize).max(super::rules::MAX_IN_FLIGHT * largest_unit),
+            ((0.9 * (hidden * hidden) as f64) as usize).max(super::fetch::MAX_IN_FLIGHT * largest_unit),
         )?,
         param_persistence_threshold: count_or_auto(
             "zero_optimization.stage3_param_persistence_threshold",
@@ -150,7 +150,7 @@ pub(super) fn build_zero(
         warnings.push(format!(
             "zero_optimization.stage3_prefetch_bucket_size {} is smaller than the largest unit ({largest_unit} elements): units larger than the bucket are never gathered ahead of compute; set it to at least {} (two units) or \"auto\"",
             zero.prefetch_bucket_size,
-            super::rules::MAX_IN_FLIGHT * largest_unit
+            super::fetch::MAX_IN_FLIGHT * largest_unit
         ));
     }
     Ok(zero)

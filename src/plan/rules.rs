@@ -23,10 +23,6 @@ pub fn chunk_elements(plan: &Plan) -> usize {
 /// accumulators (the add and Σ g²); a stretch no longer is done on one thread.
 pub const PARALLEL_CHUNK: usize = 1 << 15;
 
-/// Gathers issued ahead of the one the compute thread waits for, at most (DeepSpeed
-/// bounds its in-flight all-gathers the same way).
-pub const MAX_IN_FLIGHT: usize = 2;
-
 /// Elements per swap chunk at most, whatever `sub_group_size` says: the NVMe pipeline
 /// holds `buffer_count` chunk buffers of fp32 (a sub-group's master, exp_avg, exp_avg_sq
 /// and gradient each take one), so DeepSpeed's default sub-group of 1e9 elements would pin
