@@ -141,7 +141,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let mut inputs = vec![tokens];
         let mut graphs: Vec<Option<Graph>> = (0..last).map(|_| None).collect();
         for u in 0..last {
-            let (params, _gathered) = self.fetch(prefetch.as_deref_mut(), u)?;
+            let (params, gathered) = self.fetch(prefetch.as_deref_mut(), u)?;
             let keep = keeps_activations(plan, u);
             let (y, graph) = self
                 .tracks
@@ -158,6 +158,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 })
                 .map_err(self.torch_err())?;
             if graph.is_some() {
+                // without the prefetcher (which holds a held unit itself) the graph keeps
+                // the gathered parameters alive: their memory stays reserved with it
+                kept.extend(gathered);
                 let bytes = kept_graph_bytes(plan);
                 kept.push(
                     self.site
@@ -249,7 +252,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 // a unit held gathered for its backward (`stage3_max_reuse_distance`) is
                 // taken from the prefetcher, so its buffer, which the graph reads, goes
                 // back to the pool only after this use
-                Some(_) if self.stage() == 3 && self.units.persistent(u).is_none() => {
+                Some(_) if prefetch.is_some() && self.stage() == 3 && self.units.persistent(u).is_none() => {
                     (Tensor::new(), self.fetch(prefetch.as_deref_mut(), u)?.1)
                 }
                 Some(_) => (Tensor::new(), None),

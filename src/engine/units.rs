@@ -40,6 +40,9 @@ struct Unit<'a> {
     persistent: Option<(Tensor, Reservation)>,
     /// A host buffer the unit no longer needs, for the next update's new partition.
     spare: Option<LowParams>,
+    /// Bytes of the host buffer lent to the optimizer for the new partition, until the
+    /// update is installed (counted as the unit's, as its old buffer may be that one).
+    lent: usize,
     /// Stages 1–2 with several ranks and the replica on the device: the new partition,
     /// all-gathered from here into the replica in place (made at the first update).
     partition: Option<Tensor>,
@@ -123,6 +126,7 @@ impl<'a> Units<'a> {
             params,
             persistent: None,
             spare: None,
+            lent: 0,
             partition: None,
         });
         Ok(())
@@ -334,7 +338,7 @@ impl<'a> Units<'a> {
         len: usize,
         device_optimizer: bool,
     ) -> Result<Destination<'a>, EngineError> {
-        Ok(match &self.units[u].params {
+        let destination = match &self.units[u].params {
             Params::Nvme(store) => Destination::Nvme(store),
             Params::Device(_) if device_optimizer => Destination::Device(self.update_target(u, len)?),
             Params::Host(_) if matches!(self.stage, 0 | 3) => self.overwritten(u, len),
@@ -342,7 +346,11 @@ impl<'a> Units<'a> {
                 Some(p) if p.len() == len => Destination::Host(p),
                 _ => Destination::Host(LowParams::zeros(len, &self.precision)),
             },
-        })
+        };
+        if let Destination::Host(buffer) = &destination {
+            self.units[u].lent = buffer.as_bytes().len();
+        }
+        Ok(destination)
     }
 
     /// Stages 0 and 3, parameters in host memory: the update overwrites the unit's own
@@ -380,6 +388,7 @@ impl<'a> Units<'a> {
         track: &Track,
     ) -> Result<(), EngineError> {
         self.units[u].persistent = None;
+        self.units[u].lent = 0;
         let written = match (fresh, &self.units[u].params) {
             (NewParams::Written, _) => return Ok(()),
             (NewParams::Host(fresh), Params::Device(_)) => {
@@ -448,13 +457,14 @@ impl<'a> Units<'a> {
     }
 
     /// Host bytes of parameters: those kept in host memory, and the host buffers the
-    /// CPU optimizer writes new partitions into.
+    /// CPU optimizer writes new partitions into (spare, or lent until installed).
     pub(super) fn memory_bytes(&self) -> usize {
         self.units
             .iter()
             .map(|u| {
                 let spare = u.spare.as_ref().map_or(0, |p| p.as_bytes().len());
                 spare
+                    + u.lent
                     + match &u.params {
                         Params::Host(p) => p.as_bytes().len(),
                         Params::Device(_) | Params::Nvme(_) => 0,

@@ -260,7 +260,9 @@ impl<'a> Replay<'a> {
         }
         // the final unit (and the tied embedding), its loss and backward
         let ready = if stage3 {
-            let in_use = parts[last].numel + if tied { parts[0].numel } else { 0 };
+            // the tied embedding's elements, unless already held for it
+            let tied_in_use = tied && !fetcher.held.contains(&0);
+            let in_use = parts[last].numel + if tied_in_use { parts[0].numel } else { 0 };
             let a = self.next(&mut fetcher, last, in_use);
             let b = tied.then(|| self.next(&mut fetcher, 0, in_use)).flatten();
             later(a, b)
