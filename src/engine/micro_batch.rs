@@ -252,7 +252,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 // a unit held gathered for its backward (`stage3_max_reuse_distance`) is
                 // taken from the prefetcher, so its buffer, which the graph reads, goes
                 // back to the pool only after this use
-                Some(_) if prefetch.is_some() && self.stage() == 3 && self.units.persistent(u).is_none() => {
+                Some(_) if prefetch.as_deref().is_some_and(|p| p.holds(u)) => {
                     (Tensor::new(), self.fetch(prefetch.as_deref_mut(), u)?.1)
                 }
                 Some(_) => (Tensor::new(), None),

@@ -216,10 +216,12 @@ impl<'a> Optimizer<'a> {
 
     /// The swap store holding unit `u`'s state, when it is on NVMe.
     pub(super) fn nvme_store(&self, u: usize) -> Option<&'a SwapStore> {
-        self.nvme
-            .as_ref()
-            .filter(|_| self.tiers[u] == Tier::Nvme)
-            .map(|t| t.store)
+        self.swap_store().filter(|_| self.tiers[u] == Tier::Nvme)
+    }
+
+    /// The swap store of the units whose state is on NVMe, if any are.
+    pub(super) fn swap_store(&self) -> Option<&'a SwapStore> {
+        self.nvme.as_ref().map(|t| t.store)
     }
 
     /// Unit `u`'s optimizer partition within its padded buffer.

@@ -401,6 +401,11 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
         Ok((view, hold))
     }
 
+    /// Whether unit `u` is held gathered for its next use (`stage3_max_reuse_distance`).
+    pub(super) fn holds(&self, u: usize) -> bool {
+        self.kept.iter().any(|k| k.0 == u)
+    }
+
     fn order_error(&self, expected: usize, got: Option<usize>) -> EngineError {
         EngineError::Order {
             rank: self.fetcher.rank,

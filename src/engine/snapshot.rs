@@ -198,8 +198,7 @@ impl<C: Collective + Clone> RankEngine<'_, C> {
     /// A final save's first act: the last step's gradients on NVMe are dead (every update
     /// is installed), so their swap file gives its room to the checkpoint's files.
     fn discard_gradients(&self) {
-        let store = (0..self.units.len()).find_map(|u| self.optimizer.nvme_store(u));
-        if let Some(store) = store {
+        if let Some(store) = self.optimizer.swap_store() {
             // only room is at stake: a file that cannot be truncated stays as it is
             match store.discard(self.site.rank as u32, State::Grad) {
                 Ok(0) => {}

@@ -15,8 +15,8 @@ use super::fetch::MAX_IN_FLIGHT;
 use super::memory::predict;
 use super::partition::Partition;
 use super::rules::{
-    bf16_gradients, chunk_elements, device_accumulation, gathers_updates, nvme_gradients, optimizer_tiers,
-    param_tiers, pipeline_sets, stored_gradients, swap_chunk, REDUCE_DEPTH,
+    bf16_gradients, chunk_elements, device_accumulation, gathers_updates, held_at_once, nvme_gradients,
+    optimizer_tiers, param_tiers, pipeline_sets, stored_gradients, swap_chunk, REDUCE_DEPTH,
 };
 use super::{Accelerator, Plan, Tier, Wire};
 use serde::Serialize;
@@ -144,7 +144,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
                 0
             };
             // units held for a later use (`stage3_max_reuse_distance`) keep their buffers
-            let held = crate::plan::rules::held_at_once(plan);
+            let held = held_at_once(plan);
             elem * (pool_footprint(&padded, MAX_IN_FLIGHT + 1 + held) + staging)
         } else {
             0

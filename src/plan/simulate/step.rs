@@ -240,10 +240,10 @@ impl<'a> Replay<'a> {
             persistence_threshold: threshold,
         };
         let numels: Vec<usize> = parts.iter().map(|p| p.numel).collect();
-        let uses = Fetches::new(order, &numels, persistent, self.plan.zero.max_reuse_distance);
+        let fetches = Fetches::new(order, &numels, persistent, self.plan.zero.max_reuse_distance);
         let mut fetcher = Queue {
-            order: uses.order().into_iter().collect(),
-            uses,
+            order: fetches.order().into_iter().collect(),
+            fetches,
             taken: 0,
             held: Vec::new(),
             outstanding: Vec::new(),
@@ -315,8 +315,8 @@ impl<'a> Replay<'a> {
     /// compute waits for.
     fn next(&mut self, f: &mut Queue, u: usize, in_use: usize) -> Option<Mark> {
         // a cached persistent unit's use is not among the prefetcher's
-        let use_ = (f.uses.uses.get(f.taken).map(|s| s.0) == Some(u)).then_some(f.taken);
-        let fetched = use_.is_none_or(|k| f.uses.fetched[k]);
+        let use_ = (f.fetches.uses.get(f.taken).map(|s| s.0) == Some(u)).then_some(f.taken);
+        let fetched = use_.is_none_or(|k| f.fetches.fetched[k]);
         self.fill(f, fetched, in_use);
         let mark = if fetched {
             let head = f.outstanding.first().map(|(v, _, _)| *v);
@@ -332,7 +332,7 @@ impl<'a> Replay<'a> {
         };
         if let Some(k) = use_ {
             f.taken += 1;
-            if f.uses.keep[k] {
+            if f.fetches.keep[k] {
                 f.held.push(u);
             }
         }
@@ -366,7 +366,7 @@ impl<'a> Replay<'a> {
 /// The stage-3 prefetcher's queue: the micro-batch's uses, what is still to be fetched,
 /// what is in flight and what is held for a later use.
 struct Queue {
-    uses: Fetches,
+    fetches: Fetches,
     /// Uses taken so far.
     taken: usize,
     order: std::collections::VecDeque<(usize, Purpose)>,
