@@ -155,13 +155,17 @@ part tiny && for tiers in "none none" "none cpu" "cpu cpu" "nvme nvme"; do
   run "tiny-$1-cuda" tiny "tiny-$1-cuda" cuda "$1" "$2"
   predict "tiny-$1-cuda" 0 --config configs/default.json --devices 1 --set train.accelerator=cuda \
     --set bf16.enabled=true --set zero_optimization.stage=3 \
-    --set zero_optimization.offload_param.device="$1" --set zero_optimization.offload_optimizer.device="$2"
+    --set zero_optimization.offload_param.device="$1" --set zero_optimization.offload_optimizer.device="$2" \
+    --set zero_optimization.offload_param.nvme_path="$WORK/tiny-$1-cuda/nvme-param" \
+    --set zero_optimization.offload_optimizer.nvme_path="$WORK/tiny-$1-cuda/nvme-opt"
   compare "tiny-$1-cpu" "tiny-$1-cuda"
 done
-# stages 0–2 (stage 3 above), parameters and optimizer on the host
+# stages 0–2 (stage 3 above), the optimizer on the host at stages 1–2 (parameter offload
+# is stage 3's, optimizer offload stages 1–3's, as in DeepSpeed)
 part tiny && for stage in 0 1 2; do
-  run "tiny-stage$stage-cpu" tiny "tiny-stage$stage-cpu" cpu cpu cpu --set zero_optimization.stage=$stage
-  run "tiny-stage$stage-cuda" tiny "tiny-stage$stage-cuda" cuda cpu cpu --set zero_optimization.stage=$stage
+  opt=$([ $stage = 0 ] && echo none || echo cpu)
+  run "tiny-stage$stage-cpu" tiny "tiny-stage$stage-cpu" cpu none $opt --set zero_optimization.stage=$stage
+  run "tiny-stage$stage-cuda" tiny "tiny-stage$stage-cuda" cuda none $opt --set zero_optimization.stage=$stage
   compare "tiny-stage$stage-cpu" "tiny-stage$stage-cuda"
 done
 # checked lanes on the GPU (random delays on every lane job, also queued on the device;

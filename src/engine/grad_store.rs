@@ -180,17 +180,24 @@ impl Accumulate for GradStream<'_> {
     }
 }
 
-/// A unit's accumulator as a reduction holds it: in host memory, or streaming to NVMe.
+/// A unit's accumulator as a reduction holds it: in host memory, in host memory at the
+/// step's first contribution, or streaming to NVMe.
 pub enum Acc<'s> {
     Here(Grads),
+    Fresh(Fresh),
     Stream(GradStream<'s>),
 }
 
 impl Acc<'_> {
-    /// Completes what the reduction wrote (a stream's last chunks reach the store).
+    /// Completes what the reduction wrote (a stream's last chunks reach the store; a
+    /// fresh accumulator's elements no contribution reached become zeros).
     pub fn finish(&mut self, track: &Track) -> Result<(), EngineError> {
         match self {
             Acc::Here(_) => Ok(()),
+            Acc::Fresh(f) => {
+                f.finish();
+                Ok(())
+            }
             Acc::Stream(s) => s.finish(track),
         }
     }
@@ -200,7 +207,58 @@ impl Accumulate for Acc<'_> {
     fn add(&mut self, offset: usize, x: Values, track: &Track) -> Result<(), EngineError> {
         match self {
             Acc::Here(g) => Accumulate::add(g, offset, x, track),
+            Acc::Fresh(f) => {
+                f.add(offset, x);
+                Ok(())
+            }
             Acc::Stream(s) => s.add(offset, x, track),
+        }
+    }
+}
+
+/// A host accumulator that holds a finished step's values (logically zeros) taking the
+/// step's first contribution: below `valid` its elements are this step's, above they are
+/// stale. An addition past `valid` writes `0 + x` without reading the stale value (and
+/// zeroes a gap it skips), one below adds, so the accumulator ends with the bits that
+/// zeroing it first and adding give, without the zeroing pass or the read.
+pub struct Fresh {
+    grads: Grads,
+    valid: usize,
+}
+
+impl Fresh {
+    pub fn new(grads: Grads) -> Self {
+        Fresh { grads, valid: 0 }
+    }
+
+    fn add(&mut self, offset: usize, x: Values) {
+        let end = offset + x.len();
+        if end <= self.valid {
+            return self.grads.add_values(offset, x);
+        }
+        let split = self.valid.max(offset);
+        if offset < split {
+            self.grads.add_values(offset, x.range(0..split - offset));
+        } else {
+            self.grads.zero_range(self.valid..offset);
+        }
+        self.grads.set_values(split, x.range(split - offset..x.len()));
+        self.valid = end;
+    }
+
+    /// The elements no contribution reached become zeros.
+    fn finish(&mut self) {
+        let len = self.grads.len();
+        self.grads.zero_range(self.valid.min(len)..len);
+        self.valid = len;
+    }
+
+    /// The accumulator, if every element is this step's (after [`Acc::finish`]).
+    pub fn into_finished(self) -> Result<Grads, Grads> {
+        if self.valid >= self.grads.len() {
+            Ok(self.grads)
+        } else {
+            Err(self.grads)
         }
     }
 }
@@ -210,6 +268,68 @@ mod tests {
     use super::*;
     use tierzero_offload::nvme::swap::{State, TensorSpec};
     use tierzero_offload::nvme::{open_engine, EngineChoice, EngineConfig};
+
+    /// A stale accumulator taking a step's contributions — stretches in order, out of
+    /// order, overlapping, with gaps, covering part of it, negative zeros, in 16 bits
+    /// and fp32, then a second micro-batch — ends with the bits of zeroing it first and
+    /// adding the same stretches; nothing reads the stale values (NaN here).
+    #[test]
+    fn a_fresh_accumulator_is_zeroing_and_adding_bit_for_bit() {
+        let n = 3 * crate::plan::rules::PARALLEL_CHUNK + 77;
+        let x: Vec<f32> = (0..n)
+            .map(|i| {
+                if i % 13 == 0 {
+                    -0.0
+                } else {
+                    ((i * 7919) % 1013) as f32 / 97.0 - 5.0
+                }
+            })
+            .collect();
+        let bits: Vec<u16> = x
+            .iter()
+            .map(|&v| tierzero_offload::convert::f32_to_bf16(v))
+            .collect();
+        let stretches: [&[(usize, usize)]; 5] = [
+            &[(0, n)],
+            &[(0, 100), (100, 5000), (5000, n)],
+            &[(10, 90), (40, 60_000), (0, 30)],
+            &[(70_000, 80_000), (5, 6)],
+            &[],
+        ];
+        for bf16 in [false, true] {
+            for stretches in stretches {
+                let track = Track::disabled();
+                let mut expected = Grads::zeros(n, bf16).unwrap();
+                let mut stale = Grads::zeros(n, bf16).unwrap();
+                match &mut stale {
+                    Grads::F32(g) => g.fill(f32::NAN),
+                    Grads::Bf16(g) => g.fill(0x7fc0),
+                }
+                let mut acc = Acc::Fresh(Fresh::new(stale));
+                for micro in 0..2 {
+                    for &(a, b) in stretches {
+                        let values = if micro == 0 {
+                            Values::F32(&x[a..b])
+                        } else {
+                            Values::Bf16(&bits[a..b])
+                        };
+                        expected.add_values(a, values);
+                        acc.add(a, values, &track).unwrap();
+                    }
+                    acc.finish(&track).unwrap();
+                }
+                let Acc::Fresh(fresh) = acc else { unreachable!() };
+                let got = fresh.into_finished().unwrap();
+                let raw = |g: &Grads| -> Vec<u32> {
+                    match g {
+                        Grads::F32(g) => g.iter().map(|v| v.to_bits()).collect(),
+                        Grads::Bf16(g) => g.iter().map(|&v| u32::from(v)).collect(),
+                    }
+                };
+                assert_eq!(raw(&got), raw(&expected), "bf16 {bf16}, stretches {stretches:?}");
+            }
+        }
+    }
 
     /// Two micro-batches added in stretches that straddle chunk boundaries, through the
     /// store (the second reading back the first), against the same additions into an

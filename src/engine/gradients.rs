@@ -5,7 +5,7 @@
 //! while AdamW reads it — and the reduce lane's end on the compute thread.
 
 use super::error::{EngineError, On};
-use super::grad_store::{Acc, GradStream};
+use super::grad_store::{Acc, Fresh, GradStream};
 use super::grads::Grads;
 use super::reduce::{reduce_into, ChunkBuffers, OnDevice, Reducer, Target};
 use crate::comm::{Collective, ReduceOp};
@@ -25,6 +25,9 @@ use tierzero_offload::pool::BufferPool;
 #[derive(Debug)]
 pub(super) enum Accumulator {
     Here(Grads),
+    /// In host memory holding a finished step's values: logically zeros, made zeros by
+    /// the step's first contribution as it writes (`grad_store::Fresh`) or by a reader.
+    Stale(Grads),
     /// In the swap store under (unit, rank, [`State::Grad`]).
     Nvme(Stored),
     /// On a lane (named), coming back with its job.
@@ -234,10 +237,18 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
 
     fn here(&mut self, u: usize) -> Result<&mut Grads, EngineError> {
         let rank = self.rank;
+        if let Accumulator::Stale(_) = self.accumulators[u] {
+            if let Accumulator::Stale(mut g) =
+                std::mem::replace(&mut self.accumulators[u], Accumulator::Lent("compute"))
+            {
+                g.fill_zero();
+                self.accumulators[u] = Accumulator::Here(g);
+            }
+        }
         match &mut self.accumulators[u] {
             Accumulator::Here(g) => Ok(g),
             Accumulator::Lent(lane) => Err(EngineError::Lent { rank, unit: u, lane }),
-            Accumulator::Nvme(_) => Err(EngineError::Invariant {
+            Accumulator::Stale(_) | Accumulator::Nvme(_) => Err(EngineError::Invariant {
                 rank,
                 what: "a host gradient wanted where the gradients are on NVMe",
             }),
@@ -245,13 +256,18 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     }
 
     /// Zeroes every accumulator here for a new step (one lent to the optimizer comes
-    /// back zeroed; a stored one starts again from nothing).
+    /// back zeroed; a stored one starts again from nothing): those in host memory become
+    /// stale, zeroed by the step's first contribution without a pass of their own.
     pub(super) fn zero(&mut self) {
         for acc in &mut self.accumulators {
             match acc {
-                Accumulator::Here(g) => g.fill_zero(),
+                Accumulator::Here(_) => {
+                    if let Accumulator::Here(g) = std::mem::replace(acc, Accumulator::Lent("compute")) {
+                        *acc = Accumulator::Stale(g);
+                    }
+                }
                 Accumulator::Nvme(stored) => *stored = Stored::Nothing,
-                Accumulator::Lent(_) => {}
+                Accumulator::Stale(_) | Accumulator::Lent(_) => {}
             }
         }
     }
@@ -270,6 +286,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     fn lend(&mut self, u: usize, lane: &'static str) -> Result<Acc<'a>, EngineError> {
         let stored = match std::mem::replace(&mut self.accumulators[u], Accumulator::Lent(lane)) {
             Accumulator::Here(g) => return Ok(Acc::Here(g)),
+            Accumulator::Stale(g) => return Ok(Acc::Fresh(Fresh::new(g))),
             Accumulator::Nvme(stored) => stored,
             lent => {
                 self.accumulators[u] = lent;
@@ -298,6 +315,10 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     fn settle(&mut self, u: usize, acc: Acc<'a>, ok: bool) {
         self.accumulators[u] = match acc {
             Acc::Here(g) => Accumulator::Here(g),
+            // a failed reduction's (the run stops) leaves what it wrote as stale
+            Acc::Fresh(f) => f
+                .into_finished()
+                .map_or_else(Accumulator::Stale, Accumulator::Here),
             Acc::Stream(s) if ok => Accumulator::Nvme(Stored::Whole {
                 sum_squares: s.sum_squares(),
             }),
@@ -395,7 +416,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     fn lent(&self, u: usize) -> EngineError {
         let lane = match self.accumulators[u] {
             Accumulator::Lent(lane) => lane,
-            Accumulator::Here(_) | Accumulator::Nvme(_) => "compute",
+            Accumulator::Here(_) | Accumulator::Stale(_) | Accumulator::Nvme(_) => "compute",
         };
         EngineError::Lent {
             rank: self.rank,
@@ -482,7 +503,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
                     acc.sum_squares(range)
                 }
                 Accumulator::Nvme(Stored::Whole { sum_squares }) => *sum_squares,
-                Accumulator::Nvme(Stored::Nothing) => 0.0,
+                Accumulator::Stale(_) | Accumulator::Nvme(Stored::Nothing) => 0.0,
                 Accumulator::Lent(_) => return Err(self.lent(u)),
             };
         }
@@ -537,6 +558,11 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         }
         match std::mem::replace(&mut self.accumulators[u], Accumulator::Lent("optimizer")) {
             Accumulator::Here(g) => Ok(FinalGrad::Here(g)),
+            // no gradient reached it this step
+            Accumulator::Stale(mut g) => {
+                g.fill_zero();
+                Ok(FinalGrad::Here(g))
+            }
             Accumulator::Nvme(Stored::Whole { .. }) => Ok(FinalGrad::Stored {
                 len: self.partitions[u].len(),
                 bf16: self.bf16,
@@ -548,7 +574,8 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         }
     }
 
-    /// A gradient back from the optimizer lane: zeroed for the next step, or (stage 1)
+    /// A gradient back from the optimizer lane: stale for the next step (zeroed by its
+    /// first contribution, not here on the compute thread), or (stage 1)
     /// kept as the buffer of the next partition copy, or (stored) nothing this step.
     pub(super) fn take_back(&mut self, u: usize, grad: FinalGrad) {
         self.accumulators[u] = match grad {
@@ -556,10 +583,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
                 self.copies[u] = Some(grad);
                 return;
             }
-            FinalGrad::Here(mut grad) => {
-                grad.fill_zero();
-                Accumulator::Here(grad)
-            }
+            FinalGrad::Here(grad) => Accumulator::Stale(grad),
             FinalGrad::Stored { .. } => Accumulator::Nvme(Stored::Nothing),
         };
     }

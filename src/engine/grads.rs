@@ -68,10 +68,17 @@ impl Grads {
         }
     }
 
+    /// Zeroes every element, on every core for long accumulators.
     pub fn fill_zero(&mut self) {
+        let len = self.len();
+        self.zero_range(0..len);
+    }
+
+    /// Zeroes the elements of `range`, on every core for long stretches.
+    pub fn zero_range(&mut self, range: std::ops::Range<usize>) {
         match self {
-            Grads::F32(g) => g.fill(0.0),
-            Grads::Bf16(g) => g.fill(0),
+            Grads::F32(g) => fill(&mut g[range], 0.0),
+            Grads::Bf16(g) => fill(&mut g[range], 0),
         }
     }
 
@@ -85,6 +92,15 @@ impl Grads {
         match self {
             Grads::F32(g) => add_values_f32(&mut g[offset..offset + x.len()], x),
             Grads::Bf16(g) => add_values_bf16(&mut g[offset..offset + x.len()], x),
+        }
+    }
+
+    /// `self[offset + i] = 0 + x[i]`: the bits [`Grads::add_values`] leaves in zeros,
+    /// without reading them (the step's first contribution to an accumulator).
+    pub fn set_values(&mut self, offset: usize, x: Values) {
+        match self {
+            Grads::F32(g) => set_values_f32(&mut g[offset..offset + x.len()], x),
+            Grads::Bf16(g) => set_values_bf16(&mut g[offset..offset + x.len()], x),
         }
     }
 
@@ -171,6 +187,36 @@ pub fn add_values_bf16(g: &mut [u16], x: Values) {
         Values::Bf16(x) => each(g, x, |g, b| add(g, bf16_to_f32(b))),
         Values::F16(x) => each(g, x, |g, b| add(g, f16_to_f32(b))),
     }
+}
+
+/// [`add_values_f32`] into zeros: `g[i] = 0 + x[i]` (-0.0 becomes +0.0, as added to
+/// zero), `g` written and not read.
+pub fn set_values_f32(g: &mut [f32], x: Values) {
+    match x {
+        Values::F32(x) => each(g, x, |g, x| *g = 0.0 + x),
+        Values::Bf16(x) => each(g, x, |g, b| *g = 0.0 + bf16_to_f32(b)),
+        Values::F16(x) => each(g, x, |g, b| *g = 0.0 + f16_to_f32(b)),
+    }
+}
+
+/// [`add_values_bf16`] into zeros, `g` written and not read.
+pub fn set_values_bf16(g: &mut [u16], x: Values) {
+    let set = |g: &mut u16, x: f32| *g = f32_to_bf16(0.0 + x);
+    match x {
+        Values::F32(x) => each(g, x, set),
+        Values::Bf16(x) => each(g, x, |g, b| set(g, bf16_to_f32(b))),
+        Values::F16(x) => each(g, x, |g, b| set(g, f16_to_f32(b))),
+    }
+}
+
+/// `g[i] = value` for every element, on every core for stretches longer than
+/// [`PARALLEL_CHUNK`].
+fn fill<T: Copy + Send + Sync>(g: &mut [T], value: T) {
+    use rayon::prelude::*;
+    if g.len() <= PARALLEL_CHUNK {
+        return g.fill(value);
+    }
+    g.par_chunks_mut(PARALLEL_CHUNK).for_each(|g| g.fill(value));
 }
 
 /// `f(g[i], x[i])` for every element, on every core for stretches longer than
