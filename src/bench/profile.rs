@@ -216,6 +216,7 @@ fn copies(threads: usize) -> anyhow::Result<Copies> {
             add_all,
             "the engine's accumulator add (every core) over 256 MiB, `tierzero bench profile`",
         ),
+        d2h_wait_s: None,
     })
 }
 

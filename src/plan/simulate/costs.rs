@@ -151,6 +151,14 @@ impl Costs {
         }
     }
 
+    /// The host's wait beyond the transfer after each blocking copy out of a GPU.
+    fn d2h_wait(&self) -> f64 {
+        match &self.profile.copies.d2h_wait_s {
+            Some(wait) if self.cuda() => wait.value,
+            _ => 0.0,
+        }
+    }
+
     /// A collective moving `bytes` (the whole buffer) over the link: a ring's (W-1)/W of
     /// it, plus the call's latency.
     fn collective(&self, bytes: u64) -> f64 {
@@ -232,7 +240,7 @@ impl Costs {
                 };
                 Self::seconds_at(bytes, rate)
             }
-            Work::D2h(bytes) => Self::seconds_at(bytes, self.d2h_rate()),
+            Work::D2h(bytes) => Self::seconds_at(bytes, self.d2h_rate()) + self.d2h_wait(),
             Work::OnDevice(bytes) => Self::seconds_at(bytes, copies.device_to_device.value),
             Work::HostAdd(elements) => Self::seconds_at(4 * elements, self.host_add_rate(elements)),
             Work::Collective(bytes) | Work::Gather(bytes) => self.collective(bytes),

@@ -89,6 +89,11 @@ pub struct Copies {
     pub host_add: Figure,
     /// Every core's fp32 `a += b` (the engine's accumulator add on long stretches).
     pub host_add_parallel: Figure,
+    /// What a blocking copy out of the device costs the host thread beyond the transfer
+    /// (its wake-up once the copy has landed), once per staged stretch; none where a
+    /// profile does not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub d2h_wait_s: Option<Figure>,
 }
 
 /// The link collectives run over: a ring's bus bandwidth and a per-call latency.
