@@ -34,6 +34,19 @@ pub(super) enum Accumulator {
     Lent(&'static str),
 }
 
+impl Accumulator {
+    /// The accumulator as a reader must see it: a stale one zeroed (it is zeros).
+    fn zeroed(self) -> Accumulator {
+        match self {
+            Accumulator::Stale(mut g) => {
+                g.fill_zero();
+                Accumulator::Here(g)
+            }
+            other => other,
+        }
+    }
+}
+
 /// What the store holds of a unit's gradient this step.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Stored {
@@ -237,14 +250,8 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
 
     fn here(&mut self, u: usize) -> Result<&mut Grads, EngineError> {
         let rank = self.rank;
-        if let Accumulator::Stale(_) = self.accumulators[u] {
-            if let Accumulator::Stale(mut g) =
-                std::mem::replace(&mut self.accumulators[u], Accumulator::Lent("compute"))
-            {
-                g.fill_zero();
-                self.accumulators[u] = Accumulator::Here(g);
-            }
-        }
+        let acc = std::mem::replace(&mut self.accumulators[u], Accumulator::Lent("compute"));
+        self.accumulators[u] = acc.zeroed();
         match &mut self.accumulators[u] {
             Accumulator::Here(g) => Ok(g),
             Accumulator::Lent(lane) => Err(EngineError::Lent { rank, unit: u, lane }),
@@ -260,15 +267,11 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// stale, zeroed by the step's first contribution without a pass of their own.
     pub(super) fn zero(&mut self) {
         for acc in &mut self.accumulators {
-            match acc {
-                Accumulator::Here(_) => {
-                    if let Accumulator::Here(g) = std::mem::replace(acc, Accumulator::Lent("compute")) {
-                        *acc = Accumulator::Stale(g);
-                    }
-                }
-                Accumulator::Nvme(stored) => *stored = Stored::Nothing,
-                Accumulator::Stale(_) | Accumulator::Lent(_) => {}
-            }
+            *acc = match std::mem::replace(acc, Accumulator::Lent("compute")) {
+                Accumulator::Here(g) => Accumulator::Stale(g),
+                Accumulator::Nvme(_) => Accumulator::Nvme(Stored::Nothing),
+                other => other,
+            };
         }
     }
 
@@ -556,13 +559,9 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             }
             return Ok(FinalGrad::Here(copy));
         }
-        match std::mem::replace(&mut self.accumulators[u], Accumulator::Lent("optimizer")) {
+        // a stale accumulator is zeroed: no gradient reached it this step
+        match std::mem::replace(&mut self.accumulators[u], Accumulator::Lent("optimizer")).zeroed() {
             Accumulator::Here(g) => Ok(FinalGrad::Here(g)),
-            // no gradient reached it this step
-            Accumulator::Stale(mut g) => {
-                g.fill_zero();
-                Ok(FinalGrad::Here(g))
-            }
             Accumulator::Nvme(Stored::Whole { .. }) => Ok(FinalGrad::Stored {
                 len: self.partitions[u].len(),
                 bf16: self.bf16,

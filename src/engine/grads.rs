@@ -172,40 +172,31 @@ pub fn add_bf16(g: &mut [u16], x: &[f32]) {
 
 /// [`add_f32`] of any [`Values`].
 pub fn add_values_f32(g: &mut [f32], x: Values) {
-    match x {
-        Values::F32(x) => each(g, x, |g, x| *g += x),
-        Values::Bf16(x) => each(g, x, |g, b| *g += bf16_to_f32(b)),
-        Values::F16(x) => each(g, x, |g, b| *g += f16_to_f32(b)),
-    }
+    widened(g, x, |g, x| *g += x);
 }
 
 /// [`add_bf16`] of any [`Values`].
 pub fn add_values_bf16(g: &mut [u16], x: Values) {
-    let add = |g: &mut u16, x: f32| *g = f32_to_bf16(bf16_to_f32(*g) + x);
-    match x {
-        Values::F32(x) => each(g, x, add),
-        Values::Bf16(x) => each(g, x, |g, b| add(g, bf16_to_f32(b))),
-        Values::F16(x) => each(g, x, |g, b| add(g, f16_to_f32(b))),
-    }
+    widened(g, x, |g, x| *g = f32_to_bf16(bf16_to_f32(*g) + x));
 }
 
 /// [`add_values_f32`] into zeros: `g[i] = 0 + x[i]` (-0.0 becomes +0.0, as added to
 /// zero), `g` written and not read.
-pub fn set_values_f32(g: &mut [f32], x: Values) {
-    match x {
-        Values::F32(x) => each(g, x, |g, x| *g = 0.0 + x),
-        Values::Bf16(x) => each(g, x, |g, b| *g = 0.0 + bf16_to_f32(b)),
-        Values::F16(x) => each(g, x, |g, b| *g = 0.0 + f16_to_f32(b)),
-    }
+fn set_values_f32(g: &mut [f32], x: Values) {
+    widened(g, x, |g, x| *g = 0.0 + x);
 }
 
 /// [`add_values_bf16`] into zeros, `g` written and not read.
-pub fn set_values_bf16(g: &mut [u16], x: Values) {
-    let set = |g: &mut u16, x: f32| *g = f32_to_bf16(0.0 + x);
+fn set_values_bf16(g: &mut [u16], x: Values) {
+    widened(g, x, |g, x| *g = f32_to_bf16(0.0 + x));
+}
+
+/// `f(g[i], x[i])` for every element, each value widened to fp32 as it is read (exact).
+fn widened<T: Send>(g: &mut [T], x: Values, f: impl Fn(&mut T, f32) + Sync) {
     match x {
-        Values::F32(x) => each(g, x, set),
-        Values::Bf16(x) => each(g, x, |g, b| set(g, bf16_to_f32(b))),
-        Values::F16(x) => each(g, x, |g, b| set(g, f16_to_f32(b))),
+        Values::F32(x) => each(g, x, |g, x| f(g, x)),
+        Values::Bf16(x) => each(g, x, |g, b| f(g, bf16_to_f32(b))),
+        Values::F16(x) => each(g, x, |g, b| f(g, f16_to_f32(b))),
     }
 }
 
