@@ -18,6 +18,15 @@ use tch::{Device, Tensor};
 use torch_sys::C_tensor;
 
 const ERR_LEN: usize = 1024;
+
+/// Held while a collective is queued on any group of this process (not while it runs).
+/// torch 2.11's flight recorder, a process-wide singleton on by default
+/// (`TORCH_FR_BUFFER_SIZE`), records each queued collective and inserts a group's status
+/// into its map before taking its own lock (`FlightRecorder::recordWithResetEnabled`):
+/// the first collectives of two groups queued at once from two threads (the ranks of one
+/// process) corrupted that map and crashed in `_Rb_tree_insert_and_rebalance`, in about
+/// one run in seven of `ranks_of_one_process_through_a_loopback_store_train_the_bits_of_local`.
+static QUEUEING: Mutex<()> = Mutex::new(());
 /// Where an aborting rank leaves its reason.
 /// Where a failing rank publishes its cause for every process (Gloo and NCCL alike).
 pub(crate) const ABORT_KEY: &str = "tierzero/abort";
@@ -392,7 +401,11 @@ impl Gloo {
     ) -> Result<(), CommError> {
         self.check()?;
         let mut work = std::ptr::null_mut();
-        let result = call(|e, n| queue(&mut work, e, n)).and_then(|()| {
+        let queued = {
+            let _one_at_a_time = QUEUEING.lock().unwrap_or_else(|e| e.into_inner());
+            call(|e, n| queue(&mut work, e, n))
+        };
+        let result = queued.and_then(|()| {
             // SAFETY: `work` was created by the queue call above; freed once below.
             let waited = call(|e, n| unsafe { tz_work_wait(work, e, n) });
             // SAFETY: as above; `work` is not used after this
