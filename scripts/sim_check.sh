@@ -49,8 +49,14 @@ python3 - "$work" <<'PY'
 import json, sys
 work = sys.argv[1]
 p = json.load(open(f"{work}/profile.json"))
+# the disk over each run's swap files: every profile's rows by file size
+rows = {r["file_bytes"]: r for r in p["nvme"].get("by_file_size", [])}
+rows.setdefault(2 << 30, {"file_bytes": 2 << 30, "read_gb_s": p["nvme"]["read_gb_s"], "write_gb_s": p["nvme"]["write_gb_s"]})
 for run in ("m130", "l1b"):
-    p["compute"]["rates"] += json.load(open(f"{work}/profile-{run}.json"))["compute"]["rates"]
+    other = json.load(open(f"{work}/profile-{run}.json"))
+    p["compute"]["rates"] += other["compute"]["rates"]
+    rows.update({r["file_bytes"]: r for r in other["nvme"].get("by_file_size", [])})
+p["nvme"]["by_file_size"] = [rows[k] for k in sorted(rows)]
 json.dump(p, open(f"{work}/profile.json", "w"), indent=1)
 PY
 

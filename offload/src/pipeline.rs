@@ -75,11 +75,8 @@ impl<'a> GradIn<'a> {
         }
     }
 
-    fn stored_bytes(&self, store: &SwapStore) -> Option<usize> {
-        match self {
-            GradIn::Host(_) => None,
-            GradIn::Stored { bf16, .. } => Some(store.chunk_bytes(if *bf16 { 2 } else { 4 })),
-        }
+    fn stored(&self) -> bool {
+        matches!(self, GradIn::Stored { .. })
     }
 }
 
@@ -91,6 +88,20 @@ impl SubGroup<'_> {
             state,
         }
     }
+}
+
+/// Bytes the disk moves for a sub-group's states (three reads or three writes) and, when
+/// `grad`, its stored gradient: each chunk's elements padded to the O_DIRECT alignment,
+/// as the store reads and writes them (a chunk the store does not have counts nothing;
+/// its read or write reports the error).
+fn moved_bytes(store: &SwapStore, (unit, rank, chunk): (u32, u32, usize), grad: bool) -> (u64, u64) {
+    let bytes = |state| {
+        store
+            .chunk_io_bytes(TensorKey { unit, rank, state }, chunk)
+            .map_or(0, |b| b as u64)
+    };
+    let states = State::OPTIMIZER.into_iter().map(bytes).sum();
+    (states, if grad { bytes(State::Grad) } else { 0 })
 }
 
 /// Cuts one (unit, rank) partition into its sub-groups: chunk i covers elements
@@ -285,19 +296,18 @@ pub fn nvme_adam_step_observed(
 ) -> Result<PipelineReport, IoError> {
     let start = Instant::now();
     let sets = config.sets.max(1);
-    let order: Vec<((u32, u32, usize), Option<usize>)> = groups
+    let order: Vec<((u32, u32, usize), bool)> = groups
         .iter()
-        .map(|g| ((g.unit, g.rank, g.chunk), g.grad.stored_bytes(store)))
+        .map(|g| ((g.unit, g.rank, g.chunk), g.grad.stored()))
         .collect();
     let error = FirstError(Mutex::new(None));
     let report = Mutex::new(PipelineReport {
         sub_groups: groups.len(),
         ..PipelineReport::default()
     });
-    let group_bytes = 3 * store.chunk_bytes(4) as u64;
     let (to_wait, submitted) = crossbeam_channel::bounded::<(u32, Instant, Reads, u64)>(sets);
     let (to_update, updates) = crossbeam_channel::bounded::<Result<Vec<IoBuf>, IoError>>(sets);
-    let (to_complete, completions) = crossbeam_channel::bounded::<(u32, Instant, Writes<'_>)>(sets);
+    let (to_complete, completions) = crossbeam_channel::bounded::<(u32, Instant, Writes<'_>, u64)>(sets);
     // without pipeline_read the reader waits for this after each sub-group
     let (updated, updated_rx) = crossbeam_channel::bounded::<()>(sets);
 
@@ -305,12 +315,12 @@ pub fn nvme_adam_step_observed(
         // stage 3: wait for writes, then the buffers go back to the pool
         let completer = scope.spawn(|| {
             let mut last_end = start;
-            for (unit, submit, writes) in completions {
+            for (unit, submit, writes, bytes) in completions {
                 let t = Instant::now();
                 let result = wait_all_writes(writes);
                 let end = Instant::now();
                 report.lock().unwrap_or_else(|p| p.into_inner()).write_wait += end - t;
-                observer.leg(Leg::Write, unit, submit.max(last_end), end, group_bytes);
+                observer.leg(Leg::Write, unit, submit.max(last_end), end, bytes);
                 last_end = end;
                 if let Err(e) = result {
                     error.set(e);
@@ -396,6 +406,8 @@ pub fn nvme_adam_step_observed(
                     }
                 };
                 let update = t.elapsed();
+                let (state_bytes, grad_bytes) =
+                    moved_bytes(store, (group.unit, group.rank, chunk), group.grad.stored());
                 // the bytes of state it reads and writes, as an in-memory update counts them
                 observer.leg(Leg::Update, group.unit, t, Instant::now(), 16 * n as u64);
                 let submit = Instant::now();
@@ -411,11 +423,14 @@ pub fn nvme_adam_step_observed(
                     r.found_non_finite |= found;
                     r.read_wait += read_wait;
                     r.update += update;
-                    r.bytes_read += group_bytes + group.grad.stored_bytes(store).unwrap_or(0) as u64;
-                    r.bytes_written += 3 * store.chunk_bytes(4) as u64;
+                    r.bytes_read += state_bytes + grad_bytes;
+                    r.bytes_written += state_bytes;
                 }
                 if config.pipeline_write {
-                    if to_complete.send((group.unit, submit, writes)).is_err() {
+                    if to_complete
+                        .send((group.unit, submit, writes, state_bytes))
+                        .is_err()
+                    {
                         break;
                     }
                 } else {
@@ -423,7 +438,7 @@ pub fn nvme_adam_step_observed(
                     let result = wait_all_writes(writes);
                     let end = Instant::now();
                     report.lock().unwrap_or_else(|p| p.into_inner()).write_wait += end - t;
-                    observer.leg(Leg::Write, group.unit, submit, end, group_bytes);
+                    observer.leg(Leg::Write, group.unit, submit, end, state_bytes);
                     observer.leg(Leg::WriteWait, group.unit, t, end, 0);
                     if let Err(e) = result {
                         error.set(e);
@@ -444,7 +459,7 @@ pub fn nvme_adam_step_observed(
         });
 
         // stage 1 (this thread): read ahead
-        for (i, &(group, grad_bytes)) in order.iter().enumerate() {
+        for (i, &(group, grad)) in order.iter().enumerate() {
             if error.is_set() {
                 break;
             }
@@ -452,9 +467,10 @@ pub fn nvme_adam_step_observed(
                 break;
             }
             let submit = Instant::now();
-            match submit_reads(store, pool, group, grad_bytes.is_some()) {
+            match submit_reads(store, pool, group, grad) {
                 Ok(reads) => {
-                    let bytes = group_bytes + grad_bytes.unwrap_or(0) as u64;
+                    let (states, grad) = moved_bytes(store, group, grad);
+                    let bytes = states + grad;
                     if to_wait.send((group.0, submit, reads, bytes)).is_err() {
                         break;
                     }

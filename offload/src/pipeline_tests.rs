@@ -159,6 +159,17 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
                 };
                 let report = nvme_adam_step(&store, &pool, groups, &c, config).unwrap();
                 assert_eq!(report.sub_groups, 3 + 1 + 3);
+                // the bytes the disk moved: each chunk's elements padded to 4 KiB (a
+                // ragged tail moves less than a whole chunk)
+                let moved: u64 = units
+                    .iter()
+                    .flat_map(|&n| {
+                        (0..n.div_ceil(4096))
+                            .map(move |c| (4 * (n - c * 4096).min(4096)).div_ceil(4096) as u64 * 4096)
+                    })
+                    .sum();
+                assert_eq!(report.bytes_written, 3 * moved);
+                assert_eq!(report.bytes_read, if stored { 4 } else { 3 } * moved);
                 assert_eq!(low_nvme, low_memory, "{} step {step}", engine.name());
             }
             for (unit, state) in memory.iter().enumerate() {

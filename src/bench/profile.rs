@@ -16,8 +16,11 @@ use super::median;
 use super::nvme::{run as nvme_bench, NvmeBenchArgs};
 use crate::model::head::{Matmul, Weight};
 use crate::model::Model;
+use crate::plan::report::nvme_bytes;
 use crate::plan::simulate::flops;
-use crate::plan::simulate::profile::{Compute, Copies, CpuAdam, Figure, Link, Nvme, Profile, Rate, Work};
+use crate::plan::simulate::profile::{
+    Compute, Copies, CpuAdam, Figure, Link, Nvme, NvmeAt, Profile, Rate, Work,
+};
 use crate::plan::Plan;
 use crate::run::rank_threads;
 use std::path::Path;
@@ -263,26 +266,7 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
     let bus = large.all_gather_gbs.min(large.reduce_scatter_gbs) * (w - 1.0) / w;
     let latency = 4096.0 / (tiny.all_gather_gbs.min(tiny.reduce_scatter_gbs) * 1e9);
     std::fs::create_dir_all(nvme_dir)?;
-    let nvme = nvme_bench(&NvmeBenchArgs {
-        dir: nvme_dir.to_path_buf(),
-        // 2 GiB: a file the size of a bench's default (256 MiB) can sit in a virtual
-        // machine's host cache and read several times faster than the swap files do
-        size_bytes: if quick { 256 << 20 } else { 2 << 30 },
-        block_sizes: vec![1 << 20],
-        queue_depths: vec![32],
-        repeats: 1,
-    })?;
-    let best = |direction: &str| {
-        nvme.rows
-            .iter()
-            .filter(|r| r.direction == direction)
-            .map(|r| r.gbps)
-            .fold(0.0, f64::max)
-    };
-    let nvme_source = format!(
-        "`tierzero bench nvme --dir {} --size-mb 2048 --block-size 1M --queue-depth 32 --repeats 1`: the best of its rows",
-        nvme_dir.display()
-    );
+    let nvme = disk(plans, nvme_dir, quick)?;
     let adam = adam_bench(&AdamBenchArgs {
         params: 20_000_000,
         threads: cores,
@@ -311,15 +295,68 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
             bus_gb_s: Figure::new(bus, format!("`tierzero bench comm --ranks {ranks} --size 16M`: the slower of all-gather and reduce-scatter, as bus bandwidth")),
             latency_s: Figure::new(latency, format!("`tierzero bench comm --ranks {ranks} --size 4K`: seconds per call")),
         },
-        nvme: Nvme {
-            read_gb_s: Figure::new(best("read"), nvme_source.clone()),
-            write_gb_s: Figure::new(best("write"), nvme_source),
-        },
+        nvme,
         cpu_adam: CpuAdam {
             params_per_s: Figure::new(
                 adam.params_per_s,
                 format!("`tierzero bench adam --params 20M --threads {cores}`, kernel {}", adam.kernel),
             ),
         },
+    })
+}
+
+/// The disk under `nvme_dir` (`bench nvme`'s rows, the best of each direction) over a
+/// 2 GiB file (256 MiB when `quick`) and, for each plan whose machine's swap files are
+/// larger, over a file of their size (whole GiB, at most 90% of the free space): a
+/// virtual machine's disk whose host caches a few GB moves a small file several times
+/// faster than a run's swap files.
+fn disk(plans: &[Plan], nvme_dir: &Path, quick: bool) -> anyhow::Result<Nvme> {
+    const GIB: u64 = 1 << 30;
+    let base = if quick { 256 << 20 } else { 2 * GIB };
+    let free = crate::plan::disk::file_system(nvme_dir).map_or(u64::MAX, |(_, free)| free / 10 * 9);
+    let mut sizes = vec![base];
+    if !quick {
+        sizes.extend(
+            plans
+                .iter()
+                .map(nvme_bytes)
+                .filter(|&b| b > base)
+                .map(|b| (b.div_ceil(GIB) * GIB).min(free / GIB * GIB)),
+        );
+    }
+    sizes.sort_unstable();
+    sizes.dedup();
+    let mut rows = Vec::new();
+    for &size in &sizes {
+        let bench = nvme_bench(&NvmeBenchArgs {
+            dir: nvme_dir.to_path_buf(),
+            size_bytes: size,
+            block_sizes: vec![1 << 20],
+            queue_depths: vec![32],
+            repeats: 1,
+        })?;
+        let best = |direction: &str| {
+            let rows = bench.rows.iter().filter(|r| r.direction == direction);
+            rows.map(|r| r.gbps).fold(0.0, f64::max)
+        };
+        let source = format!(
+            "`tierzero bench nvme --dir {} --size-mb {} --block-size 1M --queue-depth 32 --repeats 1`: the best of its rows",
+            nvme_dir.display(),
+            size >> 20
+        );
+        rows.push(NvmeAt {
+            file_bytes: size,
+            read_gb_s: Figure::new(best("read"), source.clone()),
+            write_gb_s: Figure::new(best("write"), source),
+        });
+    }
+    let first = rows
+        .first()
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("no disk measured"))?;
+    Ok(Nvme {
+        read_gb_s: first.read_gb_s,
+        write_gb_s: first.write_gb_s,
+        by_file_size: if rows.len() > 1 { rows } else { Vec::new() },
     })
 }

@@ -121,11 +121,12 @@ impl<'s> GradStream<'s> {
             let Some(buf) = self.buf.take() else {
                 return self.buffer().map(drop);
             };
+            let bytes = store.chunk_io_bytes(key, c).map_err(&io)? as u64;
             let start = Instant::now();
             let read = store.read_async(key, c, buf).map_err(|(e, _)| io(e))?;
             let buf = read.wait().map_err(&io)?;
-            track.record(Phase::NvmeRead, self.unit(), start, buf.capacity() as u64);
-            sim::charge(Work::NvmeRead(buf.capacity() as u64));
+            track.record(Phase::NvmeRead, self.unit(), start, bytes);
+            sim::charge(Work::NvmeRead(bytes));
             self.buf = Some(buf);
         }
         self.held = Some(c);
@@ -146,11 +147,12 @@ impl<'s> GradStream<'s> {
         } else {
             sum_squares_f32(self.sum_squares, buf.typed::<f32>(n))
         };
+        let bytes = store.chunk_io_bytes(key, c).map_err(&io)? as u64;
         let start = Instant::now();
         let write = store.write_async(key, c, buf).map_err(|(e, _)| io(e))?;
         let buf = write.wait().map_err(&io)?;
-        track.record(Phase::NvmeWrite, self.unit(), start, buf.capacity() as u64);
-        sim::charge(Work::NvmeWrite(buf.capacity() as u64));
+        track.record(Phase::NvmeWrite, self.unit(), start, bytes);
+        sim::charge(Work::NvmeWrite(bytes));
         self.buf = Some(buf);
         self.written = c + 1;
         Ok(())

@@ -201,6 +201,12 @@ impl SwapStore {
             .min(extent.numel.saturating_sub(chunk * self.chunk_elems)))
     }
 
+    /// Bytes a read or a write of chunk `chunk` of `key` moves: its elements, padded to
+    /// the O_DIRECT alignment (a short chunk moves less than [`Self::chunk_bytes`]).
+    pub fn chunk_io_bytes(&self, key: TensorKey, chunk: usize) -> Result<usize, IoError> {
+        self.locate(key, chunk).map(|(_, _, padded, _)| padded)
+    }
+
     /// Bytes one chunk occupies on disk and in a buffer (for sizing pools).
     pub fn chunk_bytes(&self, elem_bytes: usize) -> usize {
         (self.chunk_elems * elem_bytes).div_ceil(DIRECT_ALIGN as usize) * DIRECT_ALIGN as usize

@@ -11,6 +11,7 @@
 
 use super::flops;
 use super::profile::{Profile, Shape, Work as Kernel};
+use crate::plan::report::nvme_bytes;
 use crate::plan::rules;
 use crate::plan::Plan;
 
@@ -118,16 +119,14 @@ impl Costs {
         bytes as f64 / (gb_s * GB)
     }
 
-    /// The machine's NVMe read and write rates and CPU AdamW rate as one rank sees them:
-    /// the ranks of a process share its disk and cores, and all run the same schedule.
+    /// The machine's NVMe read and write rates (over files the size of its swap files)
+    /// and CPU AdamW rate as one rank sees them: the ranks of a process share its disk
+    /// and cores, and all run the same schedule.
     fn shared(&self) -> (f64, f64, f64) {
         let ranks = self.plan.train.devices.max(1) as f64;
         let p = &self.profile;
-        (
-            p.nvme.read_gb_s.value / ranks,
-            p.nvme.write_gb_s.value / ranks,
-            p.cpu_adam.params_per_s.value / ranks,
-        )
+        let (read, write) = p.nvme.rates_for(nvme_bytes(&self.plan));
+        (read / ranks, write / ranks, p.cpu_adam.params_per_s.value / ranks)
     }
 
     /// A host→device copy's rate: pinned or pageable on a GPU, a memcpy on a CPU.

@@ -16,6 +16,7 @@ pub mod profile;
 mod step;
 
 use crate::plan::partition::Partition;
+use crate::plan::report::nvme_bytes;
 use crate::plan::rules;
 use crate::plan::{Plan, Tier};
 use clock::{Clocks, Track};
@@ -265,7 +266,7 @@ fn bound(plan: &Plan, profile: &Profile, compute_s: f64, [h2d, d2h]: [f64; 2]) -
     let on_nvme = share(&|t| t == Tier::Nvme);
     let (param_reads, param_writes) = nvme_param_bytes(plan);
     let ranks_per_host = plan.train.devices as f64;
-    let nvme = &profile.nvme;
+    let (read_gb_s, write_gb_s) = profile.nvme.rates_for(nvme_bytes(plan));
     if on_nvme > 0.0 || param_writes > 0.0 {
         // the optimizer thread: master and both moments read and written once, and the
         // new parameters of units on NVMe written (ranks of a machine share its disk)
@@ -273,14 +274,14 @@ fn bound(plan: &Plan, profile: &Profile, compute_s: f64, [h2d, d2h]: [f64; 2]) -
         let written = state + param_writes * ranks_per_host;
         candidates.push((
             "NVMe".into(),
-            state / (nvme.read_gb_s.value * gb) + written / (nvme.write_gb_s.value * gb),
+            state / (read_gb_s * gb) + written / (write_gb_s * gb),
         ));
     }
     if param_reads > 0.0 {
         // the h2d lane: each use of a unit on NVMe reads its shard
         candidates.push((
             "NVMe parameter reads".into(),
-            param_reads * ranks_per_host / (nvme.read_gb_s.value * gb),
+            param_reads * ranks_per_host / (read_gb_s * gb),
         ));
     }
     candidates

@@ -108,6 +108,36 @@ pub struct Link {
 pub struct Nvme {
     pub read_gb_s: Figure,
     pub write_gb_s: Figure,
+    /// The disk's rates over files of several sizes, where they differ: a virtual
+    /// machine's disk whose host caches a few GB reads and writes a small file several
+    /// times faster than a run's swap files. A run takes the row of the smallest file at
+    /// least as large as its machine's swap files, else the largest; without rows, the
+    /// figures above hold for any size.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub by_file_size: Vec<NvmeAt>,
+}
+
+/// The disk's rates over one file size.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct NvmeAt {
+    pub file_bytes: u64,
+    pub read_gb_s: Figure,
+    pub write_gb_s: Figure,
+}
+
+impl Nvme {
+    /// (read, write) GB/s of the machine's disk for swap files of `bytes` in all.
+    pub fn rates_for(&self, bytes: u64) -> (f64, f64) {
+        let fits = self
+            .by_file_size
+            .iter()
+            .filter(|r| r.file_bytes >= bytes)
+            .min_by_key(|r| r.file_bytes);
+        match fits.or_else(|| self.by_file_size.iter().max_by_key(|r| r.file_bytes)) {
+            Some(r) => (r.read_gb_s.value, r.write_gb_s.value),
+            None => (self.read_gb_s.value, self.write_gb_s.value),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -292,6 +322,32 @@ mod tests {
             assert_eq!(&p.name, name);
             assert!(!p.is_cpu());
         }
+    }
+
+    #[test]
+    fn a_run_takes_the_disk_rates_of_the_smallest_file_that_holds_its_swap_files() {
+        let figure = |v: f64| Figure::new(v, "test");
+        let at = |gib: u64, read: f64| NvmeAt {
+            file_bytes: gib << 30,
+            read_gb_s: figure(read),
+            write_gb_s: figure(2.0 * read),
+        };
+        let mut nvme = Nvme {
+            read_gb_s: figure(9.0),
+            write_gb_s: figure(9.5),
+            by_file_size: Vec::new(),
+        };
+        assert_eq!(nvme.rates_for(100 << 30), (9.0, 9.5), "no rows: any size");
+        nvme.by_file_size = vec![at(24, 1.0), at(2, 3.0), at(3, 2.0)];
+        assert_eq!(nvme.rates_for(1 << 20), (3.0, 6.0));
+        assert_eq!(nvme.rates_for(2 << 30), (3.0, 6.0));
+        assert_eq!(nvme.rates_for((2 << 30) + 1), (2.0, 4.0));
+        assert_eq!(nvme.rates_for(20 << 30), (1.0, 2.0));
+        assert_eq!(
+            nvme.rates_for(100 << 30),
+            (1.0, 2.0),
+            "beyond every row: the largest"
+        );
     }
 
     #[test]

@@ -51,13 +51,6 @@ impl Replay<'_> {
                     // waits for a free buffer set and, without pipeline_read, for the last
                     // update (and its writes without pipeline_write); an update for its read
                     // and, without pipeline_write, the last write; a write for its update
-                    let states = 3 * round_4k(swap_chunk * 4);
-                    let read_bytes = states
-                        + if stored {
-                            round_4k(swap_chunk * accumulator)
-                        } else {
-                            0
-                        };
                     let (sets, start) = (
                         rules::pipeline_sets(self.plan).max(1),
                         self.clocks.now(Track::Optimizer),
@@ -70,6 +63,15 @@ impl Replay<'_> {
                     let (mut reads, mut updates, mut writes) = (Vec::new(), Vec::new(), Vec::new());
                     for i in 0..len.div_ceil(swap_chunk) as usize {
                         let elements = swap_chunk.min(len - i as u64 * swap_chunk);
+                        // what the disk moves: each state's chunk (and the stored
+                        // gradient's) padded to the O_DIRECT alignment, as the store does
+                        let states = 3 * round_4k(elements * 4);
+                        let read_bytes = states
+                            + if stored {
+                                round_4k(elements * accumulator)
+                            } else {
+                                0
+                            };
                         let mut ready = at(&writes, i, sets).max(at(&reads, i, 1));
                         if !opt.pipeline_read {
                             ready = ready.max(at(&updates, i, 1));

@@ -98,8 +98,9 @@ impl Replay<'_> {
             // the gradient's swap chunks: read back (once a reduction of the step has
             // stored some) and written, on the lane thread
             let elements = self.optimizer_len(u);
-            let n = elements.div_ceil(swap_chunk);
-            let bytes = n * round_4k(swap_chunk * accumulator);
+            let bytes = (0..elements.div_ceil(swap_chunk))
+                .map(|c| round_4k(swap_chunk.min(elements - c * swap_chunk) * accumulator))
+                .sum();
             if std::mem::replace(&mut self.stored[u], true) {
                 let read = self.costs.seconds(Cost::NvmeRead(bytes));
                 self.clocks
