@@ -21,6 +21,8 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
+    // before any thread exists: a thread that takes a malloc arena of its own keeps it
+    tierzero::metrics::host::reuse_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -60,21 +60,23 @@ impl Span {
 /// kernel: no allocation is served by its own `mmap` (glibc maps every block above
 /// 32 MiB on its own and unmaps it on free, so each of libtorch's per-unit gradient and
 /// activation tensors came back as fresh pages, zeroed by the kernel on first touch: at
-/// `llama-1b` scale most of the process's CPU time was kernel time), and the heap's top
-/// is not trimmed. The steps' working set then stays mapped and is reused step after
-/// step; the peak resident set is unchanged, since it is the working set's. And at most
-/// one arena per core (glibc's default is eight per core): each arena keeps what its
-/// threads freed, so the engine's many threads (ranks, lanes, pipeline stages) would each
-/// keep a copy of the same working set; threads beyond the cores cannot run at once
-/// anyway. Returns whether glibc took the settings (other C libraries: nothing happens).
+/// `llama-1b` scale most of the process's CPU time was kernel time), the heap's top is
+/// not trimmed, and every thread allocates from the one main arena. The steps' working
+/// set then stays mapped and is reused step after step. One arena, because glibc serves
+/// a block larger than a secondary arena's 64 MiB heap from its own `mmap` whatever
+/// `M_MMAP_MAX` says, and any thread that has ever allocated holds a secondary arena
+/// once the main one was busy: with one arena per core, `llama-1b`'s 243 MB block
+/// gradients and 1.05 GB embedding tensors were still mapped and unmapped every step
+/// (16.9 M minor page faults in 3 steps, 4.3 M with one arena). The binary calls this
+/// first in `main`, before any thread exists; `train` calls it again for library users
+/// (arenas a thread already holds stay). Returns whether glibc took the settings (other
+/// C libraries: nothing happens).
 pub fn reuse_freed_memory() -> bool {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let arenas = i32::try_from(cores.max(2)).unwrap_or(i32::MAX);
     // SAFETY: mallopt only sets allocator parameters (under the allocator's own lock).
     unsafe {
         libc::mallopt(libc::M_MMAP_MAX, 0) == 1
             && libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX) == 1
-            && libc::mallopt(libc::M_ARENA_MAX, arenas) == 1
+            && libc::mallopt(libc::M_ARENA_MAX, 1) == 1
     }
 }
 
