@@ -206,7 +206,7 @@ if part tiny && [ "$GPUS" -ge 2 ]; then
 fi
 
 big() { # name, config
-  "$BIN" train --config "$2" --trace --set data.path=null --set data.synthetic=markov \
+  "$BIN" train --config "$2" --trace --no-save --set data.path=null --set data.synthetic=markov \
     --set train.steps="${STEPS_1B:-6}" --set gradient_accumulation_steps=1 \
     --set scheduler.params.warmup_num_steps=2 \
     --set train.output_dir="$WORK/$1" --set train.save_interval=0 \

@@ -66,7 +66,7 @@ compare() { # $1: name; the rest: config arguments
   if [ -z "${REUSE:-}" ] || [ ! -s "$work/out-$name/metrics.jsonl" ]; then
     rm -rf "$work/out-$name"
     # the run also times itself on the profile's clocks (the simulated device)
-    "$bin" train "$@" --simulate "$work/profile.json" --set "train.output_dir=$work/out-$name" > "$work/train-$name.log" 2>&1
+    "$bin" train "$@" --no-save --simulate "$work/profile.json" --set "train.output_dir=$work/out-$name" > "$work/train-$name.log" 2>&1
   fi
   python3 - "$work" "$name" <<'PY'
 import json, sys

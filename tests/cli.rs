@@ -348,3 +348,29 @@ fn plan_largest_fills_every_tier_to_twice_deepspeeds_estimate() {
         "tierzero {ours} vs DeepSpeed's estimator {theirs}"
     );
 }
+
+#[test]
+fn no_save_trains_and_writes_no_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("run");
+    let set = |k: &str, v: String| ["--set".to_string(), format!("{k}={v}")];
+    let mut args = vec![
+        "train".to_string(),
+        "--config".into(),
+        default_config(),
+        "--no-save".into(),
+    ];
+    args.extend(set("train.output_dir", out_dir.display().to_string()));
+    args.extend(set("train.steps", "3".into()));
+    args.extend(set("train.save_interval", "1".into()));
+    args.extend(set(
+        "zero_optimization.offload_optimizer.nvme_path",
+        dir.path().join("nvme").display().to_string(),
+    ));
+    let out = tierzero().args(&args).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--no-save"));
+    let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 3);
+    assert!(!out_dir.join("checkpoints").exists(), "a checkpoint was written");
+}

@@ -26,6 +26,12 @@ pub struct TrainArgs {
     /// the CPU, with its real math (metrics.jsonl → `simulated`).
     #[arg(long, value_name = "PROFILE")]
     pub simulate: Option<String>,
+    /// Write no checkpoint: neither every `train.save_interval` steps, nor after the
+    /// last step, nor on SIGTERM/SIGUSR1 (Hugging Face's `save_strategy: "no"`; for
+    /// benchmarks, whose final save of NVMe-resident state can be the size of the swap
+    /// files). The metrics, plots and summary are written as always.
+    #[arg(long)]
+    pub no_save: bool,
 }
 
 pub fn run(
@@ -34,6 +40,7 @@ pub fn run(
         resume,
         trace,
         simulate,
+        no_save,
     }: TrainArgs,
 ) -> Result<(), Failure> {
     let profile = simulate.as_deref().map(super::plan::load_profile).transpose()?;
@@ -56,7 +63,11 @@ pub fn run(
         }
         None => load_config(&config)?,
     };
-    disk_space_warning(&loaded.plan);
+    if no_save {
+        println!("--no-save: this run writes no checkpoint (train.save_interval is not acted on, nor a preemption signal)");
+    } else {
+        disk_space_warning(&loaded.plan);
+    }
     let output_dir = &loaded.plan.train.output_dir;
     let resume_dir = match resume.as_deref() {
         Some(r) => tierzero::checkpoint::save::resolve(r, output_dir).map_err(anyhow::Error::from)?,
@@ -71,7 +82,7 @@ pub fn run(
     print!("{}", plan::plan_table(&loaded.plan));
     let options = TrainOptions {
         write_outputs: true,
-        save_checkpoints: true,
+        save_checkpoints: !no_save,
         resume: resume_dir.as_deref(),
         trace,
         simulate: profile.as_ref(),
