@@ -104,6 +104,16 @@ fn moved_bytes(store: &SwapStore, (unit, rank, chunk): (u32, u32, usize), grad: 
     (states, if grad { bytes(State::Grad) } else { 0 })
 }
 
+/// A sub-group as the pipeline's threads see it: its (unit, rank, chunk), whether its
+/// gradient is read beside its state, and the bytes of its state and gradient on the disk
+/// ([`moved_bytes`]), worked out once before the threads start.
+#[derive(Clone, Copy)]
+struct Planned {
+    group: (u32, u32, usize),
+    grad: bool,
+    moved: (u64, u64),
+}
+
 /// Cuts one (unit, rank) partition into its sub-groups: chunk i covers elements
 /// [i·chunk_elems, (i+1)·chunk_elems) of the gradient and the low-precision output.
 pub fn sub_groups<'a>(
@@ -296,9 +306,16 @@ pub fn nvme_adam_step_observed(
 ) -> Result<PipelineReport, IoError> {
     let start = Instant::now();
     let sets = config.sets.max(1);
-    let order: Vec<((u32, u32, usize), bool)> = groups
+    let order: Vec<Planned> = groups
         .iter()
-        .map(|g| ((g.unit, g.rank, g.chunk), g.grad.stored()))
+        .map(|g| {
+            let (group, grad) = ((g.unit, g.rank, g.chunk), g.grad.stored());
+            Planned {
+                group,
+                grad,
+                moved: moved_bytes(store, group, grad),
+            }
+        })
         .collect();
     let error = FirstError(Mutex::new(None));
     let report = Mutex::new(PipelineReport {
@@ -349,9 +366,11 @@ pub fn nvme_adam_step_observed(
 
         // stage 2: update
         let updater = scope.spawn(|| {
-            let mut groups = groups.into_iter();
+            let mut groups = groups.into_iter().zip(order.iter().map(|p| p.moved));
             for reads in updates.iter() {
-                let Some(group) = groups.next() else { break };
+                let Some((group, (state_bytes, grad_bytes))) = groups.next() else {
+                    break;
+                };
                 if error.is_set() {
                     break;
                 }
@@ -406,8 +425,6 @@ pub fn nvme_adam_step_observed(
                     }
                 };
                 let update = t.elapsed();
-                let (state_bytes, grad_bytes) =
-                    moved_bytes(store, (group.unit, group.rank, chunk), group.grad.stored());
                 // the bytes of state it reads and writes, as an in-memory update counts them
                 observer.leg(Leg::Update, group.unit, t, Instant::now(), 16 * n as u64);
                 let submit = Instant::now();
@@ -459,7 +476,7 @@ pub fn nvme_adam_step_observed(
         });
 
         // stage 1 (this thread): read ahead
-        for (i, &(group, grad)) in order.iter().enumerate() {
+        for (i, &Planned { group, grad, moved }) in order.iter().enumerate() {
             if error.is_set() {
                 break;
             }
@@ -469,9 +486,7 @@ pub fn nvme_adam_step_observed(
             let submit = Instant::now();
             match submit_reads(store, pool, group, grad) {
                 Ok(reads) => {
-                    let (states, grad) = moved_bytes(store, group, grad);
-                    let bytes = states + grad;
-                    if to_wait.send((group.0, submit, reads, bytes)).is_err() {
+                    if to_wait.send((group.0, submit, reads, moved.0 + moved.1)).is_err() {
                         break;
                     }
                 }

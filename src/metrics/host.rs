@@ -67,7 +67,7 @@ impl Span {
 /// `M_MMAP_MAX` says, and any thread that has ever allocated holds a secondary arena
 /// once the main one was busy: with one arena per core, `llama-1b`'s 243 MB block
 /// gradients and 1.05 GB embedding tensors were still mapped and unmapped every step
-/// (16.9 M minor page faults in 3 steps, 4.3 M with one arena). The binary calls this
+/// (16.9 M minor page faults in 3 steps, 3.5 M with one arena). The binary calls this
 /// first in `main`, before any thread exists; `train` calls it again for library users
 /// (arenas a thread already holds stay). Returns whether glibc took the settings (other
 /// C libraries: nothing happens).

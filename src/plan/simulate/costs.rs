@@ -91,6 +91,9 @@ pub struct Costs {
     plan: Plan,
     profile: Profile,
     numels: Vec<usize>,
+    /// The disk's (read, write) GB/s over files the size of the machine's swap files,
+    /// looked up once: every NVMe piece of work is priced at them.
+    disk: (f64, f64),
 }
 
 impl Costs {
@@ -99,6 +102,7 @@ impl Costs {
             plan: plan.clone(),
             profile: profile.clone(),
             numels: plan.model.config.unit_numels(),
+            disk: profile.nvme.rates_for(nvme_bytes(plan)),
         }
     }
 
@@ -125,7 +129,7 @@ impl Costs {
     fn shared(&self) -> (f64, f64, f64) {
         let ranks = self.plan.train.devices.max(1) as f64;
         let p = &self.profile;
-        let (read, write) = p.nvme.rates_for(nvme_bytes(&self.plan));
+        let (read, write) = self.disk;
         (read / ranks, write / ranks, p.cpu_adam.params_per_s.value / ranks)
     }
 
