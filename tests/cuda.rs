@@ -280,3 +280,83 @@ fn tiny_llama_on_cuda_follows_the_cpu_run() {
         }
     }
 }
+
+/// A GPU's stretches leave through the pinned staging two deep (`engine/staging.rs`):
+/// every chunking of a gradient shorter than its unit (zeros past it), fp32 and bf16,
+/// into a shard, a replica and through a device sum's flush, leaves the host
+/// accumulator the bits the same reduction of the gradient on the CPU gives it.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it with --ignored"]
+fn staged_reductions_from_the_gpu_leave_the_cpu_reductions_bits() {
+    use tierzero::comm::local::Local;
+    use tierzero::engine::grads::Grads;
+    use tierzero::engine::reduce::{reduce_into, ChunkBuffers, OnDevice, Target};
+    use tierzero::metrics::timeline::Track;
+    use tierzero::plan::partition::Partition;
+    require_gpu();
+    let comm = Local::group(1).pop().unwrap();
+    let part = Partition::new(1000, 1);
+    let values: Vec<f32> = (0..600).map(|i| ((i * 31) % 97) as f32 / 9.0 - 3.3).collect();
+    let track = Track::disabled();
+    let bits = |g: &Grads| match g {
+        Grads::F32(v) => v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        _ => unreachable!("fp32 accumulators"),
+    };
+    for kind in [Kind::Float, Kind::BFloat16] {
+        let cpu = Tensor::from_slice(&values).to_kind(kind);
+        let gpu = cpu.to_device(Device::Cuda(0));
+        for chunk in [7, 64, 1 << 20] {
+            let mut reduced = Vec::new();
+            for grad in [&cpu, &gpu] {
+                let mut buffers = ChunkBuffers::new(Kind::Float, 1 << 20);
+                let start: Vec<f32> = (0..part.padded).map(|i| i as f32 * 0.01).collect();
+                let mut shard = Grads::from_f32(&start).unwrap();
+                let mut replica = Grads::from_f32(&start).unwrap();
+                for (target, acc) in [(Target::Shard, &mut shard), (Target::Replica, &mut replica)] {
+                    reduce_into(
+                        &comm,
+                        target,
+                        0,
+                        grad,
+                        part,
+                        Some(acc),
+                        None,
+                        &mut buffers,
+                        &track,
+                        chunk,
+                    )
+                    .unwrap();
+                }
+                // a device sum of two contributions, flushed by the second
+                let sum = Tensor::zeros([part.padded as i64], (Kind::Float, grad.device()));
+                let mut flushed = Grads::zeros(part.padded, false).unwrap();
+                for (first, flush) in [(true, false), (false, true)] {
+                    let on = OnDevice {
+                        acc: sum.shallow_clone(),
+                        first,
+                        flush,
+                    };
+                    let acc = flush.then_some(&mut flushed);
+                    reduce_into(
+                        &comm,
+                        Target::Shard,
+                        0,
+                        grad,
+                        part,
+                        acc,
+                        Some(&on),
+                        &mut buffers,
+                        &track,
+                        chunk,
+                    )
+                    .unwrap();
+                }
+                reduced.push([bits(&shard), bits(&replica), bits(&flushed)]);
+            }
+            assert_eq!(
+                reduced[1], reduced[0],
+                "{kind:?}, chunks of {chunk}: the GPU's, then the CPU's"
+            );
+        }
+    }
+}

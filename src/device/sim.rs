@@ -31,13 +31,37 @@ thread_local! {
 /// Distinguishes the simulated devices of one process (a thread may outlive a run).
 static DEVICES: AtomicUsize = AtomicUsize::new(0);
 
+thread_local! {
+    /// Work charged while [`deferring`], kept to be charged later.
+    static DEFERRED: RefCell<Option<Vec<Work>>> = const { RefCell::new(None) };
+}
+
 /// Charges `work` to the calling thread's simulated stream (nothing on other devices).
 pub fn charge(work: Work) {
+    let kept = DEFERRED.with(|d| match d.borrow_mut().as_mut() {
+        Some(later) => {
+            later.push(work);
+            true
+        }
+        None => false,
+    });
+    if kept {
+        return;
+    }
     ENTERED.with(|e| {
         if let Some(stream) = e.borrow().as_ref() {
             stream.run(work);
         }
     });
+}
+
+/// Runs `f`, keeping the work it charges instead of charging it (work a GPU does later
+/// than the payload of a simulated device runs it), and returns that work too.
+pub fn deferring<R>(f: impl FnOnce() -> R) -> (R, Vec<Work>) {
+    let outer = DEFERRED.with(|d| d.borrow_mut().replace(Vec::new()));
+    let result = f();
+    let kept = DEFERRED.with(|d| std::mem::replace(&mut *d.borrow_mut(), outer));
+    (result, kept.unwrap_or_default())
 }
 
 /// Whether the calling thread's simulated stream is a GPU's (false on other devices): the
@@ -140,6 +164,23 @@ impl SimStream {
     /// the stream's thread runs on others), and keeps the stream busy until `end`.
     pub fn overlapped(&self, work: Work, start: f64, end: f64) {
         self.clock().busy_with(work, start, end);
+    }
+
+    /// Counts `work` done from `start` to `end` on a second engine of the stream (a GPU's
+    /// copy engine beside the thread that queued the copy), without moving the clock.
+    pub fn beside(&self, work: Work, start: f64, end: f64) {
+        let mut clock = self.clock();
+        let now = clock.now;
+        clock.busy_with(work, start, end);
+        clock.now = now;
+    }
+
+    /// The thread's wait for a copy out of the device that is in at `at`: when it is not
+    /// in yet, the clock goes on from `at` plus the thread's wake-up after such a wait.
+    pub fn wait_for_copy(&self, at: f64) {
+        if at > self.now() {
+            self.wait_until(at + self.0.costs.d2h_wait());
+        }
     }
 
     /// Later work starts no earlier than `at`.

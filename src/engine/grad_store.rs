@@ -25,12 +25,37 @@ use tierzero_offload::pool::IoBuf;
 /// I/O it does is recorded on `track` (the thread's).
 pub trait Accumulate {
     fn add(&mut self, offset: usize, x: Values, track: &Track) -> Result<(), EngineError>;
+
+    /// [`Self::add`], returning `from` continued with Σ g² of the stretch's elements after
+    /// the add, folded as `Grads::sum_squares` folds them from `offset` (a block
+    /// boundary); None where this accumulator does not square as it adds (a stream to
+    /// NVMe keeps its own sum), the stretch added all the same.
+    fn add_squared(
+        &mut self,
+        offset: usize,
+        x: Values,
+        from: f64,
+        track: &Track,
+    ) -> Result<Option<f64>, EngineError> {
+        let _ = from;
+        self.add(offset, x, track).map(|()| None)
+    }
 }
 
 impl Accumulate for Grads {
     fn add(&mut self, offset: usize, x: Values, _: &Track) -> Result<(), EngineError> {
         Grads::add_values(self, offset, x);
         Ok(())
+    }
+
+    fn add_squared(
+        &mut self,
+        offset: usize,
+        x: Values,
+        from: f64,
+        _: &Track,
+    ) -> Result<Option<f64>, EngineError> {
+        Ok(Some(self.add_values_squared(offset, x, from)))
     }
 }
 
@@ -216,6 +241,20 @@ impl Accumulate for Acc<'_> {
             Acc::Stream(s) => s.add(offset, x, track),
         }
     }
+
+    fn add_squared(
+        &mut self,
+        offset: usize,
+        x: Values,
+        from: f64,
+        track: &Track,
+    ) -> Result<Option<f64>, EngineError> {
+        match self {
+            Acc::Here(g) => g.add_squared(offset, x, from, track),
+            Acc::Fresh(f) => Ok(f.add_squared(offset, x, from)),
+            Acc::Stream(s) => s.add(offset, x, track).map(|()| None),
+        }
+    }
 }
 
 /// A host accumulator that holds a finished step's values (logically zeros) taking the
@@ -246,6 +285,22 @@ impl Fresh {
         }
         self.grads.set_values(split, x.range(split - offset..x.len()));
         self.valid = end;
+    }
+
+    /// [`Self::add`], squared as [`Grads::add_values_squared`] where the stretch lies
+    /// wholly below or from `valid` on (None, the stretch added, where it straddles it or
+    /// leaves a gap).
+    fn add_squared(&mut self, offset: usize, x: Values, from: f64) -> Option<f64> {
+        let end = offset + x.len();
+        if end <= self.valid {
+            return Some(self.grads.add_values_squared(offset, x, from));
+        }
+        if offset != self.valid {
+            self.add(offset, x);
+            return None;
+        }
+        self.valid = end;
+        Some(self.grads.set_values_squared(offset, x, from))
     }
 
     /// The elements no contribution reached become zeros.

@@ -8,6 +8,7 @@ use super::error::{EngineError, On};
 use super::grad_store::{Acc, Fresh, GradStream};
 use super::grads::Grads;
 use super::reduce::{reduce_into, ChunkBuffers, OnDevice, Reducer, Target};
+use super::staging::Squares;
 use crate::comm::{Collective, ReduceOp};
 use crate::device::sim;
 use crate::metrics::timeline::Track;
@@ -111,6 +112,11 @@ pub(super) struct Gradients<'a, C: Collective> {
     /// whether the step has added into it yet, and whether this micro-batch is the step's
     /// last (its contributions flush the sums to the host accumulators).
     device: Option<DeviceSums>,
+    /// Whether the micro-batch in progress is the step's last.
+    last_micro: bool,
+    /// Σ g² of each host accumulator, gathered as the step's last contribution was added
+    /// (`staging::Squares`; None: a pass over it gives it).
+    squares: Vec<Option<f64>>,
 }
 
 /// The device accumulators of gradient accumulation.
@@ -199,12 +205,15 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             chunk_buffers: ChunkBuffers::new(wire.kind(), chunk),
             wire,
             device,
+            last_micro: true,
+            squares: vec![None; stored.len()],
         })
     }
 
     /// A micro-batch begins: the first of a step starts the device sums afresh; the
     /// contributions of the `last` flush them to the host accumulators.
     pub(super) fn begin_micro_batch(&mut self, first: bool, last: bool) {
+        self.last_micro = last;
         if let Some(d) = &mut self.device {
             if first {
                 d.started.fill(false);
@@ -266,6 +275,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// back zeroed; a stored one starts again from nothing): those in host memory become
     /// stale, zeroed by the step's first contribution without a pass of their own.
     pub(super) fn zero(&mut self) {
+        self.squares.fill(None);
         for acc in &mut self.accumulators {
             *acc = match std::mem::replace(acc, Accumulator::Lent("compute")) {
                 Accumulator::Here(g) => Accumulator::Stale(g),
@@ -366,6 +376,9 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         let device = self.on_device(u, grad, more)?;
         // the host accumulator is only touched without device sums, or by their flush
         let to_host = device.as_ref().is_none_or(|d| d.flush);
+        // the step's last contribution to a host accumulator of a shard gives its Σ g²
+        // as it is added (replicas are all-reduced after the micro-batches)
+        let squares = to_host && self.last_micro && !more && self.stage >= 2 && !self.in_store[u];
         if self.stage >= 2 && self.reducer.is_some() {
             // a unit reduced twice in a micro-batch (the tied embedding): its accumulator
             // comes back from the lane first; and at most REDUCE_DEPTH are in flight
@@ -382,7 +395,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
                 None
             };
             if let Some(reducer) = self.reducer.as_mut() {
-                reducer.send(u, grad.shallow_clone(), part, acc, device)?;
+                reducer.send(u, grad.shallow_clone(), part, (acc, squares), device)?;
             }
             return self.absorb(!self.overlap);
         }
@@ -397,6 +410,9 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             None
         };
         let chunk = self.chunk_buffers.chunk();
+        if squares {
+            self.chunk_buffers.staging().gather_squares();
+        }
         let result = reduce_into(
             comm,
             target,
@@ -410,10 +426,19 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             chunk,
         )
         .and_then(|()| acc.as_mut().map_or(Ok(()), |a| a.finish(track)));
+        let squares = self.chunk_buffers.staging().take_squares();
         if let Some(acc) = acc {
             self.settle(u, acc, result.is_ok());
+            self.keep_squares(u, squares.filter(|_| result.is_ok()));
         }
         result
+    }
+
+    /// Keeps unit `u`'s Σ g² gathered by its last contribution, when it covers the whole
+    /// accumulator.
+    fn keep_squares(&mut self, u: usize, squares: Option<Squares>) {
+        let len = accumulator_len(self.stage, &self.parts[u], &self.partitions[u]);
+        self.squares[u] = squares.and_then(|s| s.over(len));
     }
 
     fn lent(&self, u: usize) -> EngineError {
@@ -435,9 +460,10 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             return Ok(false);
         };
         match reducer.take(wait)? {
-            Some((u, acc)) => {
+            Some((u, acc, squares)) => {
                 if let Some(acc) = acc {
                     self.settle(u, acc, true);
+                    self.keep_squares(u, squares);
                 }
                 Ok(true)
             }
@@ -500,6 +526,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         let mut sum = 0.0;
         for u in 0..self.accumulators.len() {
             sum += match &self.accumulators[u] {
+                Accumulator::Here(_) if self.squares[u].is_some() => self.squares[u].unwrap_or(0.0),
                 Accumulator::Here(acc) => {
                     let range = self.read_range(u, acc);
                     sim::charge(Work::Pass(range.len() as u64));

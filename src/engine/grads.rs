@@ -104,6 +104,36 @@ impl Grads {
         }
     }
 
+    /// [`Grads::add_values`], returning `from` continued with Σ g² of the stretch's sums
+    /// as [`Grads::sum_squares`] folds them from `offset` (a block boundary): one pass
+    /// where the add and Σ g² took two.
+    pub fn add_values_squared(&mut self, offset: usize, x: Values, from: f64) -> f64 {
+        match self {
+            Grads::F32(g) => squared(&mut g[offset..offset + x.len()], x, add_f32_to, square_f32, from),
+            Grads::Bf16(g) => squared(
+                &mut g[offset..offset + x.len()],
+                x,
+                add_bf16_to,
+                square_bf16,
+                from,
+            ),
+        }
+    }
+
+    /// [`Grads::set_values`], squared as [`Grads::add_values_squared`].
+    pub fn set_values_squared(&mut self, offset: usize, x: Values, from: f64) -> f64 {
+        match self {
+            Grads::F32(g) => squared(&mut g[offset..offset + x.len()], x, set_f32_to, square_f32, from),
+            Grads::Bf16(g) => squared(
+                &mut g[offset..offset + x.len()],
+                x,
+                set_bf16_to,
+                square_bf16,
+                from,
+            ),
+        }
+    }
+
     /// Σ g² over `range`, in f64.
     pub fn sum_squares(&self, range: std::ops::Range<usize>) -> f64 {
         match self {
@@ -121,11 +151,7 @@ impl Grads {
     }
 }
 
-use crate::plan::rules::PARALLEL_CHUNK;
-
-/// Elements of one block of Σ g² (`sum_squares_*`): a divisor of the swap store's chunk
-/// alignment (4096 elements), so that a sum continued chunk by chunk is the whole's.
-pub const NORM_BLOCK: usize = 4096;
+use crate::plan::rules::{NORM_BLOCK, PARALLEL_CHUNK};
 
 /// Values a reduction adds into an accumulator, as they reached the host: fp32, or the
 /// bits of a 16-bit gradient, widened to fp32 as they are added (exact: the same sums
@@ -172,23 +198,86 @@ pub fn add_bf16(g: &mut [u16], x: &[f32]) {
 
 /// [`add_f32`] of any [`Values`].
 pub fn add_values_f32(g: &mut [f32], x: Values) {
-    widened(g, x, |g, x| *g += x);
+    widened(g, x, add_f32_to);
 }
 
 /// [`add_bf16`] of any [`Values`].
 pub fn add_values_bf16(g: &mut [u16], x: Values) {
-    widened(g, x, |g, x| *g = f32_to_bf16(bf16_to_f32(*g) + x));
+    widened(g, x, add_bf16_to);
 }
 
 /// [`add_values_f32`] into zeros: `g[i] = 0 + x[i]` (-0.0 becomes +0.0, as added to
 /// zero), `g` written and not read.
 fn set_values_f32(g: &mut [f32], x: Values) {
-    widened(g, x, |g, x| *g = 0.0 + x);
+    widened(g, x, set_f32_to);
 }
 
 /// [`add_values_bf16`] into zeros, `g` written and not read.
 fn set_values_bf16(g: &mut [u16], x: Values) {
-    widened(g, x, |g, x| *g = f32_to_bf16(0.0 + x));
+    widened(g, x, set_bf16_to);
+}
+
+fn add_f32_to(g: &mut f32, x: f32) {
+    *g += x;
+}
+
+fn add_bf16_to(g: &mut u16, x: f32) {
+    *g = f32_to_bf16(bf16_to_f32(*g) + x);
+}
+
+fn set_f32_to(g: &mut f32, x: f32) {
+    *g = 0.0 + x;
+}
+
+fn set_bf16_to(g: &mut u16, x: f32) {
+    *g = f32_to_bf16(0.0 + x);
+}
+
+fn square_f32(x: f32) -> f64 {
+    f64::from(x) * f64::from(x)
+}
+
+fn square_bf16(b: u16) -> f64 {
+    f64::from(bf16_to_f32(b)).powi(2)
+}
+
+/// `f(g[i], x[i])` for every element as [`widened`] does it, returning `from` + Σ of the
+/// results' squares folded as [`blocked`] folds them: blocks of [`NORM_BLOCK`] from g's
+/// first element, each in element order, the blocks (on every core) added in order.
+fn squared<T: Copy + Send + Sync>(
+    g: &mut [T],
+    x: Values,
+    f: impl Fn(&mut T, f32) + Sync,
+    square: impl Fn(T) -> f64 + Sync,
+    from: f64,
+) -> f64 {
+    use rayon::prelude::*;
+    let block = |g: &mut [T], x: Values| -> f64 {
+        let mut sum = 0.0;
+        let mut step = |g: &mut T, x: f32| {
+            f(g, x);
+            sum += square(*g);
+        };
+        match x {
+            Values::F32(x) => g.iter_mut().zip(x).for_each(|(g, &x)| step(g, x)),
+            Values::Bf16(x) => g.iter_mut().zip(x).for_each(|(g, &b)| step(g, bf16_to_f32(b))),
+            Values::F16(x) => g.iter_mut().zip(x).for_each(|(g, &b)| step(g, f16_to_f32(b))),
+        }
+        sum
+    };
+    let at = |i: usize, len: usize| x.range(i * NORM_BLOCK..i * NORM_BLOCK + len);
+    if g.len() <= PARALLEL_CHUNK {
+        return g
+            .chunks_mut(NORM_BLOCK)
+            .enumerate()
+            .fold(from, |s, (i, g)| s + block(g, at(i, g.len())));
+    }
+    let sums: Vec<f64> = g
+        .par_chunks_mut(NORM_BLOCK)
+        .enumerate()
+        .map(|(i, g)| block(g, at(i, g.len())))
+        .collect();
+    sums.into_iter().fold(from, |s, b| s + b)
 }
 
 /// `f(g[i], x[i])` for every element, each value widened to fp32 as it is read (exact).
@@ -227,12 +316,12 @@ fn each<T: Send, X: Copy + Sync>(g: &mut [T], x: &[X], f: impl Fn(&mut T, X) + S
 /// the blocks (computed on every core) added in order. A sum continued from a stretch
 /// that ends on a block boundary is the sum over the whole.
 pub fn sum_squares_f32(from: f64, g: &[f32]) -> f64 {
-    blocked(from, g, |x| f64::from(x) * f64::from(x))
+    blocked(from, g, square_f32)
 }
 
 /// [`sum_squares_f32`] of bf16 bits.
 pub fn sum_squares_bf16(from: f64, g: &[u16]) -> f64 {
-    blocked(from, g, |b| f64::from(bf16_to_f32(b)).powi(2))
+    blocked(from, g, square_bf16)
 }
 
 fn blocked<T: Copy + Sync>(from: f64, g: &[T], square: impl Fn(T) -> f64 + Sync) -> f64 {
@@ -300,5 +389,54 @@ mod tests {
         let widened: Vec<f32> = bits.iter().map(|&b| bf16_to_f32(b)).collect();
         let continued16 = bits.chunks(stretch).fold(0.0, sum_squares_bf16);
         assert_eq!(continued16.to_bits(), definition(&widened).to_bits());
+    }
+
+    /// An add that squares as it goes (the step's last contribution, `staging::Squares`)
+    /// leaves the bits of the add and the Σ g² of a pass over the result, continued
+    /// stretch by stretch on block boundaries (short stretches and ones on every core,
+    /// fp32 and bf16 accumulators, fp32 and bf16 values, into zeros and onto values).
+    #[test]
+    fn an_add_that_squares_is_the_add_and_then_the_pass_bit_for_bit() {
+        let n = 3 * PARALLEL_CHUNK + 4 * NORM_BLOCK + 77;
+        let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0).collect();
+        let x16: Vec<u16> = x.iter().map(|&v| f32_to_bf16(v * 0.3)).collect();
+        let start: Vec<f32> = (0..n).map(|i| (i % 31) as f32 * 0.37 - 4.0).collect();
+        for bf16 in [false, true] {
+            for stretch in [NORM_BLOCK, 2 * PARALLEL_CHUNK + NORM_BLOCK, n] {
+                for (values, onto) in [(0, false), (1, true), (0, true)] {
+                    let value = |a: usize, b: usize| match values {
+                        0 => Values::F32(&x[a..b]),
+                        _ => Values::Bf16(&x16[a..b]),
+                    };
+                    let begin = || {
+                        let mut g = Grads::zeros(n, bf16).unwrap();
+                        if onto {
+                            g.add(0, &start);
+                        }
+                        g
+                    };
+                    let (mut plain, mut fused) = (begin(), begin());
+                    let mut sum = 0.0;
+                    for a in (0..n).step_by(stretch) {
+                        let b = (a + stretch).min(n);
+                        plain.add_values(a, value(a, b));
+                        sum = if onto {
+                            fused.add_values_squared(a, value(a, b), sum)
+                        } else {
+                            fused.set_values_squared(a, value(a, b), sum)
+                        };
+                    }
+                    let raw = |g: &Grads| -> Vec<u32> {
+                        match g {
+                            Grads::F32(g) => g.iter().map(|v| v.to_bits()).collect(),
+                            Grads::Bf16(g) => g.iter().map(|&v| u32::from(v)).collect(),
+                        }
+                    };
+                    let what = format!("bf16 {bf16}, stretch {stretch}, values {values}, onto {onto}");
+                    assert!(raw(&fused) == raw(&plain), "{what}: the sums' bits");
+                    assert_eq!(sum.to_bits(), plain.sum_squares(0..n).to_bits(), "{what}: Σ g²");
+                }
+            }
+        }
     }
 }

@@ -12,6 +12,7 @@
 //! - `error.rs`: what stops a rank, with the rank and the cause
 //! - `prefetch.rs`: the stage-3 fetch schedule; fetches on the h2d and gather lanes
 //! - `reduce.rs`: gradient reduce-scatters on the reduce lane (`overlap_comm`)
+//! - `staging.rs`: a GPU's reduced stretches to the host through pinned buffers, two deep
 //! - `grads.rs`: gradient accumulators (fp32, or bf16 with the optimizer on NVMe)
 //! - `optimize.rs`: the optimizer phase and installing its updates (`Installer`)
 //! - `start.rs`: where state starts: seeded init, Hugging Face weights, a checkpoint
@@ -32,6 +33,7 @@ pub mod rank;
 pub mod reduce;
 mod setup;
 pub mod snapshot;
+pub mod staging;
 pub mod start;
 mod step_lanes;
 pub mod units;

@@ -21,6 +21,7 @@
 use super::error::EngineError;
 use super::grad_store::{Acc, Accumulate};
 use super::grads::Values;
+use super::staging::{in_place, Squares, Staging};
 use crate::comm::{Collective, ReduceOp};
 use crate::device::lanes::{Event, Lane};
 use crate::device::sim;
@@ -35,9 +36,9 @@ use std::time::Instant;
 use tch::{Kind, Tensor};
 
 /// The buffers of a chunked reduction, reused across units and steps: on the device the
-/// bucket (every rank's stretches) and this rank's reduced stretch, and in host memory
-/// the fp32 copy added into the accumulator where the device's buffer cannot be read
-/// in place (a GPU, a 16-bit communication type, a 16-bit gradient).
+/// bucket (every rank's stretches) and this rank's reduced stretch, in host memory the
+/// fp32 copy added into the accumulator where a CPU tensor cannot be read in place, and
+/// a GPU's pinned staging.
 pub struct ChunkBuffers {
     /// What gradients travel as between ranks.
     wire: Kind,
@@ -46,10 +47,11 @@ pub struct ChunkBuffers {
     bucket: Option<Tensor>,
     reduced: Option<Tensor>,
     host: Vec<f32>,
-    /// Pinned host memory a GPU's stretch (a reduced stretch in its own kind, or a device
-    /// sum in fp32) is copied into: one copy at the link's DMA speed, where a pageable
-    /// one of the fp32 form ran at a tenth of it on an H200.
-    staging: Option<Tensor>,
+    /// Where a GPU's stretches (a reduced stretch or a gradient's in its own kind, a
+    /// device sum in fp32) leave it: two pinned buffers, one copy at the link's DMA speed
+    /// running while the host adds the stretch before (a pageable copy of the fp32 form
+    /// ran at a tenth of that speed on an H200).
+    staging: Staging,
 }
 
 impl ChunkBuffers {
@@ -60,7 +62,7 @@ impl ChunkBuffers {
             bucket: None,
             reduced: None,
             host: Vec::new(),
-            staging: None,
+            staging: Staging::default(),
         }
     }
 
@@ -72,6 +74,11 @@ impl ChunkBuffers {
     /// Elements of a chunk.
     pub fn chunk(&self) -> usize {
         self.chunk
+    }
+
+    /// Where a GPU's stretches leave it, and every reduction's adds go through.
+    pub fn staging(&mut self) -> &mut Staging {
+        &mut self.staging
     }
 }
 
@@ -94,70 +101,22 @@ fn slot_view(
     view
 }
 
-/// The values of `t`, a contiguous CPU tensor, read in place as a reduction adds them
-/// (None for a kind it does not add).
-///
-/// # Safety
-/// Nothing may write `t`'s elements while the values are read (a chunk buffer of this
-/// reduction, the gradient, which nothing writes once backward produced it, or this
-/// reduction's staging buffer).
-unsafe fn in_place(t: &Tensor, n: usize) -> Result<Option<Values<'_>>, tch::TchError> {
-    Ok(Some(match t.kind() {
-        // SAFETY: the element type is the kind's (16-bit floats read as their bits, in
-        // all three arms); the caller's contract
-        Kind::Float => Values::F32(unsafe { torch::host_slice::<f32>(t, n) }?),
-        // SAFETY: as above
-        Kind::BFloat16 => Values::Bf16(unsafe { torch::host_slice::<u16>(t, n) }?),
-        // SAFETY: as above
-        Kind::Half => Values::F16(unsafe { torch::host_slice::<u16>(t, n) }?),
-        _ => return Ok(None),
-    }))
-}
-
-/// `t`'s values in host memory, as a reduction adds them into an accumulator: in place
-/// when it is a contiguous CPU tensor (device memory on CPU devices), fp32 or the bits of
-/// a 16-bit kind (widened as they are added); from a GPU, copied in its own kind into the
-/// pinned `staging` buffer (half of fp32's bytes for a 16-bit kind) and read there;
-/// else copied into `host` as fp32. The same values either way: widening is exact.
-fn host_values<'b>(
-    t: &'b Tensor,
-    staging: &'b mut Option<Tensor>,
-    host: &'b mut Vec<f32>,
-) -> Result<Values<'b>, tch::TchError> {
+/// `t`'s values in host memory, as a reduction adds them into an accumulator (`t` a CPU
+/// tensor: device memory on CPU devices; a GPU's stretches leave through [`Staging`]):
+/// in place when it is contiguous, fp32 or the bits of a 16-bit kind (widened as they
+/// are added), else copied into `host` as fp32. The same values either way: widening is
+/// exact.
+fn host_values<'b>(t: &'b Tensor, host: &'b mut Vec<f32>) -> Result<Values<'b>, tch::TchError> {
     let n = t.numel();
-    if t.device() == tch::Device::Cpu && t.is_contiguous() {
+    if t.is_contiguous() {
         // SAFETY: a chunk buffer of this reduction, or the gradient (see `in_place`)
         if let Some(values) = unsafe { in_place(t, n) }? {
             return Ok(values);
         }
     }
-    if !t.device().is_cuda() {
-        host.resize(n, 0.0);
-        torch::widen_to_f32(t, host)?;
-        return Ok(Values::F32(host));
-    }
-    let kind = t.kind();
-    let fits = |p: &Tensor| p.numel() >= n && p.kind() == kind;
-    if !staging.as_ref().is_some_and(fits) {
-        let bytes = torch::shim::pinned_bytes(n * kind.elt_size_in_bytes())?;
-        *staging = Some(bytes.f_view_dtype(kind)?);
-    }
-    let Some(pinned) = staging.as_ref() else {
-        unreachable!("made above")
-    };
-    // blocking: the DMA copy on the calling thread's current stream (the lane's), which
-    // waited for compute when the job was queued; torch waits for the copy to land
-    pinned.f_narrow(0, 0, n as i64)?.f_copy_(t)?;
-    // SAFETY: the staging buffer is this reduction's own; the copy into it has landed and
-    // nothing writes it while the values are read
-    match unsafe { in_place(pinned, n) }? {
-        Some(values) => Ok(values),
-        None => {
-            host.resize(n, 0.0);
-            torch::copy_to_f32(&pinned.f_narrow(0, 0, n as i64)?, host)?;
-            Ok(Values::F32(host))
-        }
-    }
+    host.resize(n, 0.0);
+    torch::widen_to_f32(t, host)?;
+    Ok(Values::F32(host))
 }
 
 /// Where a gradient goes: reduce-scattered into this rank's shard (stages 2–3), or added
@@ -202,6 +161,8 @@ fn device_add(dst: &Tensor, src: &Tensor, first: bool) -> Result<(), tch::TchErr
 /// communication type between ranks; with one rank, or into a replica, nothing travels
 /// and they stay fp32. With `device`, each reduced stretch is added into the device
 /// accumulator instead, and reaches `acc` (which may then be None) only when flushing.
+/// From a GPU the stretches leave through the buffers' [`Staging`], the last one added
+/// before this returns.
 #[allow(clippy::too_many_arguments)]
 pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
     comm: &C,
@@ -216,38 +177,163 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
     chunk: usize,
 ) -> Result<(), EngineError> {
     let rank = comm.rank();
-    let torch_err = |source| EngineError::Torch { rank, source };
-    let (pieces, length) = match target {
-        Target::Shard => (part.world, part.shard),
-        Target::Replica => (1, part.padded),
+    let chunks = Chunks {
+        comm,
+        target,
+        unit,
+        grad,
+        part,
+        on_device,
+        track,
+        chunk,
     };
-    let device = grad.device();
-    let step = (chunk / pieces).max(1);
-    // the gradient covers the unit's first `numel` elements (a tied head's gradient only
-    // the embedding's); the rest, and the padding, reduce as zeros
-    let numel = grad.numel().min(part.padded);
-    let mut start = 0;
-    while start < length {
-        let k = step.min(length - start);
-        if pieces == 1 {
-            // nothing travels (a replica, or one rank): the stretch straight from the
-            // gradient, zeros past its end
-            let real = start.min(numel)..(start + k).min(numel);
+    let result = chunks.run(acc.as_deref_mut(), buffers);
+    buffers.staging.drain_charged();
+    match (result, acc) {
+        (Ok(()), Some(acc)) => buffers.staging.drain(acc, track, rank),
+        (Ok(()), None) => Ok(()),
+        (Err(e), _) => {
+            buffers.staging.abandon();
+            Err(e)
+        }
+    }
+}
+
+/// One gradient's reduction ([`reduce_into`]).
+struct Chunks<'r, C> {
+    comm: &'r C,
+    target: Target,
+    unit: usize,
+    grad: &'r Tensor,
+    part: Partition,
+    on_device: Option<&'r OnDevice>,
+    track: &'r Track,
+    chunk: usize,
+}
+
+impl<C: Collective> Chunks<'_, C> {
+    fn run<A: Accumulate + ?Sized>(
+        &self,
+        mut acc: Option<&mut A>,
+        buffers: &mut ChunkBuffers,
+    ) -> Result<(), EngineError> {
+        let Chunks {
+            comm,
+            target,
+            unit,
+            grad,
+            part,
+            on_device,
+            track,
+            chunk,
+        } = *self;
+        let rank = comm.rank();
+        let torch_err = |source| EngineError::Torch { rank, source };
+        let (pieces, length) = match target {
+            Target::Shard => (part.world, part.shard),
+            Target::Replica => (1, part.padded),
+        };
+        let device = grad.device();
+        let step = (chunk / pieces).max(1);
+        // the gradient covers the unit's first `numel` elements (a tied head's gradient only
+        // the embedding's); the rest, and the padding, reduce as zeros
+        let numel = grad.numel().min(part.padded);
+        let mut start = 0;
+        while start < length {
+            let k = step.min(length - start);
+            if pieces == 1 {
+                // nothing travels (a replica, or one rank): the stretch straight from the
+                // gradient, zeros past its end
+                let real = start.min(numel)..(start + k).min(numel);
+                let copy_start = Instant::now();
+                let view = grad
+                    .f_narrow(0, real.start as i64, real.len() as i64)
+                    .map_err(torch_err)?;
+                if let Some(device) = on_device {
+                    let dst = device
+                        .acc
+                        .f_narrow(0, start as i64, k as i64)
+                        .map_err(torch_err)?;
+                    device_add(&dst, &view, device.first).map_err(torch_err)?;
+                    sim::charge(Work::OnDevice(4 * k as u64));
+                    if device.flush {
+                        charge_to_host(&mut buffers.staging, k, 4, false);
+                        let recorded = Some((copy_start, 4 * k as u64));
+                        self.flush(&dst, start, acc.as_deref_mut(), buffers, recorded)?;
+                    }
+                    start += k;
+                    continue;
+                }
+                let Some(acc) = acc.as_deref_mut() else {
+                    return Err(no_accumulator(rank));
+                };
+                let elt = view.kind().elt_size_in_bytes();
+                if view.device().is_cuda() {
+                    // what crosses: the gradient's own kind
+                    let bytes = (elt * k) as u64;
+                    buffers
+                        .staging
+                        .send(unit, &view, (start, k), bytes, acc, track, rank)?;
+                    start += k;
+                    continue;
+                }
+                let values = if real.len() == k {
+                    host_values(&view, &mut buffers.host).map_err(torch_err)?
+                } else {
+                    let host = &mut buffers.host;
+                    host.resize(k, 0.0);
+                    if !real.is_empty() {
+                        torch::widen_to_f32(&view, &mut host[..real.len()]).map_err(torch_err)?;
+                    }
+                    host[real.len()..].fill(0.0);
+                    Values::F32(&host[..])
+                };
+                track.record(Phase::D2h, Some(unit), copy_start, 4 * k as u64);
+                charge_to_host(&mut buffers.staging, k, elt, false);
+                buffers.staging.add_now(acc, start, values, track)?;
+                start += k;
+                continue;
+            }
+            let wire = buffers.wire;
+            let bucket = slot_view(&mut buffers.bucket, pieces * k, wire, device).map_err(torch_err)?;
             let copy_start = Instant::now();
-            let view = grad
-                .f_narrow(0, real.start as i64, real.len() as i64)
-                .map_err(torch_err)?;
+            for p in 0..pieces {
+                // this chunk's stretch of piece p, within the real elements
+                let from = p * length + start;
+                let real = from.min(numel)..(from + k).min(numel);
+                let stretch = bucket.f_narrow(0, (p * k) as i64, k as i64).map_err(torch_err)?;
+                let copy = || -> Result<(), tch::TchError> {
+                    if !real.is_empty() {
+                        let source = grad.f_narrow(0, real.start as i64, real.len() as i64)?;
+                        stretch.f_narrow(0, 0, real.len() as i64)?.f_copy_(&source)?;
+                    }
+                    if real.len() < k {
+                        let _ = stretch
+                            .f_narrow(0, real.len() as i64, (k - real.len()) as i64)?
+                            .f_fill_(0.0)?;
+                    }
+                    Ok(())
+                };
+                copy().map_err(torch_err)?;
+            }
+            let bytes = (wire.elt_size_in_bytes() * pieces * k) as u64;
+            track.record(Phase::D2h, Some(unit), copy_start, bytes);
+            let reduce_start = Instant::now();
+            let reduced = slot_view(&mut buffers.reduced, k, wire, device).map_err(torch_err)?;
+            comm.reduce_scatter_tensor(&bucket, &reduced, ReduceOp::Avg)?;
+            track.record(Phase::Reduce, Some(unit), reduce_start, bytes);
+            sim::charge(Work::OnDevice(bytes));
+            sim::charge(Work::Collective(bytes));
             if let Some(device) = on_device {
                 let dst = device
                     .acc
                     .f_narrow(0, start as i64, k as i64)
                     .map_err(torch_err)?;
-                device_add(&dst, &view, device.first).map_err(torch_err)?;
+                device_add(&dst, &reduced, device.first).map_err(torch_err)?;
                 sim::charge(Work::OnDevice(4 * k as u64));
                 if device.flush {
-                    charge_to_host(k, 4, false);
-                    flush(&dst, start, acc.as_deref_mut(), buffers, track, rank)?;
-                    track.record(Phase::D2h, Some(unit), copy_start, 4 * k as u64);
+                    charge_to_host(&mut buffers.staging, k, 4, true);
+                    self.flush(&dst, start, acc.as_deref_mut(), buffers, None)?;
                 }
                 start += k;
                 continue;
@@ -255,94 +341,60 @@ pub fn reduce_into<C: Collective, A: Accumulate + ?Sized>(
             let Some(acc) = acc.as_deref_mut() else {
                 return Err(no_accumulator(rank));
             };
-            let values = if real.len() == k {
-                host_values(&view, &mut buffers.staging, &mut buffers.host).map_err(torch_err)?
+            charge_to_host(&mut buffers.staging, k, wire.elt_size_in_bytes(), true);
+            if reduced.device().is_cuda() {
+                buffers
+                    .staging
+                    .send(unit, &reduced, (start, k), 0, acc, track, rank)?;
             } else {
-                let host = &mut buffers.host;
-                host.resize(k, 0.0);
-                if !real.is_empty() {
-                    torch::widen_to_f32(&view, &mut host[..real.len()]).map_err(torch_err)?;
-                }
-                host[real.len()..].fill(0.0);
-                Values::F32(&host[..])
-            };
-            // what crossed: from a GPU the gradient's own kind (`host_values`)
-            let crossed = if view.device().is_cuda() {
-                view.kind().elt_size_in_bytes() * k
-            } else {
-                4 * k
-            };
-            track.record(Phase::D2h, Some(unit), copy_start, crossed as u64);
-            charge_to_host(k, view.kind().elt_size_in_bytes(), false);
-            acc.add(start, values, track)?;
-            start += k;
-            continue;
-        }
-        let wire = buffers.wire;
-        let bucket = slot_view(&mut buffers.bucket, pieces * k, wire, device).map_err(torch_err)?;
-        let copy_start = Instant::now();
-        for p in 0..pieces {
-            // this chunk's stretch of piece p, within the real elements
-            let from = p * length + start;
-            let real = from.min(numel)..(from + k).min(numel);
-            let stretch = bucket.f_narrow(0, (p * k) as i64, k as i64).map_err(torch_err)?;
-            let copy = || -> Result<(), tch::TchError> {
-                if !real.is_empty() {
-                    let source = grad.f_narrow(0, real.start as i64, real.len() as i64)?;
-                    stretch.f_narrow(0, 0, real.len() as i64)?.f_copy_(&source)?;
-                }
-                if real.len() < k {
-                    let _ = stretch
-                        .f_narrow(0, real.len() as i64, (k - real.len()) as i64)?
-                        .f_fill_(0.0)?;
-                }
-                Ok(())
-            };
-            copy().map_err(torch_err)?;
-        }
-        let bytes = (wire.elt_size_in_bytes() * pieces * k) as u64;
-        track.record(Phase::D2h, Some(unit), copy_start, bytes);
-        let reduce_start = Instant::now();
-        let reduced = slot_view(&mut buffers.reduced, k, wire, device).map_err(torch_err)?;
-        comm.reduce_scatter_tensor(&bucket, &reduced, ReduceOp::Avg)?;
-        track.record(Phase::Reduce, Some(unit), reduce_start, bytes);
-        sim::charge(Work::OnDevice(bytes));
-        sim::charge(Work::Collective(bytes));
-        if let Some(device) = on_device {
-            let dst = device
-                .acc
-                .f_narrow(0, start as i64, k as i64)
-                .map_err(torch_err)?;
-            device_add(&dst, &reduced, device.first).map_err(torch_err)?;
-            sim::charge(Work::OnDevice(4 * k as u64));
-            if device.flush {
-                charge_to_host(k, 4, true);
-                flush(&dst, start, acc.as_deref_mut(), buffers, track, rank)?;
+                let values = host_values(&reduced, &mut buffers.host).map_err(torch_err)?;
+                buffers.staging.add_now(acc, start, values, track)?;
             }
             start += k;
-            continue;
         }
-        let Some(acc) = acc.as_deref_mut() else {
+        Ok(())
+    }
+
+    /// A stretch of a device accumulator's sum into the host accumulator at `start`
+    /// (recorded as a copy out from the given time, of the given bytes, where asked).
+    fn flush<A: Accumulate + ?Sized>(
+        &self,
+        dst: &Tensor,
+        start: usize,
+        acc: Option<&mut A>,
+        buffers: &mut ChunkBuffers,
+        recorded: Option<(Instant, u64)>,
+    ) -> Result<(), EngineError> {
+        let (rank, unit, track) = (self.comm.rank(), self.unit, self.track);
+        let Some(acc) = acc else {
             return Err(no_accumulator(rank));
         };
-        charge_to_host(k, wire.elt_size_in_bytes(), true);
-        acc.add(
-            start,
-            host_values(&reduced, &mut buffers.staging, &mut buffers.host).map_err(torch_err)?,
-            track,
-        )?;
-        start += k;
+        if dst.device().is_cuda() {
+            let bytes = recorded.map_or(0, |(_, bytes)| bytes);
+            let k = dst.numel();
+            return buffers
+                .staging
+                .send(unit, dst, (start, k), bytes, acc, track, rank);
+        }
+        let values =
+            host_values(dst, &mut buffers.host).map_err(|source| EngineError::Torch { rank, source })?;
+        buffers.staging.add_now(acc, start, values, track)?;
+        if let Some((from, bytes)) = recorded {
+            track.record(Phase::D2h, Some(unit), from, bytes);
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Charges `k` elements reaching the host accumulator on a simulated device: from a GPU
-/// one copy in their kind (`elt` bytes each); on a CPU device an fp32 copy, which only a
-/// stretch that did not travel between ranks makes; then the host's add.
-fn charge_to_host(k: usize, elt: usize, travelled: bool) {
-    if sim::gpu() {
-        sim::charge(Work::D2h((elt * k) as u64));
-    } else if !travelled {
+/// one copy in their kind (`elt` bytes each) through the staging, the add once it is in;
+/// on a CPU device an fp32 copy, which only a stretch that did not travel between ranks
+/// makes, then the host's add.
+fn charge_to_host(staging: &mut Staging, k: usize, elt: usize, travelled: bool) {
+    if staging.charge(k as u64, elt) {
+        return;
+    }
+    if !travelled {
         sim::charge(Work::D2h(4 * k as u64));
     }
     sim::charge(Work::HostAdd(k as u64));
@@ -355,26 +407,9 @@ fn no_accumulator(rank: usize) -> EngineError {
     }
 }
 
-/// A stretch of a device accumulator's sum into the host accumulator at `start`.
-fn flush<A: Accumulate + ?Sized>(
-    dst: &Tensor,
-    start: usize,
-    acc: Option<&mut A>,
-    buffers: &mut ChunkBuffers,
-    track: &Track,
-    rank: usize,
-) -> Result<(), EngineError> {
-    let Some(acc) = acc else {
-        return Err(no_accumulator(rank));
-    };
-    let torch_err = |source| EngineError::Torch { rank, source };
-    let values = host_values(dst, &mut buffers.staging, &mut buffers.host).map_err(torch_err)?;
-    acc.add(start, values, track)
-}
-
 /// What a job hands back: the accumulator it was lent (none when the reduction only
-/// added into the device accumulator).
-type Outcome<'s> = Result<Option<Acc<'s>>, EngineError>;
+/// added into the device accumulator), and Σ g² of its values when asked.
+type Outcome<'s> = Result<(Option<Acc<'s>>, Option<Squares>), EngineError>;
 
 /// A gradient on the lane: its unit, the event of its reduction, and where the job
 /// leaves the accumulator.
@@ -417,7 +452,8 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
     }
 
     /// Queues unit `unit`'s gradient for reduction into `acc` (its accumulator, lent to
-    /// the job) or `device` (see [`reduce_into`]). The caller takes accumulators back
+    /// the job; with `squares`, this is its step's last contribution, whose Σ g² comes
+    /// back with it) or `device` (see [`reduce_into`]). The caller takes accumulators back
     /// first while [`Self::in_flight`] is `REDUCE_DEPTH` (so that it leases a chunk buffer
     /// only when the lane has room); more is an error.
     pub fn send(
@@ -425,7 +461,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
         unit: usize,
         grad: Tensor,
         part: Partition,
-        acc: Option<Acc<'env>>,
+        (acc, squares): (Option<Acc<'env>>, bool),
         device: Option<OnDevice>,
     ) -> Result<(), EngineError> {
         if self.in_flight.len() >= REDUCE_DEPTH {
@@ -445,6 +481,9 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
             let mut acc = acc;
             let mut buffers = buffers.lock().unwrap_or_else(|e| e.into_inner());
             let chunk = buffers.chunk();
+            if squares {
+                buffers.staging.gather_squares();
+            }
             let result = reduce_into(
                 &comm,
                 Target::Shard,
@@ -458,8 +497,9 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
                 chunk,
             )
             .and_then(|()| acc.as_mut().map_or(Ok(()), |a| a.finish(&track)));
+            let squares = buffers.staging.take_squares();
             let message = result.as_ref().err().map(|e| e.to_string());
-            *out.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map(|()| acc));
+            *out.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map(|()| (acc, squares)));
             message.map_or(Ok(()), |m| Err(m.into()))
         });
         self.in_flight.push_back(InFlight { unit, done, slot });
@@ -468,7 +508,11 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
 
     /// The oldest accumulator back: waiting for it when `wait`, else only if its job is
     /// done.
-    pub fn take(&mut self, wait: bool) -> Result<Option<(usize, Option<Acc<'env>>)>, EngineError> {
+    #[allow(clippy::type_complexity)]
+    pub fn take(
+        &mut self,
+        wait: bool,
+    ) -> Result<Option<(usize, Option<Acc<'env>>, Option<Squares>)>, EngineError> {
         let Some(oldest) = self.in_flight.front() else {
             return Ok(None);
         };
@@ -484,7 +528,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
             // the job's own error names the collective's cause
             (Some(Err(e)), _) => Err(e),
             (_, Err(e)) => Err(e.into()),
-            (Some(Ok(acc)), Ok(())) => Ok(Some((unit, acc))),
+            (Some(Ok((acc, squares))), Ok(())) => Ok(Some((unit, acc, squares))),
             (None, Ok(())) => Err(EngineError::LaneStopped {
                 rank: self.comm.rank(),
                 lane: "reduce",

@@ -94,6 +94,26 @@ pub fn stored_gradients(plan: &Plan) -> Vec<bool> {
         .collect()
 }
 
+/// Elements of one block of Σ g² (`engine/grads.rs`, `sum_squares_*`): a divisor of the
+/// swap store's chunk alignment (4096 elements), so that a sum continued chunk by chunk
+/// is the whole's.
+pub const NORM_BLOCK: usize = 4096;
+
+/// Whether each unit's Σ g² is gathered as its step's last contribution is added
+/// (`engine/staging.rs`, `Squares`) instead of in a pass over its accumulator after the
+/// micro-batches: a shard's accumulator in host memory (stages 2–3; replicas are
+/// all-reduced after the adds), reduced in stretches that start on blocks of the sum.
+pub fn squares_as_added(plan: &Plan, shards: &[usize]) -> Vec<bool> {
+    let step = (chunk_elements(plan) / plan.world_size.max(1)).max(1);
+    stored_gradients(plan)
+        .into_iter()
+        .zip(shards)
+        .map(|(stored, &shard)| {
+            plan.zero.stage >= 2 && !stored && (step.is_multiple_of(NORM_BLOCK) || shard <= step)
+        })
+        .collect()
+}
+
 /// Whether any unit's gradient partition is in the swap store ([`stored_gradients`]).
 pub fn nvme_gradients(plan: &Plan) -> bool {
     stored_gradients(plan).contains(&true)

@@ -154,8 +154,9 @@ impl Costs {
         }
     }
 
-    /// The host's wait beyond the transfer after each blocking copy out of a GPU.
-    fn d2h_wait(&self) -> f64 {
+    /// The host's wait beyond the transfer when it waits for a copy out of a GPU (its
+    /// wake-up; a staged copy that is in before the host asks costs none).
+    pub fn d2h_wait(&self) -> f64 {
         match &self.profile.copies.d2h_wait_s {
             Some(wait) if self.cuda() => wait.value,
             _ => 0.0,
@@ -243,7 +244,7 @@ impl Costs {
                 };
                 Self::seconds_at(bytes, rate)
             }
-            Work::D2h(bytes) => Self::seconds_at(bytes, self.d2h_rate()) + self.d2h_wait(),
+            Work::D2h(bytes) => Self::seconds_at(bytes, self.d2h_rate()),
             Work::OnDevice(bytes) => Self::seconds_at(bytes, copies.device_to_device.value),
             Work::HostAdd(elements) => Self::seconds_at(4 * elements, self.host_add_rate(elements)),
             Work::Collective(bytes) | Work::Gather(bytes) => self.collective(bytes),

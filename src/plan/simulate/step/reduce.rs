@@ -3,7 +3,7 @@
 //! where gradients live there; stages 0–1: the copy to the host accumulator), and the
 //! step's all-reduces and gradient norm after the micro-batches.
 
-use super::super::clock::Track;
+use super::super::clock::{Mark, Track};
 use super::super::costs::{Costs, Work as Cost};
 use super::{round_4k, Replay};
 use crate::plan::rules::{self, REDUCE_DEPTH};
@@ -16,9 +16,21 @@ impl Replay<'_> {
     pub(super) fn accumulate(&mut self, u: usize, more: bool) {
         let part = self.parts[u];
         let wire = self.plan.communication.kind().elt_size_in_bytes() as u64;
+        if self.stage() < 2 && self.cuda() {
+            // to the host accumulator, in the compute thread: stretch by stretch in the
+            // training precision through the pinned staging, widened as they are added
+            let chunk = rules::chunk_elements(self.plan) as u64;
+            let padded = part.padded as u64;
+            let mut staged = None;
+            for start in (0..padded).step_by(chunk.max(1) as usize) {
+                let k = chunk.min(padded - start);
+                self.stage_out(Track::Compute, ("d2h", u), (k, self.p()), &mut staged);
+            }
+            self.land(Track::Compute, u, staged);
+            return;
+        }
         if self.stage() < 2 {
-            // to the host accumulator as fp32, in the compute thread (from a GPU in the
-            // training precision, widened on the host)
+            // to the host accumulator as fp32, in the compute thread
             let bytes = part.padded as u64 * 4;
             let (copy, crossing) = self.to_host(part.padded as u64, self.p());
             self.clocks.run(Track::Compute, "d2h", Some(u), copy, crossing);
@@ -54,7 +66,7 @@ impl Replay<'_> {
         // step's last contribution leaves for the host (`rules::device_accumulation`)
         let on_device = rules::device_accumulation(self.plan);
         let to_host = !on_device || (self.last_micro && !more);
-        let device_add = |out: u64| self.costs.seconds(Cost::OnDevice(out));
+        let mut staged = None;
         for chunk in 0..chunks {
             let k = stretch.min(shard - chunk * stretch);
             let out = 4 * k;
@@ -66,8 +78,8 @@ impl Replay<'_> {
                 self.clocks.run(Track::Collectives, "reduce", Some(u), rs, bucket);
             }
             if on_device {
-                self.clocks
-                    .run(Track::Collectives, "device_add", Some(u), device_add(out), 0);
+                let add = self.costs.seconds(Cost::OnDevice(out));
+                self.clocks.run(Track::Collectives, "device_add", Some(u), add, 0);
             }
             if !to_host {
                 continue;
@@ -82,18 +94,20 @@ impl Replay<'_> {
                 (false, 1) => self.p(),
                 (false, _) => wire,
             };
-            let (copy, crossing) = self.to_host(k, kind);
+            if self.cuda() {
+                let name = if world == 1 { "d2h" } else { "copy_out" };
+                self.stage_out(Track::Collectives, (name, u), (k, kind), &mut staged);
+                continue;
+            }
             if world == 1 {
+                let (copy, crossing) = self.to_host(k, kind);
                 self.clocks
                     .run(Track::Collectives, "d2h", Some(u), copy, crossing);
-            } else if self.cuda() {
-                self.clocks
-                    .run(Track::Collectives, "copy_out", Some(u), copy, crossing);
             }
-            self.pcie[1] += if self.cuda() { crossing } else { 0 };
             let add = self.costs.seconds(Cost::HostAdd(k));
             self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
         }
+        self.land(Track::Collectives, u, staged);
         if nvme && to_host {
             // the gradient's swap chunks: read back (once a reduction of the step has
             // stored some) and written, on the lane thread
@@ -116,6 +130,43 @@ impl Replay<'_> {
         } else {
             self.clocks.wait(Track::Compute, done);
         }
+    }
+
+    /// A GPU's stretch of `k` elements of `kind` bytes leaving from `track`'s thread
+    /// through the pinned staging (engine/staging.rs): its copy on the copy engine once
+    /// queued, then the add of the stretch staged before it (`staged`), once that one's
+    /// copy is in.
+    fn stage_out(
+        &mut self,
+        track: Track,
+        (name, u): (&'static str, usize),
+        (k, kind): (u64, u64),
+        staged: &mut Option<(Mark, u64)>,
+    ) {
+        let (copy, crossing) = self.to_host(k, kind);
+        self.pcie[1] += crossing;
+        let queued = self.clocks.mark(track);
+        self.clocks.wait(Track::D2h, queued);
+        let landed = self.clocks.run(Track::D2h, name, Some(u), copy, crossing);
+        let before = staged.replace((landed, k));
+        self.land(track, u, before);
+    }
+
+    /// The add of a staged stretch on `track`'s thread once its copy is in (with the
+    /// thread's wake-up when it waits for it).
+    fn land(&mut self, track: Track, u: usize, staged: Option<(Mark, u64)>) {
+        let Some((landed, k)) = staged else {
+            return;
+        };
+        if landed.at > self.clocks.now(track) {
+            let woken = Mark {
+                at: landed.at + self.costs.d2h_wait(),
+                track: Track::D2h,
+            };
+            self.clocks.wait(track, woken);
+        }
+        let add = self.costs.seconds(Cost::HostAdd(k));
+        self.clocks.run(track, "host_add", Some(u), add, 0);
     }
 
     /// Seconds and bytes of `elements` reaching the host from a device tensor of `kind`
@@ -156,10 +207,13 @@ impl Replay<'_> {
             seconds += calls * self.costs.seconds(Cost::Latency);
         }
         let stored = rules::stored_gradients(self.plan);
-        if stored.contains(&false) {
-            // Σ g²: a pass over every accumulator in memory, on every core
+        let shards: Vec<usize> = self.parts.iter().map(|p| p.shard).collect();
+        let squared = rules::squares_as_added(self.plan, &shards);
+        if (0..stored.len()).any(|u| !stored[u] && !squared[u]) {
+            // Σ g²: a pass over every accumulator in memory whose sum was not gathered as
+            // its last contribution was added, on every core
             let elements: u64 = (0..self.parts.len())
-                .filter(|&u| !stored[u])
+                .filter(|&u| !stored[u] && !squared[u])
                 .map(|u| self.optimizer_len(u))
                 .sum();
             seconds += self.costs.seconds(Cost::Pass(elements));
