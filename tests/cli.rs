@@ -112,6 +112,44 @@ fn bench_adam_reports_against_its_roofline() {
     assert_eq!(v["grad_dtype"], "bf16");
 }
 
+/// `bench unit` times a block as the engine computes it beside torch with a tensor per
+/// parameter, and the host adds beside memcpy, in one run; an out-of-range block is an
+/// error that names the blocks.
+#[test]
+fn bench_unit_times_a_block_beside_torch_and_the_adds_beside_memcpy() {
+    let out = tierzero()
+        .args(["bench", "unit", "--config", "configs/default.json", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for field in [
+        "forward_s",
+        "backward_recompute_s",
+        "backward_kept_s",
+        "torch_forward_backward_s",
+        "recompute_ratio",
+        "kept_ratio",
+    ] {
+        assert!(v[field].as_f64().is_some_and(|x| x > 0.0), "{field}: {v}");
+    }
+    for field in ["add_gb_s", "first_squared_gb_s", "memcpy_gb_s", "ratio"] {
+        assert!(
+            v["reductions"][field].as_f64().is_some_and(|x| x > 0.0),
+            "{field}: {v}"
+        );
+    }
+    let out = tierzero()
+        .args(["bench", "unit", "--config", "configs/default.json", "--unit", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--unit 0: the blocks of this model are units 1 to"),
+        "{err}"
+    );
+}
+
 /// A scratch directory on the build disk (O_DIRECT works there; /tmp may be tmpfs).
 fn disk_dir() -> tempfile::TempDir {
     let base = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli");

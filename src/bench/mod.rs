@@ -9,6 +9,7 @@ pub mod nvme;
 pub mod profile;
 pub mod step;
 pub mod swap;
+pub mod unit;
 
 /// The median of a benchmark's timings or rates (NaN for none).
 fn median(mut xs: Vec<f64>) -> f64 {

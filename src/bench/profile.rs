@@ -36,7 +36,7 @@ const MIN_SECONDS: f64 = 0.3;
 const MAX_REPEATS: usize = 1000;
 
 /// Median seconds of `f` after one warm-up: [`REPEATS`] runs, more for short work.
-fn timed(mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+pub(super) fn timed(mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
     f()?;
     let mut times = Vec::with_capacity(REPEATS);
     while times.len() < REPEATS || (times.iter().sum::<f64>() < MIN_SECONDS && times.len() < MAX_REPEATS) {

@@ -126,6 +126,18 @@ pub enum Bench {
         #[arg(long, default_value = "this-machine")]
         name: String,
     },
+    /// One block of a config as the engine computes it (flat parameters, backward by
+    /// recompute and through a kept graph) beside torch with a tensor per parameter, and
+    /// the host's gradient adds beside memcpy, in the same run.
+    Unit {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// The block to measure (1: the first).
+        #[arg(long, default_value_t = 1)]
+        unit: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Tokens/s and MFU of a config, and its step time against a dense single rank.
     Step {
         #[command(flatten)]
@@ -304,6 +316,11 @@ pub fn run(which: Bench) -> Result<(), Failure> {
                 profile.compute.rates.len()
             );
             Ok(())
+        }
+        Bench::Unit { config, unit, json } => {
+            let loaded = load_config(&config)?;
+            let report = tierzero::bench::unit::run(&loaded.plan, unit)?;
+            emit(&report, json, tierzero::bench::unit::UnitReport::human)
         }
         Bench::Step { config, steps, json } => {
             let loaded = load_config(&config)?;

@@ -217,33 +217,40 @@ fn set_values_bf16(g: &mut [u16], x: Values) {
     widened(g, x, set_bf16_to);
 }
 
+#[inline(always)]
 fn add_f32_to(g: &mut f32, x: f32) {
     *g += x;
 }
 
+#[inline(always)]
 fn add_bf16_to(g: &mut u16, x: f32) {
     *g = f32_to_bf16(bf16_to_f32(*g) + x);
 }
 
+#[inline(always)]
 fn set_f32_to(g: &mut f32, x: f32) {
     *g = 0.0 + x;
 }
 
+#[inline(always)]
 fn set_bf16_to(g: &mut u16, x: f32) {
     *g = f32_to_bf16(0.0 + x);
 }
 
+#[inline(always)]
 fn square_f32(x: f32) -> f64 {
     f64::from(x) * f64::from(x)
 }
 
+#[inline(always)]
 fn square_bf16(b: u16) -> f64 {
-    f64::from(bf16_to_f32(b)).powi(2)
+    let x = f64::from(bf16_to_f32(b));
+    x * x
 }
 
 /// `f(g[i], x[i])` for every element as [`widened`] does it, returning `from` + Σ of the
 /// results' squares folded as [`blocked`] folds them: blocks of [`NORM_BLOCK`] from g's
-/// first element, each in element order, the blocks (on every core) added in order.
+/// first element, each by [`block_squares`], the blocks (on every core) added in order.
 fn squared<T: Copy + Send + Sync>(
     g: &mut [T],
     x: Values,
@@ -253,17 +260,12 @@ fn squared<T: Copy + Send + Sync>(
 ) -> f64 {
     use rayon::prelude::*;
     let block = |g: &mut [T], x: Values| -> f64 {
-        let mut sum = 0.0;
-        let mut step = |g: &mut T, x: f32| {
-            f(g, x);
-            sum += square(*g);
-        };
-        match x {
-            Values::F32(x) => g.iter_mut().zip(x).for_each(|(g, &x)| step(g, x)),
-            Values::Bf16(x) => g.iter_mut().zip(x).for_each(|(g, &b)| step(g, bf16_to_f32(b))),
-            Values::F16(x) => g.iter_mut().zip(x).for_each(|(g, &b)| step(g, f16_to_f32(b))),
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked above)
+            return unsafe { add_then_square_avx2(g, x, &f, &square) };
         }
-        sum
+        add_then_square(g, x, &f, &square)
     };
     let at = |i: usize, len: usize| x.range(i * NORM_BLOCK..i * NORM_BLOCK + len);
     if g.len() <= PARALLEL_CHUNK {
@@ -272,12 +274,20 @@ fn squared<T: Copy + Send + Sync>(
             .enumerate()
             .fold(from, |s, (i, g)| s + block(g, at(i, g.len())));
     }
-    let sums: Vec<f64> = g
-        .par_chunks_mut(NORM_BLOCK)
+    // each core takes a piece of whole blocks (a task per block costs more than it)
+    const PER_PIECE: usize = PARALLEL_CHUNK / NORM_BLOCK;
+    let pieces: Vec<Vec<f64>> = g
+        .par_chunks_mut(PARALLEL_CHUNK)
         .enumerate()
-        .map(|(i, g)| block(g, at(i, g.len())))
+        .map(|(p, piece)| {
+            piece
+                .chunks_mut(NORM_BLOCK)
+                .enumerate()
+                .map(|(i, g)| block(g, at(p * PER_PIECE + i, g.len())))
+                .collect()
+        })
         .collect();
-    sums.into_iter().fold(from, |s, b| s + b)
+    pieces.into_iter().flatten().fold(from, |s, b| s + b)
 }
 
 /// `f(g[i], x[i])` for every element, each value widened to fp32 as it is read (exact).
@@ -312,9 +322,9 @@ fn each<T: Send, X: Copy + Sync>(g: &mut [T], x: &[X], f: impl Fn(&mut T, X) + S
         .for_each(|(g, x)| run(g, x));
 }
 
-/// `from` + Σ g² in f64: each block of [`NORM_BLOCK`] elements folded in element order,
-/// the blocks (computed on every core) added in order. A sum continued from a stretch
-/// that ends on a block boundary is the sum over the whole.
+/// `from` + Σ g² in f64: each block of [`NORM_BLOCK`] elements by [`block_squares`], the
+/// blocks (computed on every core) added in order. A sum continued from a stretch that
+/// ends on a block boundary is the sum over the whole.
 pub fn sum_squares_f32(from: f64, g: &[f32]) -> f64 {
     blocked(from, g, square_f32)
 }
@@ -324,14 +334,86 @@ pub fn sum_squares_bf16(from: f64, g: &[u16]) -> f64 {
     blocked(from, g, square_bf16)
 }
 
+/// Lanes of Σ g² in a block: element i of the block goes to lane i mod [`NORM_LANES`],
+/// each lane folded in element order, then the lanes added in order. Independent lanes
+/// keep the f64 adds in vector registers (one chain in element order ran at a fifth of
+/// a memcpy's speed); every path (a pass, a stream's chunks, an add that squares) sums
+/// blocks this way, so their sums are the same bits.
+fn block_squares<T: Copy>(b: &[T], square: impl Fn(T) -> f64) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked above)
+        return unsafe { block_squares_avx2(b, square) };
+    }
+    lanes_of_squares(b, square)
+}
+
+/// [`lanes_of_squares`] compiled for AVX2 (the same operations in the same order: the
+/// same bits, four lanes to a register).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn block_squares_avx2<T: Copy>(b: &[T], square: impl Fn(T) -> f64) -> f64 {
+    lanes_of_squares(b, square)
+}
+
+#[inline(always)]
+fn lanes_of_squares<T: Copy>(b: &[T], square: impl Fn(T) -> f64) -> f64 {
+    let mut lanes = [0.0f64; NORM_LANES];
+    let mut chunks = b.chunks_exact(NORM_LANES);
+    for c in &mut chunks {
+        for (l, &x) in lanes.iter_mut().zip(c) {
+            *l += square(x);
+        }
+    }
+    for (l, &x) in lanes.iter_mut().zip(chunks.remainder()) {
+        *l += square(x);
+    }
+    lanes.iter().fold(0.0, |s, &l| s + l)
+}
+
+/// A block's adds, then its squares while it is in cache ([`lanes_of_squares`]).
+#[inline(always)]
+fn add_then_square<T: Copy>(
+    g: &mut [T],
+    x: Values,
+    f: impl Fn(&mut T, f32),
+    square: impl Fn(T) -> f64,
+) -> f64 {
+    match x {
+        Values::F32(x) => g.iter_mut().zip(x).for_each(|(g, &x)| f(g, x)),
+        Values::Bf16(x) => g.iter_mut().zip(x).for_each(|(g, &b)| f(g, bf16_to_f32(b))),
+        Values::F16(x) => g.iter_mut().zip(x).for_each(|(g, &b)| f(g, f16_to_f32(b))),
+    }
+    lanes_of_squares(g, square)
+}
+
+/// [`add_then_square`] compiled for AVX2 (the same operations in the same order).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn add_then_square_avx2<T: Copy>(
+    g: &mut [T],
+    x: Values,
+    f: impl Fn(&mut T, f32),
+    square: impl Fn(T) -> f64,
+) -> f64 {
+    add_then_square(g, x, f, square)
+}
+
+/// Lanes of a block's Σ g² ([`block_squares`]).
+const NORM_LANES: usize = 32;
+
 fn blocked<T: Copy + Sync>(from: f64, g: &[T], square: impl Fn(T) -> f64 + Sync) -> f64 {
     use rayon::prelude::*;
-    let block = |b: &[T]| b.iter().fold(0.0, |s, &x| s + square(x));
+    let block = |b: &[T]| block_squares(b, &square);
     if g.len() <= PARALLEL_CHUNK {
         return g.chunks(NORM_BLOCK).fold(from, |s, b| s + block(b));
     }
-    let sums: Vec<f64> = g.par_chunks(NORM_BLOCK).map(block).collect();
-    sums.into_iter().fold(from, |s, b| s + b)
+    // each core takes a piece of whole blocks (a task per block costs more than it)
+    let pieces: Vec<Vec<f64>> = g
+        .par_chunks(PARALLEL_CHUNK)
+        .map(|piece| piece.chunks(NORM_BLOCK).map(block).collect())
+        .collect();
+    pieces.into_iter().flatten().fold(from, |s, b| s + b)
 }
 
 #[cfg(test)]
@@ -376,9 +458,20 @@ mod tests {
             .map(|(&g, &x)| f32_to_bf16(bf16_to_f32(g) + x))
             .collect();
         assert_eq!(parallel16, serial16);
+        // blocks of 4096 from the start, element i of a block in lane i mod 32, each
+        // lane in element order, then the lanes, then the blocks, in order
         let definition = |g: &[f32]| {
             g.chunks(NORM_BLOCK)
-                .map(|b| b.iter().fold(0.0, |s, &x| s + f64::from(x) * f64::from(x)))
+                .map(|b| {
+                    (0..32)
+                        .map(|lane| {
+                            b.iter()
+                                .skip(lane)
+                                .step_by(32)
+                                .fold(0.0, |s, &x| s + f64::from(x) * f64::from(x))
+                        })
+                        .fold(0.0, |s, l| s + l)
+                })
                 .fold(0.0, |s, b| s + b)
         };
         let whole = sum_squares_f32(0.0, &x);

@@ -39,6 +39,21 @@ impl<'a> Params<'a> {
         })
     }
 
+    /// The parameters as tensors of their own (flat, in the layout's order).
+    pub fn from_pieces(layout: &'a UnitLayout, pieces: &[Tensor]) -> Result<Self, TchError> {
+        if pieces.len() != layout.params.len() {
+            return Err(TchError::Shape(format!(
+                "{} parameter tensors for a unit of {}",
+                pieces.len(),
+                layout.params.len()
+            )));
+        }
+        Ok(Params {
+            layout,
+            pieces: pieces.iter().map(Tensor::shallow_clone).collect(),
+        })
+    }
+
     pub fn get(&self, suffix: &str) -> Result<Tensor, TchError> {
         let i = self
             .layout

@@ -203,8 +203,27 @@ impl Model {
         positions: Positions,
         attend: Attend,
     ) -> Result<Tensor, TchError> {
+        let p = Params::new(&self.units[u], params)?;
+        self.run_params(u, &p, input, positions, attend)
+    }
+
+    /// Unit `u`'s forward on causal rows from position 0 with a tensor of its own for
+    /// each parameter (flat, in the layout's order), as a torch module holds them: the
+    /// reference `tierzero bench unit` times the engine's flat parameters against.
+    pub fn forward_pieces(&self, u: usize, pieces: &[Tensor], input: &Tensor) -> Result<Tensor, TchError> {
+        let p = Params::from_pieces(&self.units[u], pieces)?;
+        self.run_params(u, &p, input, Positions::From(0), Attend::Causal)
+    }
+
+    fn run_params(
+        &self,
+        u: usize,
+        p: &Params,
+        input: &Tensor,
+        positions: Positions,
+        attend: Attend,
+    ) -> Result<Tensor, TchError> {
         let layout = &self.units[u];
-        let p = Params::new(layout, params)?;
         let (t, device) = (input.size()[1], input.device());
         match layout.kind {
             UnitKind::Embedding => {
@@ -215,7 +234,7 @@ impl Model {
                     ),
                     Positions::Packed(p) => Some(p.shallow_clone()),
                 };
-                blocks::embed(&self.config, &p, input, at.as_ref())
+                blocks::embed(&self.config, p, input, at.as_ref())
             }
             UnitKind::Block(_) => match self.config.architecture {
                 Architecture::Llama => {
@@ -246,11 +265,11 @@ impl Model {
                             (gather(&cos)?, gather(&sin)?)
                         }
                     };
-                    blocks::llama_block(&self.config, &p, input, &rope, attend)
+                    blocks::llama_block(&self.config, p, input, &rope, attend)
                 }
-                Architecture::Gpt2 => blocks::gpt2_block(&self.config, &p, input, attend),
+                Architecture::Gpt2 => blocks::gpt2_block(&self.config, p, input, attend),
             },
-            UnitKind::Final => blocks::final_norm(&self.config, &p, input),
+            UnitKind::Final => blocks::final_norm(&self.config, p, input),
         }
     }
 
