@@ -147,6 +147,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
                 let elem = if bf16 { 2 } else { 4 };
                 let chunks =
                     BufferPool::new(REDUCE_DEPTH, store.chunk_bytes(elem)).map_err(On(rank).alloc())?;
+                store.engine().register_pool(&chunks);
                 Some(NvmeGrads { store, chunks })
             }
             (None, true) => {

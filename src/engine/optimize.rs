@@ -24,7 +24,6 @@ use tch::{Kind, Tensor};
 use tierzero_offload::adam::{self, GradSlice, Sweep};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pipeline::{self, GradIn, PipelineConfig};
-use tierzero_offload::pool::IoBuf;
 
 /// What installing an update touches: the three owners it was lent from, and the compute
 /// thread's communicator (stages 1–2 gather an installed update) and track. The
@@ -350,7 +349,9 @@ impl OptimizerContext {
             Some(staging) => staging,
             None => ParamStaging {
                 values: LowParams::zeros(0, &self.precision),
-                scratch: IoBuf::new(store.chunk_bytes(self.precision.bytes())).map_err(self.on.alloc())?,
+                scratch: store
+                    .scratch(store.chunk_bytes(self.precision.bytes()))
+                    .map_err(self.on.alloc())?,
             },
         };
         staging.values.resize(grad.len());

@@ -580,7 +580,7 @@ fn read_param_bytes(
     };
     let scratch = match scratch {
         Some(buf) => buf,
-        None => IoBuf::new(store.chunk_bytes(elem)).map_err(On(rank).alloc())?,
+        None => store.scratch(store.chunk_bytes(elem)).map_err(On(rank).alloc())?,
     };
     store.read_tensor(key, out, scratch).map_err(On(rank).io())
 }

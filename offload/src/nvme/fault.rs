@@ -82,6 +82,10 @@ impl BlockIo for Faulty {
         self.inner.direct()
     }
 
+    fn register_pool(&self, pool: &crate::pool::BufferPool) -> bool {
+        self.inner.register_pool(pool)
+    }
+
     fn submit(&self, op: Op) -> Pending {
         if op.direction == self.fault.direction && SEEN.fetch_add(1, Ordering::SeqCst) + 1 == self.fault.nth {
             let source = std::io::Error::from_raw_os_error(self.fault.errno);

@@ -300,6 +300,13 @@ pub trait BlockIo: Send + Sync {
     fn direct(&self) -> bool;
     /// Starts the transfer; returns at once.
     fn submit(&self, op: Op) -> Pending;
+    /// Registers `pool`'s buffers with the engine, so that transfers into and out of them
+    /// skip pinning their pages each time (io_uring's fixed buffers); the engine keeps the
+    /// pool until it is dropped. False where it cannot (the transfers work all the same).
+    fn register_pool(&self, pool: &crate::pool::BufferPool) -> bool {
+        let _ = pool;
+        false
+    }
 }
 
 /// Settings shared by both engines (DeepSpeed's `aio` section).

@@ -116,9 +116,16 @@ pub struct SwapStore {
     chunk_elems: usize,
     extents: HashMap<TensorKey, Extent>,
     files: Vec<PathBuf>,
+    /// Chunk buffers for the store's long-lived users ([`SwapStore::scratch`]), made and
+    /// registered with the engine at the first lease.
+    scratch: std::sync::OnceLock<Option<crate::pool::BufferPool>>,
     /// Holds the flock for the store's lifetime.
     _marker: File,
 }
+
+/// Buffers of [`SwapStore::scratch`]: a parameter store's reads (the h2d lane) and writes
+/// (the optimizer's updates) each hold one for the run.
+const SCRATCH_BUFFERS: usize = 2;
 
 impl SwapStore {
     /// Creates `<nvme_path>/<name>/` and preallocates room for every tensor.
@@ -171,8 +178,28 @@ impl SwapStore {
             chunk_elems,
             extents,
             files: paths,
+            scratch: std::sync::OnceLock::new(),
             _marker: marker,
         })
+    }
+
+    /// A buffer of at least `bytes` for a user that keeps it (a chunk of fp32 or less):
+    /// one of the store's buffers registered with its engine (transfers skip pinning
+    /// their pages), while one is free; else a plain one.
+    pub fn scratch(&self, bytes: usize) -> Result<crate::pool::IoBuf, crate::host::AllocError> {
+        let pool = self.scratch.get_or_init(|| {
+            let pool = crate::pool::BufferPool::new(SCRATCH_BUFFERS, self.chunk_bytes(4)).ok()?;
+            self.engine.register_pool(&pool);
+            Some(pool)
+        });
+        match pool
+            .as_ref()
+            .filter(|p| p.buffer_bytes() >= bytes)
+            .and_then(|p| p.try_lease())
+        {
+            Some(buf) => Ok(buf),
+            None => crate::pool::IoBuf::new(bytes),
+        }
     }
 
     pub fn dir(&self) -> &Path {

@@ -226,3 +226,93 @@ fn probe_reports_and_auto_prefers_uring_with_direct() {
     // the probe leaves nothing behind
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
+
+/// Pools registered after the engine started (as the trainer makes its pools) take the
+/// next slots of every ring's fixed-buffer table: transfers through their buffers
+/// (`READ_FIXED`/`WRITE_FIXED`) round-trip beside plain ones, the pool the engine was
+/// built with keeps its slots, and a pool that does not fit the table is refused (its
+/// buffers then go through plain reads and writes).
+#[test]
+fn pools_registered_later_carry_fixed_transfers() {
+    let dir = test_dir();
+    let config = EngineConfig {
+        block_size: 64 << 10,
+        parallelism: 2,
+        ..EngineConfig::default()
+    };
+    let direct = probe(dir.path()).unwrap().direct.is_ok();
+    let first = BufferPool::new(3, 256 << 10).unwrap();
+    let engine = uring::Uring::new(config, direct, Some(&first)).unwrap();
+    assert!(engine.uses_fixed_buffers());
+    let later = BufferPool::new(2, 1 << 20).unwrap();
+    assert!(engine.register_pool(&later));
+    let too_many = BufferPool::new(uring::FIXED_SLOTS, 4096).unwrap();
+    assert!(!engine.register_pool(&too_many), "past the table's slots");
+    let file = BlockFile::open(&dir.path().join("fixed.bin"), true, direct).unwrap();
+    file.preallocate(8 << 20).unwrap();
+    for (round, pool) in [&first, &later, &too_many, &later, &first]
+        .into_iter()
+        .enumerate()
+    {
+        let len = pool.buffer_bytes().min(256 << 10);
+        let offset = round as u64 * (1 << 20);
+        let mut buf = pool.lease();
+        fill(&mut buf, round as u64 + 7);
+        let expected = buf.as_bytes()[..len].to_vec();
+        drop(
+            engine
+                .submit(Op::write(&file, offset, len, buf))
+                .wait()
+                .unwrap()
+                .into_result()
+                .unwrap(),
+        );
+        let back = engine
+            .submit(Op::read(&file, offset, len, later.lease()))
+            .wait()
+            .unwrap()
+            .into_result()
+            .unwrap();
+        assert_eq!(&back.as_bytes()[..len], &expected[..], "round {round}");
+    }
+    assert_eq!(
+        (first.available(), later.available()),
+        (3, 2),
+        "every buffer came back"
+    );
+}
+
+/// A store's scratch buffers for its long-lived users are its engine's registered ones
+/// while one is free, plain ones after, and go back when dropped.
+#[test]
+fn a_stores_scratch_buffers_are_registered_while_they_last() {
+    use crate::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
+    let dir = test_dir();
+    let (engine, _) = open_engine(dir.path(), EngineConfig::default(), None, EngineChoice::Uring).unwrap();
+    let key = TensorKey {
+        unit: 0,
+        rank: 0,
+        state: State::Param,
+    };
+    let specs = [TensorSpec {
+        key,
+        numel: 10_000,
+        elem_bytes: 2,
+    }];
+    let store = SwapStore::create(dir.path(), "params", engine, &specs, 4096).unwrap();
+    let bytes = store.chunk_bytes(2);
+    let (a, b) = (store.scratch(bytes).unwrap(), store.scratch(bytes).unwrap());
+    let c = store.scratch(bytes).unwrap();
+    assert!(a.registered_index().is_some() && b.registered_index().is_some());
+    assert!(c.registered_index().is_none(), "a third is a plain buffer");
+    let values: Vec<u8> = (0..20_000).map(|i| (i % 251) as u8).collect();
+    let a = store.write_tensor(key, &values, a).unwrap();
+    let mut back = vec![0u8; 20_000];
+    store.read_tensor(key, &mut back, b).unwrap();
+    assert_eq!(back, values);
+    drop((a, c));
+    assert!(
+        store.scratch(bytes).unwrap().registered_index().is_some(),
+        "back to the store"
+    );
+}

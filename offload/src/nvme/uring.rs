@@ -4,11 +4,15 @@
 //! Each ring has one thread that owns it: it takes operations from a channel, keeps the
 //! submission queue full (`single_submit`: one `io_uring_enter` per piece, as DeepSpeed's
 //! option of that name; otherwise one per batch), and reaps completions as they arrive
-//! (`overlap_events`) or a whole batch at a time. Buffers leased from the pool the engine
-//! was built with go through `READ_FIXED`/`WRITE_FIXED` (pages pinned once, at start-up);
-//! other buffers use plain `READ`/`WRITE`. `intra_op_parallelism` rings take operations
-//! round-robin. An operation's buffer stays in the ring thread's table until its last
-//! piece completes, then goes back to the submitter with the result.
+//! (`overlap_events`) or a whole batch at a time. Each ring starts with a sparse table of
+//! [`FIXED_SLOTS`] fixed buffers; the pool the engine was built with, and every pool
+//! registered later ([`BlockIo::register_pool`], as the trainer makes its pools), fill
+//! slots of it, and buffers leased from them go through `READ_FIXED`/`WRITE_FIXED` (pages
+//! pinned once, when registered: no page pinning per O_DIRECT request). Other buffers use
+//! plain `READ`/`WRITE`. A registered pool is kept (its memory alive) until the engine is
+//! dropped. `intra_op_parallelism` rings take operations round-robin. An operation's
+//! buffer stays in the ring thread's table until its last piece completes, then goes back
+//! to the submitter with the result.
 
 use super::{BlockIo, Direction, Done, EngineConfig, IoError, Op, Pending};
 use crate::pool::BufferPool;
@@ -17,10 +21,54 @@ use io_uring::{opcode, types, IoUring};
 use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
-type Job = (Op, Sender<Done>);
+/// Fixed-buffer slots of each ring's sparse table.
+pub const FIXED_SLOTS: usize = 512;
+
+enum Job {
+    Io(Op, Sender<Done>),
+    /// Registers buffers at slots from `base` on this ring.
+    Register {
+        base: u32,
+        iovecs: Vec<libc::iovec>,
+        reply: Sender<std::io::Result<()>>,
+    },
+}
+
+// SAFETY: the iovecs describe memory of a pool the registry keeps alive; they are only
+// handed to the kernel.
+unsafe impl Send for Job {}
+
+/// The pools registered as fixed buffers on every ring, each at its first slot.
+#[derive(Default)]
+struct Registry {
+    pools: RwLock<Vec<(BufferPool, u16)>>,
+    /// Serialises registrations (slot allocation across the rings).
+    registering: Mutex<()>,
+}
+
+impl Registry {
+    /// The fixed-buffer index of `buf`, if it came from a registered pool.
+    fn index(&self, buf: &crate::pool::IoBuf) -> Option<u16> {
+        let slot = buf.registered_index()?;
+        let pools = self.pools.read().unwrap_or_else(|e| e.into_inner());
+        pools
+            .iter()
+            .find(|(pool, _)| buf.is_from(pool))
+            .map(|(_, base)| base + slot)
+    }
+
+    fn next_slot(&self) -> usize {
+        let pools = self.pools.read().unwrap_or_else(|e| e.into_inner());
+        pools
+            .iter()
+            .map(|(p, base)| usize::from(*base) + p.count())
+            .max()
+            .unwrap_or(0)
+    }
+}
 
 /// `user_data` of the wake-up poll on a ring's eventfd.
 const WAKE: u64 = u64::MAX;
@@ -60,17 +108,20 @@ pub struct Uring {
     workers: Vec<JoinHandle<()>>,
     next: AtomicUsize,
     direct: bool,
-    registered: bool,
+    /// Whether every ring has its sparse fixed-buffer table.
+    fixed: bool,
+    registry: Arc<Registry>,
 }
 
 impl Uring {
-    /// Starts `config.parallelism` rings. With `pool`, its buffers are registered as
-    /// fixed buffers on every ring.
+    /// Starts `config.parallelism` rings, each with a sparse table of fixed buffers. With
+    /// `pool`, its buffers are registered in it.
     pub fn new(config: EngineConfig, direct: bool, pool: Option<&BufferPool>) -> Result<Uring, IoError> {
         let depth = config.queue_depth.clamp(1, 4096);
         let mut rings = Vec::new();
         let mut workers = Vec::new();
-        let mut registered = pool.is_some();
+        let mut fixed = true;
+        let registry = Arc::new(Registry::default());
         for index in 0..config.parallelism.max(1) {
             let ring =
                 IoUring::new((depth + 1).next_power_of_two() as u32).map_err(|source| IoError::Os {
@@ -80,29 +131,12 @@ impl Uring {
                     len: 0,
                     source,
                 })?;
-            let fixed = pool.and_then(|pool| {
-                let iovecs: Vec<libc::iovec> = pool
-                    .regions()
-                    .iter()
-                    .map(|&(addr, len)| libc::iovec {
-                        iov_base: addr as *mut libc::c_void,
-                        iov_len: len,
-                    })
-                    .collect();
-                // SAFETY: the regions are the pool's allocations; the worker keeps a
-                // clone of the pool, so they outlive the ring.
-                match unsafe { ring.submitter().register_buffers(&iovecs) } {
-                    Ok(()) => Some(pool.clone()),
-                    Err(e) => {
-                        tracing::warn!(
-                            "io_uring: cannot register {} fixed buffers ({e}); using plain reads and writes",
-                            iovecs.len()
-                        );
-                        None
-                    }
+            if let Err(e) = ring.submitter().register_buffers_sparse(FIXED_SLOTS as u32) {
+                if fixed {
+                    tracing::warn!("io_uring: no table of fixed buffers ({e}); using plain reads and writes");
                 }
-            });
-            registered &= fixed.is_some();
+                fixed = false;
+            }
             let (tx, rx) = crossbeam_channel::unbounded::<Job>();
             let doorbell = Arc::new(Doorbell::new().map_err(|source| IoError::Os {
                 op: "eventfd",
@@ -116,7 +150,7 @@ impl Uring {
                 jobs: rx,
                 doorbell: doorbell.clone(),
                 armed: false,
-                fixed,
+                registry: registry.clone(),
                 block_size: config.block_size.max(4096),
                 depth,
                 single_submit: config.single_submit,
@@ -139,18 +173,86 @@ impl Uring {
             rings.push((tx, doorbell));
             workers.push(handle);
         }
-        Ok(Uring {
+        let uring = Uring {
             rings,
             workers,
             next: AtomicUsize::new(0),
             direct,
-            registered,
-        })
+            fixed,
+            registry,
+        };
+        if let Some(pool) = pool {
+            if !uring.register(pool) {
+                tracing::warn!(
+                    "io_uring: cannot register {} fixed buffers; using plain reads and writes",
+                    pool.count()
+                );
+            }
+        }
+        Ok(uring)
     }
 
-    /// Whether every ring registered the pool's buffers.
+    /// Whether any pool's buffers are registered as fixed buffers on every ring.
     pub fn uses_fixed_buffers(&self) -> bool {
-        self.registered
+        self.fixed
+            && !self
+                .registry
+                .pools
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
+    }
+
+    /// Registers `pool`'s buffers in the next free slots of every ring's table.
+    fn register(&self, pool: &BufferPool) -> bool {
+        if !self.fixed {
+            return false;
+        }
+        let _one_at_a_time = self
+            .registry
+            .registering
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let base = self.registry.next_slot();
+        if base + pool.count() > FIXED_SLOTS {
+            return false;
+        }
+        let iovecs: Vec<libc::iovec> = pool
+            .regions()
+            .iter()
+            .map(|&(addr, len)| libc::iovec {
+                iov_base: addr as *mut libc::c_void,
+                iov_len: len,
+            })
+            .collect();
+        let mut replies = Vec::new();
+        for (ring, doorbell) in &self.rings {
+            let (reply, answer) = crossbeam_channel::bounded(1);
+            let job = Job::Register {
+                base: base as u32,
+                iovecs: iovecs.clone(),
+                reply,
+            };
+            if ring.send(job).is_err() {
+                return false;
+            }
+            doorbell.ring();
+            replies.push(answer);
+        }
+        let all = replies.iter().all(|answer| match answer.recv() {
+            Ok(Ok(())) => true,
+            Ok(Err(e)) => {
+                tracing::warn!("io_uring: cannot register {} fixed buffers ({e})", iovecs.len());
+                false
+            }
+            Err(_) => false,
+        });
+        if all {
+            // kept until the engine is dropped: the kernel holds the pages until then
+            let mut pools = self.registry.pools.write().unwrap_or_else(|e| e.into_inner());
+            pools.push((pool.clone(), base as u16));
+        }
+        all
     }
 }
 
@@ -166,7 +268,7 @@ impl BlockIo for Uring {
     fn submit(&self, op: Op) -> Pending {
         let (reply, pending) = Pending::channel("uring");
         let (ring, doorbell) = &self.rings[self.next.fetch_add(1, Ordering::Relaxed) % self.rings.len()];
-        if let Err(crossbeam_channel::SendError((op, _))) = ring.send((op, reply)) {
+        if let Err(crossbeam_channel::SendError(Job::Io(op, _))) = ring.send(Job::Io(op, reply)) {
             return Pending::ready(
                 "uring",
                 Done {
@@ -177,6 +279,10 @@ impl BlockIo for Uring {
         }
         doorbell.ring();
         pending
+    }
+
+    fn register_pool(&self, pool: &BufferPool) -> bool {
+        self.register(pool)
     }
 }
 
@@ -209,8 +315,8 @@ struct RingWorker {
     doorbell: Arc<Doorbell>,
     /// Whether a poll on the doorbell is in the ring.
     armed: bool,
-    /// The pool registered with this ring, if any.
-    fixed: Option<BufferPool>,
+    /// The pools registered on every ring, by their first slot.
+    registry: Arc<Registry>,
     block_size: usize,
     depth: usize,
     single_submit: bool,
@@ -266,7 +372,17 @@ impl RingWorker {
         }
     }
 
-    fn accept(&mut self, (op, reply): Job) {
+    fn accept(&mut self, job: Job) {
+        let (op, reply) = match job {
+            Job::Io(op, reply) => (op, reply),
+            Job::Register { base, iovecs, reply } => {
+                // SAFETY: the iovecs are a pool's allocations, which the registry keeps
+                // (with the ring) until the engine is dropped.
+                let result = unsafe { self.ring.submitter().register_buffers_update(base, &iovecs, None) };
+                let _ = reply.send(result);
+                return;
+            }
+        };
         if let Err(error) = op.validate() {
             let _ = reply.send(Done {
                 buf: op.buf,
@@ -316,10 +432,7 @@ impl RingWorker {
             let len = self.block_size.min(slot.op.len - start);
             let offset = slot.op.offset + start as u64;
             let fd = types::Fd(slot.op.file.file().as_raw_fd());
-            let fixed_index = match &self.fixed {
-                Some(pool) if slot.op.buf.is_from(pool) => slot.op.buf.registered_index(),
-                _ => None,
-            };
+            let fixed_index = self.registry.index(&slot.op.buf);
             // SAFETY: start < op.len <= the buffer's capacity (validated in accept).
             let ptr = unsafe { slot.op.buf.as_mut_ptr().add(start) };
             let entry = match (slot.op.direction, fixed_index) {
