@@ -250,17 +250,9 @@ impl<C: Collective> Chunks<'_, C> {
                     .f_narrow(0, real.start as i64, real.len() as i64)
                     .map_err(torch_err)?;
                 if let Some(device) = on_device {
-                    let dst = device
-                        .acc
-                        .f_narrow(0, start as i64, k as i64)
-                        .map_err(torch_err)?;
-                    device_add(&dst, &view, device.first).map_err(torch_err)?;
-                    sim::charge(Work::OnDevice(4 * k as u64));
-                    if device.flush {
-                        charge_to_host(&mut buffers.staging, k, 4, false);
-                        let recorded = Some((copy_start, 4 * k as u64));
-                        self.flush(&dst, start, acc.as_deref_mut(), buffers, recorded)?;
-                    }
+                    let recorded = Some((copy_start, 4 * k as u64));
+                    let acc = acc.as_deref_mut();
+                    self.add_to_device_sum(device, &view, (start, k), acc, buffers, (false, recorded))?;
                     start += k;
                     continue;
                 }
@@ -325,16 +317,8 @@ impl<C: Collective> Chunks<'_, C> {
             sim::charge(Work::OnDevice(bytes));
             sim::charge(Work::Collective(bytes));
             if let Some(device) = on_device {
-                let dst = device
-                    .acc
-                    .f_narrow(0, start as i64, k as i64)
-                    .map_err(torch_err)?;
-                device_add(&dst, &reduced, device.first).map_err(torch_err)?;
-                sim::charge(Work::OnDevice(4 * k as u64));
-                if device.flush {
-                    charge_to_host(&mut buffers.staging, k, 4, true);
-                    self.flush(&dst, start, acc.as_deref_mut(), buffers, None)?;
-                }
+                let acc = acc.as_deref_mut();
+                self.add_to_device_sum(device, &reduced, (start, k), acc, buffers, (true, None))?;
                 start += k;
                 continue;
             }
@@ -351,6 +335,33 @@ impl<C: Collective> Chunks<'_, C> {
                 buffers.staging.add_now(acc, start, values, track)?;
             }
             start += k;
+        }
+        Ok(())
+    }
+
+    /// A stretch `src` of `k` elements added into the device sum at `start`; the flushing
+    /// contribution sends the sum's stretch on to the host accumulator (`travelled`: the
+    /// stretch crossed between ranks; `recorded` as in [`Self::flush`]).
+    fn add_to_device_sum<A: Accumulate + ?Sized>(
+        &self,
+        device: &OnDevice,
+        src: &Tensor,
+        (start, k): (usize, usize),
+        acc: Option<&mut A>,
+        buffers: &mut ChunkBuffers,
+        (travelled, recorded): (bool, Option<(Instant, u64)>),
+    ) -> Result<(), EngineError> {
+        let rank = self.comm.rank();
+        let torch_err = |source| EngineError::Torch { rank, source };
+        let dst = device
+            .acc
+            .f_narrow(0, start as i64, k as i64)
+            .map_err(torch_err)?;
+        device_add(&dst, src, device.first).map_err(torch_err)?;
+        sim::charge(Work::OnDevice(4 * k as u64));
+        if device.flush {
+            charge_to_host(&mut buffers.staging, k, 4, travelled);
+            self.flush(&dst, start, acc, buffers, recorded)?;
         }
         Ok(())
     }
