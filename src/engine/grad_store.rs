@@ -252,7 +252,7 @@ impl Accumulate for Acc<'_> {
         match self {
             Acc::Here(g) => g.add_squared(offset, x, from, track),
             Acc::Fresh(f) => Ok(f.add_squared(offset, x, from)),
-            Acc::Stream(s) => s.add(offset, x, track).map(|()| None),
+            Acc::Stream(s) => s.add_squared(offset, x, from, track),
         }
     }
 }

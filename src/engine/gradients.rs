@@ -527,12 +527,15 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         let mut sum = 0.0;
         for u in 0..self.accumulators.len() {
             sum += match &self.accumulators[u] {
-                Accumulator::Here(_) if self.squares[u].is_some() => self.squares[u].unwrap_or(0.0),
-                Accumulator::Here(acc) => {
-                    let range = self.read_range(u, acc);
-                    sim::charge(Work::Pass(range.len() as u64));
-                    acc.sum_squares(range)
-                }
+                Accumulator::Here(acc) => match self.squares[u] {
+                    // gathered as its last contribution was added
+                    Some(sum) => sum,
+                    None => {
+                        let range = self.read_range(u, acc);
+                        sim::charge(Work::Pass(range.len() as u64));
+                        acc.sum_squares(range)
+                    }
+                },
                 Accumulator::Nvme(Stored::Whole { sum_squares }) => *sum_squares,
                 Accumulator::Stale(_) | Accumulator::Nvme(Stored::Nothing) => 0.0,
                 Accumulator::Lent(_) => return Err(self.lent(u)),

@@ -108,29 +108,26 @@ impl Grads {
     /// as [`Grads::sum_squares`] folds them from `offset` (a block boundary): one pass
     /// where the add and Σ g² took two.
     pub fn add_values_squared(&mut self, offset: usize, x: Values, from: f64) -> f64 {
-        match self {
-            Grads::F32(g) => squared(&mut g[offset..offset + x.len()], x, add_f32_to, square_f32, from),
-            Grads::Bf16(g) => squared(
-                &mut g[offset..offset + x.len()],
-                x,
-                add_bf16_to,
-                square_bf16,
-                from,
-            ),
-        }
+        self.squared_at((offset, x, from), add_f32_to, add_bf16_to)
     }
 
     /// [`Grads::set_values`], squared as [`Grads::add_values_squared`].
     pub fn set_values_squared(&mut self, offset: usize, x: Values, from: f64) -> f64 {
+        self.squared_at((offset, x, from), set_f32_to, set_bf16_to)
+    }
+
+    /// [`squared`] over the stretch at `offset`, with the element operation of the
+    /// accumulator's kind.
+    fn squared_at(
+        &mut self,
+        (offset, x, from): (usize, Values, f64),
+        op_f32: impl Fn(&mut f32, f32) + Sync,
+        op_bf16: impl Fn(&mut u16, f32) + Sync,
+    ) -> f64 {
+        let at = offset..offset + x.len();
         match self {
-            Grads::F32(g) => squared(&mut g[offset..offset + x.len()], x, set_f32_to, square_f32, from),
-            Grads::Bf16(g) => squared(
-                &mut g[offset..offset + x.len()],
-                x,
-                set_bf16_to,
-                square_bf16,
-                from,
-            ),
+            Grads::F32(g) => squared(&mut g[at], x, op_f32, square_f32, from),
+            Grads::Bf16(g) => squared(&mut g[at], x, op_bf16, square_bf16, from),
         }
     }
 

@@ -21,7 +21,7 @@
 use super::error::EngineError;
 use super::grad_store::{Acc, Accumulate};
 use super::grads::Values;
-use super::staging::{in_place, Squares, Staging};
+use super::staging::{in_place, slot_view, Squares, Staging};
 use crate::comm::{Collective, ReduceOp};
 use crate::device::lanes::{Event, Lane};
 use crate::device::sim;
@@ -82,23 +82,16 @@ impl ChunkBuffers {
     }
 }
 
-/// The first `len` elements of the buffer in `slot`, which is made (or remade larger)
-/// with `kind` on `device` when it does not fit: buffers grow to the largest chunk in
-/// the first step, then stay.
-fn slot_view(
+/// The first `len` elements of a device buffer of `kind` in `slot` (`staging::slot_view`).
+fn device_view(
     slot: &mut Option<Tensor>,
     len: usize,
     kind: Kind,
     device: tch::Device,
 ) -> Result<Tensor, tch::TchError> {
-    let fits = |t: &Tensor| t.numel() >= len && t.kind() == kind && t.device() == device;
-    let buffer = match slot.take() {
-        Some(t) if fits(&t) => t,
-        _ => Tensor::f_empty([len as i64], (kind, device))?,
-    };
-    let view = buffer.f_narrow(0, 0, len as i64);
-    *slot = Some(buffer);
-    view
+    slot_view(slot, (len, kind, device), || {
+        Tensor::f_empty([len as i64], (kind, device))
+    })
 }
 
 /// `t`'s values in host memory, as a reduction adds them into an accumulator (`t` a CPU
@@ -287,7 +280,7 @@ impl<C: Collective> Chunks<'_, C> {
                 continue;
             }
             let wire = buffers.wire;
-            let bucket = slot_view(&mut buffers.bucket, pieces * k, wire, device).map_err(torch_err)?;
+            let bucket = device_view(&mut buffers.bucket, pieces * k, wire, device).map_err(torch_err)?;
             let copy_start = Instant::now();
             for p in 0..pieces {
                 // this chunk's stretch of piece p, within the real elements
@@ -311,7 +304,7 @@ impl<C: Collective> Chunks<'_, C> {
             let bytes = (wire.elt_size_in_bytes() * pieces * k) as u64;
             track.record(Phase::D2h, Some(unit), copy_start, bytes);
             let reduce_start = Instant::now();
-            let reduced = slot_view(&mut buffers.reduced, k, wire, device).map_err(torch_err)?;
+            let reduced = device_view(&mut buffers.reduced, k, wire, device).map_err(torch_err)?;
             comm.reduce_scatter_tensor(&bucket, &reduced, ReduceOp::Avg)?;
             track.record(Phase::Reduce, Some(unit), reduce_start, bytes);
             sim::charge(Work::OnDevice(bytes));

@@ -58,39 +58,35 @@ pub struct Squares {
     sum: f64,
     /// The element the next stretch must start at.
     next: usize,
-    lost: bool,
 }
 
 impl Squares {
     /// The sum over an accumulator of `len` elements, if every stretch up to its end was
     /// squared in order.
     pub fn over(&self, len: usize) -> Option<f64> {
-        (!self.lost && self.next == len).then_some(self.sum)
+        (self.next == len).then_some(self.sum)
     }
 }
 
-/// Adds `x` into `acc` at `start`, continuing `squares` where they are gathered (and the
-/// stretch follows on from the last on a block boundary; else they are lost).
+/// Adds `x` into `acc` at `start`, continuing `squares` where they are gathered; they are
+/// lost (None) where the stretch does not follow on from the last on a block boundary,
+/// or the accumulator does not square as it adds.
 fn add<A: Accumulate + ?Sized>(
     squares: &mut Option<Squares>,
     acc: &mut A,
     (start, x): (usize, Values),
     track: &Track,
 ) -> Result<(), EngineError> {
-    let Some(s) = squares.as_mut().filter(|s| !s.lost) else {
+    let Some(s) = squares.take() else {
         return acc.add(start, x, track);
     };
     if start != s.next || !start.is_multiple_of(NORM_BLOCK) {
-        s.lost = true;
         return acc.add(start, x, track);
     }
-    match acc.add_squared(start, x, s.sum, track)? {
-        Some(sum) => {
-            s.sum = sum;
-            s.next = start + x.len();
-        }
-        None => s.lost = true,
-    }
+    *squares = acc.add_squared(start, x, s.sum, track)?.map(|sum| Squares {
+        sum,
+        next: start + x.len(),
+    });
     Ok(())
 }
 
@@ -120,7 +116,7 @@ impl Staging {
         self.squares = Some(Squares::default());
     }
 
-    /// What [`Self::gather_squares`] gathered (None when not asked).
+    /// What [`Self::gather_squares`] gathered (None when not asked, or lost).
     pub fn take_squares(&mut self) -> Option<Squares> {
         self.squares.take()
     }
@@ -316,18 +312,29 @@ fn land_charged(stream: &sim::SimStream, stretch: Charged) {
     stream.run(Work::HostAdd(stretch.elements));
 }
 
-/// The first `len` elements of `kind` of the pinned buffer in `slot`, made (or remade
-/// larger) when it does not fit: buffers grow to the largest stretch, then stay.
+/// The first `len` elements of `kind` of the pinned buffer in `slot` ([`slot_view`]).
 fn pinned_view(slot: &mut Option<Tensor>, len: usize, kind: Kind) -> Result<Tensor, tch::TchError> {
-    let fits = |t: &Tensor| t.numel() >= len && t.kind() == kind;
-    if !slot.as_ref().is_some_and(fits) {
-        let bytes = torch::shim::pinned_bytes(len * kind.elt_size_in_bytes())?;
-        *slot = Some(bytes.f_view_dtype(kind)?);
-    }
-    match slot.as_ref() {
-        Some(buffer) => buffer.f_narrow(0, 0, len as i64),
-        None => unreachable!("made above"),
-    }
+    slot_view(slot, (len, kind, tch::Device::Cpu), || {
+        torch::shim::pinned_bytes(len * kind.elt_size_in_bytes())?.f_view_dtype(kind)
+    })
+}
+
+/// The first `len` elements of the buffer in `slot`, which `make` makes (or remakes
+/// larger) when it does not hold `len` elements of `kind` on `device`: buffers grow to
+/// the largest stretch in the first step, then stay.
+pub(super) fn slot_view(
+    slot: &mut Option<Tensor>,
+    (len, kind, device): (usize, Kind, tch::Device),
+    make: impl FnOnce() -> Result<Tensor, tch::TchError>,
+) -> Result<Tensor, tch::TchError> {
+    let fits = |t: &Tensor| t.numel() >= len && t.kind() == kind && t.device() == device;
+    let buffer = match slot.take() {
+        Some(t) if fits(&t) => t,
+        _ => make()?,
+    };
+    let view = buffer.f_narrow(0, 0, len as i64);
+    *slot = Some(buffer);
+    view
 }
 
 /// The values of `t`, a contiguous CPU tensor, read in place as a reduction adds them
@@ -378,16 +385,20 @@ mod tests {
                     .add_now(&mut acc, a, Values::F32(&x[a..b]), &track)
                     .unwrap();
             }
-            let squares = staging.take_squares().unwrap();
+            let squares = staging.take_squares();
             let Grads::F32(g) = &acc else { unreachable!() };
             assert_eq!(&g[..], &x[..], "stretches of {stretch}: the adds");
             let pass = acc.sum_squares(0..n);
             assert_eq!(
-                squares.over(n).map(f64::to_bits),
+                squares.and_then(|s| s.over(n)).map(f64::to_bits),
                 kept.then_some(pass.to_bits()),
                 "stretches of {stretch}"
             );
-            assert_eq!(squares.over(n - 1), None, "a sum short of the accumulator's end");
+            assert_eq!(
+                squares.and_then(|s| s.over(n - 1)),
+                None,
+                "a sum short of the accumulator's end"
+            );
         }
         // not asked: nothing gathered
         let mut staging = Staging::default();
