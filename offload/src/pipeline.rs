@@ -177,17 +177,19 @@ pub fn sets_for(buffer_count: usize, stored_gradients: bool) -> usize {
 }
 
 /// A pool big enough for `sets` sets of one chunk of each optimizer state, and of the
-/// gradient when `stored_gradients`.
+/// gradient when `stored_gradients`, registered with the store's engine ([`SwapStore::pool`]).
 pub fn buffer_pool_for(
     store: &SwapStore,
     sets: usize,
     stored_gradients: bool,
 ) -> Result<BufferPool, IoError> {
     let bytes = store.chunk_bytes(4);
-    BufferPool::new(per_set(stored_gradients) * sets.max(1), bytes).map_err(|e| IoError::Store {
-        path: store.dir().to_path_buf(),
-        message: e.to_string(),
-    })
+    store
+        .pool(per_set(stored_gradients) * sets.max(1), bytes)
+        .map_err(|e| IoError::Store {
+            path: store.dir().to_path_buf(),
+            message: e.to_string(),
+        })
 }
 
 type Reads = Vec<StoreRead>;

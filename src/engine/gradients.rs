@@ -145,9 +145,9 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
                 // one chunk (of the stored element) per reduction in flight: the compute
                 // thread waits for the lane's oldest before starting another (`accumulate`)
                 let elem = if bf16 { 2 } else { 4 };
-                let chunks =
-                    BufferPool::new(REDUCE_DEPTH, store.chunk_bytes(elem)).map_err(On(rank).alloc())?;
-                store.engine().register_pool(&chunks);
+                let chunks = store
+                    .pool(REDUCE_DEPTH, store.chunk_bytes(elem))
+                    .map_err(On(rank).alloc())?;
                 Some(NvmeGrads { store, chunks })
             }
             (None, true) => {

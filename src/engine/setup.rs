@@ -31,13 +31,11 @@ pub(super) fn homes<'a>(
 ) -> Result<(Option<NvmeTier<'a>>, Vec<Home<'a>>), EngineError> {
     let missing = |what| EngineError::Invariant { rank, what };
     let optimizer = match (nvme_optimizer(plan), stores.0) {
-        (true, Some(store)) => {
-            let pool = pipeline::buffer_pool_for(store, pipeline_sets(plan), nvme_gradients(plan))
-                .map_err(On(rank).io())?;
-            // the pipeline's transfers skip pinning their pages where the engine can
-            store.engine().register_pool(&pool);
-            Some(NvmeTier { store, pool })
-        }
+        (true, Some(store)) => Some(NvmeTier {
+            store,
+            pool: pipeline::buffer_pool_for(store, pipeline_sets(plan), nvme_gradients(plan))
+                .map_err(On(rank).io())?,
+        }),
         (true, None) => return Err(missing("optimizer on nvme without a swap store")),
         (false, _) => None,
     };

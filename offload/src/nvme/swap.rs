@@ -187,11 +187,9 @@ impl SwapStore {
     /// one of the store's buffers registered with its engine (transfers skip pinning
     /// their pages), while one is free; else a plain one.
     pub fn scratch(&self, bytes: usize) -> Result<crate::pool::IoBuf, crate::host::AllocError> {
-        let pool = self.scratch.get_or_init(|| {
-            let pool = crate::pool::BufferPool::new(SCRATCH_BUFFERS, self.chunk_bytes(4)).ok()?;
-            self.engine.register_pool(&pool);
-            Some(pool)
-        });
+        let pool = self
+            .scratch
+            .get_or_init(|| self.pool(SCRATCH_BUFFERS, self.chunk_bytes(4)).ok());
         match pool
             .as_ref()
             .filter(|p| p.buffer_bytes() >= bytes)
@@ -200,6 +198,19 @@ impl SwapStore {
             Some(buf) => Ok(buf),
             None => crate::pool::IoBuf::new(bytes),
         }
+    }
+
+    /// `count` buffers of `bytes` for this store's transfers, registered with its engine:
+    /// transfers through them skip pinning their pages where the engine can (it keeps the
+    /// pool until it is dropped).
+    pub fn pool(
+        &self,
+        count: usize,
+        bytes: usize,
+    ) -> Result<crate::pool::BufferPool, crate::host::AllocError> {
+        let pool = crate::pool::BufferPool::new(count, bytes)?;
+        self.engine.register_pool(&pool);
+        Ok(pool)
     }
 
     pub fn dir(&self) -> &Path {
