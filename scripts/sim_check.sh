@@ -8,7 +8,8 @@
 #   scripts/sim_check.sh [STEPS]          (default 6; the first 2 are warm-up)
 #
 # REUSE=1 keeps the real runs already in $WORK (runs/sim_check) and only measures the
-# profile and simulates again.
+# profile and simulates again; with PROFILE=FILE as well it simulates on that profile
+# (one this script measured before) without measuring.
 #
 # Runs: the default config (llama-tiny, 2 ranks, optimizer on NVMe); a ~130M Llama
 # (hidden 768, 12 layers, vocab 32000) with parameters and optimizer on NVMe over 2
@@ -38,14 +39,17 @@ l1b=(--config configs/llama-1b-1gpu-nvme.json "${common[@]}" --set "train.steps=
      --set "zero_optimization.offload_param.nvme_path=$work/nvme-1b"
      --set "zero_optimization.offload_optimizer.nvme_path=$work/nvme-1b")
 
-"$bin" bench profile --config configs/default.json "${tiny[@]:2}" --dir "$work/nvme-profile" \
-  --out "$work/profile.json" --name this-machine >/dev/null
-# the other two runs' shapes, appended to the same profile
-for run in m130 l1b; do
-  declare -n args=$run
-  "$bin" bench profile "${args[@]}" --dir "$work/nvme-profile" --out "$work/profile-$run.json" --name this-machine >/dev/null
-done
-python3 - "$work" <<'PY'
+if [ -n "${PROFILE:-}" ]; then
+  [ "$PROFILE" -ef "$work/profile.json" ] || cp "$PROFILE" "$work/profile.json"
+else
+  "$bin" bench profile --config configs/default.json "${tiny[@]:2}" --dir "$work/nvme-profile" \
+    --out "$work/profile.json" --name this-machine >/dev/null
+  # the other two runs' shapes, appended to the same profile
+  for run in m130 l1b; do
+    declare -n args=$run
+    "$bin" bench profile "${args[@]}" --dir "$work/nvme-profile" --out "$work/profile-$run.json" --name this-machine >/dev/null
+  done
+  python3 - "$work" <<'PY'
 import json, sys
 work = sys.argv[1]
 p = json.load(open(f"{work}/profile.json"))
@@ -59,6 +63,7 @@ for run in ("m130", "l1b"):
 p["nvme"]["by_file_size"] = [rows[k] for k in sorted(rows)]
 json.dump(p, open(f"{work}/profile.json", "w"), indent=1)
 PY
+fi
 
 compare() { # $1: name; the rest: config arguments
   local name=$1; shift

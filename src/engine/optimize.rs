@@ -18,6 +18,7 @@ use crate::comm::Collective;
 use crate::device::sim::{self, SimStream};
 use crate::metrics::timeline::{Phase, Track};
 use crate::plan::simulate::costs::Work;
+use crate::plan::simulate::disk;
 use crate::plan::Precision;
 use std::time::Instant;
 use tch::{Kind, Tensor};
@@ -209,19 +210,19 @@ impl pipeline::Observer for Legs<'_> {
     }
 }
 
-/// One NVMe pipeline run in virtual time (`offload/src/pipeline.rs`): sub-group i's read
-/// waits for a free buffer set (the write of sub-group i − sets) and, without
-/// `pipeline_read`, for update i − 1; its update for its read and, without
-/// `pipeline_write`, for write i − 1; its write for its update; reads, updates and
-/// writes each one after another. The pipeline reports each kind of leg in sub-group
-/// order, each after what it waited for, so the i-th of a kind is sub-group i's.
+/// One NVMe pipeline run in virtual time (`offload/src/pipeline.rs`): each sub-group's
+/// read, update and write priced as the pipeline reports them (each kind of leg in
+/// sub-group order, so the i-th of a kind is sub-group i's), and timed when the run is
+/// done by `disk::schedule`, which the replay uses too: a read waits for a free buffer
+/// set and, without `pipeline_read`, for the update before it; an update for its read;
+/// a write for its update; the reads and writes one at a time on the disk.
 pub(super) struct LegClock {
     stream: SimStream,
     start: f64,
     config: PipelineConfig,
-    reads: Vec<f64>,
-    updates: Vec<f64>,
-    writes: Vec<f64>,
+    reads: Vec<Work>,
+    updates: Vec<Work>,
+    writes: Vec<Work>,
 }
 
 impl LegClock {
@@ -237,46 +238,34 @@ impl LegClock {
     }
 
     fn leg(&mut self, leg: pipeline::Leg, bytes: u64) {
-        let sets = self.config.sets.max(1);
-        // the end of the leg `back` sub-groups before i (none: the pipeline's start)
-        let at = |v: &[f64], i: usize, back: usize| {
-            i.checked_sub(back)
-                .and_then(|j| v.get(j).copied())
-                .unwrap_or(f64::NEG_INFINITY)
+        match leg {
+            pipeline::Leg::Read => self.reads.push(Work::NvmeRead(bytes)),
+            pipeline::Leg::Update => self.updates.push(Work::Adam(bytes / 16)),
+            pipeline::Leg::Write => self.writes.push(Work::NvmeWrite(bytes)),
+            pipeline::Leg::ReadWait | pipeline::Leg::WriteWait => {}
+        }
+    }
+
+    /// Times the run's legs on the stream, once the pipeline has reported them all.
+    fn finish(self) {
+        let legs: Vec<_> = (self.reads.iter().zip(&self.updates).zip(&self.writes))
+            .map(|((&read, &update), &write)| disk::Legs {
+                read: self.stream.seconds(read),
+                update: self.stream.seconds(update),
+                write: self.stream.seconds(write),
+            })
+            .collect();
+        let how = disk::Pipelining {
+            sets: self.config.sets,
+            read: self.config.pipeline_read,
+            write: self.config.pipeline_write,
         };
-        let (work, ready, ends) = match leg {
-            pipeline::Leg::Read => {
-                let i = self.reads.len();
-                let mut ready = at(&self.writes, i, sets).max(at(&self.reads, i, 1));
-                if !self.config.pipeline_read {
-                    // the reader waits for the updater's word, given after its writes
-                    // when it waits for them
-                    ready = ready.max(at(&self.updates, i, 1));
-                    if !self.config.pipeline_write {
-                        ready = ready.max(at(&self.writes, i, 1));
-                    }
-                }
-                (Work::NvmeRead(bytes), ready, &mut self.reads)
-            }
-            pipeline::Leg::Update => {
-                let i = self.updates.len();
-                let mut ready = at(&self.reads, i, 0).max(at(&self.updates, i, 1));
-                if !self.config.pipeline_write {
-                    ready = ready.max(at(&self.writes, i, 1));
-                }
-                (Work::Adam(bytes / 16), ready, &mut self.updates)
-            }
-            pipeline::Leg::Write => {
-                let i = self.writes.len();
-                let ready = at(&self.updates, i, 0).max(at(&self.writes, i, 1));
-                (Work::NvmeWrite(bytes), ready, &mut self.writes)
-            }
-            pipeline::Leg::ReadWait | pipeline::Leg::WriteWait => return,
-        };
-        let start = ready.max(self.start);
-        let end = start + self.stream.seconds(work);
-        ends.push(end);
-        self.stream.overlapped(work, start, end);
+        let timed = disk::schedule(self.start, &legs, how);
+        for (i, t) in timed.iter().enumerate() {
+            self.stream.overlapped(self.reads[i], t.read.0, t.read.1);
+            self.stream.overlapped(self.updates[i], t.update.0, t.update.1);
+            self.stream.overlapped(self.writes[i], t.write.0, t.write.1);
+        }
     }
 }
 
@@ -474,6 +463,9 @@ impl OptimizerContext {
                     &legs,
                 )
                 .map_err(self.on.io())?;
+                if let Some(clock) = legs.simulated {
+                    clock.into_inner().unwrap_or_else(|e| e.into_inner()).finish();
+                }
             }
             (Moments::Lent, _) => return Err(invariant("an optimizer job was given state already lent")),
         }

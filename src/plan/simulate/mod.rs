@@ -11,6 +11,7 @@
 
 pub mod clock;
 pub mod costs;
+pub mod disk;
 pub mod flops;
 pub mod profile;
 mod step;

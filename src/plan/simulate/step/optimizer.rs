@@ -4,6 +4,7 @@
 
 use super::super::clock::Track;
 use super::super::costs::Work as Cost;
+use super::super::disk::{schedule, Legs, Pipelining};
 use super::{round_4k, Replay};
 use crate::plan::rules;
 use crate::plan::Tier;
@@ -47,59 +48,42 @@ impl Replay<'_> {
                     );
                 }
                 Tier::Nvme => {
-                    // the pipeline's sub-groups (`engine/optimize.rs`, `LegClock`): a read
-                    // waits for a free buffer set and, without pipeline_read, for the last
-                    // update (and its writes without pipeline_write); an update for its read
-                    // and, without pipeline_write, the last write; a write for its update
-                    let (sets, start) = (
-                        rules::pipeline_sets(self.plan).max(1),
-                        self.clocks.now(Track::Optimizer),
-                    );
-                    let at = |v: &[f64], i: usize, back: usize| {
-                        i.checked_sub(back)
-                            .and_then(|j| v.get(j).copied())
-                            .unwrap_or(start)
-                    };
-                    let (mut reads, mut updates, mut writes) = (Vec::new(), Vec::new(), Vec::new());
-                    for i in 0..len.div_ceil(swap_chunk) as usize {
-                        let elements = swap_chunk.min(len - i as u64 * swap_chunk);
+                    // the pipeline's sub-groups on one disk (`disk::schedule`, as the
+                    // simulated device's `LegClock` times them)
+                    let mut legs = Vec::new();
+                    let mut bytes = Vec::new();
+                    for i in 0..len.div_ceil(swap_chunk) {
+                        let elements = swap_chunk.min(len - i * swap_chunk);
                         // what the disk moves: each state's chunk (and the stored
                         // gradient's) padded to the O_DIRECT alignment, as the store does
                         let states = 3 * round_4k(elements * 4);
-                        let read_bytes = states
+                        let read = states
                             + if stored {
                                 round_4k(elements * accumulator)
                             } else {
                                 0
                             };
-                        let mut ready = at(&writes, i, sets).max(at(&reads, i, 1));
-                        if !opt.pipeline_read {
-                            ready = ready.max(at(&updates, i, 1));
-                            if !opt.pipeline_write {
-                                ready = ready.max(at(&writes, i, 1));
-                            }
+                        legs.push(Legs {
+                            read: self.costs.seconds(Cost::NvmeRead(read)),
+                            update: self.costs.seconds(Cost::Adam(elements)),
+                            write: self.costs.seconds(Cost::NvmeWrite(states)),
+                        });
+                        bytes.push((read, 16 * elements, states));
+                    }
+                    let how = Pipelining {
+                        sets: rules::pipeline_sets(self.plan),
+                        read: opt.pipeline_read,
+                        write: opt.pipeline_write,
+                    };
+                    let start = self.clocks.now(Track::Optimizer);
+                    for (t, (read, update, write)) in schedule(start, &legs, how).into_iter().zip(bytes) {
+                        for (what, span, bytes) in [
+                            ("nvme_read", t.read, read),
+                            ("optimizer", t.update, update),
+                            ("nvme_write", t.write, write),
+                        ] {
+                            self.clocks.place(Track::Optimizer, (what, Some(u)), span, bytes);
                         }
-                        let end = ready + self.costs.seconds(Cost::NvmeRead(read_bytes));
-                        self.clocks
-                            .place(Track::Optimizer, ("nvme_read", Some(u)), (ready, end), read_bytes);
-                        reads.push(end);
-                        let mut ready = end.max(at(&updates, i, 1));
-                        if !opt.pipeline_write {
-                            ready = ready.max(at(&writes, i, 1));
-                        }
-                        let end = ready + self.costs.seconds(Cost::Adam(elements));
-                        self.clocks.place(
-                            Track::Optimizer,
-                            ("optimizer", Some(u)),
-                            (ready, end),
-                            16 * elements,
-                        );
-                        updates.push(end);
-                        let ready = end.max(at(&writes, i, 1));
-                        let end = ready + self.costs.seconds(Cost::NvmeWrite(states));
-                        self.clocks
-                            .place(Track::Optimizer, ("nvme_write", Some(u)), (ready, end), states);
-                        writes.push(end);
                     }
                 }
             }
