@@ -255,12 +255,7 @@ impl LegClock {
                 write: self.stream.seconds(write),
             })
             .collect();
-        let how = disk::Pipelining {
-            sets: self.config.sets,
-            read: self.config.pipeline_read,
-            write: self.config.pipeline_write,
-        };
-        let timed = disk::schedule(self.start, &legs, how);
+        let timed = disk::schedule(self.start, &legs, self.config);
         for (i, t) in timed.iter().enumerate() {
             self.stream.overlapped(self.reads[i], t.read.0, t.read.1);
             self.stream.overlapped(self.updates[i], t.update.0, t.update.1);

@@ -12,21 +12,14 @@
 //! per cent (`fio` on this VM's disk, 1 MiB at depth 32: read alone 1.49 GB/s, write
 //! alone 4.05; together 1.46 and 0.59, 1.12 of the disk's time in all).
 
+use tierzero_offload::pipeline::PipelineConfig;
+
 /// The seconds of one sub-group's legs on the profiled machine.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Legs {
     pub read: f64,
     pub update: f64,
     pub write: f64,
-}
-
-/// How the pipeline is run: buffer sets in flight, and whether the reader and the writer
-/// run ahead of the updater.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Pipelining {
-    pub sets: usize,
-    pub read: bool,
-    pub write: bool,
 }
 
 /// When one sub-group's legs ran: (start, end) of its read, update and write.
@@ -37,27 +30,39 @@ pub struct Timed {
     pub write: (f64, f64),
 }
 
+/// The end of leg `i − back` of a kind whose first `done` legs are timed (`start` before
+/// the first sub-group; None while that leg is not timed yet).
+fn ended(
+    timed: &[Timed],
+    done: usize,
+    i: usize,
+    back: usize,
+    leg: fn(&Timed) -> (f64, f64),
+    start: f64,
+) -> Option<f64> {
+    match i.checked_sub(back) {
+        None => Some(start),
+        Some(j) => (j < done).then(|| leg(&timed[j]).1),
+    }
+}
+
 /// Times every sub-group's legs from `start`, one disk serving the reads and writes.
-pub fn schedule(start: f64, legs: &[Legs], how: Pipelining) -> Vec<Timed> {
+pub fn schedule(start: f64, legs: &[Legs], how: PipelineConfig) -> Vec<Timed> {
     let n = legs.len();
     let sets = how.sets.max(1);
     let mut timed = vec![Timed::default(); n];
     let (mut reads, mut updates, mut writes) = (0, 0, 0);
     let mut disk = start;
-    // the end of leg `i − back` of a kind already timed (`start` before the first)
-    let end = |done: usize, i: usize, back: usize, of: &dyn Fn(usize) -> f64| match i.checked_sub(back) {
-        Some(j) if j < done => Some(of(j)),
-        Some(_) => None,
-        None => Some(start),
-    };
     while writes < n {
         // every update whose legs are in: it runs on the CPU, beside the disk
         while updates < reads {
             let i = updates;
             let mut ready = timed[i].read.1;
-            ready = ready.max(end(updates, i, 1, &|j| timed[j].update.1).unwrap_or(start));
-            if !how.write {
-                match end(writes, i, 1, &|j| timed[j].write.1) {
+            if let Some(j) = i.checked_sub(1) {
+                ready = ready.max(timed[j].update.1);
+            }
+            if !how.pipeline_write {
+                match ended(&timed, writes, i, 1, |t| t.write, start) {
                     Some(w) => ready = ready.max(w),
                     None => break,
                 }
@@ -68,11 +73,11 @@ pub fn schedule(start: f64, legs: &[Legs], how: Pipelining) -> Vec<Timed> {
         let read_ready = (reads < n)
             .then(|| {
                 let i = reads;
-                let mut ready = end(writes, i, sets, &|j| timed[j].write.1)?;
-                if !how.read {
-                    ready = ready.max(end(updates, i, 1, &|j| timed[j].update.1)?);
-                    if !how.write {
-                        ready = ready.max(end(writes, i, 1, &|j| timed[j].write.1)?);
+                let mut ready = ended(&timed, writes, i, sets, |t| t.write, start)?;
+                if !how.pipeline_read {
+                    ready = ready.max(ended(&timed, updates, i, 1, |t| t.update, start)?);
+                    if !how.pipeline_write {
+                        ready = ready.max(ended(&timed, writes, i, 1, |t| t.write, start)?);
                     }
                 }
                 Some(ready)
@@ -119,25 +124,25 @@ mod tests {
     #[test]
     fn one_disk_serves_the_reads_and_writes_one_at_a_time() {
         for how in [
-            Pipelining {
+            PipelineConfig {
                 sets: 1,
-                read: false,
-                write: false,
+                pipeline_read: false,
+                pipeline_write: false,
             },
-            Pipelining {
+            PipelineConfig {
                 sets: 2,
-                read: true,
-                write: true,
+                pipeline_read: true,
+                pipeline_write: true,
             },
-            Pipelining {
+            PipelineConfig {
                 sets: 4,
-                read: true,
-                write: false,
+                pipeline_read: true,
+                pipeline_write: false,
             },
-            Pipelining {
+            PipelineConfig {
                 sets: 3,
-                read: false,
-                write: true,
+                pipeline_read: false,
+                pipeline_write: true,
             },
         ] {
             let t = schedule(10.0, &[LEG; 6], how);
@@ -168,10 +173,10 @@ mod tests {
 
     #[test]
     fn without_pipelining_each_sub_group_runs_read_update_write_in_turn() {
-        let how = Pipelining {
+        let how = PipelineConfig {
             sets: 1,
-            read: false,
-            write: false,
+            pipeline_read: false,
+            pipeline_write: false,
         };
         let t = schedule(0.0, &[LEG; 3], how);
         let expect = |i: f64| Timed {
@@ -184,10 +189,10 @@ mod tests {
 
     #[test]
     fn pipelined_reads_run_ahead_and_updates_hide_behind_the_disk() {
-        let how = Pipelining {
+        let how = PipelineConfig {
             sets: 2,
-            read: true,
-            write: true,
+            pipeline_read: true,
+            pipeline_write: true,
         };
         let t = schedule(0.0, &[LEG; 4], how);
         // read 0, read 1 (a second set), then write 0 (read 2 waits for its set), then

@@ -4,10 +4,11 @@
 
 use super::super::clock::Track;
 use super::super::costs::Work as Cost;
-use super::super::disk::{schedule, Legs, Pipelining};
+use super::super::disk::{schedule, Legs};
 use super::{round_4k, Replay};
 use crate::plan::rules;
 use crate::plan::Tier;
+use tierzero_offload::pipeline::PipelineConfig;
 
 impl Replay<'_> {
     /// The optimizer thread: every unit in forward order, from the end of the step.
@@ -70,10 +71,10 @@ impl Replay<'_> {
                         });
                         bytes.push((read, 16 * elements, states));
                     }
-                    let how = Pipelining {
+                    let how = PipelineConfig {
                         sets: rules::pipeline_sets(self.plan),
-                        read: opt.pipeline_read,
-                        write: opt.pipeline_write,
+                        pipeline_read: opt.pipeline_read,
+                        pipeline_write: opt.pipeline_write,
                     };
                     let start = self.clocks.now(Track::Optimizer);
                     for (t, (read, update, write)) in schedule(start, &legs, how).into_iter().zip(bytes) {
