@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The simulated step against real CPU runs: measures this machine's profile at the
-# shapes of three runs (`tierzero bench profile`), runs each for real, and prints the
-# prediction (`plan --simulate`) beside the measurement: step time and each phase's
-# busy time (medians of the steps after the warm-up); each run also times itself on the
-# profile's clocks (`train --simulate`, the simulated device running the engine).
+# The simulated step against real CPU runs: for each of three runs, measures this
+# machine's profile at the run's shapes (`tierzero bench profile`, right before the run),
+# runs it for real, and prints the prediction (`plan --simulate`) beside the
+# measurement: step time and each phase's busy time (medians of the steps after the
+# warm-up); each run also times itself on the profile's clocks (`train --simulate`, the
+# simulated device running the engine).
 #
 #   scripts/sim_check.sh [STEPS]          (default 6; the first 2 are warm-up)
 #
-# REUSE=1 keeps the real runs already in $WORK (runs/sim_check) and only measures the
-# profile and simulates again; with PROFILE=FILE as well it simulates on that profile
-# (one this script measured before) without measuring.
+# REUSE=1 keeps the real runs already in $WORK (runs/sim_check), measures the profiles
+# again and simulates again; PROFILE=FILE prices every run on that profile instead of
+# measuring (with REUSE=1: a model change priced on the same runs and rates).
 #
 # Runs: the default config (llama-tiny, 2 ranks, optimizer on NVMe); a ~130M Llama
 # (hidden 768, 12 layers, vocab 32000) with parameters and optimizer on NVMe over 2
@@ -39,39 +40,28 @@ l1b=(--config configs/llama-1b-1gpu-nvme.json "${common[@]}" --set "train.steps=
      --set "zero_optimization.offload_param.nvme_path=$work/nvme-1b"
      --set "zero_optimization.offload_optimizer.nvme_path=$work/nvme-1b")
 
-if [ -n "${PROFILE:-}" ]; then
-  [ "$PROFILE" -ef "$work/profile.json" ] || cp "$PROFILE" "$work/profile.json"
-else
-  "$bin" bench profile --config configs/default.json "${tiny[@]:2}" --dir "$work/nvme-profile" \
-    --out "$work/profile.json" --name this-machine >/dev/null
-  # the other two runs' shapes, appended to the same profile
-  for run in m130 l1b; do
-    declare -n args=$run
-    "$bin" bench profile "${args[@]}" --dir "$work/nvme-profile" --out "$work/profile-$run.json" --name this-machine >/dev/null
-  done
-  python3 - "$work" <<'PY'
-import json, sys
-work = sys.argv[1]
-p = json.load(open(f"{work}/profile.json"))
-# the disk over each run's swap files: every profile's rows by file size
-rows = {r["file_bytes"]: r for r in p["nvme"].get("by_file_size", [])}
-rows.setdefault(2 << 30, {"file_bytes": 2 << 30, "read_gb_s": p["nvme"]["read_gb_s"], "write_gb_s": p["nvme"]["write_gb_s"]})
-for run in ("m130", "l1b"):
-    other = json.load(open(f"{work}/profile-{run}.json"))
-    p["compute"]["rates"] += other["compute"]["rates"]
-    rows.update({r["file_bytes"]: r for r in other["nvme"].get("by_file_size", [])})
-p["nvme"]["by_file_size"] = [rows[k] for k in sorted(rows)]
-json.dump(p, open(f"{work}/profile.json", "w"), indent=1)
-PY
-fi
+# each run's profile is measured right before the run (its shapes, and the disk over a
+# file the size of its swap files): this machine's disk and cores drift by 2× within the
+# hour, and a profile measured an hour before prices another machine
+profile_for() { # $1: name; the rest: config arguments. Prints the profile's path.
+  local name=$1; shift
+  if [ -n "${PROFILE:-}" ]; then
+    echo "$PROFILE"
+    return
+  fi
+  "$bin" bench profile "$@" --dir "$work/nvme-profile" --out "$work/profile-$name.json" --name this-machine >/dev/null
+  echo "$work/profile-$name.json"
+}
 
 compare() { # $1: name; the rest: config arguments
   local name=$1; shift
-  "$bin" plan "$@" --set "train.output_dir=$work/out-$name" --simulate "$work/profile.json" --json > "$work/sim-$name.json"
+  local profile
+  profile=$(profile_for "$name" "$@")
+  "$bin" plan "$@" --set "train.output_dir=$work/out-$name" --simulate "$profile" --json > "$work/sim-$name.json"
   if [ -z "${REUSE:-}" ] || [ ! -s "$work/out-$name/metrics.jsonl" ]; then
     rm -rf "$work/out-$name"
     # the run also times itself on the profile's clocks (the simulated device)
-    "$bin" train "$@" --no-save --simulate "$work/profile.json" --set "train.output_dir=$work/out-$name" > "$work/train-$name.log" 2>&1
+    "$bin" train "$@" --no-save --simulate "$profile" --set "train.output_dir=$work/out-$name" > "$work/train-$name.log" 2>&1
   fi
   python3 - "$work" "$name" <<'PY'
 import json, sys
