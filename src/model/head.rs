@@ -231,40 +231,58 @@ pub fn backward(
     backward_in(h, weight, targets, scale, None, matmul)
 }
 
-/// A slice's dW over the chunks: added chunk by chunk into fp32 (fp32 products), or one
+/// A slice's dW over the chunks: added chunk by chunk in fp32 (fp32 products), or one
 /// product over every token's dlogits, accumulated in fp32 inside it and rounded once
 /// into the weight's kind ([`Matmul::Low`]).
 enum SliceGrad {
-    Fp32(Option<Tensor>),
+    /// The fp32 sum of the chunks' products. Into `out`, the slice of dW itself, where
+    /// dW is fp32 (the first product written into it, the rest added there: no sum of its
+    /// own to allocate and copy, which for a whole vocabulary is the size of the
+    /// weight); else into a tensor of its own, rounded once into dW's kind.
+    Fp32 {
+        out: Option<Tensor>,
+        sum: Option<Tensor>,
+    },
     Low(Vec<Tensor>),
 }
 
 impl SliceGrad {
-    fn new(matmul: Matmul) -> SliceGrad {
-        match matmul {
-            Matmul::Fp32 => SliceGrad::Fp32(None),
+    /// The gradient of dW's rows `start..start + len`.
+    fn new(matmul: Matmul, dw: &Tensor, (start, len): (i64, i64)) -> Result<SliceGrad, TchError> {
+        Ok(match matmul {
+            Matmul::Fp32 => SliceGrad::Fp32 {
+                out: (dw.kind() == Kind::Float)
+                    .then(|| dw.f_narrow(0, start, len))
+                    .transpose()?,
+                sum: None,
+            },
             Matmul::Low => SliceGrad::Low(Vec::new()),
-        }
+        })
     }
 
     /// One chunk's dlogits `d` (in the products' kind) against its hidden states `h`.
     fn add(&mut self, d: &Tensor, h: &Tensor) -> Result<(), TchError> {
         match self {
-            SliceGrad::Fp32(None) => *self = SliceGrad::Fp32(Some(d.f_tr()?.f_matmul(h)?)),
-            SliceGrad::Fp32(Some(dws)) => {
-                let _ = dws.f_addmm_(&d.f_tr()?, h)?;
+            SliceGrad::Fp32 { sum: Some(sum), .. } => {
+                let _ = sum.f_addmm_(&d.f_tr()?, h)?;
             }
+            // the same product as `matmul`'s, written where it is kept
+            SliceGrad::Fp32 { out: Some(out), sum } => {
+                let _ = d.f_tr()?.f_mm_out(out, h)?;
+                *sum = Some(out.shallow_clone());
+            }
+            SliceGrad::Fp32 { out: None, sum } => *sum = Some(d.f_tr()?.f_matmul(h)?),
             SliceGrad::Low(ds) => ds.push(d.shallow_clone()),
         }
         Ok(())
     }
 
-    /// Writes the slice's gradient into `dw` (rows `start..start + len`); `hf` holds every
-    /// chunk's hidden states in order.
+    /// Writes the slice's gradient into `dw` (rows `start..start + len`) where it is not
+    /// there already; `hf` holds every chunk's hidden states in order.
     fn write(self, dw: &Tensor, (start, len): (i64, i64), hf: &Tensor) -> Result<(), TchError> {
         let dws = match self {
-            SliceGrad::Fp32(None) => return Ok(()),
-            SliceGrad::Fp32(Some(dws)) => dws,
+            SliceGrad::Fp32 { out: Some(_), .. } | SliceGrad::Fp32 { sum: None, .. } => return Ok(()),
+            SliceGrad::Fp32 { sum: Some(dws), .. } => dws,
             SliceGrad::Low(ds) if ds.is_empty() => return Ok(()),
             SliceGrad::Low(ds) => Tensor::f_cat(&ds, 0)?.f_tr()?.f_matmul(hf)?,
         };
@@ -291,14 +309,19 @@ fn backward_in(
         Weight::PerToken(f) => f,
     };
     let dh = Tensor::f_zeros(hf.size(), (Kind::Float, hf.device()))?;
-    let dw = Tensor::f_zeros_like(weight)?;
+    // with a token, every slice's rows are written (from its first chunk's product)
+    let dw = if n > 0 {
+        Tensor::f_empty_like(weight)?
+    } else {
+        Tensor::f_zeros_like(weight)?
+    };
     let mut total = Total(None);
     if slices.one() {
         // the whole vocabulary at once: one pass, chunk by chunk, each chunk's logits
         // used for its loss and its gradients
         let whole = (0, slices.vocab);
         let w = slices.get(whole)?;
-        let mut dws = SliceGrad::new(matmul);
+        let mut dws = SliceGrad::new(matmul, &dw, whole)?;
         for range in ranges(n, HEAD_CHUNK) {
             let chunk = Chunk::new(&hf, &tg, range)?;
             let (loss, lse, logits) = chunk.normalise(&slices)?;
@@ -327,7 +350,7 @@ fn backward_in(
     // pass 2: per slice, its dW accumulated over the chunks, written once
     for slice in slices.ranges() {
         let ws = slices.get(slice)?;
-        let mut dws = SliceGrad::new(matmul);
+        let mut dws = SliceGrad::new(matmul, &dw, slice)?;
         for ((start, len), chunk, lse) in &chunks {
             let logits = slices.logits(&chunk.h, &ws)?;
             let d = chunk
@@ -452,5 +475,39 @@ mod tests {
             .double_value(&[]);
         let size = wr16.grad().abs().max().double_value(&[]);
         assert!(diff <= size / 256.0, "bf16 dW: max diff {diff} of {size}");
+    }
+
+    /// An fp32 dW summed in place (the slice of dW itself) has the bits of the sum kept
+    /// apart and copied in, as it was before the head wrote into dW: the first product
+    /// by `mm_out` is `matmul`'s, the rest are the same in-place adds.
+    #[test]
+    fn an_fp32_slice_summed_in_place_has_the_bits_of_its_own_sum() {
+        tch::manual_seed(3);
+        let (tokens, hidden, rows) = (300, 24, 40);
+        let d = Tensor::randn([tokens, rows], (Kind::Float, tch::Device::Cpu));
+        let h = Tensor::randn([tokens, hidden], (Kind::Float, tch::Device::Cpu));
+        let (in_place, apart) = (
+            Tensor::zeros([rows + 8, hidden], (Kind::Float, tch::Device::Cpu)),
+            Tensor::zeros([rows + 8, hidden], (Kind::Float, tch::Device::Cpu)),
+        );
+        let slice = (8, rows);
+        let mut a = SliceGrad::new(Matmul::Fp32, &in_place, slice).unwrap();
+        let mut b = SliceGrad::Fp32 { out: None, sum: None };
+        for (start, len) in ranges(tokens, 128) {
+            let (dc, hc) = (d.narrow(0, start, len), h.narrow(0, start, len));
+            a.add(&dc, &hc).unwrap();
+            b.add(&dc, &hc).unwrap();
+        }
+        a.write(&in_place, slice, &h).unwrap();
+        b.write(&apart, slice, &h).unwrap();
+        assert!(in_place.equal(&apart));
+        assert!(
+            in_place
+                .narrow(0, 8, rows)
+                .abs()
+                .sum(Kind::Float)
+                .double_value(&[])
+                > 0.0
+        );
     }
 }
