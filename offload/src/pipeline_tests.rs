@@ -195,6 +195,54 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
     }
 }
 
+/// The h2d lane's fetch with two chunks in flight reads the bytes the one-chunk reference
+/// reads (a ragged last chunk, one chunk, a tensor of many), and a corrupted chunk is its
+/// error once the read behind it is in.
+#[test]
+fn reads_two_chunks_ahead_equal_reads_one_at_a_time() {
+    let dir = test_dir();
+    for engine in engines(dir.path(), None) {
+        let sizes = [5 * 4096 + 100, 4096, 12 * 4096];
+        let store = store_with(engine.clone(), dir.path(), &sizes, 4096);
+        let mut scratch = [IoBuf::new(16384).unwrap(), IoBuf::new(16384).unwrap()];
+        for (unit, &n) in sizes.iter().enumerate() {
+            let key = TensorKey {
+                unit: unit as u32,
+                rank: 0,
+                state: State::Master,
+            };
+            let data = values(n, 11 + unit as u32, 1.0);
+            let [a, b] = scratch;
+            let a = store.write_tensor(key, as_bytes(&data), a).unwrap();
+            let (mut one, mut ahead) = (vec![0f32; n], vec![0f32; n]);
+            let a = store.read_tensor(key, as_bytes_mut(&mut one), a).unwrap();
+            scratch = store
+                .read_tensor_ahead(key, as_bytes_mut(&mut ahead), [a, b])
+                .unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&ahead), bits(&one), "{} unit {unit}", engine.name());
+            assert_eq!(bits(&ahead), bits(&data));
+        }
+        // chunk 3 of the last tensor flipped behind the store's back
+        let key = TensorKey {
+            unit: 2,
+            rank: 0,
+            state: State::Master,
+        };
+        let (path, offset) = store.placement(key).unwrap();
+        let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.seek(SeekFrom::Start(offset + 3 * 16384 + 9)).unwrap();
+        f.write_all(&[0x5A]).unwrap();
+        f.sync_all().unwrap();
+        let mut out = vec![0f32; sizes[2]];
+        let e = store
+            .read_tensor_ahead(key, as_bytes_mut(&mut out), scratch)
+            .err()
+            .unwrap();
+        assert!(matches!(e, IoError::Checksum { .. }), "{e}");
+    }
+}
+
 #[test]
 fn corruption_and_truncation_are_detected_with_file_and_offset() {
     let dir = test_dir();

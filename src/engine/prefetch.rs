@@ -61,7 +61,8 @@ pub struct GatherBuffers {
 /// pinned buffers a shard read from NVMe goes through on its way to the device.
 #[derive(Default)]
 struct Scratch {
-    io: Option<IoBuf>,
+    /// The NVMe reads' two bounce buffers (two chunks in flight).
+    io: Option<[IoBuf; 2]>,
     pinned: [Pinned; 2],
     next: usize,
 }
@@ -566,23 +567,27 @@ fn charge_staging(bytes: u64, from_nvme: bool) {
 }
 
 /// Reads rank `rank`'s stored parameters of `unit` (`elem`-byte elements) into `out`
-/// through `scratch` (the bounce buffer, made when None), which comes back for the next.
+/// through `scratch` (the two bounce buffers, made when None), which come back for the
+/// next.
 fn read_param_bytes(
     store: &SwapStore,
     (rank, unit, elem): (usize, usize, usize),
     out: &mut [u8],
-    scratch: Option<IoBuf>,
-) -> Result<IoBuf, EngineError> {
+    scratch: Option<[IoBuf; 2]>,
+) -> Result<[IoBuf; 2], EngineError> {
     let key = TensorKey {
         unit: unit as u32,
         rank: rank as u32,
         state: State::Param,
     };
     let scratch = match scratch {
-        Some(buf) => buf,
-        None => store.scratch(store.chunk_bytes(elem)).map_err(On(rank).alloc())?,
+        Some(bufs) => bufs,
+        None => {
+            let buffer = || store.scratch(store.chunk_bytes(elem)).map_err(On(rank).alloc());
+            [buffer()?, buffer()?]
+        }
     };
-    store.read_tensor(key, out, scratch).map_err(On(rank).io())
+    store.read_tensor_ahead(key, out, scratch).map_err(On(rank).io())
 }
 
 /// Reads rank `rank`'s stored parameters of `unit` (`len` elements) from the NVMe

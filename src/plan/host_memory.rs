@@ -110,7 +110,8 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     }
     if param_tiers.contains(&Tier::Nvme) {
         // the optimizer lane's staging partition, its bounce buffer and the h2d lane's
-        rank.buffers += elem * max_opt + 2 * aligned(elem * swap_chunk);
+        // two (two chunks of a fetch in flight)
+        rank.buffers += elem * max_opt + 3 * aligned(elem * swap_chunk);
     }
     // the gradient reduction's host buffers (`reduce.rs`; its device buckets are in the
     // device row's temporaries)

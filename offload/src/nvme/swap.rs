@@ -123,9 +123,9 @@ pub struct SwapStore {
     _marker: File,
 }
 
-/// Buffers of [`SwapStore::scratch`]: a parameter store's reads (the h2d lane) and writes
-/// (the optimizer's updates) each hold one for the run.
-const SCRATCH_BUFFERS: usize = 2;
+/// Buffers of [`SwapStore::scratch`]: a parameter store's reads (the h2d lane, two chunks
+/// in flight) hold two for the run and its writes (the optimizer's updates) one.
+const SCRATCH_BUFFERS: usize = 3;
 
 impl SwapStore {
     /// Creates `<nvme_path>/<name>/` and preallocates room for every tensor.
@@ -359,6 +359,64 @@ impl SwapStore {
             out[start..start + valid].copy_from_slice(&buf.as_bytes()[..valid]);
         }
         Ok(buf)
+    }
+
+    /// Reads a whole tensor into `out` as [`Self::read_tensor`] does, two chunks in
+    /// flight: the next chunk is on the disk while this one's checksum is verified and its
+    /// bytes copied out (the h2d lane's parameter fetches; one chunk at a time left the
+    /// disk idle for every copy). The same bytes as `read_tensor`; on an error the reads
+    /// in flight are waited for before it is returned.
+    pub fn read_tensor_ahead(
+        &self,
+        key: TensorKey,
+        out: &mut [u8],
+        scratch: [IoBuf; 2],
+    ) -> Result<[IoBuf; 2], IoError> {
+        let (chunks, elem_bytes) = (self.chunks(key)?, self.extent(key)?.elem_bytes);
+        let mut free = Vec::from(scratch);
+        let mut in_flight = std::collections::VecDeque::with_capacity(2);
+        let (mut next, mut failed) = (0, None);
+        loop {
+            while failed.is_none() && next < chunks {
+                let Some(buf) = free.pop() else { break };
+                let read = self
+                    .locate(key, next)
+                    .map_err(|e| (e, None))
+                    .and_then(|(_, _, _, valid)| {
+                        let read = self
+                            .read_async(key, next, buf)
+                            .map_err(|(e, buf)| (e, Some(buf)))?;
+                        Ok((next * self.chunk_elems * elem_bytes, valid, read))
+                    });
+                match read {
+                    Ok(read) => in_flight.push_back(read),
+                    Err((e, buf)) => {
+                        free.extend(buf);
+                        failed = Some(e);
+                    }
+                }
+                next += 1;
+            }
+            let Some((start, valid, read)) = in_flight.pop_front() else {
+                break;
+            };
+            match read.wait() {
+                Ok(buf) => {
+                    if failed.is_none() {
+                        out[start..start + valid].copy_from_slice(&buf.as_bytes()[..valid]);
+                    }
+                    free.push(buf);
+                }
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        <[IoBuf; 2]>::try_from(free)
+            .map_err(|_| io_at(&self.dir, "a scratch buffer was lost without an error"))
     }
 
     /// Bytes the store's files occupy.
