@@ -243,6 +243,39 @@ fn reads_two_chunks_ahead_equal_reads_one_at_a_time() {
     }
 }
 
+/// Writes two chunks ahead leave the bytes and checksums of writes one at a time: each
+/// tensor written by one is read back by the other's reference, and rewritten by the
+/// other.
+#[test]
+fn writes_two_chunks_ahead_equal_writes_one_at_a_time() {
+    let dir = test_dir();
+    for engine in engines(dir.path(), None) {
+        let sizes = [5 * 4096 + 100, 4096, 12 * 4096];
+        let store = store_with(engine.clone(), dir.path(), &sizes, 4096);
+        let mut scratch = [IoBuf::new(16384).unwrap(), IoBuf::new(16384).unwrap()];
+        let mut one = IoBuf::new(16384).unwrap();
+        for (unit, &n) in sizes.iter().enumerate() {
+            let key = TensorKey {
+                unit: unit as u32,
+                rank: 0,
+                state: State::ExpAvgSq,
+            };
+            let (first, second) = (values(n, 21 + unit as u32, 1.0), values(n, 31 + unit as u32, 2.0));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let mut back = vec![0f32; n];
+            scratch = store.write_tensor_ahead(key, as_bytes(&first), scratch).unwrap();
+            one = store.read_tensor(key, as_bytes_mut(&mut back), one).unwrap();
+            assert_eq!(bits(&back), bits(&first), "{} unit {unit}", engine.name());
+            one = store.write_tensor(key, as_bytes(&second), one).unwrap();
+            scratch = store.write_tensor_ahead(key, as_bytes(&first), scratch).unwrap();
+            scratch = store
+                .read_tensor_ahead(key, as_bytes_mut(&mut back), scratch)
+                .unwrap();
+            assert_eq!(bits(&back), bits(&first), "{} unit {unit}", engine.name());
+        }
+    }
+}
+
 #[test]
 fn corruption_and_truncation_are_detected_with_file_and_offset() {
     let dir = test_dir();

@@ -331,12 +331,16 @@ impl OptimizerContext {
         let mut slot = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         let mut staging = match slot.take() {
             Some(staging) => staging,
-            None => ParamStaging {
-                values: LowParams::zeros(0, &self.precision),
-                scratch: store
-                    .scratch(store.chunk_bytes(self.precision.bytes()))
-                    .map_err(self.on.alloc())?,
-            },
+            None => {
+                let buffer = || store.scratch(store.chunk_bytes(self.precision.bytes()));
+                ParamStaging {
+                    values: LowParams::zeros(0, &self.precision),
+                    scratch: [
+                        buffer().map_err(self.on.alloc())?,
+                        buffer().map_err(self.on.alloc())?,
+                    ],
+                }
+            }
         };
         staging.values.resize(grad.len());
         let moments = self.update(unit, moments, (grad, None), Fresh::Host(&mut staging.values))?;
@@ -348,7 +352,7 @@ impl OptimizerContext {
         let bytes = staging.values.as_bytes();
         let start = Instant::now();
         staging.scratch = store
-            .write_tensor(key, bytes, staging.scratch)
+            .write_tensor_ahead(key, bytes, staging.scratch)
             .map_err(self.on.io())?;
         sim::charge(Work::NvmeWrite(bytes.len() as u64));
         self.tracks.nvme_write.record_between(

@@ -186,10 +186,10 @@ impl<'a> Optimizer<'a> {
                 Ok(())
             }
             Moments::Nvme(tier) => {
-                let (store, mut scratch) = (tier.store, tier.pool.lease());
+                let (store, mut scratch) = (tier.store, [tier.pool.lease(), tier.pool.lease()]);
                 for (key, data) in initial {
                     scratch = store
-                        .write_tensor(key, pod_bytes(data), scratch)
+                        .write_tensor_ahead(key, pod_bytes(data), scratch)
                         .map_err(self.on.io())?;
                 }
                 Ok(())
@@ -411,11 +411,12 @@ impl<'a> Optimizer<'a> {
 }
 
 /// The optimizer lane's buffers for parameters on NVMe: the new partition (sized to the
-/// largest unit once, resized within its capacity) and the bounce buffer of its write.
-/// Kept by the engine between steps, so the step allocates nothing for them.
+/// largest unit once, resized within its capacity) and the two bounce buffers of its
+/// write (two chunks in flight). Kept by the engine between steps, so the step allocates
+/// nothing for them.
 pub(super) struct ParamStaging {
     pub(super) values: LowParams,
-    pub(super) scratch: IoBuf,
+    pub(super) scratch: [IoBuf; 2],
 }
 
 pub(super) type SharedStaging = Arc<std::sync::Mutex<Option<ParamStaging>>>;

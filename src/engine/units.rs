@@ -109,9 +109,9 @@ impl<'a> Units<'a> {
         let u = self.units.len();
         let params = match home {
             Home::Nvme(store) => {
-                let scratch = IoBuf::new(store.chunk_bytes(initial.elem_bytes())).map_err(self.on.alloc())?;
+                let buffer = || IoBuf::new(store.chunk_bytes(initial.elem_bytes())).map_err(self.on.alloc());
                 store
-                    .write_tensor(self.key(u), initial.as_bytes(), scratch)
+                    .write_tensor_ahead(self.key(u), initial.as_bytes(), [buffer()?, buffer()?])
                     .map_err(self.on.io())?;
                 Params::Nvme(store)
             }

@@ -109,9 +109,9 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         rank.gradients += REDUCE_DEPTH as u64 * aligned(grad_elem * swap_chunk);
     }
     if param_tiers.contains(&Tier::Nvme) {
-        // the optimizer lane's staging partition, its bounce buffer and the h2d lane's
-        // two (two chunks of a fetch in flight)
-        rank.buffers += elem * max_opt + 3 * aligned(elem * swap_chunk);
+        // the optimizer lane's staging partition, and two bounce buffers each for its
+        // writes and the h2d lane's reads (two chunks in flight)
+        rank.buffers += elem * max_opt + 4 * aligned(elem * swap_chunk);
     }
     // the gradient reduction's host buffers (`reduce.rs`; its device buckets are in the
     // device row's temporaries)

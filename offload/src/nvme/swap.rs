@@ -123,9 +123,9 @@ pub struct SwapStore {
     _marker: File,
 }
 
-/// Buffers of [`SwapStore::scratch`]: a parameter store's reads (the h2d lane, two chunks
-/// in flight) hold two for the run and its writes (the optimizer's updates) one.
-const SCRATCH_BUFFERS: usize = 3;
+/// Buffers of [`SwapStore::scratch`]: a parameter store's reads (the h2d lane) and its
+/// writes (the optimizer's updates) hold two each for the run (two chunks in flight).
+const SCRATCH_BUFFERS: usize = 4;
 
 impl SwapStore {
     /// Creates `<nvme_path>/<name>/` and preallocates room for every tensor.
@@ -332,21 +332,79 @@ impl SwapStore {
         })
     }
 
-    /// Writes a whole tensor from `data` (initialisation, checkpoint restore).
+    /// Writes a whole tensor from `data` (initialisation, checkpoint restore), one chunk
+    /// at a time: the reference of [`Self::write_tensor_ahead`].
     pub fn write_tensor(&self, key: TensorKey, data: &[u8], scratch: IoBuf) -> Result<IoBuf, IoError> {
         let mut buf = scratch;
         for chunk in 0..self.chunks(key)? {
-            let (_, _, padded, valid) = self.locate(key, chunk)?;
-            let start = chunk * self.chunk_elems * self.extent(key)?.elem_bytes;
-            let bytes = buf.as_bytes_mut();
-            if bytes.len() < padded {
-                return Err(io_at(&self.dir, "scratch buffer smaller than one chunk"));
-            }
-            bytes[..valid].copy_from_slice(&data[start..start + valid]);
-            bytes[valid..padded].fill(0);
+            self.fill_chunk(key, chunk, data, &mut buf)?;
             buf = self.write_async(key, chunk, buf).map_err(|(e, _)| e)?.wait()?;
         }
         Ok(buf)
+    }
+
+    /// Writes a whole tensor as [`Self::write_tensor`] does, two chunks in flight: the
+    /// next chunk is copied into its buffer while the one before is on its way to the disk
+    /// (the optimizer's parameter writes, initialisation). The same bytes and checksums;
+    /// on an error the writes in flight are waited for before it is returned.
+    pub fn write_tensor_ahead(
+        &self,
+        key: TensorKey,
+        data: &[u8],
+        scratch: [IoBuf; 2],
+    ) -> Result<[IoBuf; 2], IoError> {
+        let chunks = self.chunks(key)?;
+        let mut free = Vec::from(scratch);
+        let mut in_flight = std::collections::VecDeque::with_capacity(2);
+        let mut failed = None;
+        for chunk in 0..chunks {
+            let buf = match free.pop() {
+                Some(buf) => Ok(buf),
+                // both are out: the older write's buffer, once it is on the disk
+                None => match in_flight.pop_front() {
+                    Some(write) => StoreWrite::wait(write),
+                    None => Err(io_at(&self.dir, "no scratch buffer for a write")),
+                },
+            };
+            let written = buf.and_then(|mut buf| {
+                self.fill_chunk(key, chunk, data, &mut buf)?;
+                self.write_async(key, chunk, buf).map_err(|(e, _)| e)
+            });
+            match written {
+                Ok(write) => in_flight.push_back(write),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        for write in in_flight {
+            match write.wait() {
+                Ok(buf) => free.push(buf),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        <[IoBuf; 2]>::try_from(free)
+            .map_err(|_| io_at(&self.dir, "a scratch buffer was lost without an error"))
+    }
+
+    /// Chunk `chunk` of `data` (the whole tensor `key`'s bytes) into `buf`, its padding
+    /// up to the alignment zeroed.
+    fn fill_chunk(&self, key: TensorKey, chunk: usize, data: &[u8], buf: &mut IoBuf) -> Result<(), IoError> {
+        let (_, _, padded, valid) = self.locate(key, chunk)?;
+        let start = chunk * self.chunk_elems * self.extent(key)?.elem_bytes;
+        let bytes = buf.as_bytes_mut();
+        if bytes.len() < padded {
+            return Err(io_at(&self.dir, "scratch buffer smaller than one chunk"));
+        }
+        bytes[..valid].copy_from_slice(&data[start..start + valid]);
+        bytes[valid..padded].fill(0);
+        Ok(())
     }
 
     /// Reads a whole tensor into `out` (checkpoint save, tests).

@@ -302,14 +302,14 @@ fn a_stores_scratch_buffers_are_registered_while_they_last() {
     let store = SwapStore::create(dir.path(), "params", engine, &specs, 4096).unwrap();
     let bytes = store.chunk_bytes(2);
     let (a, b) = (store.scratch(bytes).unwrap(), store.scratch(bytes).unwrap());
-    let spare = store.scratch(bytes).unwrap();
+    let spare = [store.scratch(bytes).unwrap(), store.scratch(bytes).unwrap()];
     let c = store.scratch(bytes).unwrap();
     assert!(a.registered_index().is_some() && b.registered_index().is_some());
     assert!(
-        spare.registered_index().is_some(),
-        "three: the h2d lane's two, the writes' one"
+        spare.iter().all(|s| s.registered_index().is_some()),
+        "four: two each for the h2d lane's reads and the writes"
     );
-    assert!(c.registered_index().is_none(), "a fourth is a plain buffer");
+    assert!(c.registered_index().is_none(), "a fifth is a plain buffer");
     let values: Vec<u8> = (0..20_000).map(|i| (i % 251) as u8).collect();
     let a = store.write_tensor(key, &values, a).unwrap();
     let mut back = vec![0u8; 20_000];
