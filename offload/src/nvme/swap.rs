@@ -386,6 +386,12 @@ impl SwapStore {
                 }
             }
         }
+        self.both_back(free, failed)
+    }
+
+    /// The two scratch buffers of a transfer two chunks ahead once every chunk is in, or
+    /// its first error.
+    fn both_back(&self, free: Vec<IoBuf>, failed: Option<IoError>) -> Result<[IoBuf; 2], IoError> {
         if let Some(e) = failed {
             return Err(e);
         }
@@ -470,11 +476,7 @@ impl SwapStore {
                 }
             }
         }
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        <[IoBuf; 2]>::try_from(free)
-            .map_err(|_| io_at(&self.dir, "a scratch buffer was lost without an error"))
+        self.both_back(free, failed)
     }
 
     /// Bytes the store's files occupy.
