@@ -402,8 +402,7 @@ impl SwapStore {
     /// Chunk `chunk` of `data` (the whole tensor `key`'s bytes) into `buf`, its padding
     /// up to the alignment zeroed.
     fn fill_chunk(&self, key: TensorKey, chunk: usize, data: &[u8], buf: &mut IoBuf) -> Result<(), IoError> {
-        let (_, _, padded, valid) = self.locate(key, chunk)?;
-        let start = chunk * self.chunk_elems * self.extent(key)?.elem_bytes;
+        let (start, valid, padded) = self.span(key, chunk)?;
         let bytes = buf.as_bytes_mut();
         if bytes.len() < padded {
             return Err(io_at(&self.dir, "scratch buffer smaller than one chunk"));
@@ -413,12 +412,19 @@ impl SwapStore {
         Ok(())
     }
 
-    /// Reads a whole tensor into `out` (checkpoint save, tests).
+    /// Where chunk `chunk` of `key` lies in the whole tensor's bytes: its first byte, its
+    /// valid length, and its length padded to the alignment as the file holds it.
+    fn span(&self, key: TensorKey, chunk: usize) -> Result<(usize, usize, usize), IoError> {
+        let (extent, _, padded, valid) = self.locate(key, chunk)?;
+        Ok((chunk * self.chunk_elems * extent.elem_bytes, valid, padded))
+    }
+
+    /// Reads a whole tensor into `out` (checkpoint save, tests), one chunk at a time: the
+    /// reference of [`Self::read_tensor_ahead`].
     pub fn read_tensor(&self, key: TensorKey, out: &mut [u8], scratch: IoBuf) -> Result<IoBuf, IoError> {
         let mut buf = scratch;
         for chunk in 0..self.chunks(key)? {
-            let (_, _, _, valid) = self.locate(key, chunk)?;
-            let start = chunk * self.chunk_elems * self.extent(key)?.elem_bytes;
+            let (start, valid, _) = self.span(key, chunk)?;
             buf = self.read_async(key, chunk, buf).map_err(|(e, _)| e)?.wait()?;
             out[start..start + valid].copy_from_slice(&buf.as_bytes()[..valid]);
         }
@@ -436,32 +442,27 @@ impl SwapStore {
         out: &mut [u8],
         scratch: [IoBuf; 2],
     ) -> Result<[IoBuf; 2], IoError> {
-        let (chunks, elem_bytes) = (self.chunks(key)?, self.extent(key)?.elem_bytes);
+        let chunks = self.chunks(key)?;
         let mut free = Vec::from(scratch);
         let mut in_flight = std::collections::VecDeque::with_capacity(2);
         let (mut next, mut failed) = (0, None);
         loop {
             while failed.is_none() && next < chunks {
                 let Some(buf) = free.pop() else { break };
-                let read = self
-                    .locate(key, next)
-                    .map_err(|e| (e, None))
-                    .and_then(|(_, _, _, valid)| {
-                        let read = self
-                            .read_async(key, next, buf)
-                            .map_err(|(e, buf)| (e, Some(buf)))?;
-                        Ok((next * self.chunk_elems * elem_bytes, valid, read))
-                    });
+                let read = match self.span(key, next) {
+                    Ok(span) => self.read_async(key, next, buf).map(|read| (span, read)),
+                    Err(e) => Err((e, buf)),
+                };
                 match read {
                     Ok(read) => in_flight.push_back(read),
                     Err((e, buf)) => {
-                        free.extend(buf);
+                        free.push(buf);
                         failed = Some(e);
                     }
                 }
                 next += 1;
             }
-            let Some((start, valid, read)) = in_flight.pop_front() else {
+            let Some(((start, valid, _), read)) = in_flight.pop_front() else {
                 break;
             };
             match read.wait() {
