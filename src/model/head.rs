@@ -235,14 +235,15 @@ pub fn backward(
 /// product over every token's dlogits, accumulated in fp32 inside it and rounded once
 /// into the weight's kind ([`Matmul::Low`]).
 enum SliceGrad {
-    /// The fp32 sum of the chunks' products. Into `out`, the slice of dW itself, where
-    /// dW is fp32 (the first product written into it, the rest added there: no sum of its
-    /// own to allocate and copy, which for a whole vocabulary is the size of the
-    /// weight); else into a tensor of its own, rounded once into dW's kind.
-    Fp32 {
-        out: Option<Tensor>,
-        sum: Option<Tensor>,
+    /// fp32 products summed in the slice of an fp32 dW itself: the first written into it
+    /// (`started` after), the rest added there, with no sum of its own to allocate and
+    /// copy, which for a whole vocabulary is the size of the weight.
+    InPlace {
+        out: Tensor,
+        started: bool,
     },
+    /// fp32 products summed apart, rounded once into a 16-bit dW.
+    Fp32(Option<Tensor>),
     Low(Vec<Tensor>),
 }
 
@@ -250,12 +251,11 @@ impl SliceGrad {
     /// The gradient of dW's rows `start..start + len`.
     fn new(matmul: Matmul, dw: &Tensor, (start, len): (i64, i64)) -> Result<SliceGrad, TchError> {
         Ok(match matmul {
-            Matmul::Fp32 => SliceGrad::Fp32 {
-                out: (dw.kind() == Kind::Float)
-                    .then(|| dw.f_narrow(0, start, len))
-                    .transpose()?,
-                sum: None,
+            Matmul::Fp32 if dw.kind() == Kind::Float => SliceGrad::InPlace {
+                out: dw.f_narrow(0, start, len)?,
+                started: false,
             },
+            Matmul::Fp32 => SliceGrad::Fp32(None),
             Matmul::Low => SliceGrad::Low(Vec::new()),
         })
     }
@@ -263,15 +263,15 @@ impl SliceGrad {
     /// One chunk's dlogits `d` (in the products' kind) against its hidden states `h`.
     fn add(&mut self, d: &Tensor, h: &Tensor) -> Result<(), TchError> {
         match self {
-            SliceGrad::Fp32 { sum: Some(sum), .. } => {
-                let _ = sum.f_addmm_(&d.f_tr()?, h)?;
-            }
             // the same product as `matmul`'s, written where it is kept
-            SliceGrad::Fp32 { out: Some(out), sum } => {
+            SliceGrad::InPlace { out, started } if !*started => {
                 let _ = d.f_tr()?.f_mm_out(out, h)?;
-                *sum = Some(out.shallow_clone());
+                *started = true;
             }
-            SliceGrad::Fp32 { out: None, sum } => *sum = Some(d.f_tr()?.f_matmul(h)?),
+            SliceGrad::InPlace { out, .. } | SliceGrad::Fp32(Some(out)) => {
+                let _ = out.f_addmm_(&d.f_tr()?, h)?;
+            }
+            SliceGrad::Fp32(None) => *self = SliceGrad::Fp32(Some(d.f_tr()?.f_matmul(h)?)),
             SliceGrad::Low(ds) => ds.push(d.shallow_clone()),
         }
         Ok(())
@@ -281,8 +281,8 @@ impl SliceGrad {
     /// there already; `hf` holds every chunk's hidden states in order.
     fn write(self, dw: &Tensor, (start, len): (i64, i64), hf: &Tensor) -> Result<(), TchError> {
         let dws = match self {
-            SliceGrad::Fp32 { out: Some(_), .. } | SliceGrad::Fp32 { sum: None, .. } => return Ok(()),
-            SliceGrad::Fp32 { sum: Some(dws), .. } => dws,
+            SliceGrad::InPlace { .. } | SliceGrad::Fp32(None) => return Ok(()),
+            SliceGrad::Fp32(Some(dws)) => dws,
             SliceGrad::Low(ds) if ds.is_empty() => return Ok(()),
             SliceGrad::Low(ds) => Tensor::f_cat(&ds, 0)?.f_tr()?.f_matmul(hf)?,
         };
@@ -492,7 +492,7 @@ mod tests {
         );
         let slice = (8, rows);
         let mut a = SliceGrad::new(Matmul::Fp32, &in_place, slice).unwrap();
-        let mut b = SliceGrad::Fp32 { out: None, sum: None };
+        let mut b = SliceGrad::Fp32(None);
         for (start, len) in ranges(tokens, 128) {
             let (dc, hc) = (d.narrow(0, start, len), h.narrow(0, start, len));
             a.add(&dc, &hc).unwrap();
