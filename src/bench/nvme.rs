@@ -200,6 +200,23 @@ fn as_a_run_uses_it(
     })
 }
 
+/// One ring (or one pool of threads) of `depth` requests of `block` bytes.
+fn engine_config(block: usize, depth: usize) -> EngineConfig {
+    EngineConfig {
+        block_size: block,
+        queue_depth: depth,
+        parallelism: 1,
+        ..EngineConfig::default()
+    }
+}
+
+/// The buffers io_uring is driven with: operations of at least 8 MiB, enough to keep
+/// `depth` blocks in flight plus one being refilled.
+fn uring_pool(block: usize, depth: usize) -> anyhow::Result<BufferPool> {
+    let op_bytes = block.max(OPERATION_BYTES);
+    Ok(BufferPool::new((depth * block).div_ceil(op_bytes) + 1, op_bytes)?)
+}
+
 /// The synchronous baseline: one O_DIRECT pread/pwrite at a time from a locked buffer.
 fn sync_pass(path: &Path, size: u64, block: usize, write: bool) -> anyhow::Result<f64> {
     let file = BlockFile::open(path, false, true)?;
@@ -279,17 +296,10 @@ fn run_on(args: &NvmeBenchArgs, path: &Path, size: u64, uring_ok: bool) -> anyho
     sync_pass(path, size, largest_block(args), true)?;
     for &block in &args.block_sizes {
         for &depth in &args.queue_depths {
-            let config = EngineConfig {
-                block_size: block,
-                queue_depth: depth,
-                parallelism: 1,
-                ..EngineConfig::default()
-            };
-            // pread: depth operations of one block each; uring: operations of at least
-            // 8 MiB, enough to keep depth blocks in flight plus one being refilled
+            let config = engine_config(block, depth);
+            // pread: depth operations of one block each; uring: `uring_pool`'s
             let pread_pool = BufferPool::new(depth, block)?;
-            let op_bytes = block.max(OPERATION_BYTES);
-            let uring_pool = BufferPool::new((depth * block).div_ceil(op_bytes) + 1, op_bytes)?;
+            let uring_pool = uring_pool(block, depth)?;
             locked &= pread_pool.is_locked() && uring_pool.is_locked();
             let mut engines: Vec<(String, Box<dyn BlockIo>, &BufferPool)> =
                 vec![("pread".into(), Box::new(Pread::new(config, true)?), &pread_pool)];
@@ -337,14 +347,8 @@ fn run_on(args: &NvmeBenchArgs, path: &Path, size: u64, uring_ok: bool) -> anyho
     // the file as a run's swap files are, with the engine the swap store uses
     let block = largest_block(args);
     let depth = args.queue_depths.iter().copied().max().unwrap_or(32);
-    let config = EngineConfig {
-        block_size: block,
-        queue_depth: depth,
-        parallelism: 1,
-        ..EngineConfig::default()
-    };
-    let op_bytes = block.max(OPERATION_BYTES);
-    let pool = BufferPool::new((depth * block).div_ceil(op_bytes) + 1, op_bytes)?;
+    let config = engine_config(block, depth);
+    let pool = uring_pool(block, depth)?;
     let engine: Box<dyn BlockIo> = if uring_ok {
         Box::new(Uring::new(config, true, Some(&pool))?)
     } else {
