@@ -61,7 +61,9 @@ impl Span {
 /// 32 MiB on its own and unmaps it on free, so each of libtorch's per-unit gradient and
 /// activation tensors came back as fresh pages, zeroed by the kernel on first touch: at
 /// `llama-1b` scale most of the process's CPU time was kernel time), the heap's top is
-/// not trimmed, and every thread allocates from the one main arena. The steps' working
+/// trimmed only past 2 GiB free (`mallopt` takes an `int`; −1, never, costs more kernel
+/// time on a VM than the faults it saves: README, "Host memory and kernel time"), and
+/// every thread allocates from the one main arena. The steps' working
 /// set then stays mapped and is reused step after step. One arena, because glibc serves
 /// a block larger than a secondary arena's 64 MiB heap from its own `mmap` whatever
 /// `M_MMAP_MAX` says, and any thread that has ever allocated holds a secondary arena
