@@ -157,13 +157,14 @@ fn print_memory(plan: &plan::Plan, result: &run::TrainResult, summary: &Summary)
     }
     let host = &result.host.steps;
     println!(
-        "host: peak resident {:.2} GB in the steps, plan predicted {:.2} GB ({:+.1}%; {:.2} GB at start-up), kernel time {:.0}% of {:.1} CPU-seconds",
+        "host: peak resident {:.2} GB in the steps, plan predicted {:.2} GB ({:+.1}%; {:.2} GB at start-up), kernel time {:.0}% of {:.1} CPU-seconds, {} minor page faults",
         host.peak_rss as f64 / 1e9,
         summary.host_bytes_predicted.total as f64 / 1e9,
         100.0 * (host.peak_rss as f64 / summary.host_bytes_predicted.total.max(1) as f64 - 1.0),
         result.host.startup_peak_rss as f64 / 1e9,
         100.0 * host.kernel_fraction,
-        host.user_s + host.system_s
+        host.user_s + host.system_s,
+        host.minor_faults
     );
 }
 

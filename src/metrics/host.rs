@@ -1,6 +1,6 @@
 //! What the process takes from the host, measured by the kernel rather than predicted:
 //! resident set (now and its peak, `/proc/self/status`), CPU time in user and kernel
-//! mode (`getrusage`). The peak can be reset (`/proc/self/clear_refs`), so the peak of
+//! mode and minor page faults (`getrusage`). The peak can be reset (`/proc/self/clear_refs`), so the peak of
 //! the training steps is told apart from that of start-up.
 
 use serde::Serialize;
@@ -16,18 +16,22 @@ pub struct Usage {
     pub user_s: f64,
     /// CPU seconds in kernel mode, all threads.
     pub system_s: f64,
+    /// Minor page faults so far, all threads: pages the kernel mapped (and zeroed) on
+    /// first touch.
+    pub minor_faults: u64,
 }
 
 impl Usage {
     /// Reads the process's usage now; zeros where the kernel does not say (not Linux).
     pub fn now() -> Usage {
         let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-        let (user_s, system_s) = cpu_seconds();
+        let (user_s, system_s, minor_faults) = cpu_and_faults();
         Usage {
             rss: status_kib(&status, "VmRSS:") * 1024,
             peak_rss: status_kib(&status, "VmHWM:") * 1024,
             user_s,
             system_s,
+            minor_faults,
         }
     }
 }
@@ -41,17 +45,21 @@ pub struct Span {
     /// Kernel time as a fraction of the process's CPU time over the span.
     pub kernel_fraction: f64,
     pub peak_rss: u64,
+    /// Minor page faults over the span: memory the kernel mapped (and zeroed) afresh.
+    pub minor_faults: u64,
 }
 
 impl Span {
     pub fn between(start: Usage, end: Usage) -> Span {
         let user_s = end.user_s - start.user_s;
         let system_s = end.system_s - start.system_s;
+        let minor_faults = end.minor_faults.saturating_sub(start.minor_faults);
         Span {
             user_s,
             system_s,
             kernel_fraction: system_s / (user_s + system_s).max(1e-9),
             peak_rss: end.peak_rss,
+            minor_faults,
         }
     }
 }
@@ -97,17 +105,19 @@ fn status_kib(status: &str, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn cpu_seconds() -> (f64, f64) {
+/// User and kernel CPU seconds and minor page faults of the process so far.
+fn cpu_and_faults() -> (f64, f64, u64) {
     let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
     // SAFETY: getrusage writes a whole rusage into the pointer it is given.
     let ok = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } == 0;
     if !ok {
-        return (0.0, 0.0);
+        return (0.0, 0.0, 0);
     }
     // SAFETY: initialised by the successful call above.
     let usage = unsafe { usage.assume_init() };
     let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    (seconds(usage.ru_utime), seconds(usage.ru_stime))
+    let faults = u64::try_from(usage.ru_minflt).unwrap_or(0);
+    (seconds(usage.ru_utime), seconds(usage.ru_stime), faults)
 }
 
 /// A process's host usage over a run: the peak resident set of its start-up, and the CPU
@@ -139,5 +149,33 @@ mod tests {
             "{before:?} {during:?}"
         );
         assert!(during.user_s + during.system_s >= before.user_s + before.system_s);
+    }
+
+    #[test]
+    fn a_fresh_mapping_is_faulted_in_on_first_touch() {
+        const BYTES: usize = 64 << 20;
+        let before = Usage::now();
+        // SAFETY: a private anonymous mapping of BYTES, written within its bounds and
+        // unmapped after the last write.
+        unsafe {
+            let at = libc::mmap(
+                std::ptr::null_mut(),
+                BYTES,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            assert_ne!(at, libc::MAP_FAILED);
+            let bytes = at.cast::<u8>();
+            for page in (0..BYTES).step_by(4096) {
+                bytes.add(page).write_volatile(1);
+            }
+            libc::munmap(at, BYTES);
+        }
+        let span = Span::between(before, Usage::now());
+        // one fault a 4 KiB page, or a 2 MiB one where transparent huge pages are on;
+        // other tests' threads only add to the count
+        assert!(span.minor_faults >= (BYTES >> 21) as u64, "{span:?}");
     }
 }
