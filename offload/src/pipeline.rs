@@ -17,8 +17,10 @@
 //! (its docs: at least one per state, Adam's four being parameter, gradient, momentum and
 //! variance): [`sets_for`] turns it into sets. `pipeline_read: false` makes the reader wait for each update before
 //! reading the next sub-group; `pipeline_write: false` makes the updater wait for its
-//! writes. Results are bit-identical to the same AdamW on in-memory state: the kernel is
-//! elementwise and sees exactly the same inputs.
+//! writes. Without either the stages would only take turns, so they run in turn on the
+//! calling thread instead (`serial`: the same legs, no thread started). Results are
+//! bit-identical to the same AdamW on in-memory state: the kernel is elementwise and sees
+//! exactly the same inputs.
 
 use crate::adam::{self, Coefficients, GradSlice, LowPrecisionOut, Sweep};
 use crate::nvme::swap::{State, StoreRead, StoreWrite, SwapStore, TensorKey};
@@ -254,6 +256,158 @@ fn wait_all_writes(writes: Writes<'_>) -> Result<(), IoError> {
     first.map_or(Ok(()), Err)
 }
 
+/// What the stages share: the report, the first error, the observer.
+type Shared<'r> = (&'r Mutex<PipelineReport>, &'r FirstError, &'r dyn Observer);
+
+/// The updater's work on one sub-group whose reads are in (`buffers`: master, exp_avg,
+/// exp_avg_sq, then a stored gradient's): AdamW, then its three state writes submitted.
+/// Returns when they were submitted and the writes, or None once an error is recorded.
+fn update_and_submit<'s>(
+    store: &'s SwapStore,
+    coefficients: &Coefficients,
+    (group, (state_bytes, grad_bytes)): (SubGroup<'_>, (u64, u64)),
+    (buffers, read_wait): (Vec<IoBuf>, Duration),
+    (report, error, observer): Shared<'_>,
+) -> Option<(Instant, Writes<'s>)> {
+    let t = Instant::now();
+    let n = group.grad.len();
+    let (keys, chunk) = (State::OPTIMIZER.map(|state| group.key(state)), group.chunk);
+    let mut buffers = buffers.into_iter();
+    let (Some(mut master), Some(mut exp_avg), Some(mut exp_avg_sq)) =
+        (buffers.next(), buffers.next(), buffers.next())
+    else {
+        return None;
+    };
+    // a stored gradient's buffer goes back to the pool after the update
+    let stored = buffers.next();
+    let grad = match (group.grad, &stored) {
+        (GradIn::Host(g), _) => g,
+        (GradIn::Stored { bf16: true, .. }, Some(b)) => GradSlice::Bf16(b.typed::<u16>(n)),
+        (GradIn::Stored { bf16: false, .. }, Some(b)) => GradSlice::F32(b.typed::<f32>(n)),
+        (GradIn::Stored { .. }, None) => {
+            error.set(IoError::Store {
+                path: store.dir().to_path_buf(),
+                message: format!("unit {} chunk {chunk}: its gradient was not read", group.unit),
+            });
+            return None;
+        }
+    };
+    let sweep = Sweep {
+        master: master.typed_mut::<f32>(n),
+        exp_avg: exp_avg.typed_mut::<f32>(n),
+        exp_avg_sq: exp_avg_sq.typed_mut::<f32>(n),
+        grad,
+        low: group.low,
+    };
+    let found = match adam::step(coefficients, sweep) {
+        Ok(r) => r.found_non_finite,
+        Err(e) => {
+            error.set(IoError::Store {
+                path: store.dir().to_path_buf(),
+                message: e.to_string(),
+            });
+            return None;
+        }
+    };
+    let update = t.elapsed();
+    // the bytes of state it reads and writes, as an in-memory update counts them
+    observer.leg(Leg::Update, group.unit, t, Instant::now(), 16 * n as u64);
+    let submit = Instant::now();
+    let mut writes = Vec::with_capacity(3);
+    for (key, buf) in keys.into_iter().zip([master, exp_avg, exp_avg_sq]) {
+        match store.write_async(key, chunk, buf) {
+            Ok(w) => writes.push(w),
+            Err((e, _)) => error.set(e),
+        }
+    }
+    let mut r = report.lock().unwrap_or_else(|p| p.into_inner());
+    r.found_non_finite |= found;
+    r.read_wait += read_wait;
+    r.update += update;
+    r.bytes_read += state_bytes + grad_bytes;
+    r.bytes_written += state_bytes;
+    Some((submit, writes))
+}
+
+/// A sub-group's reads as the updater takes them: the buffers and how long taking them
+/// took (the `ReadWait` leg), or None once the error is recorded.
+fn reads_in(
+    unit: u32,
+    reads: Result<Vec<IoBuf>, IoError>,
+    (_, error, observer): Shared<'_>,
+) -> Option<(Vec<IoBuf>, Duration)> {
+    let t = Instant::now();
+    let buffers = reads.map_err(|e| error.set(e)).ok()?;
+    let read_wait = t.elapsed();
+    observer.leg(Leg::ReadWait, unit, t, Instant::now(), 0);
+    Some((buffers, read_wait))
+}
+
+/// Waits for one sub-group's writes on the updater's thread (without `pipeline_write`);
+/// false once an error is recorded.
+fn wait_writes_here(
+    unit: u32,
+    (submit, writes): (Instant, Writes<'_>),
+    state_bytes: u64,
+    (report, error, observer): Shared<'_>,
+) -> bool {
+    let t = Instant::now();
+    let result = wait_all_writes(writes);
+    let end = Instant::now();
+    report.lock().unwrap_or_else(|p| p.into_inner()).write_wait += end - t;
+    observer.leg(Leg::Write, unit, submit, end, state_bytes);
+    observer.leg(Leg::WriteWait, unit, t, end, 0);
+    match result {
+        Ok(()) => true,
+        Err(e) => {
+            error.set(e);
+            false
+        }
+    }
+}
+
+/// Without `pipeline_read` and `pipeline_write` the stages take turns: each sub-group is
+/// read, updated and written before the next one's read is submitted. So they run here,
+/// in that order, with the same legs reported and no thread started (three a unit
+/// otherwise: on a machine whose cores compute, a new thread waits for a time slice).
+fn serial(
+    store: &SwapStore,
+    pool: &BufferPool,
+    groups: Vec<SubGroup<'_>>,
+    order: &[Planned],
+    coefficients: &Coefficients,
+    shared: Shared<'_>,
+) {
+    let (_, error, observer) = shared;
+    for (group, planned) in groups.into_iter().zip(order) {
+        if error.is_set() {
+            break;
+        }
+        let submit = Instant::now();
+        let reads = match submit_reads(store, pool, planned.group, planned.grad) {
+            Ok(reads) => reads,
+            Err(e) => {
+                error.set(e);
+                break;
+            }
+        };
+        // every read is waited for, so every buffer returns to the pool after an error
+        let result = wait_all_reads(reads);
+        let end = Instant::now();
+        let (unit, moved) = (group.unit, planned.moved);
+        observer.leg(Leg::Read, unit, submit, end, moved.0 + moved.1);
+        let Some(read) = reads_in(unit, result, shared) else {
+            break;
+        };
+        let Some(submitted) = update_and_submit(store, coefficients, (group, moved), read, shared) else {
+            break;
+        };
+        if !wait_writes_here(unit, submitted, moved.0, shared) {
+            break;
+        }
+    }
+}
+
 /// A leg of the pipeline, as reported to an [`Observer`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Leg {
@@ -324,186 +478,119 @@ pub fn nvme_adam_step_observed(
         sub_groups: groups.len(),
         ..PipelineReport::default()
     });
-    let (to_wait, submitted) = crossbeam_channel::bounded::<(u32, Instant, Reads, u64)>(sets);
-    let (to_update, updates) = crossbeam_channel::bounded::<Result<Vec<IoBuf>, IoError>>(sets);
-    let (to_complete, completions) = crossbeam_channel::bounded::<(u32, Instant, Writes<'_>, u64)>(sets);
-    // without pipeline_read the reader waits for this after each sub-group
-    let (updated, updated_rx) = crossbeam_channel::bounded::<()>(sets);
+    let shared = (&report, &error, observer);
+    if !config.pipeline_read && !config.pipeline_write {
+        serial(store, pool, groups, &order, coefficients, shared);
+    } else {
+        let (to_wait, submitted) = crossbeam_channel::bounded::<(u32, Instant, Reads, u64)>(sets);
+        let (to_update, updates) = crossbeam_channel::bounded::<Result<Vec<IoBuf>, IoError>>(sets);
+        let (to_complete, completions) = crossbeam_channel::bounded::<(u32, Instant, Writes<'_>, u64)>(sets);
+        // without pipeline_read the reader waits for this after each sub-group
+        let (updated, updated_rx) = crossbeam_channel::bounded::<()>(sets);
 
-    std::thread::scope(|scope| {
-        // stage 3: wait for writes, then the buffers go back to the pool
-        let completer = scope.spawn(|| {
-            let mut last_end = start;
-            for (unit, submit, writes, bytes) in completions {
-                let t = Instant::now();
-                let result = wait_all_writes(writes);
-                let end = Instant::now();
-                report.lock().unwrap_or_else(|p| p.into_inner()).write_wait += end - t;
-                observer.leg(Leg::Write, unit, submit.max(last_end), end, bytes);
-                last_end = end;
-                if let Err(e) = result {
-                    error.set(e);
-                }
-            }
-        });
-
-        // stage 1b: wait for reads in order, timing them; keeps waiting after an error
-        // so every buffer comes back
-        let read_waiter = scope.spawn(|| {
-            let to_update = to_update; // closes the updater's channel when done
-            let mut last_end = start;
-            for (unit, submit, reads, bytes) in submitted {
-                let result = wait_all_reads(reads);
-                let end = Instant::now();
-                observer.leg(Leg::Read, unit, submit.max(last_end), end, bytes);
-                last_end = end;
-                if to_update.send(result).is_err() {
-                    error.set(IoError::Store {
-                        path: store.dir().to_path_buf(),
-                        message: "the updater stopped".into(),
-                    });
-                }
-            }
-        });
-
-        // stage 2: update
-        let updater = scope.spawn(|| {
-            let mut groups = groups.into_iter().zip(order.iter().map(|p| p.moved));
-            for reads in updates.iter() {
-                let Some((group, (state_bytes, grad_bytes))) = groups.next() else {
-                    break;
-                };
-                if error.is_set() {
-                    break;
-                }
-                let t = Instant::now();
-                let buffers = match reads {
-                    Ok(b) => b,
-                    Err(e) => {
-                        error.set(e);
-                        break;
-                    }
-                };
-                let read_wait = t.elapsed();
-                observer.leg(Leg::ReadWait, group.unit, t, Instant::now(), 0);
-                let t = Instant::now();
-                let n = group.grad.len();
-                let (keys, chunk) = (State::OPTIMIZER.map(|state| group.key(state)), group.chunk);
-                let mut buffers = buffers.into_iter();
-                let (Some(mut master), Some(mut exp_avg), Some(mut exp_avg_sq)) =
-                    (buffers.next(), buffers.next(), buffers.next())
-                else {
-                    break;
-                };
-                // a stored gradient's buffer goes back to the pool after the update
-                let stored = buffers.next();
-                let grad = match (group.grad, &stored) {
-                    (GradIn::Host(g), _) => g,
-                    (GradIn::Stored { bf16: true, .. }, Some(b)) => GradSlice::Bf16(b.typed::<u16>(n)),
-                    (GradIn::Stored { bf16: false, .. }, Some(b)) => GradSlice::F32(b.typed::<f32>(n)),
-                    (GradIn::Stored { .. }, None) => {
-                        error.set(IoError::Store {
-                            path: store.dir().to_path_buf(),
-                            message: format!("unit {} chunk {chunk}: its gradient was not read", group.unit),
-                        });
-                        break;
-                    }
-                };
-                let sweep = Sweep {
-                    master: master.typed_mut::<f32>(n),
-                    exp_avg: exp_avg.typed_mut::<f32>(n),
-                    exp_avg_sq: exp_avg_sq.typed_mut::<f32>(n),
-                    grad,
-                    low: group.low,
-                };
-                let found = match adam::step(coefficients, sweep) {
-                    Ok(r) => r.found_non_finite,
-                    Err(e) => {
-                        error.set(IoError::Store {
-                            path: store.dir().to_path_buf(),
-                            message: e.to_string(),
-                        });
-                        break;
-                    }
-                };
-                let update = t.elapsed();
-                // the bytes of state it reads and writes, as an in-memory update counts them
-                observer.leg(Leg::Update, group.unit, t, Instant::now(), 16 * n as u64);
-                let submit = Instant::now();
-                let mut writes = Vec::with_capacity(3);
-                for (key, buf) in keys.into_iter().zip([master, exp_avg, exp_avg_sq]) {
-                    match store.write_async(key, chunk, buf) {
-                        Ok(w) => writes.push(w),
-                        Err((e, _)) => error.set(e),
-                    }
-                }
-                {
-                    let mut r = report.lock().unwrap_or_else(|p| p.into_inner());
-                    r.found_non_finite |= found;
-                    r.read_wait += read_wait;
-                    r.update += update;
-                    r.bytes_read += state_bytes + grad_bytes;
-                    r.bytes_written += state_bytes;
-                }
-                if config.pipeline_write {
-                    if to_complete
-                        .send((group.unit, submit, writes, state_bytes))
-                        .is_err()
-                    {
-                        break;
-                    }
-                } else {
+        std::thread::scope(|scope| {
+            // stage 3: wait for writes, then the buffers go back to the pool
+            let completer = scope.spawn(|| {
+                let mut last_end = start;
+                for (unit, submit, writes, bytes) in completions {
                     let t = Instant::now();
                     let result = wait_all_writes(writes);
                     let end = Instant::now();
                     report.lock().unwrap_or_else(|p| p.into_inner()).write_wait += end - t;
-                    observer.leg(Leg::Write, group.unit, submit, end, state_bytes);
-                    observer.leg(Leg::WriteWait, group.unit, t, end, 0);
+                    observer.leg(Leg::Write, unit, submit.max(last_end), end, bytes);
+                    last_end = end;
                     if let Err(e) = result {
+                        error.set(e);
+                    }
+                }
+            });
+
+            // stage 1b: wait for reads in order, timing them; keeps waiting after an error
+            // so every buffer comes back
+            let read_waiter = scope.spawn(|| {
+                let to_update = to_update; // closes the updater's channel when done
+                let mut last_end = start;
+                for (unit, submit, reads, bytes) in submitted {
+                    let result = wait_all_reads(reads);
+                    let end = Instant::now();
+                    observer.leg(Leg::Read, unit, submit.max(last_end), end, bytes);
+                    last_end = end;
+                    if to_update.send(result).is_err() {
+                        error.set(IoError::Store {
+                            path: store.dir().to_path_buf(),
+                            message: "the updater stopped".into(),
+                        });
+                    }
+                }
+            });
+
+            // stage 2: update
+            let updater = scope.spawn(|| {
+                let mut groups = groups.into_iter().zip(order.iter().map(|p| p.moved));
+                for reads in updates.iter() {
+                    let Some((group, moved)) = groups.next() else {
+                        break;
+                    };
+                    if error.is_set() {
+                        break;
+                    }
+                    let unit = group.unit;
+                    let Some(read) = reads_in(unit, reads, shared) else {
+                        break;
+                    };
+                    let Some((submit, writes)) =
+                        update_and_submit(store, coefficients, (group, moved), read, shared)
+                    else {
+                        break;
+                    };
+                    if config.pipeline_write {
+                        if to_complete.send((unit, submit, writes, moved.0)).is_err() {
+                            break;
+                        }
+                    } else if !wait_writes_here(unit, (submit, writes), moved.0, shared) {
+                        break;
+                    }
+                    if !config.pipeline_read && updated.send(()).is_err() {
+                        break;
+                    }
+                }
+                drop(to_complete);
+                drop(updated);
+                // after an error the reader may still be queueing: drain, so that the
+                // buffers of queued reads return to the pool and it can finish
+                for reads in updates.iter() {
+                    drop(reads);
+                }
+            });
+
+            // stage 1 (this thread): read ahead
+            for (i, &Planned { group, grad, moved }) in order.iter().enumerate() {
+                if error.is_set() {
+                    break;
+                }
+                if !config.pipeline_read && i > 0 && updated_rx.recv().is_err() {
+                    break;
+                }
+                let submit = Instant::now();
+                match submit_reads(store, pool, group, grad) {
+                    Ok(reads) => {
+                        if to_wait.send((group.0, submit, reads, moved.0 + moved.1)).is_err() {
+                            break;
+                        }
+                    }
+                    Err(e) => {
                         error.set(e);
                         break;
                     }
                 }
-                if !config.pipeline_read && updated.send(()).is_err() {
-                    break;
-                }
             }
-            drop(to_complete);
-            drop(updated);
-            // after an error the reader may still be queueing: drain, so that the
-            // buffers of queued reads return to the pool and it can finish
-            for reads in updates.iter() {
-                drop(reads);
-            }
+            drop(to_wait);
+            drop(updated_rx);
+            let _ = read_waiter.join();
+            let _ = updater.join();
+            let _ = completer.join();
         });
-
-        // stage 1 (this thread): read ahead
-        for (i, &Planned { group, grad, moved }) in order.iter().enumerate() {
-            if error.is_set() {
-                break;
-            }
-            if !config.pipeline_read && i > 0 && updated_rx.recv().is_err() {
-                break;
-            }
-            let submit = Instant::now();
-            match submit_reads(store, pool, group, grad) {
-                Ok(reads) => {
-                    if to_wait.send((group.0, submit, reads, moved.0 + moved.1)).is_err() {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    error.set(e);
-                    break;
-                }
-            }
-        }
-        drop(to_wait);
-        drop(updated_rx);
-        let _ = read_waiter.join();
-        let _ = updater.join();
-        let _ = completer.join();
-    });
+    }
     if let Some(e) = error.take() {
         return Err(e);
     }

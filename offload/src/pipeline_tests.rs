@@ -59,14 +59,18 @@ fn store_with(engine: Arc<dyn BlockIo>, dir: &std::path::Path, units: &[usize], 
 
 #[test]
 fn pipeline_equals_in_memory_adamw_bit_for_bit() {
-    // the (2, true, false) runs read their gradients from the store, beside the state
+    // the buffer_count 2 runs read their gradients from the store, beside the state; the
+    // runs without pipelining take the serial path (no stage threads)
     let dir = test_dir();
     // three units, the last with a ragged tail; chunks of 4096 elements
     let units = [10_000usize, 4096, 9_999];
     for engine in engines(dir.path(), None) {
-        for (buffer_count, pipeline_read, pipeline_write) in
-            [(1, false, false), (2, true, false), (4, true, true)]
-        {
+        for (buffer_count, pipeline_read, pipeline_write) in [
+            (1, false, false),
+            (2, false, false),
+            (2, true, false),
+            (4, true, true),
+        ] {
             let store = store_with(engine.clone(), dir.path(), &units, 4096);
             let mut memory: Vec<[Vec<f32>; 3]> = Vec::new();
             let mut scratch = IoBuf::new(store.chunk_bytes(4)).unwrap();
@@ -352,28 +356,33 @@ fn pipeline_stops_with_the_error_instead_of_hanging() {
     f.write_all(&[1]).unwrap();
     let pool = buffer_pool_for(&store, 2, false).unwrap();
     let grad = vec![0.1f32; 8 * 4096];
-    let groups = (0..8)
-        .map(|chunk| SubGroup {
-            unit: 0,
-            rank: 0,
-            chunk,
-            grad: GradIn::Host(GradSlice::F32(&grad[chunk * 4096..][..4096])),
-            low: LowPrecisionOut::None,
-        })
-        .collect();
-    let c = AdamHyper::default().coefficients(1, 1.0);
-    let config = PipelineConfig {
-        sets: 2,
-        pipeline_read: true,
-        pipeline_write: true,
+    let groups = || {
+        (0..8)
+            .map(|chunk| SubGroup {
+                unit: 0,
+                rank: 0,
+                chunk,
+                grad: GradIn::Host(GradSlice::F32(&grad[chunk * 4096..][..4096])),
+                low: LowPrecisionOut::None,
+            })
+            .collect()
     };
-    let e = nvme_adam_step(&store, &pool, groups, &c, config).unwrap_err();
-    assert!(matches!(e, IoError::Checksum { offset: 81920, .. }), "{e}");
-    assert_eq!(
-        pool.available(),
-        pool.count(),
-        "every buffer returned after the error"
-    );
+    let c = AdamHyper::default().coefficients(1, 1.0);
+    // the three stages, and the serial path they become without pipelining
+    for pipelined in [true, false] {
+        let config = PipelineConfig {
+            sets: 2,
+            pipeline_read: pipelined,
+            pipeline_write: pipelined,
+        };
+        let e = nvme_adam_step(&store, &pool, groups(), &c, config).unwrap_err();
+        assert!(matches!(e, IoError::Checksum { offset: 81920, .. }), "{e}");
+        assert_eq!(
+            pool.available(),
+            pool.count(),
+            "pipelined {pipelined}: every buffer returned after the error"
+        );
+    }
 }
 
 #[test]
