@@ -331,16 +331,12 @@ impl OptimizerContext {
         let mut slot = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         let mut staging = match slot.take() {
             Some(staging) => staging,
-            None => {
-                let buffer = || store.scratch(store.chunk_bytes(self.precision.bytes()));
-                ParamStaging {
-                    values: LowParams::zeros(0, &self.precision),
-                    scratch: [
-                        buffer().map_err(self.on.alloc())?,
-                        buffer().map_err(self.on.alloc())?,
-                    ],
-                }
-            }
+            None => ParamStaging {
+                values: LowParams::zeros(0, &self.precision),
+                scratch: store
+                    .scratch_pair(store.chunk_bytes(self.precision.bytes()))
+                    .map_err(self.on.alloc())?,
+            },
         };
         staging.values.resize(grad.len());
         let moments = self.update(unit, moments, (grad, None), Fresh::Host(&mut staging.values))?;

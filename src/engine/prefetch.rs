@@ -582,10 +582,9 @@ fn read_param_bytes(
     };
     let scratch = match scratch {
         Some(bufs) => bufs,
-        None => {
-            let buffer = || store.scratch(store.chunk_bytes(elem)).map_err(On(rank).alloc());
-            [buffer()?, buffer()?]
-        }
+        None => store
+            .scratch_pair(store.chunk_bytes(elem))
+            .map_err(On(rank).alloc())?,
     };
     store.read_tensor_ahead(key, out, scratch).map_err(On(rank).io())
 }

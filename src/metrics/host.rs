@@ -1,7 +1,8 @@
 //! What the process takes from the host, measured by the kernel rather than predicted:
 //! resident set (now and its peak, `/proc/self/status`), CPU time in user and kernel
-//! mode and minor page faults (`getrusage`). The peak can be reset (`/proc/self/clear_refs`), so the peak of
-//! the training steps is told apart from that of start-up.
+//! mode and minor page faults (`getrusage`). The peak can be reset
+//! (`/proc/self/clear_refs`), so the peak of the training steps is told apart from that
+//! of start-up.
 
 use serde::Serialize;
 

@@ -200,6 +200,12 @@ impl SwapStore {
         }
     }
 
+    /// The two scratch buffers of a transfer two chunks ahead ([`Self::read_tensor_ahead`],
+    /// [`Self::write_tensor_ahead`]), each as [`Self::scratch`] gives it.
+    pub fn scratch_pair(&self, bytes: usize) -> Result<[crate::pool::IoBuf; 2], crate::host::AllocError> {
+        Ok([self.scratch(bytes)?, self.scratch(bytes)?])
+    }
+
     /// `count` buffers of `bytes` for this store's transfers, registered with its engine:
     /// transfers through them skip pinning their pages where the engine can (it keeps the
     /// pool until it is dropped).
