@@ -205,20 +205,29 @@ if part tiny && [ "$GPUS" -ge 2 ]; then
   compare tiny-cpu-threads-2 tiny-threads-2
 fi
 
-big() { # name, config
+big() { # name, config, more train arguments
   "$BIN" train --config "$2" --trace --no-save --set data.path=null --set data.synthetic=markov \
     --set train.steps="${STEPS_1B:-6}" --set gradient_accumulation_steps=1 \
     --set scheduler.params.warmup_num_steps=2 \
     --set train.output_dir="$WORK/$1" --set train.save_interval=0 \
     --set zero_optimization.offload_param.nvme_path="$WORK/$1/nvme" \
-    --set zero_optimization.offload_optimizer.nvme_path="$WORK/$1/nvme"
+    --set zero_optimization.offload_optimizer.nvme_path="$WORK/$1/nvme" "${@:3}"
 }
 export -f big
-# BIG="cpu nvme" (the default) picks the 1B configs' tiers
+# BIG="cpu nvme" (the default) picks the 1B configs' tiers; "none" is the cpu config with
+# nothing offloaded (parameters, gradients and optimizer state on the GPU)
 if part big; then
   for tier in ${BIG:-cpu nvme}; do
-    run "llama-1b-$tier" big "llama-1b-$tier" "configs/llama-1b-1gpu-$tier.json"
-    predict "llama-1b-$tier" 1 --config "configs/llama-1b-1gpu-$tier.json" --set gradient_accumulation_steps=1
+    config="configs/llama-1b-1gpu-$tier.json" sets=()
+    if [ "$tier" = none ]; then
+      config=configs/llama-1b-1gpu-cpu.json
+      sets=(--set zero_optimization.offload_param.device=none --set zero_optimization.offload_optimizer.device=none)
+    fi
+    # BIG_SETS: more `--set key=value` words for every 1B run (e.g. the config's own
+    # gradient_accumulation_steps instead of 1)
+    sets+=(${BIG_SETS:-})
+    run "llama-1b-$tier" big "llama-1b-$tier" "$config" "${sets[@]}"
+    predict "llama-1b-$tier" 1 --config "$config" --set gradient_accumulation_steps=1 "${sets[@]}"
     cp "$WORK/llama-1b-$tier/summary.json" "$OUT/llama-1b-$tier-summary.json" 2>/dev/null
   done
 fi

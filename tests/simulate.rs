@@ -160,7 +160,7 @@ fn the_replay_moves_the_bytes_the_engine_moves() {
     const PARAM_NVME: &str = "(the parameters' NVMe directory)";
     let mut profile = Profile::load("h100-pcie5").unwrap();
     profile.device = "cpu".into();
-    let variants: [&[&str]; 16] = [
+    let variants: [&[&str]; 17] = [
         &["bf16.enabled=true"],
         &["zero_optimization.stage3_param_persistence_threshold=100000"],
         &["zero_optimization.overlap_comm=false", "train.devices=1"],
@@ -196,6 +196,11 @@ fn the_replay_moves_the_bytes_the_engine_moves() {
             "gradient_accumulation_steps=2",
             "train.accumulate_on_device=true",
             "train.devices=1",
+        ],
+        // gradients that stay on the device: none of them crosses
+        &[
+            "train.accumulate_on_device=true",
+            "zero_optimization.offload_optimizer.device=none",
         ],
     ];
     let params = tempfile::tempdir().unwrap();
@@ -254,7 +259,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     let gpu = Profile::load("h100-pcie5").unwrap();
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
-    let variants: [&[&str]; 16] = [
+    let variants: [&[&str]; 17] = [
         &[],
         &[
             "zero_optimization.stage=0",
@@ -286,6 +291,11 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
         &["gradient_accumulation_steps=3", "train.accumulate_on_device=true"],
         &[
             "gradient_accumulation_steps=2",
+            "train.accumulate_on_device=true",
+            "zero_optimization.offload_optimizer.device=none",
+        ],
+        // one micro-batch: the gradients of device-tier state stay on the device
+        &[
             "train.accumulate_on_device=true",
             "zero_optimization.offload_optimizer.device=none",
         ],

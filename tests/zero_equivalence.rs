@@ -454,25 +454,29 @@ fn overlapped_gradient_reduction_equals_the_inline_one_bit_for_bit() {
 /// Gradient accumulation's sums kept on the device (`train.accumulate_on_device`, the
 /// default on a GPU) flush the bits that accumulating every micro-batch on the host gives,
 /// into host accumulators and into the swap store, overlapped or inline, with one rank
-/// (nothing reduced) or three, a tied head's gradient added before the embedding's.
+/// (nothing reduced) or three, a tied head's gradient added before the embedding's. The
+/// gradients of device-tier optimizer state never leave the device, with one micro-batch
+/// too (`rules::gradients_on_device`): their Σ g² and update come from the device's sum.
 #[test]
 fn gradient_sums_on_the_device_train_the_bits_of_host_accumulation() {
     let dir = disk_dir();
     let cases = [
-        (1, 3, "none", "cpu", true),
-        (3, 3, "cpu", "cpu", false),
-        (3, 2, "none", "nvme", true),
-        (2, 3, "nvme", "nvme", true),
+        (1, 3, "none", "cpu", true, 3),
+        (3, 3, "cpu", "cpu", false, 3),
+        (3, 2, "none", "nvme", true, 3),
+        (2, 3, "nvme", "nvme", true, 3),
         // device-tier optimizer state takes the device's sum itself
-        (2, 3, "none", "none", true),
-        (3, 2, "none", "none", false),
+        (2, 3, "none", "none", true, 3),
+        (3, 2, "none", "none", false, 3),
+        (2, 3, "none", "none", true, 1),
         // half the units' state on the device (DeepSpeed's partial offload)
-        (2, 3, "cpu", "cpu-half", true),
+        (2, 3, "cpu", "cpu-half", true, 3),
+        (1, 3, "cpu", "cpu-half", false, 1),
     ];
-    for (world, stage, param, optimizer, overlap) in cases {
+    for (world, stage, param, optimizer, overlap, micro) in cases {
         let half = optimizer == "cpu-half";
         let optimizer = if half { "cpu" } else { optimizer };
-        let mut p = plan(world, stage, param, optimizer, 3, dir.path(), "fp32");
+        let mut p = plan(world, stage, param, optimizer, micro, dir.path(), "fp32");
         if half {
             p.zero.offload_optimizer.ratio = 0.5;
         }
@@ -484,7 +488,7 @@ fn gradient_sums_on_the_device_train_the_bits_of_host_accumulation() {
         let device = master(&p);
         assert!(
             device == host,
-            "world {world} stage {stage} param {param} optimizer {optimizer}"
+            "world {world} stage {stage} param {param} optimizer {optimizer}, {micro} micro-batches"
         );
     }
 }

@@ -61,6 +61,9 @@ pub(super) enum Stored {
 #[derive(Debug)]
 pub(super) enum FinalGrad {
     Here(Grads),
+    /// The step's sum on the device, for optimizer state there
+    /// (`rules::gradients_on_device`); the host accumulator stays where it is.
+    Device(Tensor),
     /// `len` elements in the optimizer's swap store, bf16 or fp32.
     Stored {
         len: usize,
@@ -72,6 +75,7 @@ impl FinalGrad {
     pub(super) fn len(&self) -> usize {
         match self {
             FinalGrad::Here(g) => g.len(),
+            FinalGrad::Device(t) => t.numel(),
             FinalGrad::Stored { len, .. } => *len,
         }
     }
@@ -107,10 +111,11 @@ pub(super) struct Gradients<'a, C: Collective> {
     chunk_buffers: ChunkBuffers,
     /// What gradients travel as between ranks.
     wire: Wire,
-    /// Gradient accumulation on the device (`plan::rules::device_accumulation`): each
-    /// unit's fp32 partition there (made at its first use, on the gradient's device),
+    /// Gradient sums on the device (`plan::rules::device_sums`): the fp32 partition there
+    /// of each unit that has one (made at its first use, on the gradient's device),
     /// whether the step has added into it yet, and whether this micro-batch is the step's
-    /// last (its contributions flush the sums to the host accumulators).
+    /// last (its contributions flush the sums to the host accumulators, but those of
+    /// gradients that stay on the device).
     device: Option<DeviceSums>,
     /// Whether the micro-batch in progress is the step's last.
     last_micro: bool,
@@ -119,11 +124,15 @@ pub(super) struct Gradients<'a, C: Collective> {
     squares: Vec<Option<f64>>,
 }
 
-/// The device accumulators of gradient accumulation.
+/// The device accumulators of gradients.
 struct DeviceSums {
     sums: Vec<Option<Tensor>>,
     started: Vec<bool>,
     last_micro: bool,
+    /// Which units sum on the device (`rules::device_sums`).
+    summed: Vec<bool>,
+    /// Which of them never leave it (`rules::gradients_on_device`).
+    kept: Vec<bool>,
 }
 
 impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
@@ -131,7 +140,8 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// store with a chunk buffer per reduction in flight, the others in one arena (and at
     /// stage 1 the partition copies in another), allocated here once for the run.
     pub(super) fn new(
-        (stage, rank, bf16, on_device): (u8, usize, bool, bool),
+        (stage, rank, bf16): (u8, usize, bool),
+        (summed, kept): (Vec<bool>, Vec<bool>),
         (wire, chunk): (Wire, usize),
         parts: Vec<Partition>,
         partitions: Vec<Range<usize>>,
@@ -186,10 +196,12 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         } else {
             parts.iter().map(|_| None).collect()
         };
-        let device = on_device.then(|| DeviceSums {
+        let device = summed.contains(&true).then(|| DeviceSums {
             sums: parts.iter().map(|_| None).collect(),
             started: parts.iter().map(|_| false).collect(),
             last_micro: false,
+            summed,
+            kept,
         });
         Ok(Gradients {
             accumulators,
@@ -225,11 +237,11 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
 
     /// Unit `u`'s device accumulator for a contribution (`more`: another to the same
     /// unit follows in this micro-batch, as the tied head's precedes the embedding's),
-    /// and whether it flushes; None without device accumulation.
+    /// and whether it flushes; None where the unit sums on the host.
     fn on_device(&mut self, u: usize, grad: &Tensor, more: bool) -> Result<Option<OnDevice>, EngineError> {
         let rank = self.rank;
         let len = accumulator_len(self.stage, &self.parts[u], &self.partitions[u]);
-        let Some(d) = &mut self.device else {
+        let Some(d) = self.device.as_mut().filter(|d| d.summed[u]) else {
             return Ok(None);
         };
         let acc = match &d.sums[u] {
@@ -245,13 +257,13 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         Ok(Some(OnDevice {
             acc,
             first,
-            flush: d.last_micro && !more,
+            flush: d.last_micro && !more && !d.kept[u],
         }))
     }
 
     /// Unit `u`'s sum of the step's gradient on the device, once the step has added into
-    /// it (None without device accumulation).
-    pub(super) fn device_sum(&self, u: usize) -> Option<Tensor> {
+    /// it (None where it sums on the host).
+    fn device_sum(&self, u: usize) -> Option<Tensor> {
         let d = self.device.as_ref()?;
         d.started[u]
             .then(|| d.sums[u].as_ref().map(Tensor::shallow_clone))
@@ -522,10 +534,29 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         }
     }
 
+    /// Unit `u`'s device sum where its gradient stays on the device and the step added
+    /// into it (a unit that got no gradient has its zeroed host accumulator instead).
+    fn kept_sum(&self, u: usize) -> Option<Tensor> {
+        self.device
+            .as_ref()
+            .is_some_and(|d| d.kept[u])
+            .then(|| self.device_sum(u))
+            .flatten()
+    }
+
     /// Σ g² over this rank's optimizer partitions, in f64.
     pub(super) fn sum_squares(&mut self) -> Result<f64, EngineError> {
         let mut sum = 0.0;
         for u in 0..self.accumulators.len() {
+            if let Some(kept) = self.kept_sum(u) {
+                let len = kept.numel() as u64;
+                sim::charge(Work::OnDevice(4 * len));
+                sum += device_squares(&kept).map_err(|source| EngineError::Torch {
+                    rank: self.rank,
+                    source,
+                })?;
+                continue;
+            }
             sum += match &self.accumulators[u] {
                 Accumulator::Here(acc) => match self.squares[u] {
                     // gathered as its last contribution was added
@@ -590,6 +621,9 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             }
             return Ok(FinalGrad::Here(copy));
         }
+        if let Some(sum) = self.kept_sum(u) {
+            return Ok(FinalGrad::Device(sum));
+        }
         // a stale accumulator is zeroed: no gradient reached it this step
         match std::mem::replace(&mut self.accumulators[u], Accumulator::Lent("optimizer")).zeroed() {
             Accumulator::Here(g) => Ok(FinalGrad::Here(g)),
@@ -614,6 +648,8 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
                 return;
             }
             FinalGrad::Here(grad) => Accumulator::Stale(grad),
+            // the host accumulator was not lent
+            FinalGrad::Device(_) => return,
             FinalGrad::Stored { .. } => Accumulator::Nvme(Stored::Nothing),
         };
     }
@@ -648,6 +684,33 @@ fn accumulator_len(stage: u8, part: &Partition, partition: &Range<usize>) -> usi
     }
 }
 
+/// Σ g² of a device sum: on a CPU device folded as a host accumulator's pass folds it
+/// (the same bits as the host copy a flush would have made); on a GPU in f64 as the host
+/// sums, stretch by stretch (a stretch widened to f64 at a time), added there, one value
+/// crossing. An fp32 norm of a 262 M-element embedding drifts by ~5e-5 relative.
+fn device_squares(sum: &Tensor) -> Result<f64, tch::TchError> {
+    if sum.device() == tch::Device::Cpu {
+        // SAFETY: the reductions into it are done (the reduce lane is stopped) and
+        // nothing writes it before the optimizer reads it, after this.
+        let values = unsafe { crate::torch::host_slice::<f32>(sum, sum.numel()) }?;
+        return Ok(super::grads::sum_squares_f32(0.0, values));
+    }
+    widened_squares(sum, 1 << 24)
+}
+
+/// Σ x² of an fp32 tensor in f64 on its device, `stretch` elements widened at a time.
+fn widened_squares(sum: &Tensor, stretch: i64) -> Result<f64, tch::TchError> {
+    let n = sum.numel() as i64;
+    let mut total = Tensor::f_zeros([], (tch::Kind::Double, sum.device()))?;
+    for start in (0..n).step_by(stretch as usize) {
+        let wide = sum
+            .f_narrow(0, start, stretch.min(n - start))?
+            .f_to_kind(tch::Kind::Double)?;
+        total = total.f_add(&wide.f_dot(&wide)?)?;
+    }
+    total.f_double_value(&[])
+}
+
 /// Rounds `values` to `wire`'s precision in place (round to nearest even; fp16 overflows
 /// to infinity as it would on the wire).
 fn round_through(wire: Wire, values: &mut [f32]) {
@@ -656,5 +719,26 @@ fn round_through(wire: Wire, values: &mut [f32]) {
         Wire::Fp32 => {}
         Wire::Bf16 => values.iter_mut().for_each(|x| *x = bf16_to_f32(f32_to_bf16(*x))),
         Wire::Fp16 => values.iter_mut().for_each(|x| *x = f16_to_f32(f32_to_f16(*x))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The GPU's Σ g² (f64, stretch by stretch) is the host pass's up to f64 rounding,
+    /// over stretches that do and do not divide the tensor.
+    #[test]
+    fn widened_squares_are_the_host_pass_to_f64_rounding() {
+        let values: Vec<f32> = (0..100_003)
+            .map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 1e-3)
+            .collect();
+        let host = super::super::grads::sum_squares_f32(0.0, &values);
+        let tensor = tch::Tensor::from_slice(&values);
+        for stretch in [1 << 10, 4096, 1 << 20] {
+            let device = super::widened_squares(&tensor, stretch).unwrap();
+            assert!(
+                (device - host).abs() <= 1e-12 * host,
+                "{stretch}: {device} against {host}"
+            );
+        }
     }
 }

@@ -114,9 +114,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             let on_device = self.optimizer.on_device(u);
             jobs.push(OptimizerJob {
                 unit: u,
-                // device-tier state takes the device's sum of the step's gradient (the
-                // host accumulator's bits: the flush added it into zeros) where there is one
-                device_sum: if on_device { self.grads.device_sum(u) } else { None },
                 grad: self.grads.lend_to_optimizer(u)?,
                 destination: self.units.destination(u, len, on_device)?,
                 moments: self.optimizer.lend(u),
@@ -178,8 +175,6 @@ struct OptimizerJob<'a> {
     unit: usize,
     moments: Moments<'a>,
     grad: FinalGrad,
-    /// The step's gradient sum on the device, for device-tier state.
-    device_sum: Option<Tensor>,
     destination: Destination<'a>,
 }
 
@@ -298,17 +293,15 @@ impl OptimizerContext {
             unit,
             moments,
             grad,
-            device_sum,
             destination,
         } = job;
-        let grads = (&grad, device_sum);
         match destination {
             Destination::Host(mut fresh) => {
-                let moments = self.update(unit, moments, grads, Fresh::Host(&mut fresh))?;
+                let moments = self.update(unit, moments, &grad, Fresh::Host(&mut fresh))?;
                 Ok((unit, NewParams::Host(fresh), moments, grad))
             }
             Destination::Device(fresh) => {
-                let moments = self.update(unit, moments, grads, Fresh::Device(&fresh))?;
+                let moments = self.update(unit, moments, &grad, Fresh::Device(&fresh))?;
                 Ok((unit, NewParams::Device(fresh), moments, grad))
             }
             Destination::Nvme(store) => {
@@ -339,7 +332,7 @@ impl OptimizerContext {
             },
         };
         staging.values.resize(grad.len());
-        let moments = self.update(unit, moments, (grad, None), Fresh::Host(&mut staging.values))?;
+        let moments = self.update(unit, moments, grad, Fresh::Host(&mut staging.values))?;
         let key = TensorKey {
             unit: unit as u32,
             rank: self.on.0 as u32,
@@ -369,7 +362,7 @@ impl OptimizerContext {
         &self,
         unit: usize,
         mut moments: Moments<'a>,
-        (grad, device_sum): (&FinalGrad, Option<Tensor>),
+        grad: &FinalGrad,
         fresh: Fresh<'_>,
     ) -> Result<Moments<'a>, EngineError> {
         let opt_len = fresh.len();
@@ -378,6 +371,8 @@ impl OptimizerContext {
             what,
         };
         let device_params = "parameters on the device updated from optimizer state off it";
+        let stored_in_memory = "a gradient on NVMe with optimizer state in memory";
+        let kept_off_device = "a gradient kept on the device with optimizer state off it";
         match (&mut moments, grad) {
             (
                 Moments::Memory(OptimizerState {
@@ -410,15 +405,18 @@ impl OptimizerContext {
                         source,
                     })?;
             }
-            (Moments::Device(state), FinalGrad::Here(grad)) => {
+            (Moments::Device(state), grad) => {
+                // the step's sum where it stayed on the device, else the host
+                // accumulator's (`rules::gradients_on_device`)
+                let grad = match grad {
+                    FinalGrad::Device(sum) => DeviceGrad::Sum(sum.shallow_clone()),
+                    FinalGrad::Here(g) => DeviceGrad::Host(g.slice(0..g.len())),
+                    FinalGrad::Stored { .. } => return Err(invariant(stored_in_memory)),
+                };
                 let bytes = 16 * opt_len as u64;
                 self.tracks
                     .optimizer
                     .span(Phase::Optimizer, Some(unit), bytes, || {
-                        let grad = match device_sum {
-                            Some(sum) => DeviceGrad::Sum(sum),
-                            None => DeviceGrad::Host(grad.slice(0..grad.len())),
-                        };
                         sim::charge(match grad {
                             DeviceGrad::Sum(_) => Work::DeviceAdamOnly(opt_len as u64),
                             DeviceGrad::Host(_) => Work::DeviceAdam(opt_len as u64),
@@ -427,9 +425,8 @@ impl OptimizerContext {
                     })
                     .map_err(self.on.torch())?;
             }
-            (Moments::Memory(_) | Moments::Device(_), FinalGrad::Stored { .. }) => {
-                return Err(invariant("a gradient on NVMe with optimizer state in memory"))
-            }
+            (Moments::Memory(_), FinalGrad::Stored { .. }) => return Err(invariant(stored_in_memory)),
+            (Moments::Memory(_), FinalGrad::Device(_)) => return Err(invariant(kept_off_device)),
             (Moments::Nvme(tier), grad) => {
                 let Fresh::Host(fresh) = fresh else {
                     return Err(invariant(device_params));
@@ -437,6 +434,7 @@ impl OptimizerContext {
                 let grad = match grad {
                     FinalGrad::Here(g) => GradIn::Host(g.slice(0..g.len())),
                     &FinalGrad::Stored { len, bf16 } => GradIn::Stored { len, bf16 },
+                    FinalGrad::Device(_) => return Err(invariant(kept_off_device)),
                 };
                 let groups = pipeline::sub_groups(
                     unit as u32,

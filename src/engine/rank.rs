@@ -141,11 +141,10 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let pinning = host_pinning(plan, compute, rank)?;
         let bf16_grads = bf16_gradients(plan);
         let grads = Gradients::new(
+            (stage, rank, bf16_grads),
             (
-                stage,
-                rank,
-                bf16_grads,
-                crate::plan::rules::device_accumulation(plan),
+                crate::plan::rules::device_sums(plan),
+                crate::plan::rules::gradients_on_device(plan),
             ),
             (plan.communication, crate::plan::rules::chunk_elements(plan)),
             parts.clone(),

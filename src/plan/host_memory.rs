@@ -15,7 +15,7 @@ use super::fetch::MAX_IN_FLIGHT;
 use super::memory::predict;
 use super::partition::Partition;
 use super::rules::{
-    bf16_gradients, chunk_elements, device_accumulation, gathers_updates, held_at_once, nvme_gradients,
+    bf16_gradients, chunk_elements, device_sums, gathers_updates, held_at_once, nvme_gradients,
     optimizer_tiers, param_tiers, pipeline_sets, stored_gradients, swap_chunk, REDUCE_DEPTH,
 };
 use super::{Accelerator, Plan, Tier, Wire};
@@ -64,6 +64,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     let param_tiers = param_tiers(plan);
     let optimizer_tiers = optimizer_tiers(plan);
     let stored = stored_gradients(plan);
+    let sums = device_sums(plan);
     for (u, (p, &param_tier)) in parts.iter().zip(&param_tiers).enumerate() {
         let optimizer_tier = optimizer_tiers[u];
         if in_host(param_tier) {
@@ -85,7 +86,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         if !stored[u] {
             rank.gradients += grad_elem * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
         }
-        if cpu && device_accumulation(plan) {
+        if cpu && sums[u] {
             // the device accumulators of gradient accumulation, in host memory on a CPU
             rank.gradients += 4 * opt_len(p);
         }

@@ -17,7 +17,7 @@
 
 use super::fetch::{may_request, schedule, Fetches, Limits, Purpose};
 use super::partition::Partition;
-use super::rules::{chunk_elements, device_accumulation, gathers_updates, keeps_activations};
+use super::rules::{chunk_elements, device_sums, gathers_updates, keeps_activations};
 use super::{Plan, Tier};
 use serde::Serialize;
 
@@ -26,7 +26,7 @@ pub struct DeviceBytes {
     pub parameters: u64,
     pub gradients: u64,
     /// Of `gradients`, the accumulators held as device tensors: the partitions a step's
-    /// micro-batches add into (`rules::device_accumulation`).
+    /// micro-batches add into (`rules::device_sums`).
     pub accumulators: u64,
     pub optimizer: u64,
     /// Peak of gathered units plus kept activations, at the moment they peak together.
@@ -187,7 +187,10 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
     let mut bytes = DeviceBytes::default();
     let optimizer_tiers = super::rules::optimizer_tiers(plan);
     let param_tiers = super::rules::param_tiers(plan);
-    for ((p, &optimizer_tier), &param_tier) in parts.iter().zip(&optimizer_tiers).zip(&param_tiers) {
+    let sums = device_sums(plan);
+    for (((p, &optimizer_tier), &param_tier), &summed) in
+        parts.iter().zip(&optimizer_tiers).zip(&param_tiers).zip(&sums)
+    {
         if param_tier == Tier::Device {
             bytes.parameters += elem * if stage == 3 { p.shard } else { p.padded } as u64;
             if gathers_updates(stage, world) {
@@ -199,7 +202,7 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
             bytes.gradients += 4 * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
             bytes.optimizer += 12 * opt_len(p);
         }
-        if device_accumulation(plan) {
+        if summed {
             bytes.accumulators += 4 * opt_len(p);
             if optimizer_tier != Tier::Device {
                 bytes.gradients += 4 * opt_len(p);

@@ -134,6 +134,29 @@ pub fn device_accumulation(plan: &Plan) -> bool {
     plan.zero.device_accumulation && plan.zero.stage >= 2 && plan.batch.gradient_accumulation_steps > 1
 }
 
+/// Which units' gradients never leave the device (stages 2–3, where the plan keeps sums
+/// on the device): those whose optimizer state is there. Their reduced stretches are
+/// summed into a device accumulator even with one micro-batch, the fused AdamW reads it
+/// there, and their Σ g² is taken there; nothing of them crosses to the host.
+pub fn gradients_on_device(plan: &Plan) -> Vec<bool> {
+    let keep = plan.zero.device_accumulation && plan.zero.stage >= 2;
+    optimizer_tiers(plan)
+        .into_iter()
+        .map(|t| keep && t == Tier::Device)
+        .collect()
+}
+
+/// Which units sum their gradient in a device accumulator: every unit with gradient
+/// accumulation on the device ([`device_accumulation`]), and those whose gradients stay
+/// there ([`gradients_on_device`]).
+pub fn device_sums(plan: &Plan) -> Vec<bool> {
+    let all = device_accumulation(plan);
+    gradients_on_device(plan)
+        .into_iter()
+        .map(|kept| all || kept)
+        .collect()
+}
+
 /// Buffer sets of the NVMe optimizer pipeline: DeepSpeed's `offload_optimizer.buffer_count`
 /// counts buffers, one per state of a sub-group (the gradient's included when stored).
 pub fn pipeline_sets(plan: &Plan) -> usize {

@@ -19,12 +19,13 @@ impl Replay<'_> {
         let swap_chunk = self.swap_chunk() as u64;
         let stored_grads = rules::stored_gradients(self.plan);
         let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
+        let sums = rules::device_sums(self.plan);
         // the step's stored gradients are consumed here
         self.stored.fill(false);
         for (u, stored) in stored_grads.into_iter().enumerate() {
             let len = self.optimizer_len(u);
             match self.optimizer_tiers[u] {
-                Tier::Device if rules::device_accumulation(self.plan) => {
+                Tier::Device if sums[u] => {
                     // fused AdamW on the step's gradient sum, already on the device; the
                     // span counts the 16 bytes of state the engine's optimizer span counts
                     let seconds = self.costs.seconds(Cost::DeviceAdamOnly(len));

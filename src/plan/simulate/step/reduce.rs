@@ -63,9 +63,11 @@ impl Replay<'_> {
         let swap_chunk = self.swap_chunk() as u64;
         let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
         // gradient accumulation on the device: each stretch is added there, and only the
-        // step's last contribution leaves for the host (`rules::device_accumulation`)
-        let on_device = rules::device_accumulation(self.plan);
-        let to_host = !on_device || (self.last_micro && !more);
+        // step's last contribution leaves for the host (`rules::device_sums`), none of a
+        // gradient that stays there (`rules::gradients_on_device`)
+        let on_device = rules::device_sums(self.plan)[u];
+        let kept = rules::gradients_on_device(self.plan)[u];
+        let to_host = !on_device || (self.last_micro && !more && !kept);
         let mut staged = None;
         for chunk in 0..chunks {
             let k = stretch.min(shard - chunk * stretch);
@@ -209,14 +211,20 @@ impl Replay<'_> {
         let stored = rules::stored_gradients(self.plan);
         let shards: Vec<usize> = self.parts.iter().map(|p| p.shard).collect();
         let squared = rules::squares_as_added(self.plan, &shards);
-        if (0..stored.len()).any(|u| !stored[u] && !squared[u]) {
+        let kept = rules::gradients_on_device(self.plan);
+        let passed = |u: usize| !stored[u] && !squared[u] && !kept[u];
+        if (0..stored.len()).any(passed) {
             // Σ g²: a pass over every accumulator in memory whose sum was not gathered as
             // its last contribution was added, on every core
             let elements: u64 = (0..self.parts.len())
-                .filter(|&u| !stored[u] && !squared[u])
+                .filter(|&u| passed(u))
                 .map(|u| self.optimizer_len(u))
                 .sum();
             seconds += self.costs.seconds(Cost::Pass(elements));
+        }
+        for u in (0..self.parts.len()).filter(|&u| kept[u]) {
+            // a gradient that stayed on the device: its Σ g² taken there
+            seconds += self.costs.seconds(Cost::OnDevice(4 * self.optimizer_len(u)));
         }
         self.clocks.run(Track::Compute, "reduce", None, seconds, 0);
         // install_all: every update of the last step is in before this step's goes out
