@@ -414,6 +414,10 @@ impl OptimizerContext {
                     FinalGrad::Stored { .. } => return Err(invariant(stored_in_memory)),
                 };
                 let bytes = 16 * opt_len as u64;
+                let on_device = match &fresh {
+                    Fresh::Device(out) => Some(*out),
+                    Fresh::Host(_) => None,
+                };
                 self.tracks
                     .optimizer
                     .span(Phase::Optimizer, Some(unit), bytes, || {
@@ -421,9 +425,21 @@ impl OptimizerContext {
                             DeviceGrad::Sum(_) => Work::DeviceAdamOnly(opt_len as u64),
                             DeviceGrad::Host(_) => Work::DeviceAdam(opt_len as u64),
                         });
-                        device_update(state, grad, &self.step, fresh, &self.precision)
+                        device_update(state, grad, &self.step, on_device, &self.precision)
                     })
                     .map_err(self.on.torch())?;
+                if let Fresh::Host(out) = fresh {
+                    // the new values out to the parameters' host buffer: a PCIe crossing
+                    // of its own, timed and counted as one
+                    let bytes = out.as_bytes().len() as u64;
+                    self.tracks
+                        .optimizer
+                        .span(Phase::D2h, Some(unit), bytes, || {
+                            sim::charge(Work::D2hPageable(bytes));
+                            copy_out(&state.master, out, &self.precision)
+                        })
+                        .map_err(self.on.torch())?;
+                }
             }
             (Moments::Memory(_), FinalGrad::Stored { .. }) => return Err(invariant(stored_in_memory)),
             (Moments::Memory(_), FinalGrad::Device(_)) => return Err(invariant(kept_off_device)),
@@ -491,13 +507,12 @@ enum DeviceGrad<'g> {
 
 /// AdamW on device-tier state: the gradient (scaled as the CPU kernel scales it) to the
 /// state's device, torch's fused kernel there, and the new master in the training
-/// precision into `fresh`: on the device when the parameters live there, else copied back
-/// to host memory.
+/// precision into `fresh` where the parameters live on the device (else [`copy_out`]).
 fn device_update(
     state: &mut DeviceState,
     grad: DeviceGrad<'_>,
     step: &AdamStep,
-    fresh: Fresh<'_>,
+    fresh: Option<&Tensor>,
     precision: &Precision,
 ) -> Result<(), tch::TchError> {
     let device = state.master.device();
@@ -519,19 +534,30 @@ fn device_update(
         exp_avg_sq,
     } = state;
     crate::torch::shim::fused_adam(master, &grad, exp_avg, exp_avg_sq, step.step, &step.hyper)?;
-    let kind = crate::torch::compute_kind(precision);
-    let fresh = match fresh {
-        Fresh::Host(fresh) => fresh,
-        Fresh::Device(out) => return out.shallow_clone().f_copy_(&master.f_to_kind(kind)?),
-    };
     match fresh {
-        LowParams::F32(out) => {
-            let (host, n) = (master.f_to(tch::Device::Cpu)?, out.len());
-            host.f_copy_data(out.as_mut_slice(), n)
+        Some(out) => {
+            let kind = crate::torch::compute_kind(precision);
+            out.shallow_clone().f_copy_(&master.f_to_kind(kind)?)
         }
-        LowParams::U16(out) => {
-            let (host, n) = (master.f_to_kind(kind)?.f_to(tch::Device::Cpu)?, out.len());
-            host.f_copy_data_u8(crate::torch::pod_bytes_mut(out.as_mut_slice()), n)
-        }
+        None => Ok(()),
     }
+}
+
+/// Device-tier state's new master in the training precision into the parameters' host
+/// buffer: rounded on the device, then one copy straight into `out` (no host tensor
+/// between; from pageable memory the driver stages it).
+fn copy_out(master: &Tensor, out: &mut LowParams, precision: &Precision) -> Result<(), tch::TchError> {
+    let kind = crate::torch::compute_kind(precision);
+    let n = out.len() as i64;
+    let bytes = out.bytes_mut();
+    if bytes.len() != n as usize * kind.elt_size_in_bytes() {
+        return Err(tch::TchError::Shape(format!(
+            "{n} new parameters of {kind:?} into a host buffer of {} bytes",
+            bytes.len()
+        )));
+    }
+    // SAFETY: the view of `bytes` lives only within this call, while they are borrowed
+    // mutably here; the copy into it is synchronous.
+    let mut dst = unsafe { Tensor::f_from_blob(bytes.as_mut_ptr(), &[n], &[1], kind, tch::Device::Cpu) }?;
+    dst.f_copy_(&master.f_narrow(0, 0, n)?.f_to_kind(kind)?)
 }

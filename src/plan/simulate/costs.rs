@@ -38,6 +38,8 @@ pub enum Work {
     },
     /// Bytes out of the device into pinned memory (on a CPU device: a memcpy).
     D2h(u64),
+    /// Bytes out of the device into pageable memory (on a CPU device: a memcpy).
+    D2hPageable(u64),
     /// A copy within device memory.
     OnDevice(u64),
     /// The host's fp32 add of `elements` into an accumulator.
@@ -75,7 +77,7 @@ impl Work {
             Work::Forward(_) => "forward",
             Work::Backward(_) | Work::Head => "backward",
             Work::H2d(_) | Work::H2dPageable(_) | Work::Fill { .. } => "h2d",
-            Work::D2h(_) | Work::OnDevice(_) | Work::HostAdd(_) => "d2h",
+            Work::D2h(_) | Work::D2hPageable(_) | Work::OnDevice(_) | Work::HostAdd(_) => "d2h",
             Work::Collective(_) | Work::Latency | Work::Pass(_) => "reduce",
             Work::Gather(_) => "all_gather",
             Work::NvmeRead(_) => "nvme_read",
@@ -149,6 +151,16 @@ impl Costs {
         let c = &self.profile.copies;
         if self.cuda() {
             c.d2h_pinned.value
+        } else {
+            c.host_memcpy.value
+        }
+    }
+
+    /// A copy out of the device into pageable memory (a memcpy on a CPU).
+    fn d2h_pageable_rate(&self) -> f64 {
+        let c = &self.profile.copies;
+        if self.cuda() {
+            c.d2h_pageable.value
         } else {
             c.host_memcpy.value
         }
@@ -245,6 +257,7 @@ impl Costs {
                 Self::seconds_at(bytes, rate)
             }
             Work::D2h(bytes) => Self::seconds_at(bytes, self.d2h_rate()),
+            Work::D2hPageable(bytes) => Self::seconds_at(bytes, self.d2h_pageable_rate()),
             Work::OnDevice(bytes) => Self::seconds_at(bytes, copies.device_to_device.value),
             Work::HostAdd(elements) => Self::seconds_at(4 * elements, self.host_add_rate(elements)),
             Work::Collective(bytes) | Work::Gather(bytes) => self.collective(bytes),

@@ -130,20 +130,26 @@ pub fn simulate(plan: &Plan, profile: &Profile) -> Simulation {
     // each micro-batch's gradient in the training precision, whichever is less
     let micro_batches = plan.batch.gradient_accumulation_steps as f64;
     // a unit whose optimizer state and parameters both stay on the device crosses no
-    // PCIe at all (`offload_optimizer.ratio`, `train.shards_on_device`)
+    // PCIe at all (`offload_optimizer.ratio`, `train.shards_on_device`); one whose state
+    // is there and parameters are not sends its new values out instead of its gradient
     let (optimizer_tiers, param_tiers) = (rules::optimizer_tiers(plan), rules::param_tiers(plan));
-    let crossing = config
-        .unit_numels()
-        .iter()
-        .enumerate()
-        .filter(|&(u, _)| !(optimizer_tiers[u] == Tier::Device && param_tiers[u] == Tier::Device))
-        .map(|(_, &n)| n as f64)
-        .sum::<f64>()
-        / params;
+    let gradient = (micro_batches * p).min(4.0_f64.max(p));
     let pcie_minimum = if profile.is_cpu() || !offloaded {
         [0.0, 0.0]
     } else {
-        [crossing * p, crossing * (micro_batches * p).min(4.0_f64.max(p))]
+        config
+            .unit_numels()
+            .iter()
+            .enumerate()
+            .map(|(u, &n)| {
+                let n = n as f64 / params;
+                match (optimizer_tiers[u], param_tiers[u]) {
+                    (Tier::Device, Tier::Device) => [0.0, 0.0],
+                    (Tier::Device, _) => [n * p, n * p],
+                    _ => [n * p, n * gradient],
+                }
+            })
+            .fold([0.0, 0.0], |[i, o], [a, b]| [i + a, o + b])
     };
     let pcie_minimum_per_param = pcie_minimum[0] + pcie_minimum[1];
     let compute_s = busy.get(&Track::Compute).map_or(0.0, |b| b.0);

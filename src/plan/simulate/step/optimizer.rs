@@ -25,20 +25,26 @@ impl Replay<'_> {
         for (u, stored) in stored_grads.into_iter().enumerate() {
             let len = self.optimizer_len(u);
             match self.optimizer_tiers[u] {
-                Tier::Device if sums[u] => {
-                    // fused AdamW on the step's gradient sum, already on the device; the
-                    // span counts the 16 bytes of state the engine's optimizer span counts
-                    let seconds = self.costs.seconds(Cost::DeviceAdamOnly(len));
-                    self.clocks
-                        .run(Track::Optimizer, "optimizer", Some(u), seconds, 16 * len);
-                }
                 Tier::Device => {
-                    // the host accumulator to the device, then fused AdamW there
-                    let grads = len * 4;
-                    let seconds = self.costs.seconds(Cost::DeviceAdam(len));
+                    // fused AdamW on the step's gradient sum, already on the device, or
+                    // on the host accumulator sent there; the span counts the 16 bytes of
+                    // state the engine's optimizer span counts
+                    let cost = if sums[u] {
+                        Cost::DeviceAdamOnly(len)
+                    } else {
+                        self.pcie[0] += if self.cuda() { len * 4 } else { 0 };
+                        Cost::DeviceAdam(len)
+                    };
+                    let seconds = self.costs.seconds(cost);
                     self.clocks
                         .run(Track::Optimizer, "optimizer", Some(u), seconds, 16 * len);
-                    self.pcie[0] += if self.cuda() { grads } else { 0 };
+                    if self.param_tiers[u] != Tier::Device {
+                        // the new values out to the parameters' host buffer (pageable)
+                        let bytes = len * self.p();
+                        let out = self.costs.seconds(Cost::D2hPageable(bytes));
+                        self.clocks.run(Track::Optimizer, "d2h", Some(u), out, bytes);
+                        self.pcie[1] += if self.cuda() { bytes } else { 0 };
+                    }
                 }
                 Tier::Cpu => {
                     self.clocks.run(
