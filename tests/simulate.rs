@@ -269,7 +269,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     let gpu = Profile::load("h100-pcie5").unwrap();
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
-    let variants: [&[&str]; 18] = [
+    let variants: [&[&str]; 20] = [
         &[],
         &[
             "zero_optimization.stage=0",
@@ -307,6 +307,18 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
         // one micro-batch: the gradients of device-tier state stay on the device
         &[
             "train.accumulate_on_device=true",
+            "zero_optimization.offload_optimizer.device=none",
+        ],
+        // stages 0-1: the replica's sum all-reduced on the device
+        &[
+            "train.accumulate_on_device=true",
+            "zero_optimization.stage=0",
+            "zero_optimization.offload_optimizer.device=none",
+        ],
+        &[
+            "gradient_accumulation_steps=2",
+            "train.accumulate_on_device=true",
+            "zero_optimization.stage=1",
             "zero_optimization.offload_optimizer.device=none",
         ],
         // device-tier state, parameters in host memory: the new values go out

@@ -456,7 +456,8 @@ fn overlapped_gradient_reduction_equals_the_inline_one_bit_for_bit() {
 /// into host accumulators and into the swap store, overlapped or inline, with one rank
 /// (nothing reduced) or three, a tied head's gradient added before the embedding's. The
 /// gradients of device-tier optimizer state never leave the device, with one micro-batch
-/// too (`rules::gradients_on_device`): their Σ g² and update come from the device's sum.
+/// too and at stages 0–1 (`rules::gradients_on_device`): their Σ g² and update come from
+/// the device's sum, a replica's all-reduced there.
 #[test]
 fn gradient_sums_on_the_device_train_the_bits_of_host_accumulation() {
     let dir = disk_dir();
@@ -469,6 +470,10 @@ fn gradient_sums_on_the_device_train_the_bits_of_host_accumulation() {
         (2, 3, "none", "none", true, 3),
         (3, 2, "none", "none", false, 3),
         (2, 3, "none", "none", true, 1),
+        // stages 0-1: the replica's sum all-reduced on the device
+        (2, 0, "none", "none", false, 1),
+        (3, 1, "none", "none", true, 3),
+        (2, 1, "none", "cpu-half", true, 1),
         // half the units' state on the device (DeepSpeed's partial offload)
         (2, 3, "cpu", "cpu-half", true, 3),
         (1, 3, "cpu", "cpu-half", false, 1),
@@ -490,6 +495,15 @@ fn gradient_sums_on_the_device_train_the_bits_of_host_accumulation() {
             device == host,
             "world {world} stage {stage} param {param} optimizer {optimizer}, {micro} micro-batches"
         );
+    }
+    // a 16-bit wire at stages 0-1: the replica's sum rounded through it on the device as
+    // the host rounds its accumulator
+    for stage in [0u8, 1] {
+        let mut p = plan(2, stage, "none", "none", 1, dir.path(), "bf16");
+        assert_eq!(p.communication, Wire::Bf16);
+        let host = master(&p);
+        p.zero.device_accumulation = true;
+        assert!(master(&p) == host, "stage {stage}, bf16 wire");
     }
 }
 

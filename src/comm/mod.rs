@@ -128,6 +128,11 @@ pub trait Collective: Send + Sync + 'static {
         tensors::reduce_scatter(self, full, out, op)
     }
     fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<(), CommError>;
+    /// The same in place on an fp32 tensor on the rank's device (contiguous): through
+    /// host memory unless the communicator reads device memory.
+    fn all_reduce_tensor(&self, data: &Tensor, op: ReduceOp) -> Result<(), CommError> {
+        tensors::all_reduce(self, data, op)
+    }
     fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<(), CommError>;
     fn barrier(&self) -> Result<(), CommError>;
     /// Makes every rank's pending and future collectives fail with `reason`.
@@ -183,6 +188,10 @@ impl Collective for Group {
 
     fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         dispatch!(self, c => c.all_reduce(data, op))
+    }
+
+    fn all_reduce_tensor(&self, data: &Tensor, op: ReduceOp) -> Result<(), CommError> {
+        dispatch!(self, c => c.all_reduce_tensor(data, op))
     }
 
     fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<(), CommError> {

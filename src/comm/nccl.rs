@@ -486,6 +486,13 @@ impl Collective for Nccl {
         })
     }
 
+    /// A device tensor straight to NCCL on this communicator's stream.
+    fn all_reduce_tensor(&self, data: &Tensor, op: ReduceOp) -> Result<(), CommError> {
+        self.watched("all_reduce", || {
+            self.all_reduce_device(&mut data.shallow_clone(), op)
+        })
+    }
+
     fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<(), CommError> {
         self.watched("broadcast", || {
             let mut d = self.stage(data)?;

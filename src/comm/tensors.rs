@@ -9,6 +9,29 @@ use crate::torch;
 use tch::{Device, Tensor};
 use tierzero_offload::convert::{f32_to_bf16, f32_to_f16};
 
+/// An fp32 tensor all-reduced in place: a CPU tensor through a host view of its storage,
+/// another device's through a host copy each way.
+pub fn all_reduce<C: Collective + ?Sized>(comm: &C, data: &Tensor, op: ReduceOp) -> Result<(), CommError> {
+    let fail = failure(comm.rank(), "all_reduce");
+    let torch_err = |e: tch::TchError| fail(e.to_string());
+    if data.kind() != tch::Kind::Float || !data.is_contiguous() {
+        return Err(fail(format!(
+            "an all-reduce of a tensor takes contiguous fp32; got {:?}",
+            data.kind()
+        )));
+    }
+    let n = data.numel();
+    if data.device() == Device::Cpu {
+        // SAFETY: the caller owns the tensor's elements for the collective.
+        let values = unsafe { torch::host_slice_mut::<f32>(data, n) }.map_err(torch_err)?;
+        return comm.all_reduce(values, op);
+    }
+    let mut host = vec![0f32; n];
+    torch::copy_to_host(data, torch::pod_bytes_mut(&mut host)).map_err(torch_err)?;
+    comm.all_reduce(&mut host, op)?;
+    torch::copy_from_host(data, torch::pod_bytes(&host)).map_err(torch_err)
+}
+
 /// `out` (world × shard's elements, same kind) receives every rank's `shard` in rank
 /// order, through host memory.
 pub fn all_gather<C: Collective + ?Sized>(comm: &C, shard: &Tensor, out: &Tensor) -> Result<(), CommError> {

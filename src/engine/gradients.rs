@@ -500,6 +500,19 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         }
         let (rank, wire, world) = (self.rank, self.wire, comm.world());
         for u in 0..self.accumulators.len() {
+            if let Some(sum) = self.kept_sum(u) {
+                // a replica's gradient that stays on the device, all-reduced there
+                if world > 1 {
+                    let torch_err = |source| EngineError::Torch { rank, source };
+                    round_tensor_through(wire, &sum).map_err(torch_err)?;
+                    comm.all_reduce_tensor(&sum, ReduceOp::Avg)?;
+                    round_tensor_through(wire, &sum).map_err(torch_err)?;
+                    let bytes = 4 * sum.numel() as u64;
+                    sim::charge(Work::Collective(bytes));
+                    sim::charge(Work::Collective(bytes));
+                }
+                continue;
+            }
             match self.here(u)? {
                 Grads::F32(g) => {
                     if world > 1 {
@@ -544,11 +557,29 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             .flatten()
     }
 
+    /// Of [`Self::kept_sum`], what the optimizer partition reads: at stage 1 this rank's
+    /// slice of the replica's sum.
+    fn kept_partition(&self, u: usize) -> Result<Option<Tensor>, EngineError> {
+        let Some(sum) = self.kept_sum(u) else {
+            return Ok(None);
+        };
+        if self.stage != 1 {
+            return Ok(Some(sum));
+        }
+        let range = &self.partitions[u];
+        sum.f_narrow(0, range.start as i64, range.len() as i64)
+            .map(Some)
+            .map_err(|source| EngineError::Torch {
+                rank: self.rank,
+                source,
+            })
+    }
+
     /// Σ g² over this rank's optimizer partitions, in f64.
     pub(super) fn sum_squares(&mut self) -> Result<f64, EngineError> {
         let mut sum = 0.0;
         for u in 0..self.accumulators.len() {
-            if let Some(kept) = self.kept_sum(u) {
+            if let Some(kept) = self.kept_partition(u)? {
                 let len = kept.numel() as u64;
                 sim::charge(Work::OnDevice(4 * len));
                 sum += device_squares(&kept).map_err(|source| EngineError::Torch {
@@ -606,6 +637,9 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// until [`Self::take_back`]), or at stage 1 a copy of its partition, or where it
     /// is in the store (after [`Self::store_missing`]; an error before).
     pub(super) fn lend_to_optimizer(&mut self, u: usize) -> Result<FinalGrad, EngineError> {
+        if let Some(sum) = self.kept_partition(u)? {
+            return Ok(FinalGrad::Device(sum));
+        }
         if self.stage == 1 {
             let range = self.partitions[u].clone();
             self.here(u)?;
@@ -620,9 +654,6 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
                 copy.copy_from_slice(&grad[range]);
             }
             return Ok(FinalGrad::Here(copy));
-        }
-        if let Some(sum) = self.kept_sum(u) {
-            return Ok(FinalGrad::Device(sum));
         }
         // a stale accumulator is zeroed: no gradient reached it this step
         match std::mem::replace(&mut self.accumulators[u], Accumulator::Lent("optimizer")).zeroed() {
@@ -682,6 +713,24 @@ fn accumulator_len(stage: u8, part: &Partition, partition: &Range<usize>) -> usi
     } else {
         part.padded
     }
+}
+
+/// [`round_through`] on an fp32 tensor: in place through a host view on a CPU device (the
+/// same conversions), through the wire's kind on a GPU (torch rounds to nearest even and
+/// overflows fp16 to infinity alike).
+fn round_tensor_through(wire: Wire, t: &Tensor) -> Result<(), tch::TchError> {
+    let kind = match wire {
+        Wire::Fp32 => return Ok(()),
+        Wire::Bf16 => tch::Kind::BFloat16,
+        Wire::Fp16 => tch::Kind::Half,
+    };
+    if t.device() == tch::Device::Cpu {
+        // SAFETY: the caller owns the sum for the call (nothing else reads or writes it).
+        let values = unsafe { crate::torch::host_slice_mut::<f32>(t, t.numel()) }?;
+        round_through(wire, values);
+        return Ok(());
+    }
+    t.shallow_clone().f_copy_(&t.f_to_kind(kind)?)
 }
 
 /// Σ g² of a device sum: on a CPU device folded as a host accumulator's pass folds it

@@ -88,7 +88,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         }
         if cpu && sums[u] {
             // the device accumulators of gradient accumulation, in host memory on a CPU
-            rank.gradients += 4 * opt_len(p);
+            rank.gradients += 4 * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
         }
         if stage == 1 {
             // the partition copy lent to the optimizer

@@ -203,7 +203,7 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
             bytes.optimizer += 12 * opt_len(p);
         }
         if summed {
-            bytes.accumulators += 4 * opt_len(p);
+            bytes.accumulators += 4 * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
             if optimizer_tier != Tier::Device {
                 bytes.gradients += 4 * opt_len(p);
             }

@@ -134,12 +134,13 @@ pub fn device_accumulation(plan: &Plan) -> bool {
     plan.zero.device_accumulation && plan.zero.stage >= 2 && plan.batch.gradient_accumulation_steps > 1
 }
 
-/// Which units' gradients never leave the device (stages 2–3, where the plan keeps sums
-/// on the device): those whose optimizer state is there. Their reduced stretches are
-/// summed into a device accumulator even with one micro-batch, the fused AdamW reads it
-/// there, and their Σ g² is taken there; nothing of them crosses to the host.
+/// Which units' gradients never leave the device (where the plan keeps sums on the
+/// device): those whose optimizer state is there. Their reduced stretches (stages 2–3)
+/// or their replica's gradient (stages 0–1, all-reduced there once a step) are summed
+/// into a device accumulator even with one micro-batch, the fused AdamW reads it there,
+/// and their Σ g² is taken there; nothing of them crosses to the host.
 pub fn gradients_on_device(plan: &Plan) -> Vec<bool> {
-    let keep = plan.zero.device_accumulation && plan.zero.stage >= 2;
+    let keep = plan.zero.device_accumulation;
     optimizer_tiers(plan)
         .into_iter()
         .map(|t| keep && t == Tier::Device)

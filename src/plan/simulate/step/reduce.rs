@@ -16,6 +16,17 @@ impl Replay<'_> {
     pub(super) fn accumulate(&mut self, u: usize, more: bool) {
         let part = self.parts[u];
         let wire = self.plan.communication.kind().elt_size_in_bytes() as u64;
+        if self.stage() < 2 && rules::gradients_on_device(self.plan)[u] {
+            // a replica's gradient that stays on the device: added into its sum there,
+            // stretch by stretch, in the compute thread
+            let chunk = rules::chunk_elements(self.plan) as u64;
+            let padded = part.padded as u64;
+            for start in (0..padded).step_by(chunk.max(1) as usize) {
+                let add = self.costs.seconds(Cost::OnDevice(4 * chunk.min(padded - start)));
+                self.clocks.run(Track::Compute, "device_add", Some(u), add, 0);
+            }
+            return;
+        }
         if self.stage() < 2 && self.cuda() {
             // to the host accumulator, in the compute thread: stretch by stretch in the
             // training precision through the pinned staging, widened as they are added
