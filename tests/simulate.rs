@@ -269,7 +269,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     let gpu = Profile::load("h100-pcie5").unwrap();
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
-    let variants: [&[&str]; 20] = [
+    let variants: [&[&str]; 21] = [
         &[],
         &[
             "zero_optimization.stage=0",
@@ -320,6 +320,13 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
             "train.accumulate_on_device=true",
             "zero_optimization.stage=1",
             "zero_optimization.offload_optimizer.device=none",
+        ],
+        // units kept gathered with their state and shard on the device, the rest off it
+        &[
+            "zero_optimization.offload_param.device=cpu",
+            "zero_optimization.offload_optimizer.ratio=0.5",
+            "train.keep_gathered=true",
+            "train.shards_on_device=true",
         ],
         // device-tier state, parameters in host memory: the new values go out
         &[

@@ -534,6 +534,24 @@ fn shards_on_the_device_train_the_bits_of_shards_off_it() {
             "world {world} param {param} optimizer {optimizer}: {units} shards on the device"
         );
     }
+    // units kept gathered whose optimizer state is on the device keep their shard there
+    // too (`offload_param.kept_on_device`): updated there, the bits of the host's shard
+    for (world, param) in [(2, "cpu"), (1, "nvme")] {
+        let mut p = plan(world, 3, param, "cpu", 2, dir.path(), "fp32");
+        p.zero.overlap_comm = true;
+        p.zero.param_persistence_threshold = usize::MAX;
+        p.zero.offload_optimizer.ratio = 0.5;
+        let off = master(&p);
+        p.zero.offload_param.kept_on_device = true;
+        let tiers = tierzero::plan::rules::param_tiers(&p);
+        let moved = tiers.iter().filter(|&&t| t == Tier::Device).count();
+        assert!(moved > 0 && moved < tiers.len(), "{tiers:?}");
+        let on = master(&p);
+        assert!(
+            on == off,
+            "world {world} param {param}: kept units' shards on the device"
+        );
+    }
 }
 
 /// Checked lanes change when lane work runs, never what it computes: the parameters are

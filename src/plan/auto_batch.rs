@@ -238,6 +238,42 @@ pub(super) fn fit_shards(plan: &mut Plan, facts: DeviceFacts) {
     }
 }
 
+/// Stage 3 with parameters off the device: whether the units kept gathered whose optimizer
+/// state is on the device keep their shard there too (`offload_param.kept_on_device`), as
+/// `train.shards_on_device` says; for "auto", on a GPU, where its memory has room. Such a
+/// unit's update is made on the device and stays there: no copy out of it, none back in.
+pub(super) fn fit_kept_shards(plan: &mut Plan, facts: DeviceFacts) {
+    if plan.zero.stage != 3 || plan.zero.offload_param.tier == Tier::Device {
+        return;
+    }
+    let before = crate::plan::rules::param_tiers(plan);
+    let on = match plan.train.shards_on_device {
+        Some(on) => on,
+        None if plan.train.accelerator == Accelerator::Cpu => false,
+        None => {
+            let mut p = plan.clone();
+            p.zero.offload_param.kept_on_device = true;
+            fits_budget(&p, facts)
+        }
+    };
+    plan.zero.offload_param.kept_on_device = on;
+    let moved = crate::plan::rules::param_tiers(plan)
+        .iter()
+        .zip(&before)
+        .filter(|(now, was)| now != was)
+        .count();
+    if plan.train.shards_on_device.is_none() && moved > 0 {
+        plan.auto.push(AutoChoice {
+            key: "train.shards_on_device",
+            value: moved as f64,
+            why: format!(
+                "units kept gathered whose optimizer state is on the GPU keep their parameter shard there \
+                 too ({moved}): updated there, nothing crosses; its memory has room"
+            ),
+        });
+    }
+}
+
 /// Stage 3: which gathered units stay on the device for the whole step (gathered once per
 /// step, after the update, instead of for every forward and backward), as
 /// `train.keep_gathered` says: for "auto", on a GPU, the largest units that fit its memory

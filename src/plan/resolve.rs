@@ -503,6 +503,7 @@ fn fill_device(plan: &mut Plan, facts: DeviceFacts, optimizer_first: bool) {
         super::auto_batch::fit_shards(plan, facts);
         super::auto_tiers::fit_optimizer_on_device(plan, facts, true);
     }
+    super::auto_batch::fit_kept_shards(plan, facts);
     super::auto_tiers::fit_params_in_host(plan);
     super::auto_tiers::fit_optimizer_in_host(plan);
 }

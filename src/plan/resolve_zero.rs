@@ -281,6 +281,7 @@ fn param_offload(tier: Tier, op: OffloadParamSection) -> Result<ParamOffload, Co
         max_in_cpu_auto: matches!(op.max_in_cpu, Some(Num::Auto)),
         // decided with the device's other uses (`auto_batch::fit_shards`)
         device_units: 0,
+        kept_on_device: false,
     })
 }
 

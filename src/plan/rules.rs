@@ -204,22 +204,33 @@ pub fn head_slice_rows(vocab: i64, hidden: i64) -> i64 {
 /// not fit, and every one after it, is on NVMe. At stage 3 the shards of the first
 /// `offload_param.device_units` units that are fetched for each use (larger than
 /// `stage3_param_persistence_threshold`: a unit kept gathered crosses once a step
-/// wherever its shard is) stay on the device (`train.shards_on_device`).
+/// wherever its shard is) stay on the device (`train.shards_on_device`), and with
+/// `offload_param.kept_on_device` so do the shards of units kept gathered whose optimizer
+/// state is on the device (their update then never crosses).
 pub fn param_tiers(plan: &Plan) -> Vec<Tier> {
     let param = &plan.zero.offload_param;
     let mut spill = spill_to_nvme(param.max_in_cpu);
-    let mut on_device = if plan.zero.stage == 3 {
-        param.device_units
+    let stage3 = plan.zero.stage == 3;
+    let mut on_device = if stage3 { param.device_units } else { 0 };
+    let kept_state: Vec<bool> = if stage3 && param.kept_on_device {
+        optimizer_tiers(plan)
+            .into_iter()
+            .map(|t| t == Tier::Device)
+            .collect()
     } else {
-        0
+        Vec::new()
     };
+    let threshold = plan.zero.param_persistence_threshold;
     plan.model
         .config
         .unit_numels()
         .into_iter()
-        .map(|numel| match param.tier {
+        .enumerate()
+        .map(|(u, numel)| match param.tier {
+            // a unit kept gathered whose optimizer state is on the device
+            _ if numel <= threshold && kept_state.get(u) == Some(&true) => Tier::Device,
             // `train.shards_on_device`: the first fetched units' shards stay on the device
-            _ if on_device > 0 && numel > plan.zero.param_persistence_threshold => {
+            _ if on_device > 0 && numel > threshold => {
                 on_device -= 1;
                 Tier::Device
             }

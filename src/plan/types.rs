@@ -186,6 +186,10 @@ pub struct ParamOffload {
     /// use (not kept gathered), from the first, keep their shard on the device instead
     /// (`train.shards_on_device`).
     pub device_units: usize,
+    /// Stage 3 with the parameters off the device: the units kept gathered whose
+    /// optimizer state is on the device keep their shard there too (`train.shards_on_device`),
+    /// so their update never crosses.
+    pub kept_on_device: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
