@@ -225,9 +225,10 @@ if part big; then
     fi
     # BIG_SETS: more `--set key=value` words for every 1B run (e.g. the config's own
     # gradient_accumulation_steps instead of 1)
-    sets+=(${BIG_SETS:-})
-    run "llama-1b-$tier" big "llama-1b-$tier" "$config" "${sets[@]}"
-    predict "llama-1b-$tier" 1 --config "$config" --set gradient_accumulation_steps=1 "${sets[@]}"
+    [ -n "${BIG_SETS:-}" ] && sets+=($BIG_SETS)
+    # (${sets[@]+...}: an empty array under set -u, for bash before 4.4 too)
+    run "llama-1b-$tier" big "llama-1b-$tier" "$config" ${sets[@]+"${sets[@]}"}
+    predict "llama-1b-$tier" 1 --config "$config" --set gradient_accumulation_steps=1 ${sets[@]+"${sets[@]}"}
     cp "$WORK/llama-1b-$tier/summary.json" "$OUT/llama-1b-$tier-summary.json" 2>/dev/null
   done
 fi

@@ -32,9 +32,13 @@ fn the_engines_reservations_follow_the_prediction() {
                 if stage == 0 && optimizer == "cpu" {
                     continue;
                 }
-                // gradient sums on the device (stages 2–3, several micro-batches) are reserved
+                // gradient sums on the device (stages 2–3, several micro-batches) are
+                // reserved, and so are the gradients of device-tier state kept there (with
+                // two ranks)
                 let sums: &[&str] = if stage >= 2 && optimizer == "cpu" {
                     &["gradient_accumulation_steps=2", "train.accumulate_on_device=true"]
+                } else if world == 2 && optimizer == "none" {
+                    &["train.accumulate_on_device=true"]
                 } else {
                     &[]
                 };

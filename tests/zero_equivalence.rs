@@ -488,8 +488,10 @@ fn gradient_sums_on_the_device_train_the_bits_of_host_accumulation() {
         p.model.config.tie_word_embeddings = true;
         p.zero.overlap_comm = overlap;
         assert!(!tierzero::plan::rules::device_accumulation(&p));
+        assert!(!tierzero::plan::rules::gradients_on_device(&p).contains(&true));
         let host = master(&p);
         p.zero.device_accumulation = true;
+        p.zero.device_gradients = true;
         let device = master(&p);
         assert!(
             device == host,
@@ -503,6 +505,7 @@ fn gradient_sums_on_the_device_train_the_bits_of_host_accumulation() {
         assert_eq!(p.communication, Wire::Bf16);
         let host = master(&p);
         p.zero.device_accumulation = true;
+        p.zero.device_gradients = true;
         assert!(master(&p) == host, "stage {stage}, bf16 wire");
     }
 }

@@ -31,6 +31,8 @@ pub(super) enum Accumulator {
     Stale(Grads),
     /// In the swap store under (unit, rank, [`State::Grad`]).
     Nvme(Stored),
+    /// None on the host: the gradient stays on the device (`rules::gradients_on_device`).
+    Device,
     /// On a lane (named), coming back with its job.
     Lent(&'static str),
 }
@@ -133,6 +135,8 @@ struct DeviceSums {
     summed: Vec<bool>,
     /// Which of them never leave it (`rules::gradients_on_device`).
     kept: Vec<bool>,
+    /// Where the sums are made (the compute device).
+    on: tch::Device,
 }
 
 impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
@@ -141,7 +145,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// stage 1 the partition copies in another), allocated here once for the run.
     pub(super) fn new(
         (stage, rank, bf16): (u8, usize, bool),
-        (summed, kept): (Vec<bool>, Vec<bool>),
+        (summed, kept, on): (Vec<bool>, Vec<bool>, tch::Device),
         (wire, chunk): (Wire, usize),
         parts: Vec<Partition>,
         partitions: Vec<Range<usize>>,
@@ -168,30 +172,35 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             }
             (_, false) => None,
         };
+        // a gradient that stays on the device has no host accumulator (nor a stage-1 copy)
+        let on_host = |u: usize| !in_store[u] && !kept[u];
         let lens: Vec<usize> = (0..parts.len())
-            .filter(|&u| !in_store[u])
+            .filter(|&u| on_host(u))
             .map(|u| accumulator_len(stage, &parts[u], &partitions[u]))
             .collect();
         let mut here = Grads::carve(&lens, bf16, pinning)
             .map_err(carve_err("gradient"))?
             .into_iter();
-        let accumulators = in_store
-            .iter()
-            .map(|&on_nvme| match (on_nvme, here.next()) {
+        let accumulators = (0..parts.len())
+            .map(|u| match (in_store[u], kept[u]) {
                 (true, _) => Ok(Accumulator::Nvme(Stored::Nothing)),
-                (false, Some(g)) => Ok(Accumulator::Here(g)),
-                (false, None) => Err(EngineError::Invariant {
+                (false, true) => Ok(Accumulator::Device),
+                (false, false) => here.next().map(Accumulator::Here).ok_or(EngineError::Invariant {
                     rank,
                     what: "fewer gradient accumulators carved than units in memory",
                 }),
             })
             .collect::<Result<Vec<_>, _>>()?;
         let copies = if stage == 1 {
-            let lens: Vec<usize> = partitions.iter().map(|r| r.len()).collect();
-            Grads::carve(&lens, false, pinning)
+            let lens: Vec<usize> = (0..parts.len())
+                .filter(|&u| !kept[u])
+                .map(|u| partitions[u].len())
+                .collect();
+            let mut carved = Grads::carve(&lens, false, pinning)
                 .map_err(carve_err("stage-1 gradient copy"))?
-                .into_iter()
-                .map(Some)
+                .into_iter();
+            (0..parts.len())
+                .map(|u| if kept[u] { None } else { carved.next() })
                 .collect()
         } else {
             parts.iter().map(|_| None).collect()
@@ -202,6 +211,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             last_micro: false,
             summed,
             kept,
+            on,
         });
         Ok(Gradients {
             accumulators,
@@ -280,6 +290,10 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             Accumulator::Stale(_) | Accumulator::Nvme(_) => Err(EngineError::Invariant {
                 rank,
                 what: "a host gradient wanted where the gradients are on NVMe",
+            }),
+            Accumulator::Device => Err(EngineError::Invariant {
+                rank,
+                what: "a host gradient wanted where the gradient stays on the device",
             }),
         }
     }
@@ -457,7 +471,9 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     fn lent(&self, u: usize) -> EngineError {
         let lane = match self.accumulators[u] {
             Accumulator::Lent(lane) => lane,
-            Accumulator::Here(_) | Accumulator::Stale(_) | Accumulator::Nvme(_) => "compute",
+            Accumulator::Here(_) | Accumulator::Stale(_) | Accumulator::Nvme(_) | Accumulator::Device => {
+                "compute"
+            }
         };
         EngineError::Lent {
             rank: self.rank,
@@ -500,8 +516,12 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         }
         let (rank, wire, world) = (self.rank, self.wire, comm.world());
         for u in 0..self.accumulators.len() {
-            if let Some(sum) = self.kept_sum(u) {
-                // a replica's gradient that stays on the device, all-reduced there
+            if matches!(self.accumulators[u], Accumulator::Device) {
+                // a replica's gradient that stays on the device, all-reduced there (every
+                // rank's is started by the same micro-batches, or none is)
+                let Some(sum) = self.kept_sum(u) else {
+                    continue;
+                };
                 if world > 1 {
                     let torch_err = |source| EngineError::Torch { rank, source };
                     round_tensor_through(wire, &sum).map_err(torch_err)?;
@@ -557,6 +577,37 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             .flatten()
     }
 
+    /// A gradient kept on the device that got nothing this step: its sum made zeros (made
+    /// first where no step has added into it yet), the optimizer partition of it.
+    fn zero_on_device(&mut self, u: usize) -> Result<Tensor, EngineError> {
+        let (rank, len) = (
+            self.rank,
+            accumulator_len(self.stage, &self.parts[u], &self.partitions[u]),
+        );
+        let torch_err = |source| EngineError::Torch { rank, source };
+        let Some(d) = self.device.as_mut() else {
+            return Err(EngineError::Invariant {
+                rank,
+                what: "a gradient kept on the device without device sums",
+            });
+        };
+        let sum = match &d.sums[u] {
+            Some(t) => t.shallow_clone(),
+            None => {
+                let t = Tensor::f_empty([len as i64], (tch::Kind::Float, d.on)).map_err(torch_err)?;
+                d.sums[u] = Some(t.shallow_clone());
+                t
+            }
+        };
+        let _ = sum.shallow_clone().f_zero_().map_err(torch_err)?;
+        if self.stage != 1 {
+            return Ok(sum);
+        }
+        let range = &self.partitions[u];
+        sum.f_narrow(0, range.start as i64, range.len() as i64)
+            .map_err(torch_err)
+    }
+
     /// Of [`Self::kept_sum`], what the optimizer partition reads: at stage 1 this rank's
     /// slice of the replica's sum.
     fn kept_partition(&self, u: usize) -> Result<Option<Tensor>, EngineError> {
@@ -599,7 +650,8 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
                     }
                 },
                 Accumulator::Nvme(Stored::Whole { sum_squares }) => *sum_squares,
-                Accumulator::Stale(_) | Accumulator::Nvme(Stored::Nothing) => 0.0,
+                // a gradient kept on the device that got nothing this step is zero
+                Accumulator::Stale(_) | Accumulator::Nvme(Stored::Nothing) | Accumulator::Device => 0.0,
                 Accumulator::Lent(_) => return Err(self.lent(u)),
             };
         }
@@ -639,6 +691,9 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     pub(super) fn lend_to_optimizer(&mut self, u: usize) -> Result<FinalGrad, EngineError> {
         if let Some(sum) = self.kept_partition(u)? {
             return Ok(FinalGrad::Device(sum));
+        }
+        if matches!(self.accumulators[u], Accumulator::Device) {
+            return self.zero_on_device(u).map(FinalGrad::Device);
         }
         if self.stage == 1 {
             let range = self.partitions[u].clone();
@@ -685,13 +740,23 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         };
     }
 
-    /// Host bytes of unit `u`'s accumulator, wherever it is now (none when stored).
+    /// Host bytes of unit `u`'s accumulator, wherever it is now (none when stored or kept
+    /// on the device).
     pub(super) fn unit_bytes(&self, u: usize) -> usize {
-        if self.in_store[u] {
+        if self.in_store[u] || matches!(self.accumulators[u], Accumulator::Device) {
             return 0;
         }
         let elem = if self.bf16 { 2 } else { 4 };
         elem * accumulator_len(self.stage, &self.parts[u], &self.partitions[u])
+    }
+
+    /// Bytes of unit `u`'s gradient as a device-tier optimizer reads it: its fp32 sum on
+    /// the device where it stays there, else its host accumulator's.
+    pub(super) fn gradient_bytes(&self, u: usize) -> usize {
+        if matches!(self.accumulators[u], Accumulator::Device) {
+            return 4 * accumulator_len(self.stage, &self.parts[u], &self.partitions[u]);
+        }
+        self.unit_bytes(u)
     }
 
     /// Host bytes of the accumulators, wherever they are now, and of the chunk buffers

@@ -145,6 +145,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             (
                 crate::plan::rules::device_sums(plan),
                 crate::plan::rules::gradients_on_device(plan),
+                compute,
             ),
             (plan.communication, crate::plan::rules::chunk_elements(plan)),
             parts.clone(),
@@ -172,7 +173,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 &device,
                 u,
                 (state.params.len(), part),
-                (partition.len(), grads.unit_bytes(u)),
+                (partition.len(), grads.gradient_bytes(u)),
             )?);
             units.push(part, state.params, param_homes[u])?;
         }

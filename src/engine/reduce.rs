@@ -120,11 +120,13 @@ pub enum Target {
     Replica,
 }
 
-/// A unit's gradient accumulated on the device over a step's micro-batches
-/// (`plan::rules::device_accumulation`): an fp32 tensor of its partition, which the
-/// step's first contribution overwrites and the others add into; the `flush`ing one
-/// (the last micro-batch's) then hands the sum to the host accumulator. fp32 additions in
-/// the same order as the host accumulator's, so the sum is the bits it would hold.
+/// A unit's gradient summed on the device over a step's micro-batches
+/// (`plan::rules::device_sums`): an fp32 tensor of its accumulator (the partition at
+/// stages 2–3, the padded replica at 0–1), which the step's first contribution overwrites
+/// and the others add into; the `flush`ing one (the last micro-batch's, unless the
+/// gradient stays on the device) then hands the sum to the host accumulator. fp32
+/// additions in the same order as the host accumulator's, so the sum is the bits it would
+/// hold.
 pub struct OnDevice {
     pub acc: Tensor,
     pub first: bool,

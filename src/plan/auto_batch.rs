@@ -144,8 +144,16 @@ pub(super) fn fits_budget(plan: &Plan, facts: DeviceFacts) -> bool {
 /// Whether gradient accumulation keeps its sums on the device
 /// (`rules::device_accumulation`): as `train.accumulate_on_device` says, and for "auto"
 /// on a GPU where the plan still fits its memory with them. A CPU device's memory is the
-/// host's, where the accumulators already are: "auto" keeps the sums there once.
+/// host's, where the accumulators already are: "auto" keeps the sums there once. The
+/// gradients of device-tier optimizer state (`rules::gradients_on_device`) stay on the
+/// device on a GPU either way, unless the key says false.
 pub(super) fn fit_device_sums(plan: &mut Plan, facts: DeviceFacts) {
+    // the gradients of device-tier state take no memory beyond what the device row
+    // counts for them: kept there whether or not every unit's sum fits
+    plan.zero.device_gradients = plan
+        .train
+        .accumulate_on_device
+        .unwrap_or(plan.train.accelerator != Accelerator::Cpu);
     plan.zero.device_accumulation = match plan.train.accumulate_on_device {
         Some(on) => on,
         None if plan.train.accelerator == Accelerator::Cpu => false,
@@ -263,14 +271,22 @@ pub(super) fn fit_kept_shards(plan: &mut Plan, facts: DeviceFacts) {
         .filter(|(now, was)| now != was)
         .count();
     if plan.train.shards_on_device.is_none() && moved > 0 {
-        plan.auto.push(AutoChoice {
-            key: "train.shards_on_device",
-            value: moved as f64,
-            why: format!(
-                "units kept gathered whose optimizer state is on the GPU keep their parameter shard there \
-                 too ({moved}): updated there, nothing crosses; its memory has room"
-            ),
-        });
+        let why = format!(
+            "{moved} units kept gathered whose optimizer state is on the GPU keep their parameter shard there \
+             too: updated there, nothing crosses; its memory has room"
+        );
+        // one line for the key, beside what `fit_shards` chose
+        match plan.auto.iter_mut().find(|c| c.key == "train.shards_on_device") {
+            Some(choice) => {
+                choice.value += moved as f64;
+                choice.why = format!("{}; {why}", choice.why);
+            }
+            None => plan.auto.push(AutoChoice {
+                key: "train.shards_on_device",
+                value: moved as f64,
+                why,
+            }),
+        }
     }
 }
 

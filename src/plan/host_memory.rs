@@ -65,6 +65,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     let optimizer_tiers = optimizer_tiers(plan);
     let stored = stored_gradients(plan);
     let sums = device_sums(plan);
+    let on_device = super::rules::gradients_on_device(plan);
     for (u, (p, &param_tier)) in parts.iter().zip(&param_tiers).enumerate() {
         let optimizer_tier = optimizer_tiers[u];
         if in_host(param_tier) {
@@ -83,14 +84,15 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
             // the host buffer the CPU optimizer writes the new partition into
             rank.parameters += elem * opt_len(p);
         }
-        if !stored[u] {
+        // a gradient kept on the device has no host accumulator (nor a stage-1 copy)
+        if !stored[u] && !on_device[u] {
             rank.gradients += grad_elem * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
         }
         if cpu && sums[u] {
             // the device accumulators of gradient accumulation, in host memory on a CPU
             rank.gradients += 4 * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
         }
-        if stage == 1 {
+        if stage == 1 && !on_device[u] {
             // the partition copy lent to the optimizer
             rank.gradients += 4 * opt_len(p);
         }

@@ -127,20 +127,21 @@ pub fn nvme_optimizer(plan: &Plan) -> bool {
 /// Whether gradients accumulate on the device across a step's micro-batches (stages 2–3
 /// with gradient accumulation): each micro-batch's reduced stretch is added into a device
 /// accumulator of the unit's partition, and only the last micro-batch's sum leaves the
-/// device, once per step, for the host accumulator or the swap store. The device row of
-/// the plan counts these accumulators (4 bytes per partition element) on every tier; a
-/// plan whose device budget they would overflow keeps the sums on the host.
+/// device, once per step, for the host accumulator or the swap store (none of a unit
+/// whose gradient stays there, [`gradients_on_device`]). The device row of the plan counts
+/// these accumulators (4 bytes per partition element) on every tier; a plan whose device
+/// budget they would overflow keeps the sums on the host.
 pub fn device_accumulation(plan: &Plan) -> bool {
     plan.zero.device_accumulation && plan.zero.stage >= 2 && plan.batch.gradient_accumulation_steps > 1
 }
 
-/// Which units' gradients never leave the device (where the plan keeps sums on the
-/// device): those whose optimizer state is there. Their reduced stretches (stages 2–3)
-/// or their replica's gradient (stages 0–1, all-reduced there once a step) are summed
-/// into a device accumulator even with one micro-batch, the fused AdamW reads it there,
-/// and their Σ g² is taken there; nothing of them crosses to the host.
+/// Which units' gradients never leave the device (`zero.device_gradients`): those whose
+/// optimizer state is there. Their reduced stretches (stages 2–3) or their replica's
+/// gradient (stages 0–1, all-reduced there once a step) are summed into a device
+/// accumulator even with one micro-batch, the fused AdamW reads it there, and their Σ g²
+/// is taken there; nothing of them crosses to the host.
 pub fn gradients_on_device(plan: &Plan) -> Vec<bool> {
-    let keep = plan.zero.device_accumulation;
+    let keep = plan.zero.device_gradients;
     optimizer_tiers(plan)
         .into_iter()
         .map(|t| keep && t == Tier::Device)

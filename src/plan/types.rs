@@ -231,6 +231,11 @@ pub struct Zero {
     /// accumulation keeps its sums on the device (`rules::device_accumulation`); decided
     /// by `auto_batch::fit_device_sums`.
     pub device_accumulation: bool,
+    /// The gradients of device-tier optimizer state stay on the device
+    /// (`rules::gradients_on_device`): as `train.accumulate_on_device` says, on by default
+    /// on a GPU (the device row counts them either way); decided by
+    /// `auto_batch::fit_device_sums`.
+    pub device_gradients: bool,
     pub gather_16bit_weights_on_model_save: bool,
     pub offload_param: ParamOffload,
     pub offload_optimizer: OptimizerOffload,
