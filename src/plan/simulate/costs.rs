@@ -145,24 +145,15 @@ impl Costs {
         }
     }
 
-    /// A copy out of the device: into pinned host memory on a GPU (every stretch leaves
-    /// through pinned staging, `engine/reduce.rs`), a memcpy on a CPU.
-    fn d2h_rate(&self) -> f64 {
+    /// A copy out of the device's rate: into pinned host memory on a GPU (every stretch
+    /// leaves through pinned staging, `engine/reduce.rs`) or pageable memory (device-tier
+    /// state's new values, `engine/optimize.rs`), a memcpy on a CPU.
+    fn d2h_rate(&self, pinned: bool) -> f64 {
         let c = &self.profile.copies;
-        if self.cuda() {
-            c.d2h_pinned.value
-        } else {
-            c.host_memcpy.value
-        }
-    }
-
-    /// A copy out of the device into pageable memory (a memcpy on a CPU).
-    fn d2h_pageable_rate(&self) -> f64 {
-        let c = &self.profile.copies;
-        if self.cuda() {
-            c.d2h_pageable.value
-        } else {
-            c.host_memcpy.value
+        match (self.cuda(), pinned) {
+            (false, _) => c.host_memcpy.value,
+            (true, true) => c.d2h_pinned.value,
+            (true, false) => c.d2h_pageable.value,
         }
     }
 
@@ -256,8 +247,8 @@ impl Costs {
                 };
                 Self::seconds_at(bytes, rate)
             }
-            Work::D2h(bytes) => Self::seconds_at(bytes, self.d2h_rate()),
-            Work::D2hPageable(bytes) => Self::seconds_at(bytes, self.d2h_pageable_rate()),
+            Work::D2h(bytes) => Self::seconds_at(bytes, self.d2h_rate(true)),
+            Work::D2hPageable(bytes) => Self::seconds_at(bytes, self.d2h_rate(false)),
             Work::OnDevice(bytes) => Self::seconds_at(bytes, copies.device_to_device.value),
             Work::HostAdd(elements) => Self::seconds_at(4 * elements, self.host_add_rate(elements)),
             Work::Collective(bytes) | Work::Gather(bytes) => self.collective(bytes),
