@@ -215,14 +215,18 @@ big() { # name, config, more train arguments
 }
 export -f big
 # BIG="cpu nvme" (the default) picks the 1B configs' tiers; "none" is the cpu config with
-# nothing offloaded (parameters, gradients and optimizer state on the GPU)
+# nothing offloaded (parameters, gradients and optimizer state on the GPU), "ddp" the same
+# at stage 0, "ratio" the cpu config with offload_optimizer.ratio=auto (the state, and the
+# shards of the units kept gathered, where the GPU has room)
 if part big; then
   for tier in ${BIG:-cpu nvme}; do
     config="configs/llama-1b-1gpu-$tier.json" sets=()
-    if [ "$tier" = none ]; then
-      config=configs/llama-1b-1gpu-cpu.json
-      sets=(--set zero_optimization.offload_param.device=none --set zero_optimization.offload_optimizer.device=none)
-    fi
+    nothing=(--set zero_optimization.offload_param.device=none --set zero_optimization.offload_optimizer.device=none)
+    case $tier in
+      none) config=configs/llama-1b-1gpu-cpu.json sets=("${nothing[@]}") ;;
+      ddp) config=configs/llama-1b-1gpu-cpu.json sets=("${nothing[@]}" --set zero_optimization.stage=0) ;;
+      ratio) config=configs/llama-1b-1gpu-cpu.json sets=(--set zero_optimization.offload_optimizer.ratio=auto) ;;
+    esac
     # BIG_SETS: more `--set key=value` words for every 1B run (e.g. the config's own
     # gradient_accumulation_steps instead of 1)
     [ -n "${BIG_SETS:-}" ] && sets+=($BIG_SETS)
