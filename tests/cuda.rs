@@ -231,14 +231,19 @@ fn fused_adamw_on_the_gpu_follows_the_cpu_kernel() {
     }
 }
 
-fn tiny(accelerator: &str, param: &str, optimizer: &str, precision: &str, dir: &std::path::Path) -> Plan {
+fn tiny(
+    accelerator: &str,
+    (stage, param, optimizer): (u8, &str, &str),
+    precision: &str,
+    dir: &std::path::Path,
+) -> Plan {
     let config = json!({
         "train_micro_batch_size_per_gpu": 4,
         "gradient_clipping": 1.0,
         "optimizer": { "type": "AdamW", "params": { "lr": 3e-3, "weight_decay": 0.01 } },
         "bf16": { "enabled": precision == "bf16" },
         "zero_optimization": {
-            "stage": 3,
+            "stage": stage,
             "stage3_param_persistence_threshold": 0,
             "offload_param": { "device": param, "nvme_path": dir.join("params"), "max_in_cpu": 0 },
             "offload_optimizer": { "device": optimizer, "nvme_path": dir.join("optimizer") }
@@ -259,24 +264,38 @@ fn losses(plan: &Plan) -> Vec<f64> {
         .collect()
 }
 
+/// The tiny Llama on CUDA against its CPU run: host and NVMe tiers, and optimizer state
+/// on the GPU, whose gradients stay there (`rules::gradients_on_device`; stage 3 with
+/// parameters on the GPU or in host memory, and stage 0).
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it with --ignored"]
 fn tiny_llama_on_cuda_follows_the_cpu_run() {
     require_gpu();
     let tmp = tempfile::tempdir().unwrap();
-    for (param, optimizer) in [("cpu", "cpu"), ("nvme", "nvme")] {
+    let layouts = [
+        (3, "cpu", "cpu"),
+        (3, "nvme", "nvme"),
+        (3, "none", "none"),
+        (3, "cpu", "none"),
+        (0, "none", "none"),
+    ];
+    for (stage, param, optimizer) in layouts {
         for (precision, tolerance) in [("fp32", 1e-3), ("bf16", 2e-2)] {
-            let cpu = losses(&tiny("cpu", param, optimizer, precision, &tmp.path().join("a")));
-            let gpu = losses(&tiny("cuda", param, optimizer, precision, &tmp.path().join("b")));
+            let layout = (stage, param, optimizer);
+            let cpu = losses(&tiny("cpu", layout, precision, &tmp.path().join("a")));
+            let gpu = losses(&tiny("cuda", layout, precision, &tmp.path().join("b")));
             let worst = cpu
                 .iter()
                 .zip(&gpu)
                 .map(|(a, b)| (a - b).abs() / a.abs())
                 .fold(0.0, f64::max);
             println!(
-                "{param}/{optimizer} {precision}: cpu {cpu:?}\n  cuda {gpu:?}\n  worst relative {worst:.2e}"
+                "stage {stage} {param}/{optimizer} {precision}: cpu {cpu:?}\n  cuda {gpu:?}\n  worst relative {worst:.2e}"
             );
-            assert!(worst < tolerance, "{param}/{optimizer} {precision}: {worst}");
+            assert!(
+                worst < tolerance,
+                "stage {stage} {param}/{optimizer} {precision}: {worst}"
+            );
         }
     }
 }
