@@ -15,7 +15,9 @@
 # PROFILE (default: h200 on an H200, else h100-pcie5): the first run on a GPU calibrates
 # the profile.
 # With PARTS=disk it also measures that machine's disk for the NVMe tier (bench nvme,
-# bench swap), which issue 3's targets need.
+# bench swap), which issue 3's targets need; with PARTS=profile it writes the machine's
+# profile as `bench profile` measures it on the GPU (OUT_DIR/profile-measured.json) and
+# prices llama-1b on it beside the h200-vm profile.
 # PARTS="tests bench tiny big memory sanitizer" (the default) picks parts, so a run that would
 # exceed one command's time limit can be split over several calls. Each run is stopped
 # after RUN_TIMEOUT seconds (default 300): one hung run costs its own time, not the rest.
@@ -248,6 +250,15 @@ if part sanitizer && command -v compute-sanitizer >/dev/null; then
 fi
 part memory && run bench-memory "$BIN" bench memory --config configs/default.json --devices 1 --stages 0,3 \
   --set train.output_dir="$WORK/memory" --set zero_optimization.offload_optimizer.nvme_path="$WORK/memory/nvme"
+if part profile; then
+  run bench-profile "$BIN" bench profile --config configs/llama-1b-1gpu-cpu.json \
+    --set gradient_accumulation_steps=1 --dir "$WORK/profile-nvme" --out "$OUT/profile-measured.json" \
+    --name measured-here
+  for p in "$OUT/profile-measured.json" profiles/h200-vm.json; do
+    log "llama-1b cpu/cpu, accumulation 1, on $p: $("$BIN" plan --config configs/llama-1b-1gpu-cpu.json \
+      --set gradient_accumulation_steps=1 --simulate "$p" --json 2>/dev/null | $PY -c 'import json,sys; print(round(json.load(sys.stdin)["step_s"], 4), "s")')"
+  done
+fi
 if part disk; then
   run bench-nvme "$BIN" bench nvme --dir "$WORK/nvme-bench"
   run bench-swap "$BIN" bench swap --dir "$WORK/swap-bench" --params 100000000 --sub-group-size 10000000

@@ -7,6 +7,7 @@ pub mod gpu;
 pub mod memory;
 pub mod nvme;
 pub mod profile;
+mod profile_gpu;
 pub mod step;
 pub mod swap;
 pub mod unit;

@@ -8,7 +8,11 @@
 //! them over the median time. Beside them: memcpy (one thread and every core), a
 //! one-thread fp32 add, a device-memory copy, the collectives (`bench comm`'s Local
 //! ranks), NVMe (`bench nvme`'s io_uring rows) and the CPU AdamW (`bench adam`). Every
-//! number records the measurement that gave it.
+//! number records the measurement that gave it. Where the configs compute on a GPU, the
+//! compute, the matmul peaks, the device's copies and its memory are the GPU's
+//! (`profile_gpu.rs`).
+
+use super::profile_gpu::sync;
 
 use super::adam::{run as adam_bench, AdamBenchArgs};
 use super::comm::{run as comm_bench, Backend, CommBenchArgs};
@@ -48,7 +52,7 @@ pub(super) fn timed(mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result
 }
 
 /// The rates of one config's shapes: block forward, block backward, head, each timed on
-/// rank 0 while every rank of the config does the same.
+/// rank 0 while every rank of the config does the same, each on its device.
 fn compute_rates(plan: &Plan, overhead: f64) -> anyhow::Result<Vec<Rate>> {
     let threads = rank_threads(plan);
     tch::set_num_threads(threads as i32);
@@ -57,7 +61,10 @@ fn compute_rates(plan: &Plan, overhead: f64) -> anyhow::Result<Vec<Rate>> {
     let results: Vec<anyhow::Result<Vec<Rate>>> = std::thread::scope(|s| {
         let barrier = &barrier;
         let handles: Vec<_> = (0..ranks)
-            .map(|_| s.spawn(move || one_rank_rates(plan, threads, overhead, barrier)))
+            .map(|r| {
+                let device = plan.train.compute_device(r);
+                s.spawn(move || one_rank_rates(plan, (threads, device), overhead, barrier))
+            })
             .collect();
         handles
             .into_iter()
@@ -72,7 +79,7 @@ fn compute_rates(plan: &Plan, overhead: f64) -> anyhow::Result<Vec<Rate>> {
 
 fn one_rank_rates(
     plan: &Plan,
-    threads: usize,
+    (threads, device): (usize, Device),
     overhead: f64,
     barrier: &std::sync::Barrier,
 ) -> anyhow::Result<Vec<Rate>> {
@@ -86,7 +93,7 @@ fn one_rank_rates(
     let model = Model::new(config.clone(), kind).with_head(head_matmul);
     let last = model.units.len() - 1;
     let numel = |u: usize| model.units[u].numel as i64;
-    let options = (kind, Device::Cpu);
+    let options = (kind, device);
     let params = Tensor::f_randn([numel(1)], options)?.f_mul_scalar(0.02)?;
     let x = Tensor::f_randn([rows, seq, h], options)?;
     let dy = Tensor::f_randn([rows, seq, h], options)?.f_mul_scalar(1e-3)?;
@@ -96,27 +103,28 @@ fn one_rank_rates(
     } else {
         None
     };
-    let targets = Tensor::f_randint(config.vocab_size as i64, [rows, seq], (Kind::Int64, Device::Cpu))?;
+    let targets = Tensor::f_randint(config.vocab_size as i64, [rows, seq], (Kind::Int64, device))?;
     barrier.wait();
     let forward = timed(|| {
         let _ = model.forward_unit(1, &params, &x, None)?;
-        Ok(())
+        sync(device)
     })?;
     let backward = timed(|| {
         let _ = model.backward_unit(1, &params, &x, &dy, None)?;
-        Ok(())
+        sync(device)
     })?;
     let head = timed(|| {
         model.backward_final(&final_params, embedding.as_ref(), &x, &targets, Weight::Mean(1.0))?;
-        Ok(())
+        sync(device)
     })?;
     let block = model.units[1].numel;
     let seq_len = seq as usize;
     let source = |what: &str| {
         format!(
-            "{what} of {} ({} tokens = {rows} × {seq}, hidden {h}) timed by `tierzero bench profile`, {threads} torch threads per rank, {} ranks at once, median of at least {REPEATS} runs and 0.3 s",
+            "{what} of {} ({} tokens = {rows} × {seq}, hidden {h}) timed by `tierzero bench profile` on {}, {threads} torch threads per rank, {} ranks at once, median of at least {REPEATS} runs and 0.3 s",
             plan.model.source,
             tokens,
+            if device.is_cuda() { "the GPU" } else { "the CPU" },
             plan.train.devices
         )
     };
@@ -234,24 +242,44 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = rank_threads(&plans[0]);
     tch::set_num_threads(threads as i32);
+    // the configs' device: a GPU where they compute on one
+    let device = plans[0].train.compute_device(0);
     let small = Model::new(
         crate::config::model::ModelConfig::preset("llama-tiny").unwrap_or_else(|| unreachable!()),
         Kind::Float,
     );
-    let p = Tensor::f_randn([small.units[1].numel as i64], (Kind::Float, Device::Cpu))?;
-    let x = Tensor::f_randn([1, 8, 64], (Kind::Float, Device::Cpu))?;
+    let p = Tensor::f_randn([small.units[1].numel as i64], (Kind::Float, device))?;
+    let x = Tensor::f_randn([1, 8, 64], (Kind::Float, device))?;
     let overhead = timed(|| {
         let _ = small.forward_unit(1, &p, &x, None)?;
-        Ok(())
+        sync(device)
     })?;
     let mut rates = Vec::new();
     for plan in plans {
         rates.extend(compute_rates(plan, overhead)?);
     }
     tch::set_num_threads(threads as i32);
-    let peak = |kind| crate::metrics::peak::matmul_flops(Device::Cpu, kind, 1024, 5);
+    // a GPU's matmul peak needs a product that fills it
+    let side = if device.is_cuda() { 8192 } else { 1024 };
+    let peak = |kind| crate::metrics::peak::matmul_flops(device, kind, side, 5);
     let (peak_fp32, peak_bf16) = (peak(Kind::Float)?, peak(Kind::BFloat16)?);
-    let copies = copies(threads)?;
+    let copies = match device {
+        Device::Cuda(d) => super::profile_gpu::copies(d, copies(threads)?)?,
+        _ => copies(threads)?,
+    };
+    let (about, memory) = match device {
+        Device::Cuda(d) => {
+            let (name, total) = super::profile_gpu::memory(d)?;
+            (
+                format!("This machine, measured by `tierzero bench profile`: one {name} (compute, its copies and memory), {cores} host cores (host copies and adds, the CPU AdamW, NVMe; the collectives between ranks as threads)."),
+                Figure::new(total, format!("the driver's total memory of the {name}, `tierzero bench profile`")),
+            )
+        }
+        _ => (
+            format!("This machine, measured by `tierzero bench profile`: {cores} cores, no GPU (compute on the CPU, lanes as threads)."),
+            Figure::new(0.0, "CPU devices have no memory of their own"),
+        ),
+    };
     let ranks = plans.iter().map(|p| p.train.devices).max().unwrap_or(1).max(2);
     let comm = |bytes| {
         comm_bench(&CommBenchArgs {
@@ -276,17 +304,15 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
     })?;
     Ok(Profile {
         name: name.to_string(),
-        about: format!(
-            "This machine, measured by `tierzero bench profile`: {cores} cores, no GPU (compute on the CPU, lanes as threads)."
-        ),
-        device: "cpu".into(),
-        device_memory_bytes: Figure::new(0.0, "CPU devices have no memory of their own"),
+        about,
+        device: if device.is_cuda() { "cuda" } else { "cpu" }.into(),
+        device_memory_bytes: memory,
         host_cores: cores,
         compute: Compute {
             threads,
             overhead_s: Figure::new(overhead, "a llama-tiny block's forward over 8 tokens, `tierzero bench profile`"),
-            peak_flops_bf16: Figure::new(peak_bf16, format!("a 1024³ bf16 matmul, {threads} threads, `tierzero bench profile`")),
-            peak_flops_fp32: Figure::new(peak_fp32, format!("a 1024³ fp32 matmul, {threads} threads, `tierzero bench profile`")),
+            peak_flops_bf16: Figure::new(peak_bf16, format!("a {side}³ bf16 matmul, {threads} threads, `tierzero bench profile`")),
+            peak_flops_fp32: Figure::new(peak_fp32, format!("a {side}³ fp32 matmul, {threads} threads, `tierzero bench profile`")),
             rates,
         },
         copies,
