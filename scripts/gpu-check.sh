@@ -251,10 +251,12 @@ fi
 part memory && run bench-memory "$BIN" bench memory --config configs/default.json --devices 1 --stages 0,3 \
   --set train.output_dir="$WORK/memory" --set zero_optimization.offload_optimizer.nvme_path="$WORK/memory/nvme"
 if part profile; then
-  run bench-profile "$BIN" bench profile --config configs/llama-1b-1gpu-cpu.json \
-    --set gradient_accumulation_steps=1 --dir "$WORK/profile-nvme" --out "$OUT/profile-measured.json" \
-    --name measured-here
+  # a 2 GiB disk pass, the CPU AdamW and llama-1b's compute: more than one run's usual bound
+  RUN_TIMEOUT=${PROFILE_TIMEOUT:-600} run bench-profile "$BIN" bench profile \
+    --config configs/llama-1b-1gpu-cpu.json --set gradient_accumulation_steps=1 \
+    --dir "$WORK/profile-nvme" --out "$OUT/profile-measured.json" --name measured-here
   for p in "$OUT/profile-measured.json" profiles/h200-vm.json; do
+    [ -s "$p" ] || continue
     log "llama-1b cpu/cpu, accumulation 1, on $p: $("$BIN" plan --config configs/llama-1b-1gpu-cpu.json \
       --set gradient_accumulation_steps=1 --simulate "$p" --json 2>/dev/null | $PY -c 'import json,sys; print(round(json.load(sys.stdin)["step_s"], 4), "s")')"
   done

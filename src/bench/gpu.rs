@@ -201,7 +201,12 @@ fn torch_rates(ordinal: usize, bytes: usize) -> Result<Rates, GpuBenchError> {
 
 /// `tierzero bench h2d`.
 pub fn h2d(size_mb: usize) -> Result<H2dReport, GpuBenchError> {
-    let cuda = Cuda::open(0)?;
+    h2d_on(0, size_mb)
+}
+
+/// [`h2d`] on the GPU of `ordinal`.
+pub fn h2d_on(ordinal: usize, size_mb: usize) -> Result<H2dReport, GpuBenchError> {
+    let cuda = Cuda::open(ordinal)?;
     let bytes = size_mb.max(1) << 20;
     let device = cuda.name()?;
     let pinned = {

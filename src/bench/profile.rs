@@ -62,7 +62,7 @@ fn compute_rates(plan: &Plan, overhead: f64) -> anyhow::Result<Vec<Rate>> {
         let barrier = &barrier;
         let handles: Vec<_> = (0..ranks)
             .map(|r| {
-                let device = plan.train.compute_device(r);
+                let device = plan.train.compute_device(plan.train.local_ranks().start + r);
                 s.spawn(move || one_rank_rates(plan, (threads, device), overhead, barrier))
             })
             .collect();
@@ -242,8 +242,13 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = rank_threads(&plans[0]);
     tch::set_num_threads(threads as i32);
-    // the configs' device: a GPU where they compute on one
-    let device = plans[0].train.compute_device(0);
+    // the configs' device: a GPU where they compute on one (every config's the same kind)
+    let device_of = |p: &Plan| p.train.compute_device(p.train.local_ranks().start);
+    let device = device_of(&plans[0]);
+    anyhow::ensure!(
+        plans.iter().all(|p| device_of(p).is_cuda() == device.is_cuda()),
+        "the configs compute on different kinds of device (some on a GPU, some on the CPU): profile them in separate runs, one --config set per kind"
+    );
     let small = Model::new(
         crate::config::model::ModelConfig::preset("llama-tiny").unwrap_or_else(|| unreachable!()),
         Kind::Float,
@@ -271,7 +276,7 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
         Device::Cuda(d) => {
             let (name, total) = super::profile_gpu::memory(d)?;
             (
-                format!("This machine, measured by `tierzero bench profile`: one {name} (compute, its copies and memory), {cores} host cores (host copies and adds, the CPU AdamW, NVMe; the collectives between ranks as threads)."),
+                format!("This machine, measured by `tierzero bench profile`: one {name} (compute, its copies and memory), {cores} host cores (host copies and adds, the CPU AdamW, NVMe; the collectives between ranks as threads). The host's wake-up after a copy out of the GPU (copies.d2h_wait_s) is not measured here: a GPU run's trace gives it."),
                 Figure::new(total, format!("the driver's total memory of the {name}, `tierzero bench profile`")),
             )
         }

@@ -4,7 +4,7 @@
 //! device-memory copy and the matmul peaks are torch's on the GPU, and its memory is the
 //! driver's total. The host's rates (memcpy, add, the CPU AdamW) stay the CPU part's.
 
-use super::gpu::h2d;
+use super::gpu::h2d_on;
 use super::profile::timed;
 use crate::plan::simulate::profile::{Copies, Figure};
 use crate::torch::shim;
@@ -22,7 +22,7 @@ pub(super) fn sync(device: Device) -> anyhow::Result<()> {
 /// of 1 GiB (bytes copied, not read plus written), the host's from `host` (the CPU
 /// part's measurements).
 pub(super) fn copies(ordinal: usize, host: Copies) -> anyhow::Result<Copies> {
-    let report = h2d(256)?;
+    let report = h2d_on(ordinal, 256)?;
     let source = |what: &str| {
         format!(
             "`tierzero bench h2d --size-mb 256` on {} ({what}), by `tierzero bench profile`",

@@ -568,7 +568,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     }
 
     /// Unit `u`'s device sum where its gradient stays on the device and the step added
-    /// into it (a unit that got no gradient has its zeroed host accumulator instead).
+    /// into it (a unit that got nothing this step: [`Self::zero_on_device`]).
     fn kept_sum(&self, u: usize) -> Option<Tensor> {
         self.device
             .as_ref()

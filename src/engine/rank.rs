@@ -302,7 +302,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// stores' files, every rank's). State lent to a lane counts by its size.
     pub fn tier_bytes(&self) -> TierBytes {
         let optimizer = self.optimizer.memory_bytes();
-        // gradient accumulators are host arenas on every tier but NVMe
+        // gradient accumulators are host arenas, but those stored on NVMe or kept on the
+        // device with their optimizer state
         let grads = self.grads.bytes();
         let params = self.units.memory_bytes();
         TierBytes {
