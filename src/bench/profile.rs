@@ -16,8 +16,8 @@ use super::profile_gpu::sync;
 
 use super::adam::{run as adam_bench, AdamBenchArgs};
 use super::comm::{run as comm_bench, Backend, CommBenchArgs};
-use super::median;
 use super::nvme::{run as nvme_bench, NvmeBenchArgs};
+use super::{timed, REPEATS};
 use crate::model::head::{Matmul, Weight};
 use crate::model::Model;
 use crate::plan::report::nvme_bytes;
@@ -28,28 +28,7 @@ use crate::plan::simulate::profile::{
 use crate::plan::Plan;
 use crate::run::rank_threads;
 use std::path::Path;
-use std::time::Instant;
 use tch::{Device, Kind, Tensor};
-
-const REPEATS: usize = 3;
-
-/// Short work is repeated until its runs add up to this many seconds (at most
-/// [`MAX_REPEATS`] runs): a median of three sub-millisecond runs follows the machine's
-/// noise more than the work.
-const MIN_SECONDS: f64 = 0.3;
-const MAX_REPEATS: usize = 1000;
-
-/// Median seconds of `f` after one warm-up: [`REPEATS`] runs, more for short work.
-pub(super) fn timed(mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
-    f()?;
-    let mut times = Vec::with_capacity(REPEATS);
-    while times.len() < REPEATS || (times.iter().sum::<f64>() < MIN_SECONDS && times.len() < MAX_REPEATS) {
-        let start = Instant::now();
-        f()?;
-        times.push(start.elapsed().as_secs_f64());
-    }
-    Ok(median(times))
-}
 
 /// The rates of one config's shapes: block forward, block backward, head, each timed on
 /// rank 0 while every rank of the config does the same, each on its device.

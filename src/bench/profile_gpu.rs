@@ -5,7 +5,7 @@
 //! driver's total. The host's rates (memcpy, add, the CPU AdamW) stay the CPU part's.
 
 use super::gpu::h2d_on;
-use super::profile::timed;
+use super::timed;
 use crate::plan::simulate::profile::{Copies, Figure};
 use crate::torch::shim;
 use tch::{Device, Kind, Tensor};

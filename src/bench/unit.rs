@@ -13,7 +13,7 @@
 //! into a stale accumulator with Σ g² gathered as it adds (`engine/staging.rs`), each
 //! against a memcpy of the accumulator's bytes on every core.
 
-use super::profile::timed;
+use super::timed;
 use crate::engine::grads::{Grads, Values};
 use crate::model::Model;
 use crate::plan::Plan;
