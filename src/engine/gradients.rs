@@ -133,10 +133,20 @@ struct DeviceSums {
     last_micro: bool,
     /// Which units sum on the device (`rules::device_sums`).
     summed: Vec<bool>,
-    /// Which of them never leave it (`rules::gradients_on_device`).
-    kept: Vec<bool>,
     /// Where the sums are made (the compute device).
     on: tch::Device,
+}
+
+impl DeviceSums {
+    /// Unit `u`'s sum of `len` elements, made at its first use.
+    fn sum(&mut self, u: usize, len: usize) -> Result<Tensor, tch::TchError> {
+        if let Some(t) = &self.sums[u] {
+            return Ok(t.shallow_clone());
+        }
+        let t = Tensor::f_empty([len as i64], (tch::Kind::Float, self.on))?;
+        self.sums[u] = Some(t.shallow_clone());
+        Ok(t)
+    }
 }
 
 impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
@@ -210,7 +220,6 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             started: parts.iter().map(|_| false).collect(),
             last_micro: false,
             summed,
-            kept,
             on,
         });
         Ok(Gradients {
@@ -248,27 +257,27 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// Unit `u`'s device accumulator for a contribution (`more`: another to the same
     /// unit follows in this micro-batch, as the tied head's precedes the embedding's),
     /// and whether it flushes; None where the unit sums on the host.
-    fn on_device(&mut self, u: usize, grad: &Tensor, more: bool) -> Result<Option<OnDevice>, EngineError> {
-        let rank = self.rank;
+    fn on_device(&mut self, u: usize, more: bool) -> Result<Option<OnDevice>, EngineError> {
+        let (rank, kept) = (self.rank, self.keeps(u));
         let len = accumulator_len(self.stage, &self.parts[u], &self.partitions[u]);
         let Some(d) = self.device.as_mut().filter(|d| d.summed[u]) else {
             return Ok(None);
         };
-        let acc = match &d.sums[u] {
-            Some(t) => t.shallow_clone(),
-            None => {
-                let t = Tensor::f_empty([len as i64], (tch::Kind::Float, grad.device()))
-                    .map_err(|source| EngineError::Torch { rank, source })?;
-                d.sums[u] = Some(t.shallow_clone());
-                t
-            }
-        };
+        let acc = d
+            .sum(u, len)
+            .map_err(|source| EngineError::Torch { rank, source })?;
         let first = !std::mem::replace(&mut d.started[u], true);
         Ok(Some(OnDevice {
             acc,
             first,
-            flush: d.last_micro && !more && !d.kept[u],
+            flush: d.last_micro && !more && !kept,
         }))
+    }
+
+    /// Whether unit `u`'s gradient stays on the device (`rules::gradients_on_device`): it
+    /// has no host accumulator.
+    fn keeps(&self, u: usize) -> bool {
+        matches!(self.accumulators[u], Accumulator::Device)
     }
 
     /// Unit `u`'s sum of the step's gradient on the device, once the step has added into
@@ -400,7 +409,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         more: bool,
     ) -> Result<(), EngineError> {
         let part = self.parts[u];
-        let device = self.on_device(u, grad, more)?;
+        let device = self.on_device(u, more)?;
         // the host accumulator is only touched without device sums, or by their flush
         let to_host = device.as_ref().is_none_or(|d| d.flush);
         // the step's last contribution to a host accumulator of a shard gives its Σ g²
@@ -516,7 +525,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         }
         let (rank, wire, world) = (self.rank, self.wire, comm.world());
         for u in 0..self.accumulators.len() {
-            if matches!(self.accumulators[u], Accumulator::Device) {
+            if self.keeps(u) {
                 // a replica's gradient that stays on the device, all-reduced there (every
                 // rank's is started by the same micro-batches, or none is)
                 let Some(sum) = self.kept_sum(u) else {
@@ -570,11 +579,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// Unit `u`'s device sum where its gradient stays on the device and the step added
     /// into it (a unit that got nothing this step: [`Self::zero_on_device`]).
     fn kept_sum(&self, u: usize) -> Option<Tensor> {
-        self.device
-            .as_ref()
-            .is_some_and(|d| d.kept[u])
-            .then(|| self.device_sum(u))
-            .flatten()
+        self.keeps(u).then(|| self.device_sum(u)).flatten()
     }
 
     /// A gradient kept on the device that got nothing this step: its sum made zeros (made
@@ -584,42 +589,34 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             self.rank,
             accumulator_len(self.stage, &self.parts[u], &self.partitions[u]),
         );
-        let torch_err = |source| EngineError::Torch { rank, source };
         let Some(d) = self.device.as_mut() else {
             return Err(EngineError::Invariant {
                 rank,
                 what: "a gradient kept on the device without device sums",
             });
         };
-        let sum = match &d.sums[u] {
-            Some(t) => t.shallow_clone(),
-            None => {
-                let t = Tensor::f_empty([len as i64], (tch::Kind::Float, d.on)).map_err(torch_err)?;
-                d.sums[u] = Some(t.shallow_clone());
-                t
-            }
-        };
-        let _ = sum.shallow_clone().f_zero_().map_err(torch_err)?;
+        let sum = d
+            .sum(u, len)
+            .and_then(|sum| sum.shallow_clone().f_zero_().map(|_| sum))
+            .map_err(|source| EngineError::Torch { rank, source })?;
+        self.optimizer_view(u, sum)
+    }
+
+    /// Of [`Self::kept_sum`], what the optimizer partition reads.
+    fn kept_partition(&self, u: usize) -> Result<Option<Tensor>, EngineError> {
+        self.kept_sum(u)
+            .map(|sum| self.optimizer_view(u, sum))
+            .transpose()
+    }
+
+    /// What of unit `u`'s device sum its optimizer partition reads: at stage 1 this
+    /// rank's slice of the replica's sum, else all of it.
+    fn optimizer_view(&self, u: usize, sum: Tensor) -> Result<Tensor, EngineError> {
         if self.stage != 1 {
             return Ok(sum);
         }
         let range = &self.partitions[u];
         sum.f_narrow(0, range.start as i64, range.len() as i64)
-            .map_err(torch_err)
-    }
-
-    /// Of [`Self::kept_sum`], what the optimizer partition reads: at stage 1 this rank's
-    /// slice of the replica's sum.
-    fn kept_partition(&self, u: usize) -> Result<Option<Tensor>, EngineError> {
-        let Some(sum) = self.kept_sum(u) else {
-            return Ok(None);
-        };
-        if self.stage != 1 {
-            return Ok(Some(sum));
-        }
-        let range = &self.partitions[u];
-        sum.f_narrow(0, range.start as i64, range.len() as i64)
-            .map(Some)
             .map_err(|source| EngineError::Torch {
                 rank: self.rank,
                 source,
@@ -692,7 +689,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         if let Some(sum) = self.kept_partition(u)? {
             return Ok(FinalGrad::Device(sum));
         }
-        if matches!(self.accumulators[u], Accumulator::Device) {
+        if self.keeps(u) {
             return self.zero_on_device(u).map(FinalGrad::Device);
         }
         if self.stage == 1 {
@@ -743,7 +740,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// Host bytes of unit `u`'s accumulator, wherever it is now (none when stored or kept
     /// on the device).
     pub(super) fn unit_bytes(&self, u: usize) -> usize {
-        if self.in_store[u] || matches!(self.accumulators[u], Accumulator::Device) {
+        if self.in_store[u] || self.keeps(u) {
             return 0;
         }
         let elem = if self.bf16 { 2 } else { 4 };
@@ -753,7 +750,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// Bytes of unit `u`'s gradient as a device-tier optimizer reads it: its fp32 sum on
     /// the device where it stays there, else its host accumulator's.
     pub(super) fn gradient_bytes(&self, u: usize) -> usize {
-        if matches!(self.accumulators[u], Accumulator::Device) {
+        if self.keeps(u) {
             return 4 * accumulator_len(self.stage, &self.parts[u], &self.partitions[u]);
         }
         self.unit_bytes(u)

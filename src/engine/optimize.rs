@@ -544,20 +544,17 @@ fn device_update(
 }
 
 /// Device-tier state's new master in the training precision into the parameters' host
-/// buffer: rounded on the device, then one copy straight into `out` (no host tensor
-/// between; from pageable memory the driver stages it).
+/// buffer: rounded on the device, then copied straight into `out`
+/// ([`crate::torch::copy_to_host`]).
 fn copy_out(master: &Tensor, out: &mut LowParams, precision: &Precision) -> Result<(), tch::TchError> {
     let kind = crate::torch::compute_kind(precision);
-    let n = out.len() as i64;
+    let n = out.len();
     let bytes = out.bytes_mut();
-    if bytes.len() != n as usize * kind.elt_size_in_bytes() {
+    if bytes.len() != n * kind.elt_size_in_bytes() {
         return Err(tch::TchError::Shape(format!(
             "{n} new parameters of {kind:?} into a host buffer of {} bytes",
             bytes.len()
         )));
     }
-    // SAFETY: the view of `bytes` lives only within this call, while they are borrowed
-    // mutably here; the copy into it is synchronous.
-    let mut dst = unsafe { Tensor::f_from_blob(bytes.as_mut_ptr(), &[n], &[1], kind, tch::Device::Cpu) }?;
-    dst.f_copy_(&master.f_narrow(0, 0, n)?.f_to_kind(kind)?)
+    crate::torch::copy_to_host(&master.f_narrow(0, 0, n as i64)?.f_to_kind(kind)?, bytes)
 }

@@ -55,6 +55,8 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         .map(|&n| Partition::new(n, world))
         .collect();
     let opt_len = |p: &Partition| if stage == 0 { p.padded } else { p.shard } as u64;
+    // a gradient accumulator: the optimizer partition at stages 2–3, the replica below
+    let acc_len = |p: &Partition| if stage >= 2 { opt_len(p) } else { p.padded as u64 };
     let kept = |p: &Partition| if stage == 3 { p.shard } else { p.padded } as u64;
     let max_opt = parts.iter().map(opt_len).max().unwrap_or(0);
     let max_numel = parts.iter().map(|p| p.numel).max().unwrap_or(0) as u64;
@@ -86,11 +88,11 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         }
         // a gradient kept on the device has no host accumulator (nor a stage-1 copy)
         if !stored[u] && !on_device[u] {
-            rank.gradients += grad_elem * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
+            rank.gradients += grad_elem * acc_len(p);
         }
         if cpu && sums[u] {
             // the device accumulators of gradient accumulation, in host memory on a CPU
-            rank.gradients += 4 * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
+            rank.gradients += 4 * acc_len(p);
         }
         if stage == 1 && !on_device[u] {
             // the partition copy lent to the optimizer

@@ -184,6 +184,8 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
     let numels = plan.model.config.unit_numels();
     let parts: Vec<Partition> = numels.iter().map(|&n| Partition::new(n, world)).collect();
     let opt_len = |p: &Partition| if stage == 0 { p.padded } else { p.shard } as u64;
+    // a gradient accumulator: the optimizer partition at stages 2–3, the replica below
+    let acc_len = |p: &Partition| if stage >= 2 { opt_len(p) } else { p.padded as u64 };
     let mut bytes = DeviceBytes::default();
     let optimizer_tiers = super::rules::optimizer_tiers(plan);
     let param_tiers = super::rules::param_tiers(plan);
@@ -199,11 +201,11 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
             }
         }
         if optimizer_tier == Tier::Device {
-            bytes.gradients += 4 * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
+            bytes.gradients += 4 * acc_len(p);
             bytes.optimizer += 12 * opt_len(p);
         }
         if summed {
-            bytes.accumulators += 4 * if stage >= 2 { opt_len(p) } else { p.padded as u64 };
+            bytes.accumulators += 4 * acc_len(p);
             if optimizer_tier != Tier::Device {
                 bytes.gradients += 4 * opt_len(p);
             }

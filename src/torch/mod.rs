@@ -188,11 +188,16 @@ pub fn copy_from_host(dst: &Tensor, bytes: &[u8]) -> Result<(), TchError> {
     dst.f_narrow(0, 0, n as i64)?.f_copy_(&src)
 }
 
-/// Copies the first `out.len()` bytes' worth of elements of `t` (any device) into `out`.
+/// Copies the first `out.len()` bytes' worth of elements of `t` (any device) into `out`:
+/// one copy straight into it (no host tensor between; from a GPU into pageable memory the
+/// driver stages it).
 pub fn copy_to_host(t: &Tensor, out: &mut [u8]) -> Result<(), TchError> {
-    let n = out.len() / t.f_kind()?.elt_size_in_bytes();
-    let host = onto(t.f_narrow(0, 0, n as i64)?, Device::Cpu)?.f_contiguous()?;
-    host.f_copy_data_u8(out, n)
+    let kind = t.f_kind()?;
+    let n = (out.len() / kind.elt_size_in_bytes()) as i64;
+    // SAFETY: the view of `out` lives only within this call, while it is borrowed mutably
+    // here; the copy into it is synchronous.
+    let mut dst = unsafe { Tensor::f_from_blob(out.as_mut_ptr(), &[n], &[1], kind, Device::Cpu) }?;
+    dst.f_copy_(&t.f_narrow(0, 0, n)?)
 }
 
 /// A tensor several threads hold at once (a stored parameter shard the lanes gather

@@ -42,6 +42,10 @@ pub(super) struct Replay<'a> {
     param_tiers: Vec<Tier>,
     /// Each unit's optimizer-state tier (`rules::optimizer_tiers`).
     optimizer_tiers: Vec<Tier>,
+    /// Which units sum their gradient on the device (`rules::device_sums`).
+    device_sums: Vec<bool>,
+    /// Which units' gradients stay there (`rules::gradients_on_device`).
+    kept: Vec<bool>,
     /// When each unit's update of the previous step is installed (the optimizer thread).
     updated: Vec<Mark>,
     /// Reductions in flight on the collectives lane (their end marks).
@@ -78,6 +82,8 @@ impl<'a> Replay<'a> {
             parts,
             param_tiers: rules::param_tiers(plan),
             optimizer_tiers: rules::optimizer_tiers(plan),
+            device_sums: rules::device_sums(plan),
+            kept: rules::gradients_on_device(plan),
             updated,
             reducing: Vec::new(),
             pcie: [0, 0],

@@ -19,7 +19,6 @@ impl Replay<'_> {
         let swap_chunk = self.swap_chunk() as u64;
         let stored_grads = rules::stored_gradients(self.plan);
         let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
-        let sums = rules::device_sums(self.plan);
         // the step's stored gradients are consumed here
         self.stored.fill(false);
         for (u, stored) in stored_grads.into_iter().enumerate() {
@@ -29,7 +28,7 @@ impl Replay<'_> {
                     // fused AdamW on the step's gradient sum, already on the device, or
                     // on the host accumulator sent there; the span counts the 16 bytes of
                     // state the engine's optimizer span counts
-                    let cost = if sums[u] {
+                    let cost = if self.device_sums[u] {
                         Cost::DeviceAdamOnly(len)
                     } else {
                         self.pcie[0] += if self.cuda() { len * 4 } else { 0 };

@@ -16,7 +16,7 @@ impl Replay<'_> {
     pub(super) fn accumulate(&mut self, u: usize, more: bool) {
         let part = self.parts[u];
         let wire = self.plan.communication.kind().elt_size_in_bytes() as u64;
-        if self.stage() < 2 && rules::gradients_on_device(self.plan)[u] {
+        if self.stage() < 2 && self.kept[u] {
             // a replica's gradient that stays on the device: added into its sum there,
             // stretch by stretch, in the compute thread
             let chunk = rules::chunk_elements(self.plan) as u64;
@@ -76,9 +76,8 @@ impl Replay<'_> {
         // gradient accumulation on the device: each stretch is added there, and only the
         // step's last contribution leaves for the host (`rules::device_sums`), none of a
         // gradient that stays there (`rules::gradients_on_device`)
-        let on_device = rules::device_sums(self.plan)[u];
-        let kept = rules::gradients_on_device(self.plan)[u];
-        let to_host = !on_device || (self.last_micro && !more && !kept);
+        let on_device = self.device_sums[u];
+        let to_host = !on_device || (self.last_micro && !more && !self.kept[u]);
         let mut staged = None;
         for chunk in 0..chunks {
             let k = stretch.min(shard - chunk * stretch);
@@ -222,7 +221,7 @@ impl Replay<'_> {
         let stored = rules::stored_gradients(self.plan);
         let shards: Vec<usize> = self.parts.iter().map(|p| p.shard).collect();
         let squared = rules::squares_as_added(self.plan, &shards);
-        let kept = rules::gradients_on_device(self.plan);
+        let kept = &self.kept;
         let passed = |u: usize| !stored[u] && !squared[u] && !kept[u];
         if (0..stored.len()).any(passed) {
             // Σ g²: a pass over every accumulator in memory whose sum was not gathered as
