@@ -300,6 +300,72 @@ fn tiny_llama_on_cuda_follows_the_cpu_run() {
     }
 }
 
+/// On the GPU the checked lanes hold the ordering to the CPU run, and a wait left out
+/// breaks it: compute's stream not waiting for a gather's mark, or for the mark of a
+/// device update (the optimizer's own stream, `engine/optimize.rs`), lets the next use
+/// read a buffer not yet written. Checked mode delays lanes, compute and the
+/// optimizer's updates on the device, so the missing wait shows as a loss off the CPU
+/// run's (or not finite).
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it with --ignored"]
+fn a_dropped_wait_on_the_gpu_is_caught_by_the_checked_lanes() {
+    use tierzero::device::lanes::Mode;
+    use tierzero::engine::context::LaneOptions;
+    use tierzero::engine::prefetch::DroppedWait;
+    require_gpu();
+    let tmp = tempfile::tempdir().unwrap();
+    let checked = |dropped| TrainOptions {
+        lanes: Some(LaneOptions {
+            mode: Mode::Checked {
+                seed: 9,
+                max_delay_us: 2000,
+            },
+            dropped,
+        }),
+        ..TrainOptions::default()
+    };
+    let off = |cpu: &[f64], gpu: &[f64]| {
+        cpu.iter()
+            .zip(gpu)
+            .map(|(a, b)| {
+                if b.is_finite() {
+                    (a - b).abs() / a.abs()
+                } else {
+                    f64::INFINITY
+                }
+            })
+            .fold(0.0, f64::max)
+    };
+    for (layout, dropped) in [
+        ((3, "none", "none"), DroppedWait::ComputeOnUpdate),
+        ((0, "none", "none"), DroppedWait::ComputeOnUpdate),
+        ((3, "cpu", "cpu"), DroppedWait::ComputeOnGather),
+    ] {
+        let cpu = losses(&tiny("cpu", layout, "fp32", &tmp.path().join("a")));
+        let plan = tiny("cuda", layout, "fp32", &tmp.path().join("b"));
+        let run = |dropped| {
+            let steps =
+                train(&plan, checked(dropped)).map(|r| r.steps.iter().map(|m| m.loss).collect::<Vec<_>>());
+            steps.unwrap_or_else(|e| {
+                println!("{layout:?} {dropped:?}: the run failed: {e}");
+                vec![f64::NAN; cpu.len()]
+            })
+        };
+        let (kept, left_out) = (off(&cpu, &run(DroppedWait::None)), off(&cpu, &run(dropped)));
+        println!(
+            "{layout:?}: checked {kept:.2e} off the CPU run; without the wait ({dropped:?}) {left_out:.2e}"
+        );
+        assert!(
+            kept < 1e-3,
+            "{layout:?}: the checked run is {kept} off the CPU run"
+        );
+        assert!(
+            left_out >= 1e-3,
+            "{layout:?} {dropped:?}: the run matched the CPU run without the wait"
+        );
+    }
+}
+
 /// A GPU's stretches leave through the pinned staging two deep (`engine/staging.rs`):
 /// every chunking of a gradient shorter than its unit (zeros past it), fp32 and bf16,
 /// into a shard, a replica and through a device sum's flush, leaves the host

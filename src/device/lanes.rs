@@ -102,6 +102,22 @@ impl Mode {
         matches!(self, Mode::Checked { .. })
     }
 
+    /// Checked mode's delay of the `n`th piece of device work of a stream salted by
+    /// `salt` ([`Mode::salt`]), in microseconds (reproducible); none in plain mode.
+    pub fn device_delay(self, salt: u64, n: u64) -> Option<u64> {
+        match self {
+            Mode::Checked { seed, max_delay_us } => Some(shuffle(seed ^ salt ^ n) % max_delay_us.max(1)),
+            Mode::Plain => None,
+        }
+    }
+
+    /// What checked mode mixes into the delays of stream `name` of `rank`.
+    pub fn salt(name: &str, rank: usize) -> u64 {
+        name.bytes().fold(rank as u64 + 1, |h, b| {
+            h.wrapping_mul(31).wrapping_add(u64::from(b))
+        })
+    }
+
     /// The mode tests run in: `TIERZERO_CHECKED_LANES=1` (or a seed) turns it on for
     /// any run; tests ask for it explicitly.
     pub fn from_env() -> Mode {
@@ -307,9 +323,7 @@ impl<'env> Lane<'env> {
             changed: Condvar::new(),
         });
         let worker = progress.clone();
-        let salt = name.bytes().fold(rank as u64 + 1, |h, b| {
-            h.wrapping_mul(31).wrapping_add(u64::from(b))
-        });
+        let salt = Mode::salt(name, rank);
         let enter = device.as_ref().map(|d| d.stream.clone());
         scope.spawn(move || {
             // torch queues this thread's device work on the lane's stream; if that fails,
@@ -362,12 +376,7 @@ impl<'env> Lane<'env> {
                 let after = device.streams.current().and_then(|compute| compute.mark());
                 let (stream, filled) = (device.stream.clone(), slot.clone());
                 // checked mode on a device: the job's device work starts late too
-                let delay = match self.mode {
-                    Mode::Checked { seed, max_delay_us } => {
-                        Some(shuffle(seed ^ self.salt ^ seq) % max_delay_us.max(1))
-                    }
-                    Mode::Plain => None,
-                };
+                let delay = self.mode.device_delay(self.salt, seq);
                 let on_device = move |run: bool| {
                     let stream = stream?;
                     let outcome = if run {

@@ -199,14 +199,8 @@ impl SimStream {
     }
 
     /// A mark of the stream's time now.
-    pub fn point(&self) -> SimMark {
+    fn point(&self) -> SimMark {
         SimMark { at: self.now() }
-    }
-
-    /// Makes this the calling thread's stream, starting no earlier than `after`.
-    pub fn enter_after(&self, after: &SimMark) {
-        let _ = Stream::enter(self);
-        self.wait_until(after.at);
     }
 }
 
@@ -338,11 +332,6 @@ impl SimStreams {
     /// The compute stream's virtual time.
     pub fn now(&self) -> f64 {
         self.compute.now()
-    }
-
-    /// A mark of the compute stream now.
-    pub fn compute_mark(&self) -> SimMark {
-        self.compute.point()
     }
 
     /// The step between two [`Self::figures`].

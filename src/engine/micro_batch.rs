@@ -10,6 +10,7 @@ use super::rank::RankEngine;
 use crate::comm::{Collective, ReduceOp};
 use crate::data::Batch;
 use crate::device::cpu::Reservation;
+use crate::device::lanes::Mode;
 use crate::device::sim;
 use crate::metrics::timeline::Phase;
 use crate::model::head::Weight;
@@ -43,6 +44,26 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 .and_then(|mark| mark.synchronize())
                 .map_err(|e| TchError::Torch(e.to_string())),
             None => Ok(()),
+        }
+    }
+
+    /// Checked mode on a GPU: unit `u`'s compute (its forward, or its `backward`) starts
+    /// late on the device as lane jobs do (a spin queued before it), so a lane that
+    /// reads what compute writes without waiting for its mark reads it unwritten.
+    /// Nothing on CPU devices, whose compute is done when the call returns, nor on a
+    /// simulated one (virtual time does not see checked mode's delays).
+    fn checked_delay(&self, u: usize, backward: bool) -> Result<(), TchError> {
+        let salt = Mode::salt("compute", self.site.rank);
+        let delay = self
+            .lanes
+            .mode
+            .device_delay(salt, (2 * u + usize::from(backward)) as u64);
+        match (&self.site.streams, delay) {
+            (Some(streams), Some(micros)) => streams
+                .current()
+                .and_then(|compute| compute.delay(micros))
+                .map_err(|e| TchError::Torch(e.to_string())),
+            _ => Ok(()),
         }
     }
 
@@ -147,6 +168,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 .tracks
                 .compute
                 .span(Phase::Forward, Some(u), 0, || {
+                    self.checked_delay(u, false)?;
                     let out = if keep {
                         let (y, graph) = self.model.forward_keep(u, &params, &inputs[u], segments)?;
                         (y, Some(graph))
@@ -198,6 +220,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             None
         };
         let final_start = Instant::now();
+        self.checked_delay(last, true).map_err(self.torch_err())?;
         let last_unit = self
             .model
             .backward_final(
@@ -262,6 +285,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 .tracks
                 .compute
                 .span(Phase::Backward, Some(u), 0, || {
+                    self.checked_delay(u, true)?;
                     let grads = match graph {
                         Some(graph) => self.model.backward_kept(graph, &grad_out)?,
                         None => self

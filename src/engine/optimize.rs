@@ -11,15 +11,19 @@ use super::optimizer::{
     AdamStep, DeviceState, Moments, Optimizer, OptimizerState, ParamStaging, SharedStaging, Update,
 };
 use super::params::LowParams;
+use super::prefetch::DroppedWait;
 use super::prefetch::{Source, Sources};
 use super::rank::RankEngine;
 use super::units::{Destination, NewParams, Units};
 use crate::comm::Collective;
+use crate::device::lanes::{LaneError, Mark, Mode, Stream, Streams};
 use crate::device::sim::{self, SimStream};
+use crate::device::DeviceError;
 use crate::metrics::timeline::{Phase, Track};
 use crate::plan::simulate::costs::Work;
 use crate::plan::simulate::disk;
 use crate::plan::Precision;
+use std::sync::Arc;
 use std::time::Instant;
 use tch::{Kind, Tensor};
 use tierzero_offload::adam::{self, GradSlice, Sweep};
@@ -36,6 +40,8 @@ pub(super) struct Installer<'e, 'a, C: Collective + Clone> {
     optimizer: &'e mut Optimizer<'a>,
     comm: &'e C,
     track: &'e Track,
+    /// The rank's device streams (None on CPU devices), and a wait a test leaves out.
+    device: (Option<&'e Arc<dyn Streams>>, DroppedWait),
 }
 
 impl<'a, C: Collective + Clone> Installer<'_, 'a, C> {
@@ -48,13 +54,21 @@ impl<'a, C: Collective + Clone> Installer<'_, 'a, C> {
     }
 
     /// Installs the optimizer lane's updates for units up to and including `through`
-    /// (waiting for them; on a simulated device compute's clock waits for each too).
+    /// (waiting for them; on a device compute's stream then waits for each update's
+    /// mark, so whatever compute queues after it, and every lane job it submits after
+    /// it, reads the new values: on a simulated device compute's clock waits).
     pub(super) fn through(&mut self, through: usize) -> Result<(), EngineError> {
         while self.optimizer.pending_through(through) {
             let (start, next) = (Instant::now(), self.optimizer.next_unit());
             let (update, mark) = self.optimizer.receive()?;
-            if let Some(mark) = mark {
-                mark.wait_here();
+            if let (Some(mark), (Some(streams), dropped)) = (mark, self.device) {
+                if dropped != DroppedWait::ComputeOnUpdate {
+                    let rank = self.optimizer.rank();
+                    streams
+                        .current()
+                        .and_then(|compute| compute.wait(&mark))
+                        .map_err(stream_failed(rank))?;
+                }
             }
             self.track.waited(Phase::Optimizer, Some(next), start);
             self.install(update)?;
@@ -79,6 +93,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             optimizer: &mut self.optimizer,
             comm: &self.comms.main,
             track: &self.tracks.compute,
+            device: (self.site.streams.as_ref(), self.lanes.dropped),
         }
     }
 
@@ -134,22 +149,24 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         match scope {
             Some(scope) => {
                 let (tx, rx) = crossbeam_channel::unbounded();
-                // on a simulated device the thread keeps a clock of its own, from what
-                // compute had done when the step's update was issued; each update carries
-                // its mark, which compute waits for where it installs the update
-                let simulated = self
-                    .site
-                    .simulated
-                    .as_ref()
-                    .map(|sim| (sim.stream("optimizer"), sim.compute_mark()));
+                let rank = self.site.rank;
+                let device = match &self.site.streams {
+                    Some(streams) => Some(UpdateStream::new(streams, self.lanes.mode, rank)?),
+                    None => None,
+                };
                 scope.spawn(move || {
-                    if let Some((stream, after)) = &simulated {
-                        stream.enter_after(after);
-                    }
+                    let stream = device.as_ref().map(UpdateStream::enter).transpose();
                     for job in jobs {
-                        let result = context
-                            .run(job)
-                            .map(|update| (update, simulated.as_ref().map(|(stream, _)| stream.point())));
+                        let result = stream.clone().map_err(stream_failed(rank)).and_then(|stream| {
+                            let unit = job.unit;
+                            let delay = device.as_ref().and_then(|d| d.delay(unit));
+                            if let (Some(stream), Some(micros)) = (&stream, delay) {
+                                stream.delay(micros).map_err(stream_failed(rank))?;
+                            }
+                            let update = context.run(job)?;
+                            let mark = stream.map(|s| s.mark()).transpose();
+                            Ok((update, mark.map_err(stream_failed(rank))?))
+                        });
                         let failed = result.is_err();
                         if tx.send(result).is_err() || failed {
                             return;
@@ -166,6 +183,59 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             }
         }
         Ok(())
+    }
+}
+
+/// The optimizer thread's device stream, on a GPU or a simulated device: a stream of
+/// its own, which first waits for what compute had queued when the step's update was
+/// issued (the gradients, the last reads of the old values). Each update carries a mark
+/// of it, which compute's stream waits for where it installs the update
+/// ([`Installer::through`]), so the order of an update and the next use of its unit is
+/// the device's, whatever streams the threads queue on. In checked mode each update
+/// starts late on the device, so a missing wait shows.
+struct UpdateStream {
+    streams: Arc<dyn Streams>,
+    after: Mark,
+    mode: Mode,
+    salt: u64,
+}
+
+impl UpdateStream {
+    /// Taken on the compute thread, when the step's update is issued.
+    fn new(streams: &Arc<dyn Streams>, mode: Mode, rank: usize) -> Result<UpdateStream, EngineError> {
+        let after = streams
+            .current()
+            .and_then(|compute| compute.mark())
+            .map_err(stream_failed(rank))?;
+        Ok(UpdateStream {
+            streams: streams.clone(),
+            after,
+            mode,
+            salt: Mode::salt("optimizer", rank),
+        })
+    }
+
+    /// Makes the stream the calling thread's (the optimizer's), after compute's mark.
+    fn enter(&self) -> Result<Arc<dyn Stream>, DeviceError> {
+        let stream = self.streams.lane("optimizer")?;
+        stream.enter()?;
+        stream.wait(&self.after)?;
+        Ok(stream)
+    }
+
+    /// Checked mode's delay before unit `u`'s update, in microseconds.
+    fn delay(&self, u: usize) -> Option<u64> {
+        self.mode.device_delay(self.salt, u as u64)
+    }
+}
+
+fn stream_failed(rank: usize) -> impl Fn(DeviceError) -> EngineError {
+    move |e| {
+        EngineError::Lane(LaneError::Failed {
+            rank,
+            lane: "optimizer",
+            message: format!("its device stream: {e}"),
+        })
     }
 }
 

@@ -9,7 +9,7 @@ use super::error::{EngineError, On};
 use super::gradients::FinalGrad;
 use super::params::LowParams;
 use super::units::NewParams;
-use crate::device::sim::SimMark;
+use crate::device::lanes::Mark;
 use crate::plan::schedule::{learning_rate, LossScaler};
 use crate::plan::{Plan, Tier};
 use crate::torch::{pod_bytes, pod_bytes_mut};
@@ -60,9 +60,9 @@ pub(super) enum Moments<'a> {
 /// and the gradient buffer back.
 pub(super) type Update<'a> = (usize, NewParams, Moments<'a>, FinalGrad);
 
-/// An update as the optimizer lane sends it: on a simulated device with the mark of its
-/// stream after the update, which compute waits for.
-pub(super) type Sent<'a> = (Update<'a>, Option<SimMark>);
+/// An update as the optimizer lane sends it: on a device (a GPU's, a simulated one) with
+/// the mark of its stream after the update, which compute's stream waits for.
+pub(super) type Sent<'a> = (Update<'a>, Option<Mark>);
 
 pub(super) struct Optimizer<'a> {
     moments: Vec<Moments<'a>>,
@@ -276,6 +276,10 @@ impl<'a> Optimizer<'a> {
     }
 
     /// The next unit whose update is awaited.
+    pub(super) fn rank(&self) -> usize {
+        self.on.0
+    }
+
     pub(super) fn next_unit(&self) -> usize {
         self.next
     }

@@ -47,6 +47,9 @@ pub enum DroppedWait {
     ComputeOnGather,
     /// The staging shard is released without waiting for the gather that reads it.
     StagingUntilGather,
+    /// Compute does not wait for a device update's mark where it installs the update
+    /// (on a GPU, the next gather and forward may read the old values).
+    ComputeOnUpdate,
 }
 
 /// The buffers stage-3 fetches reuse across micro-batches and steps (device memory).

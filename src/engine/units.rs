@@ -303,11 +303,11 @@ impl<'a> Units<'a> {
     /// (`install_through` precedes each fetch and each prefetch request), and the
     /// readers of the previous step are done before the optimizer is handed its
     /// destinations (the prefetch lanes are drained at the end of the micro-batches;
-    /// on a GPU compute's stream orders the rest). On a GPU this rests on the optimizer
-    /// thread and the compute thread both queueing on torch's legacy default stream (one
-    /// stream per device for all threads): the mark a gather's job waits for, recorded on
-    /// that stream at its submission, covers the update's kernels. Giving either thread
-    /// a stream of its own would need a mark after each update for `install` to wait on.
+    /// on a GPU compute's stream orders the rest: the optimizer's stream starts after
+    /// compute's mark). On a GPU the update's kernels run on the optimizer's own stream;
+    /// each update carries a mark of it that compute's stream waits for where it
+    /// installs the update (`Installer::through`), so the mark a gather's job waits for,
+    /// recorded on compute's stream at its submission, covers the update.
     fn update_target(&mut self, u: usize, len: usize) -> Result<Tensor, EngineError> {
         let target = match (&self.units[u].partition, &self.units[u].params) {
             (Some(partition), _) => partition.shallow_clone(),
