@@ -266,35 +266,43 @@ fn losses(plan: &Plan) -> Vec<f64> {
 
 /// The tiny Llama on CUDA against its CPU run: host and NVMe tiers, and optimizer state
 /// on the GPU, whose gradients stay there (`rules::gradients_on_device`; stage 3 with
-/// parameters on the GPU or in host memory, and stage 0).
+/// parameters on the GPU or in host memory, and stage 0); parameters in host memory
+/// also pinned (`offload_param.pin_memory`: copied to the GPU in place by DMA, and from
+/// a device-tier optimizer straight into their registered buffer).
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it with --ignored"]
 fn tiny_llama_on_cuda_follows_the_cpu_run() {
     require_gpu();
     let tmp = tempfile::tempdir().unwrap();
     let layouts = [
-        (3, "cpu", "cpu"),
-        (3, "nvme", "nvme"),
-        (3, "none", "none"),
-        (3, "cpu", "none"),
-        (0, "none", "none"),
+        (3, "cpu", "cpu", false),
+        (3, "cpu", "cpu", true),
+        (3, "nvme", "nvme", false),
+        (3, "none", "none", false),
+        (3, "cpu", "none", false),
+        (3, "cpu", "none", true),
+        (0, "none", "none", false),
     ];
-    for (stage, param, optimizer) in layouts {
+    for (stage, param, optimizer, pin) in layouts {
         for (precision, tolerance) in [("fp32", 1e-3), ("bf16", 2e-2)] {
             let layout = (stage, param, optimizer);
-            let cpu = losses(&tiny("cpu", layout, precision, &tmp.path().join("a")));
-            let gpu = losses(&tiny("cuda", layout, precision, &tmp.path().join("b")));
+            let with_pin = |mut plan: Plan| {
+                plan.zero.offload_param.pin_memory = pin;
+                plan
+            };
+            let cpu = losses(&with_pin(tiny("cpu", layout, precision, &tmp.path().join("a"))));
+            let gpu = losses(&with_pin(tiny("cuda", layout, precision, &tmp.path().join("b"))));
             let worst = cpu
                 .iter()
                 .zip(&gpu)
                 .map(|(a, b)| (a - b).abs() / a.abs())
                 .fold(0.0, f64::max);
             println!(
-                "stage {stage} {param}/{optimizer} {precision}: cpu {cpu:?}\n  cuda {gpu:?}\n  worst relative {worst:.2e}"
+                "stage {stage} {param}/{optimizer} pinned {pin} {precision}: cpu {cpu:?}\n  cuda {gpu:?}\n  worst relative {worst:.2e}"
             );
             assert!(
                 worst < tolerance,
-                "stage {stage} {param}/{optimizer} {precision}: {worst}"
+                "stage {stage} {param}/{optimizer} pinned {pin} {precision}: {worst}"
             );
         }
     }

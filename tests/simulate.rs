@@ -164,7 +164,7 @@ fn the_replay_moves_the_bytes_the_engine_moves() {
     const PARAM_NVME: &str = "(the parameters' NVMe directory)";
     let mut profile = Profile::load("h100-pcie5").unwrap();
     profile.device = "cpu".into();
-    let variants: [&[&str]; 18] = [
+    let variants: [&[&str]; 19] = [
         &["bf16.enabled=true"],
         &["zero_optimization.stage3_param_persistence_threshold=100000"],
         &["zero_optimization.overlap_comm=false", "train.devices=1"],
@@ -211,6 +211,13 @@ fn the_replay_moves_the_bytes_the_engine_moves() {
             "train.accumulate_on_device=true",
             "zero_optimization.offload_optimizer.device=none",
             "zero_optimization.offload_param.device=cpu",
+        ],
+        // into pinned host memory as well
+        &[
+            "train.accumulate_on_device=true",
+            "zero_optimization.offload_optimizer.device=none",
+            "zero_optimization.offload_param.device=cpu",
+            "zero_optimization.offload_param.pin_memory=true",
         ],
     ];
     let params = tempfile::tempdir().unwrap();
@@ -269,7 +276,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     let gpu = Profile::load("h100-pcie5").unwrap();
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
-    let variants: [&[&str]; 21] = [
+    let variants: [&[&str]; 23] = [
         &[],
         &[
             "zero_optimization.stage=0",
@@ -333,6 +340,17 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
             "train.accumulate_on_device=true",
             "zero_optimization.offload_optimizer.device=none",
             "zero_optimization.offload_param.device=cpu",
+        ],
+        // and into pinned host memory, from which the shards are copied in place
+        &[
+            "train.accumulate_on_device=true",
+            "zero_optimization.offload_optimizer.device=none",
+            "zero_optimization.offload_param.device=cpu",
+            "zero_optimization.offload_param.pin_memory=true",
+        ],
+        &[
+            "zero_optimization.offload_param.device=cpu",
+            "zero_optimization.offload_param.pin_memory=true",
         ],
         &[
             "gradient_accumulation_steps=2",

@@ -320,7 +320,10 @@ fn reduce_bucket_size_chunks_the_reduction_without_changing_a_bit() {
 }
 
 /// `pin_memory` locks the gradient and optimizer arenas in RAM (best effort: the limit is
-/// RLIMIT_MEMLOCK): it changes where the state lives, never what the run computes.
+/// RLIMIT_MEMLOCK), and `offload_param.pin_memory` puts each unit's parameters in host
+/// memory in a locked arena of its own (updated in place, a new one
+/// where the update could not be): they change where the state lives, never what the
+/// run computes.
 #[test]
 fn pinned_host_arenas_train_the_same_bits() {
     let dir = disk_dir();
@@ -329,6 +332,19 @@ fn pinned_host_arenas_train_the_same_bits() {
         let pageable = master(&p);
         p.zero.offload_optimizer.pin_memory = true;
         assert!(master(&p) == pageable, "stage {stage}");
+    }
+    // parameter offload is stage 3's (as in DeepSpeed)
+    for (optimizer, precision) in [("cpu", "fp32"), ("cpu", "bf16"), ("none", "fp32")] {
+        let mut p = plan(2, 3, "cpu", optimizer, 2, dir.path(), precision);
+        let pageable = master(&p);
+        p.zero.offload_param.pin_memory = true;
+        assert!(tierzero::plan::rules::pinned_params(&p)
+            .iter()
+            .all(|&pinned| pinned));
+        assert!(
+            master(&p) == pageable,
+            "parameters pinned: optimizer {optimizer}, {precision}"
+        );
     }
 }
 

@@ -46,6 +46,11 @@ impl Arena {
     pub fn is_locked(&self) -> bool {
         self.locked
     }
+
+    /// Whether its pages are registered with a device runtime (a GPU's DMA reads them).
+    pub fn is_registered(&self) -> bool {
+        self.register.is_some()
+    }
 }
 
 impl Drop for Arena {
@@ -143,10 +148,15 @@ pub fn carve<T: Pod>(lens: &[usize], pinning: &Pinning) -> Result<Vec<Slab<T>>, 
     let locked = pinning.lock
         // SAFETY: [base, base + bytes) lies inside the allocation just made.
         && unsafe { libc::mlock(base as *const libc::c_void, bytes) } == 0;
+    // each warning once a process: a run carves an arena per unit of parameters
+    static LOCK_WARNED: std::sync::Once = std::sync::Once::new();
+    static REGISTER_WARNED: std::sync::Once = std::sync::Once::new();
     if pinning.lock && !locked {
-        tracing::warn!(
-            "pin_memory: cannot lock {bytes} bytes of host state in RAM (RLIMIT_MEMLOCK); it stays pageable"
-        );
+        LOCK_WARNED.call_once(|| {
+            tracing::warn!(
+                "pin_memory: cannot lock {bytes} bytes of host state in RAM (RLIMIT_MEMLOCK, `ulimit -l`); it stays pageable (said once)"
+            )
+        });
     }
     // registration is best effort too: without it copies from the arena are staged
     let register = pinning
@@ -155,7 +165,8 @@ pub fn carve<T: Pod>(lens: &[usize], pinning: &Pinning) -> Result<Vec<Slab<T>>, 
         .and_then(|r| match r.register(base, bytes) {
             Ok(()) => Some(r.clone()),
             Err(e) => {
-                tracing::warn!("pin_memory: {}", CarveError::Register(e));
+                REGISTER_WARNED
+                    .call_once(|| tracing::warn!("pin_memory: {} (said once)", CarveError::Register(e)));
                 None
             }
         });

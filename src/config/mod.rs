@@ -35,7 +35,6 @@ pub const NOT_YET_ACTED: &[&str] = &[
     "zero_optimization.reduce_scatter",
     "zero_optimization.allgather_partitions",
     "zero_optimization.allgather_bucket_size",
-    "zero_optimization.offload_param.pin_memory",
     "zero_optimization.offload_optimizer.fast_init",
     "optimizer.params.torch_adam",
     "optimizer.params.fused",

@@ -500,12 +500,18 @@ impl OptimizerContext {
                     .map_err(self.on.torch())?;
                 if let Fresh::Host(out) = fresh {
                     // the new values out to the parameters' host buffer: a PCIe crossing
-                    // of its own, timed and counted as one
+                    // of its own, timed and counted as one (at the pinned rate into a
+                    // pinned unit's own buffer)
                     let bytes = out.as_bytes().len() as u64;
+                    let pinned = out.is_pinned();
                     self.tracks
                         .optimizer
                         .span(Phase::D2h, Some(unit), bytes, || {
-                            sim::charge(Work::D2hPageable(bytes));
+                            sim::charge(if pinned {
+                                Work::D2h(bytes)
+                            } else {
+                                Work::D2hPageable(bytes)
+                            });
                             copy_out(&state.master, out, &self.precision)
                         })
                         .map_err(self.on.torch())?;

@@ -4,36 +4,147 @@ use crate::plan::Precision;
 use crate::torch::{pod_bytes, pod_bytes_mut, Shared};
 use std::sync::Arc;
 use tierzero_offload::adam::LowPrecisionOut;
+use tierzero_offload::arena::{self, CarveError, Pinning, Slab};
 use tierzero_offload::convert::{f32_to_bf16, f32_to_f16};
+use tierzero_offload::host::Pod;
 use tierzero_offload::nvme::swap::SwapStore;
 
 /// Low-precision parameters as stored: fp32 values or 16-bit float bits.
 #[derive(Clone, Debug)]
 pub enum LowParams {
-    F32(Vec<f32>),
-    U16(Vec<u16>),
+    F32(HostBuf<f32>),
+    U16(HostBuf<u16>),
+}
+
+/// A host buffer of parameter values: a `Vec`, or a slab of an arena of its own, locked
+/// and registered with the rank's GPU (`offload_param.pin_memory`), which a DMA copy
+/// reads in place. A clone is a `Vec`.
+pub enum HostBuf<T: Pod> {
+    Vec(Vec<T>),
+    Pinned(Slab<T>),
+}
+
+impl<T: Pod> std::ops::Deref for HostBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            HostBuf::Vec(v) => v,
+            HostBuf::Pinned(s) => s,
+        }
+    }
+}
+
+impl<T: Pod> std::ops::DerefMut for HostBuf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            HostBuf::Vec(v) => v,
+            HostBuf::Pinned(s) => s,
+        }
+    }
+}
+
+impl<T: Pod> Clone for HostBuf<T> {
+    fn clone(&self) -> Self {
+        HostBuf::Vec(self.to_vec())
+    }
+}
+
+impl<T: Pod> std::fmt::Debug for HostBuf<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self {
+            HostBuf::Vec(_) => "Vec",
+            HostBuf::Pinned(_) => "Pinned",
+        };
+        write!(f, "HostBuf::{kind}({} elements)", self.len())
+    }
+}
+
+/// A zero of a plain-old-data type.
+fn zero<T: Pod>() -> T {
+    // SAFETY: every bit pattern, all zeros included, is a valid value of a Pod type
+    unsafe { std::mem::zeroed() }
+}
+
+impl<T: Pod> HostBuf<T> {
+    /// `len` elements, new ones zero; within a `Vec`'s capacity nothing is allocated,
+    /// beyond it exactly `len` elements are (a slab of another length becomes a `Vec`).
+    fn resize(&mut self, len: usize) {
+        match self {
+            HostBuf::Vec(v) => {
+                v.reserve_exact(len.saturating_sub(v.len()));
+                v.resize(len, zero::<T>());
+            }
+            HostBuf::Pinned(s) if s.len() == len => {}
+            HostBuf::Pinned(s) => {
+                let mut v = Vec::with_capacity(len);
+                v.extend_from_slice(&s[..len.min(s.len())]);
+                v.resize(len, zero::<T>());
+                *self = HostBuf::Vec(v);
+            }
+        }
+    }
+
+    /// A copy of `values` in a slab of its own arena, held as `pinning` says.
+    fn pinned(values: &[T], pinning: &Pinning) -> Result<HostBuf<T>, CarveError> {
+        let mut slab = arena::carve::<T>(&[values.len()], pinning)?
+            .pop()
+            .unwrap_or_else(|| unreachable!("one length gives one slab"));
+        slab.copy_from_slice(values);
+        Ok(HostBuf::Pinned(slab))
+    }
+
+    /// Whether the buffer is registered with a GPU (a DMA copy can read it in place).
+    fn is_registered(&self) -> bool {
+        matches!(self, HostBuf::Pinned(s) if s.arena().is_registered())
+    }
 }
 
 impl Default for LowParams {
     fn default() -> Self {
-        LowParams::F32(Vec::new())
+        LowParams::F32(HostBuf::Vec(Vec::new()))
     }
 }
 
 impl LowParams {
     pub(crate) fn zeros(len: usize, precision: &Precision) -> LowParams {
         match precision {
-            Precision::Fp32 => LowParams::F32(vec![0.0; len]),
-            _ => LowParams::U16(vec![0; len]),
+            Precision::Fp32 => LowParams::F32(HostBuf::Vec(vec![0.0; len])),
+            _ => LowParams::U16(HostBuf::Vec(vec![0; len])),
         }
     }
 
     /// `values` rounded into `precision` (round to nearest even).
     pub(crate) fn rounded(values: &[f32], precision: &Precision) -> LowParams {
+        let bits = |f: fn(f32) -> u16| LowParams::U16(HostBuf::Vec(values.iter().map(|&x| f(x)).collect()));
         match precision {
-            Precision::Fp32 => LowParams::F32(values.to_vec()),
-            Precision::Fp16(_) => LowParams::U16(values.iter().map(|&x| f32_to_f16(x)).collect()),
-            Precision::Bf16 => LowParams::U16(values.iter().map(|&x| f32_to_bf16(x)).collect()),
+            Precision::Fp32 => LowParams::F32(HostBuf::Vec(values.to_vec())),
+            Precision::Fp16(_) => bits(f32_to_f16),
+            Precision::Bf16 => bits(f32_to_bf16),
+        }
+    }
+
+    /// The same values in a locked arena of their own, registered with the rank's GPU
+    /// where `pinning` has one (`offload_param.pin_memory`).
+    pub(crate) fn pinned(&self, pinning: &Pinning) -> Result<LowParams, CarveError> {
+        Ok(match self {
+            LowParams::F32(v) => LowParams::F32(HostBuf::pinned(v, pinning)?),
+            LowParams::U16(v) => LowParams::U16(HostBuf::pinned(v, pinning)?),
+        })
+    }
+
+    /// Whether the values are in an arena of their own ([`Self::pinned`]).
+    pub(crate) fn is_pinned(&self) -> bool {
+        matches!(
+            self,
+            LowParams::F32(HostBuf::Pinned(_)) | LowParams::U16(HostBuf::Pinned(_))
+        )
+    }
+
+    /// Whether a GPU's DMA copy reads these values in place.
+    pub(crate) fn is_registered(&self) -> bool {
+        match self {
+            LowParams::F32(v) => v.is_registered(),
+            LowParams::U16(v) => v.is_registered(),
         }
     }
 
@@ -64,14 +175,8 @@ impl LowParams {
     /// allocated, beyond it exactly `len` elements are.
     pub(crate) fn resize(&mut self, len: usize) {
         match self {
-            LowParams::F32(v) => {
-                v.reserve_exact(len.saturating_sub(v.len()));
-                v.resize(len, 0.0)
-            }
-            LowParams::U16(v) => {
-                v.reserve_exact(len.saturating_sub(v.len()));
-                v.resize(len, 0)
-            }
+            LowParams::F32(v) => v.resize(len),
+            LowParams::U16(v) => v.resize(len),
         }
     }
 
@@ -104,4 +209,31 @@ pub enum Params<'a> {
     Host(Arc<LowParams>),
     /// In the NVMe parameter store (`offload_param: nvme`), under (unit, rank, `Param`).
     Nvme(&'a SwapStore),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pinned_parameters_keep_their_values_and_a_clone_or_a_new_length_is_a_vec() {
+        let values = LowParams::rounded(&[1.0, -2.5, 3.25], &Precision::Bf16);
+        let mut pinned = values.pinned(&Pinning::default()).unwrap();
+        assert!(pinned.is_pinned() && !values.is_pinned());
+        // no device runtime: locked at most, never registered
+        assert!(!pinned.is_registered());
+        assert_eq!(pinned.as_bytes(), values.as_bytes());
+        assert_eq!(
+            pinned.as_bytes().as_ptr() as usize % tierzero_offload::host::ALIGN,
+            0
+        );
+        let copy = pinned.clone();
+        assert!(!copy.is_pinned() && copy.as_bytes() == values.as_bytes());
+        pinned.resize(3);
+        assert!(pinned.is_pinned());
+        pinned.resize(4);
+        assert!(!pinned.is_pinned());
+        assert_eq!(&pinned.as_bytes()[..6], values.as_bytes());
+        assert_eq!(&pinned.as_bytes()[6..], &[0, 0]);
+    }
 }

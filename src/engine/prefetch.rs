@@ -68,6 +68,8 @@ struct Scratch {
     io: Option<[IoBuf; 2]>,
     pinned: [Pinned; 2],
     next: usize,
+    /// Registered shards a copy reads in place, held until its mark (`keep_until`).
+    read_in_place: Vec<(Arc<LowParams>, Mark)>,
 }
 
 /// A pinned host buffer (torch's pinned allocator) and the mark of the asynchronous copy
@@ -150,6 +152,9 @@ pub struct Fetcher<C: Collective> {
     pub dropped: DroppedWait,
     /// The GPU's streams (None on CPU devices).
     pub streams: Option<Arc<dyn Streams>>,
+    /// Each unit's parameters in host memory are pinned (`rules::pinned_params`): on a
+    /// GPU their copy reads them in place, no fill of a pinned buffer first.
+    pub pinned: Vec<bool>,
 }
 
 /// The two lanes a fetch runs on: the gather lane is the step's collectives lane,
@@ -460,9 +465,14 @@ impl<C: Collective> Fetcher<C> {
             });
         }
         let on_host = staging.device() == tch::Device::Cpu;
-        charge_staging(bytes as u64, matches!(shard, Source::Nvme(_)));
+        charge_staging(bytes as u64, matches!(shard, Source::Nvme(_)), self.pinned[unit]);
         let mut scratch = scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Scratch { io, pinned, next } = &mut *scratch;
+        if let Source::Host(params) = &shard {
+            if !on_host && params.is_registered() {
+                return self.copy_in_place(unit, params, staging, &mut scratch.read_in_place);
+            }
+        }
+        let Scratch { io, pinned, next, .. } = &mut *scratch;
         // where the shard's bytes land: the staging buffer itself on CPU devices (the
         // pool gives it to this fetch alone until the gather's event), else a pinned buffer
         let mut slot = (!on_host).then(|| {
@@ -522,6 +532,60 @@ impl<C: Collective> Fetcher<C> {
         Ok(())
     }
 
+    /// A shard in registered host memory (`offload_param.pin_memory`) copied to device
+    /// staging by DMA straight from where it lives, asynchronously on the lane's stream;
+    /// the buffer is held (`held`) until the copy's mark, whatever happens to the unit's
+    /// parameters meanwhile.
+    fn copy_in_place(
+        &self,
+        unit: usize,
+        params: &Arc<LowParams>,
+        staging: &Tensor,
+        held: &mut Vec<(Arc<LowParams>, Mark)>,
+    ) -> Result<(), EngineError> {
+        let torch_err = |source| EngineError::Torch {
+            rank: self.rank,
+            source,
+        };
+        let elements = self.parts[unit].shard;
+        let bytes = elements * self.precision.bytes();
+        let source = &params.as_bytes()[..bytes];
+        self.h2d_track
+            .span(Phase::H2d, Some(unit), bytes as u64, || {
+                // SAFETY: the view lives only within this closure; the bytes stay alive
+                // and unwritten until the copy's mark: `held` keeps them, and the unit's
+                // update overwrites its buffer only after the lanes are drained
+                let src = unsafe {
+                    Tensor::f_from_blob(
+                        source.as_ptr(),
+                        &[elements as i64],
+                        &[1],
+                        self.kind,
+                        tch::Device::Cpu,
+                    )
+                }?;
+                let mut dst = staging.f_narrow(0, 0, elements as i64)?;
+                torch::shim::copy_(&mut dst, &src, true)
+            })
+            .map_err(torch_err)?;
+        held.retain(|(_, mark)| !mark.query());
+        let streams = self.streams.as_ref().ok_or(EngineError::Invariant {
+            rank: self.rank,
+            what: "a copy to a GPU without its streams",
+        })?;
+        match streams.current().and_then(|s| s.mark()) {
+            Ok(mark) => {
+                held.push((params.clone(), mark));
+                Ok(())
+            }
+            Err(message) => {
+                // unknown when the copy is done: the buffer is kept to the end of the run
+                std::mem::forget(params.clone());
+                Err(h2d_failed(self.rank, message.to_string()))
+            }
+        }
+    }
+
     /// The gather lane's job: every rank's shard into the unit buffer, on the device.
     fn gather(&self, unit: usize, shard: &Tensor, out: &Tensor) -> Result<(), EngineError> {
         let part = self.parts[unit];
@@ -548,9 +612,9 @@ impl<C: Collective> Fetcher<C> {
 
 /// Charges a shard's way to device staging on a simulated device as its device makes
 /// it: from NVMe a read through a bounce buffer; on a GPU then a fill of pinned staging
-/// (on every core from host memory) and the DMA copy; on a CPU device a host shard's
-/// memcpy.
-fn charge_staging(bytes: u64, from_nvme: bool) {
+/// (on every core from host memory; none from `pinned` host memory, read in place) and
+/// the DMA copy; on a CPU device a host shard's memcpy.
+fn charge_staging(bytes: u64, from_nvme: bool, pinned: bool) {
     if from_nvme {
         sim::charge(Work::NvmeRead(bytes));
         sim::charge(Work::Fill {
@@ -558,7 +622,9 @@ fn charge_staging(bytes: u64, from_nvme: bool) {
             parallel: false,
         });
     }
-    if sim::gpu() {
+    if sim::gpu() && pinned && !from_nvme {
+        sim::charge(Work::H2d(bytes));
+    } else if sim::gpu() {
         sim::charge(Work::Fill {
             bytes,
             parallel: !from_nvme,

@@ -29,7 +29,9 @@ use super::context::{Comms, LaneOptions, RankContext, StepReport, Tracks};
 use super::error::{EngineError, On};
 use super::gradients::Gradients;
 use super::optimizer::Optimizer;
-use super::setup::{device_reservations, device_streams, homes, host_pinning, loss_scaler, unit_start};
+use super::setup::{
+    device_reservations, device_streams, homes, host_pinning, loss_scaler, param_pinning, unit_start,
+};
 use super::units::Units;
 use crate::comm::{Collective, ReduceOp};
 use crate::data::Dataset;
@@ -124,7 +126,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             plan.precision,
             (model.kind, compute),
             plan.zero.param_persistence_threshold,
-            lanes.mode,
+            (lanes.mode, param_pinning(plan, compute, rank)?),
         );
         let parts: Vec<Partition> = model
             .units

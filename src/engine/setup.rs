@@ -172,6 +172,23 @@ pub(super) fn host_pinning(plan: &Plan, compute: tch::Device, rank: usize) -> Re
     if !plan.zero.offload_optimizer.pin_memory || plan.zero.offload_optimizer.tier == Tier::Device {
         return Ok(Pinning::default());
     }
+    pinning(compute, rank)
+}
+
+/// How the rank's parameters in host memory are held: each unit's in an arena of its
+/// own, locked and on a CUDA rank registered, with `offload_param.pin_memory`
+/// (`rules::pinned_params`); else in plain `Vec`s (None).
+pub(super) fn param_pinning(
+    plan: &Plan,
+    compute: tch::Device,
+    rank: usize,
+) -> Result<Option<Pinning>, EngineError> {
+    let pinned = crate::plan::rules::pinned_params(plan).contains(&true);
+    pinned.then(|| pinning(compute, rank)).transpose()
+}
+
+/// Locked, and registered with a CUDA rank's context.
+fn pinning(compute: tch::Device, rank: usize) -> Result<Pinning, EngineError> {
     let register = match compute {
         tch::Device::Cuda(ordinal) => {
             let cuda = Cuda::shared(ordinal).map_err(|source| EngineError::Cuda { rank, source })?;

@@ -137,6 +137,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             h2d_track: self.tracks.h2d.clone(),
             dropped: self.lanes.dropped,
             streams: self.site.streams.clone(),
+            pinned: crate::plan::rules::pinned_params(self.plan),
         };
         let limits = Limits {
             bucket: self.plan.zero.prefetch_bucket_size,

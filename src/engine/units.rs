@@ -19,6 +19,7 @@ use crate::torch::{self, Shared};
 use std::sync::Arc;
 use std::time::Instant;
 use tch::Tensor;
+use tierzero_offload::arena::Pinning;
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
 use tierzero_offload::pool::IoBuf;
 
@@ -76,6 +77,9 @@ pub(super) struct Units<'a> {
     persistence_threshold: usize,
     /// Stage-3 gather buffers, reused across micro-batches (lent to the prefetcher).
     gather_buffers: Option<GatherBuffers>,
+    /// How parameters in host memory are held (`offload_param.pin_memory`): each unit's
+    /// in a locked arena of its own, registered with a CUDA rank's GPU; None: `Vec`s.
+    pinning: Option<Pinning>,
 }
 
 impl<'a> Units<'a> {
@@ -85,7 +89,7 @@ impl<'a> Units<'a> {
         precision: Precision,
         (kind, compute): (tch::Kind, tch::Device),
         persistence_threshold: usize,
-        mode: Mode,
+        (mode, pinning): (Mode, Option<Pinning>),
     ) -> Units<'a> {
         Units {
             units: Vec::new(),
@@ -96,6 +100,23 @@ impl<'a> Units<'a> {
             compute,
             persistence_threshold,
             gather_buffers: Some(GatherBuffers::new(mode)),
+            pinning,
+        }
+    }
+
+    /// `values` as parameters in host memory are held: in a locked (and registered)
+    /// arena of their own with `offload_param.pin_memory`, copied there unless they are
+    /// in one already.
+    fn held(&self, values: LowParams) -> Result<LowParams, EngineError> {
+        match &self.pinning {
+            Some(pinning) if !values.is_pinned() => {
+                values.pinned(pinning).map_err(|source| EngineError::Arena {
+                    rank: self.on.0,
+                    what: "parameters",
+                    source,
+                })
+            }
+            _ => Ok(values),
         }
     }
 
@@ -115,7 +136,7 @@ impl<'a> Units<'a> {
                     .map_err(self.on.io())?;
                 Params::Nvme(store)
             }
-            Home::Host => Params::Host(Arc::new(initial)),
+            Home::Host => Params::Host(Arc::new(self.held(initial)?)),
             Home::Device => {
                 let tensor = self.upload(&initial, initial.len()).map_err(self.on.torch())?;
                 Params::Device(Shared::new(tensor))
@@ -451,8 +472,9 @@ impl<'a> Units<'a> {
             }
         };
         // stages 0 and 3: the update was written over the old buffer, or into a new one
-        // while a lane held the old (`overwritten`), which is dropped
-        self.units[u].params = Params::Host(Arc::new(params));
+        // while a lane held the old (`overwritten`), which is dropped; a new buffer is
+        // held as the old one was
+        self.units[u].params = Params::Host(Arc::new(self.held(params)?));
         Ok(())
     }
 

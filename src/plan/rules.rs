@@ -241,6 +241,19 @@ pub fn param_tiers(plan: &Plan) -> Vec<Tier> {
         .collect()
 }
 
+/// Which units' parameters live in locked host memory registered with the GPU
+/// (`offload_param.pin_memory`): those in host memory, whose h2d copy then reads them in
+/// place by DMA (no fill of a pinned staging buffer), and into which a device-tier
+/// optimizer copies the new values at the pinned rate (stages 0 and 3, where the update
+/// overwrites the unit's own buffer).
+pub fn pinned_params(plan: &Plan) -> Vec<bool> {
+    let pin = plan.zero.offload_param.pin_memory;
+    param_tiers(plan)
+        .into_iter()
+        .map(|t| pin && t == Tier::Cpu)
+        .collect()
+}
+
 /// Whether unit `u` keeps its autograd graph from forward to backward (no recompute):
 /// kept activations are on, `u` is a block, and its parameters stay on the device
 /// from its forward through its backward (a replica on the device below stage 3, at stage

@@ -40,6 +40,8 @@ pub(super) struct Replay<'a> {
     parts: Vec<Partition>,
     /// Each unit's parameter tier (`rules::param_tiers`).
     param_tiers: Vec<Tier>,
+    /// Whether each unit's parameters in host memory are pinned (`rules::pinned_params`).
+    pinned: Vec<bool>,
     /// Each unit's optimizer-state tier (`rules::optimizer_tiers`).
     optimizer_tiers: Vec<Tier>,
     /// Which units sum their gradient on the device (`rules::device_sums`).
@@ -81,6 +83,7 @@ impl<'a> Replay<'a> {
             clocks: Clocks::default(),
             parts,
             param_tiers: rules::param_tiers(plan),
+            pinned: rules::pinned_params(plan),
             optimizer_tiers: rules::optimizer_tiers(plan),
             device_sums: rules::device_sums(plan),
             kept: rules::gradients_on_device(plan),
@@ -184,8 +187,8 @@ impl<'a> Replay<'a> {
             Tier::Device => {}
             tier => {
                 // the h2d lane: (NVMe: read chunk by chunk through a bounce buffer, one in
-                // flight) then a memcpy into the pinned slot (a host shard's on every core)
-                // and the copy
+                // flight) then a memcpy into the pinned slot (a host shard's on every core;
+                // none for a pinned host shard, copied in place) and the copy
                 self.clocks.wait(Track::H2d, issued);
                 if tier == Tier::Nvme {
                     let read = self.costs.seconds(Cost::NvmeRead(shard_bytes))
@@ -197,11 +200,13 @@ impl<'a> Replay<'a> {
                         .run(Track::H2d, "nvme_read", Some(u), read, shard_bytes);
                 }
                 if self.cuda() {
-                    let memcpy = self.costs.seconds(Cost::Fill {
-                        bytes: shard_bytes,
-                        parallel: tier == Tier::Cpu,
-                    });
-                    self.clocks.run(Track::H2d, "staging", Some(u), memcpy, 0);
+                    if !self.pinned[u] {
+                        let memcpy = self.costs.seconds(Cost::Fill {
+                            bytes: shard_bytes,
+                            parallel: tier == Tier::Cpu,
+                        });
+                        self.clocks.run(Track::H2d, "staging", Some(u), memcpy, 0);
+                    }
                     let copy = self.costs.seconds(Cost::H2d(shard_bytes));
                     self.pcie[0] += shard_bytes;
                     ready = self.clocks.run(Track::H2d, "h2d", Some(u), copy, shard_bytes);

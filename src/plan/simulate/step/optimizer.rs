@@ -38,9 +38,15 @@ impl Replay<'_> {
                     self.clocks
                         .run(Track::Optimizer, "optimizer", Some(u), seconds, 16 * len);
                     if self.param_tiers[u] != Tier::Device {
-                        // the new values out to the parameters' host buffer (pageable)
+                        // the new values out to the parameters' host buffer: pageable,
+                        // but pinned where stage 0 or 3 updates a pinned unit's own buffer
                         let bytes = len * self.p();
-                        let out = self.costs.seconds(Cost::D2hPageable(bytes));
+                        let cost = if self.pinned[u] && matches!(self.stage(), 0 | 3) {
+                            Cost::D2h(bytes)
+                        } else {
+                            Cost::D2hPageable(bytes)
+                        };
+                        let out = self.costs.seconds(cost);
                         self.clocks.run(Track::Optimizer, "d2h", Some(u), out, bytes);
                         self.pcie[1] += if self.cuda() { bytes } else { 0 };
                     }
