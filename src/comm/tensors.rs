@@ -21,6 +21,10 @@ pub fn all_reduce<C: Collective + ?Sized>(comm: &C, data: &Tensor, op: ReduceOp)
         )));
     }
     let n = data.numel();
+    if comm.world() == 1 {
+        // one rank's values are their own sum, mean, maximum and minimum
+        return Ok(());
+    }
     if data.device() == Device::Cpu {
         // SAFETY: the caller owns the tensor's elements for the collective.
         let values = unsafe { torch::host_slice_mut::<f32>(data, n) }.map_err(torch_err)?;
@@ -139,6 +143,14 @@ pub fn reduce_scatter<C: Collective + ?Sized>(
     let fail = failure(comm.rank(), "reduce_scatter");
     let torch_err = |e: tch::TchError| fail(e.to_string());
     check_sizes(comm, "reduce_scatter", out, full)?;
+    if comm.world() == 1 {
+        // one rank's values are their own reduction (a 16-bit value widened, reduced
+        // alone and rounded back is itself): a copy on the device
+        return out
+            .shallow_clone()
+            .f_copy_(&full.f_view_as(out).map_err(torch_err)?)
+            .map_err(torch_err);
+    }
     let on_host = full.device() == Device::Cpu && out.device() == Device::Cpu;
     match full.kind() {
         tch::Kind::Float if on_host => reduce_as::<f32, C>(comm, full, out, op),

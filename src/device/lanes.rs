@@ -332,7 +332,7 @@ impl<'env> Lane<'env> {
                 Some(stream) => stream.and_then(|s| s.enter()),
                 None => Ok(()),
             };
-            serve(queue, worker, mode, salt, entered)
+            serve(queue, worker, (name, mode, salt), entered)
         });
         Lane {
             rank,
@@ -450,8 +450,7 @@ impl Drop for Lane<'_> {
 fn serve(
     queue: Receiver<Job<'_>>,
     progress: Arc<Progress>,
-    mode: Mode,
-    salt: u64,
+    (name, mode, salt): (&'static str, Mode, u64),
     entered: Result<(), DeviceError>,
 ) {
     let mut rng = match mode {
@@ -473,7 +472,12 @@ fn serve(
                 rng = shuffle(rng);
                 std::thread::sleep(Duration::from_micros(rng % max_delay_us.max(1)));
             }
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(true))) {
+            // checked mode: a blocking copy between host and a GPU in the job fails it
+            let run = || match mode {
+                Mode::Checked { .. } => crate::torch::in_checked_lane(name, || job(true)),
+                Mode::Plain => job(true),
+            };
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
                 Ok(ran) => ran.map_err(|e| e.to_string()),
                 Err(panic) => Err(panic
                     .downcast_ref::<&str>()

@@ -29,11 +29,46 @@ pub fn pod_bytes_mut<T: tierzero_offload::host::Pod>(data: &mut [T]) -> &mut [u8
     unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast(), std::mem::size_of_val(data)) }
 }
 
+thread_local! {
+    /// The lane whose job this thread runs in checked mode (`device::lanes` says so through
+    /// [`in_checked_lane`]): a blocking copy between host and device fails there.
+    static CHECKED_LANE: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` as a job of lane `lane` in checked mode: the blocking copies between host and
+/// a GPU that this module makes fail inside it. A lane queues its copies asynchronously
+/// on its stream; a blocking one stalls the lane's thread, and beside the NCCL kernels of
+/// several GPUs in one process (and allocations on other threads) it can deadlock, as
+/// TensorFlow and JAX have seen.
+pub fn in_checked_lane<R>(lane: &'static str, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<&'static str>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CHECKED_LANE.set(self.0);
+        }
+    }
+    let _restore = Restore(CHECKED_LANE.replace(Some(lane)));
+    f()
+}
+
+/// A blocking copy `what` between host and a device other than the CPU: an error in a
+/// checked lane's job ([`in_checked_lane`]).
+fn blocking_device_copy(what: &str, device: Device) -> Result<(), TchError> {
+    match (device, CHECKED_LANE.get()) {
+        (Device::Cpu, _) | (_, None) => Ok(()),
+        (_, Some(lane)) => Err(TchError::Torch(format!(
+            "a blocking {what} on the {lane} lane: checked lanes refuse it (a lane queues its copies asynchronously on its stream)"
+        ))),
+    }
+}
+
 /// `t` on `device` (itself when it is already there).
 fn onto(t: Tensor, device: Device) -> Result<Tensor, TchError> {
     if t.device() == device {
         Ok(t)
     } else {
+        let gpu = if device == Device::Cpu { t.device() } else { device };
+        blocking_device_copy("copy between host and device", gpu)?;
         t.f_to(device)
     }
 }
@@ -48,7 +83,10 @@ fn tensor_of<T: tierzero_offload::host::Pod>(
 ) -> Result<Tensor, TchError> {
     match device {
         Device::Cpu => Tensor::f_from_data_size(pod_bytes(data), shape, kind),
-        gpu => shim::to_gpu(data, shape, kind, gpu),
+        gpu => {
+            blocking_device_copy("host→device copy", gpu)?;
+            shim::to_gpu(data, shape, kind, gpu)
+        }
     }
 }
 
@@ -182,6 +220,7 @@ pub fn copy_from_host(dst: &Tensor, bytes: &[u8]) -> Result<(), TchError> {
         unsafe { host_bytes_mut(dst, bytes.len()) }?.copy_from_slice(bytes);
         return Ok(());
     }
+    blocking_device_copy("host→device copy", dst.device())?;
     // SAFETY: the view of `bytes` lives only within this call, while they are borrowed,
     // and is only read.
     let src = unsafe { Tensor::f_from_blob(bytes.as_ptr(), &[n as i64], &[1], kind, Device::Cpu) }?;
@@ -194,6 +233,7 @@ pub fn copy_from_host(dst: &Tensor, bytes: &[u8]) -> Result<(), TchError> {
 pub fn copy_to_host(t: &Tensor, out: &mut [u8]) -> Result<(), TchError> {
     let kind = t.f_kind()?;
     let n = (out.len() / kind.elt_size_in_bytes()) as i64;
+    blocking_device_copy("device→host copy", t.device())?;
     // SAFETY: the view of `out` lives only within this call, while it is borrowed mutably
     // here; the copy into it is synchronous.
     let mut dst = unsafe { Tensor::f_from_blob(out.as_mut_ptr(), &[n], &[1], kind, Device::Cpu) }?;
@@ -219,5 +259,32 @@ impl Shared {
     /// A handle for reading (a shallow clone: the same storage).
     pub fn tensor(&self) -> Tensor {
         self.0.shallow_clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checked_lanes_job_refuses_blocking_copies_to_a_gpu_and_only_inside_it() {
+        let gpu = Device::Cuda(0);
+        assert!(blocking_device_copy("host→device copy", gpu).is_ok());
+        let inside = in_checked_lane("collectives", || {
+            // host memory is no device copy: CPU tensors are copied as ever
+            let t = Tensor::zeros([2], (Kind::Float, Device::Cpu));
+            copy_from_host(&t, pod_bytes(&[1.0f32, 2.0])).unwrap();
+            assert_eq!(Vec::<f32>::try_from(&t).unwrap(), vec![1.0, 2.0]);
+            blocking_device_copy("host→device copy", gpu)
+        });
+        let message = inside.unwrap_err().to_string();
+        assert!(
+            message.contains("blocking host→device copy on the collectives lane"),
+            "{message}"
+        );
+        // the lane's mark is gone with its job, also after a panic inside it
+        assert!(blocking_device_copy("host→device copy", gpu).is_ok());
+        let _ = std::panic::catch_unwind(|| in_checked_lane("h2d", || panic!("a job panics")));
+        assert!(blocking_device_copy("host→device copy", gpu).is_ok());
     }
 }
