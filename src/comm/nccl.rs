@@ -187,7 +187,20 @@ impl Nccl {
             .map_err(|reason| CommError::Aborted { rank, reason })?;
         let mut nccl = Nccl::init(cuda, &id, world, rank)?;
         nccl.store = Some(store);
+        nccl.connect()?;
         Ok(nccl)
+    }
+
+    /// Eager connect: NCCL sets up the connections each kind of collective uses at its
+    /// first call; one of each here, at start-up, sets them up before the step's first
+    /// collectives, so they are never made beside its kernels and the allocations of
+    /// other ranks' threads in the process. Every rank joins in the same order, so these
+    /// run in the same order on every rank.
+    fn connect(&self) -> Result<(), CommError> {
+        let world = self.world;
+        self.all_reduce(&mut [0f32], ReduceOp::Sum)?;
+        self.all_gather(&[0f32], &mut vec![0f32; world])?;
+        self.reduce_scatter(&vec![0f32; world], &mut [0f32], ReduceOp::Sum)
     }
 
     /// Joins the communicator `id` as `rank` of `world` (blocks until all ranks join).
