@@ -53,7 +53,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// Nothing on CPU devices, whose compute is done when the call returns, nor on a
     /// simulated one (virtual time does not see checked mode's delays).
     fn checked_delay(&self, u: usize, backward: bool) -> Result<(), TchError> {
-        let salt = Mode::salt("compute", self.site.rank);
+        let salt =
+            Mode::salt("compute", self.site.rank) ^ self.checked_round.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let delay = self
             .lanes
             .mode
@@ -112,6 +113,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let plan = self.plan;
         let accumulation = plan.batch.gradient_accumulation_steps;
         let (rows, seq) = (plan.batch.micro_batch_per_gpu, plan.data.seq_len);
+        self.checked_round = (step << 24) ^ global_micro;
         let data_start = Instant::now();
         let batch = self
             .dataset

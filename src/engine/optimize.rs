@@ -123,6 +123,17 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         // with its update (all or nothing: nothing is lent unless every gradient is here)
         self.grads.all_here()?;
         self.grads.store_missing(&self.tracks.compute)?;
+        // on a device the optimizer's stream follows what compute has queued by now (taken
+        // before anything is lent, so a failure leaves every owner whole)
+        let device = match (&self.site.streams, scope) {
+            (Some(streams), Some(_)) => Some(UpdateStream::new(
+                streams,
+                self.lanes.mode,
+                self.site.rank,
+                step.step,
+            )?),
+            _ => None,
+        };
         let mut jobs = Vec::with_capacity(self.units.len());
         for u in 0..self.units.len() {
             let len = self.optimizer.partition(u).len();
@@ -150,10 +161,6 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             Some(scope) => {
                 let (tx, rx) = crossbeam_channel::unbounded();
                 let rank = self.site.rank;
-                let device = match &self.site.streams {
-                    Some(streams) => Some(UpdateStream::new(streams, self.lanes.mode, rank)?),
-                    None => None,
-                };
                 scope.spawn(move || {
                     let stream = device.as_ref().map(UpdateStream::enter).transpose();
                     for job in jobs {
@@ -201,8 +208,13 @@ struct UpdateStream {
 }
 
 impl UpdateStream {
-    /// Taken on the compute thread, when the step's update is issued.
-    fn new(streams: &Arc<dyn Streams>, mode: Mode, rank: usize) -> Result<UpdateStream, EngineError> {
+    /// Taken on the compute thread, when the update of optimizer step `step` is issued.
+    fn new(
+        streams: &Arc<dyn Streams>,
+        mode: Mode,
+        rank: usize,
+        step: u64,
+    ) -> Result<UpdateStream, EngineError> {
         let after = streams
             .current()
             .and_then(|compute| compute.mark())
@@ -211,7 +223,8 @@ impl UpdateStream {
             streams: streams.clone(),
             after,
             mode,
-            salt: Mode::salt("optimizer", rank),
+            // checked mode's delays differ from step to step
+            salt: Mode::salt("optimizer", rank) ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15),
         })
     }
 

@@ -275,11 +275,11 @@ impl<'a> Optimizer<'a> {
         Ok(update)
     }
 
-    /// The next unit whose update is awaited.
     pub(super) fn rank(&self) -> usize {
         self.on.0
     }
 
+    /// The next unit whose update is awaited.
     pub(super) fn next_unit(&self) -> usize {
         self.next
     }

@@ -435,8 +435,14 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
         for (_, buffer, _) in self.kept.drain(..) {
             self.buffers.units.release(buffer, Event::done());
         }
-        let _ = self.lanes.h2d.record().synchronize();
-        let _ = self.lanes.gather.record().synchronize();
+        let h2d = self.lanes.h2d.record().synchronize();
+        let gather = self.lanes.gather.record().synchronize();
+        if h2d.is_ok() && gather.is_ok() {
+            // every copy is done: the shards read in place are free for their update,
+            // which overwrites them only when no one else holds them (`Units::overwritten`)
+            let mut scratch = self.buffers.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            scratch.read_in_place.clear();
+        }
         self.buffers
     }
 }
@@ -547,6 +553,10 @@ impl<C: Collective> Fetcher<C> {
             rank: self.rank,
             source,
         };
+        let streams = self.streams.as_ref().ok_or(EngineError::Invariant {
+            rank: self.rank,
+            what: "a copy to a GPU without its streams",
+        })?;
         let elements = self.parts[unit].shard;
         let bytes = elements * self.precision.bytes();
         let source = &params.as_bytes()[..bytes];
@@ -569,10 +579,6 @@ impl<C: Collective> Fetcher<C> {
             })
             .map_err(torch_err)?;
         held.retain(|(_, mark)| !mark.query());
-        let streams = self.streams.as_ref().ok_or(EngineError::Invariant {
-            rank: self.rank,
-            what: "a copy to a GPU without its streams",
-        })?;
         match streams.current().and_then(|s| s.mark()) {
             Ok(mark) => {
                 held.push((params.clone(), mark));

@@ -67,6 +67,9 @@ pub struct RankEngine<'a, C: Collective> {
     /// False: every phase blocking (`RankContext::overlap`).
     pub(super) overlap: bool,
     pub(super) lanes: LaneOptions,
+    /// The micro-batch being computed (step and index), which checked mode's delays of
+    /// compute mix in so they differ from one micro-batch to the next.
+    pub(super) checked_round: u64,
 }
 
 /// Where a rank computes and what it holds there: its rank, the compute device with its
@@ -207,6 +210,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             tracks: Tracks::new(timeline, rank),
             overlap,
             lanes,
+            checked_round: 0,
         })
     }
 

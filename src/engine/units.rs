@@ -106,16 +106,18 @@ impl<'a> Units<'a> {
 
     /// `values` as parameters in host memory are held: in a locked (and registered)
     /// arena of their own with `offload_param.pin_memory`, copied there unless they are
-    /// in one already.
-    fn held(&self, values: LowParams) -> Result<LowParams, EngineError> {
+    /// in one already. Where the arena cannot be made, the values come back with the
+    /// error.
+    fn held(&self, values: LowParams) -> Result<LowParams, (LowParams, EngineError)> {
         match &self.pinning {
-            Some(pinning) if !values.is_pinned() => {
-                values.pinned(pinning).map_err(|source| EngineError::Arena {
-                    rank: self.on.0,
-                    what: "parameters",
-                    source,
-                })
-            }
+            Some(pinning) if !values.is_pinned() => match values.pinned(pinning) {
+                Ok(pinned) => Ok(pinned),
+                Err(source) => {
+                    let rank = self.on.0;
+                    let what = "parameters";
+                    Err((values, EngineError::Arena { rank, what, source }))
+                }
+            },
             _ => Ok(values),
         }
     }
@@ -136,7 +138,7 @@ impl<'a> Units<'a> {
                     .map_err(self.on.io())?;
                 Params::Nvme(store)
             }
-            Home::Host => Params::Host(Arc::new(self.held(initial)?)),
+            Home::Host => Params::Host(Arc::new(self.held(initial).map_err(|(_, e)| e)?)),
             Home::Device => {
                 let tensor = self.upload(&initial, initial.len()).map_err(self.on.torch())?;
                 Params::Device(Shared::new(tensor))
@@ -473,9 +475,13 @@ impl<'a> Units<'a> {
         };
         // stages 0 and 3: the update was written over the old buffer, or into a new one
         // while a lane held the old (`overwritten`), which is dropped; a new buffer is
-        // held as the old one was
-        self.units[u].params = Params::Host(Arc::new(self.held(params)?));
-        Ok(())
+        // held as the old one was (else it stays, so the unit is never left empty)
+        let (params, failed) = match self.held(params) {
+            Ok(params) => (params, None),
+            Err((params, e)) => (params, Some(e)),
+        };
+        self.units[u].params = Params::Host(Arc::new(params));
+        failed.map_or(Ok(()), Err)
     }
 
     /// Host bytes of parameters: those kept in host memory, and the host buffers the
