@@ -317,19 +317,12 @@ fn tiny_llama_on_cuda_follows_the_cpu_run() {
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it with --ignored"]
 fn a_dropped_wait_on_the_gpu_is_caught_by_the_checked_lanes() {
-    use tierzero::device::lanes::Mode;
     use tierzero::engine::context::LaneOptions;
     use tierzero::engine::prefetch::DroppedWait;
     require_gpu();
     let tmp = tempfile::tempdir().unwrap();
     let checked = |dropped| TrainOptions {
-        lanes: Some(LaneOptions {
-            mode: Mode::Checked {
-                seed: 9,
-                max_delay_us: 2000,
-            },
-            dropped,
-        }),
+        lanes: Some(LaneOptions::checked(9, 2000, dropped)),
         ..TrainOptions::default()
     };
     let off = |cpu: &[f64], gpu: &[f64]| {

@@ -610,13 +610,7 @@ fn a_dropped_wait_is_caught_by_the_checked_lanes() {
     for dropped in [DroppedWait::ComputeOnGather, DroppedWait::StagingUntilGather] {
         let options = TrainOptions {
             collect_master: true,
-            lanes: Some(LaneOptions {
-                mode: Mode::Checked {
-                    seed: 9,
-                    max_delay_us: 2000,
-                },
-                dropped,
-            }),
+            lanes: Some(LaneOptions::checked(9, 2000, dropped)),
             ..TrainOptions::default()
         };
         let result = train(&p, options).unwrap();

@@ -56,6 +56,15 @@ pub struct LaneOptions {
 }
 
 impl LaneOptions {
+    /// Checked lanes (reproducible from `seed`, jobs late by up to `max_delay_us`) with
+    /// `dropped` left out.
+    pub fn checked(seed: u64, max_delay_us: u64, dropped: DroppedWait) -> LaneOptions {
+        LaneOptions {
+            mode: Mode::Checked { seed, max_delay_us },
+            dropped,
+        }
+    }
+
     /// Plain lanes, or checked ones when the environment asks (`Mode::from_env`).
     pub fn from_env() -> LaneOptions {
         LaneOptions {
