@@ -308,6 +308,34 @@ fn tiny_llama_on_cuda_follows_the_cpu_run() {
     }
 }
 
+/// On a GPU the compute thread never waits for a unit's kernels: compute's spans come
+/// from timed marks on its stream (`engine/compute_times.rs`), so the breakdown still
+/// has each phase's device time, inside the step.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it with --ignored"]
+fn compute_spans_on_the_gpu_are_the_devices_times() {
+    use tierzero::metrics::timeline::Phase;
+    require_gpu();
+    let tmp = tempfile::tempdir().unwrap();
+    for layout in [(3, "none", "none"), (3, "cpu", "cpu")] {
+        let result = train(&tiny("cuda", layout, "fp32", tmp.path()), TrainOptions::default()).unwrap();
+        let step = result.steps.last().unwrap();
+        let (forward, backward) = (
+            step.breakdown.phase(Phase::Forward),
+            step.breakdown.phase(Phase::Backward),
+        );
+        println!(
+            "{layout:?}: step {:.4} s, forward {forward:.4} s, backward {backward:.4} s",
+            step.step_seconds
+        );
+        assert!(forward > 0.0 && backward > 0.0, "{layout:?}: no compute spans");
+        assert!(
+            forward + backward <= step.step_seconds,
+            "{layout:?}: spans outside the step"
+        );
+    }
+}
+
 /// On the GPU the checked lanes hold the ordering to the CPU run, and a wait left out
 /// breaks it: compute's stream not waiting for a gather's mark, or for the mark of a
 /// device update (the optimizer's own stream, `engine/optimize.rs`), lets the next use

@@ -269,6 +269,14 @@ impl Stream for LaneStream {
         Ok(Arc::new(CudaMark(event)))
     }
 
+    fn timed_mark(&self) -> Result<Mark, DeviceError> {
+        let event = self
+            .cuda
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(CudaError::driver("cuEventRecord"))?;
+        Ok(Arc::new(CudaMark(event)))
+    }
+
     fn wait(&self, mark: &Mark) -> Result<(), DeviceError> {
         let Some(CudaMark(event)) = mark.as_any().downcast_ref::<CudaMark>() else {
             return Err(DeviceError::ForeignMark);
@@ -316,6 +324,12 @@ impl DeviceMark for CudaMark {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+
+    /// Both marks timed (`timed_mark`); None otherwise, or on an error of the device's.
+    fn seconds_since(&self, earlier: &Mark) -> Option<f64> {
+        let earlier = earlier.as_any().downcast_ref::<CudaMark>()?;
+        elapsed(&earlier.0, &self.0).ok()
     }
 }
 

@@ -44,6 +44,11 @@ pub trait DeviceMark: Send + Sync {
     fn synchronize(&self) -> Result<(), DeviceError>;
     /// For the device's streams to recognise their own marks.
     fn as_any(&self) -> &dyn std::any::Any;
+    /// Seconds the device took from `earlier` to this mark, both taken with
+    /// [`Stream::timed_mark`] (waits for both); None where the device does not time them.
+    fn seconds_since(&self, _earlier: &Mark) -> Option<f64> {
+        None
+    }
 }
 
 pub type Mark = Arc<dyn DeviceMark>;
@@ -55,6 +60,10 @@ pub trait Stream: Send + Sync {
     fn enter(&self) -> Result<(), DeviceError>;
     /// A mark of what is queued on the stream so far.
     fn mark(&self) -> Result<Mark, DeviceError>;
+    /// A mark that also keeps the device's time ([`DeviceMark::seconds_since`]).
+    fn timed_mark(&self) -> Result<Mark, DeviceError> {
+        self.mark()
+    }
     /// Later work on this stream waits for `mark` (the calling thread goes on).
     fn wait(&self, mark: &Mark) -> Result<(), DeviceError>;
     /// Queues device work that takes about `micros` microseconds (checked mode: a lane's

@@ -10,7 +10,7 @@ use super::rank::RankEngine;
 use crate::comm::{Collective, ReduceOp};
 use crate::data::Batch;
 use crate::device::cpu::Reservation;
-use crate::device::lanes::Mode;
+use crate::device::lanes::{Mode, Stream};
 use crate::device::sim;
 use crate::metrics::timeline::Phase;
 use crate::model::head::Weight;
@@ -19,6 +19,7 @@ use crate::plan::memory::kept_graph_bytes;
 use crate::plan::rules::keeps_activations;
 use crate::plan::simulate::costs::Work;
 use crate::torch;
+use std::sync::Arc;
 use std::time::Instant;
 use tch::{TchError, Tensor};
 
@@ -33,18 +34,54 @@ struct Forward {
 }
 
 impl<'a, C: Collective + Clone> RankEngine<'a, C> {
-    /// Waits for the compute stream's queued work, so a compute span ends when the
-    /// kernels did (torch launches asynchronously); the lanes' streams go on. Nothing to
-    /// wait for on CPU.
-    fn settle(&self) -> Result<(), TchError> {
-        match &self.site.streams {
-            Some(streams) => streams
+    /// Compute's stream on a GPU, where its spans are timed by the device
+    /// (`compute_times.rs`); None on CPU devices and simulated ones.
+    fn timed_stream(&self) -> Result<Option<Arc<dyn Stream>>, TchError> {
+        match (self.site.compute, &self.site.streams) {
+            (tch::Device::Cuda(_), Some(streams)) => streams
                 .current()
-                .and_then(|compute| compute.mark())
-                .and_then(|mark| mark.synchronize())
+                .map(Some)
                 .map_err(|e| TchError::Torch(e.to_string())),
-            None => Ok(()),
+            _ => Ok(None),
         }
+    }
+
+    /// The step's compute starts: on a GPU the origin of its device-timed spans.
+    pub(super) fn begin_compute(&mut self) -> Result<(), EngineError> {
+        if let Some(stream) = self.timed_stream().map_err(self.torch_err())? {
+            self.compute_times
+                .begin(&*stream)
+                .map_err(|e| self.torch_err()(TchError::Torch(e.to_string())))?;
+        }
+        Ok(())
+    }
+
+    /// The step's compute is queued: its device-timed spans go to the compute track.
+    pub(super) fn end_compute(&mut self) {
+        self.compute_times.flush(&self.tracks.compute);
+    }
+
+    /// Runs `f`, which computes one span of the step (a unit's forward or backward, the
+    /// head): on a GPU between two timed marks of compute's stream, never waiting for
+    /// its kernels; elsewhere timed on the host.
+    fn compute_span<T>(
+        &mut self,
+        (phase, unit): (Phase, Option<usize>),
+        f: impl FnOnce(&Self) -> Result<T, TchError>,
+    ) -> Result<T, EngineError> {
+        let out = match self.timed_stream().map_err(self.torch_err())? {
+            None => {
+                let track = self.tracks.compute.clone();
+                track.span(phase, unit, 0, || f(self))
+            }
+            Some(stream) => {
+                let mut times = std::mem::take(&mut self.compute_times);
+                let out = times.span(&*stream, (phase, unit), || f(self));
+                self.compute_times = times;
+                out
+            }
+        };
+        out.map_err(self.torch_err())
     }
 
     /// Checked mode on a GPU: unit `u`'s compute (its forward, or its `backward`) starts
@@ -166,21 +203,17 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         for u in 0..last {
             let (params, gathered) = self.fetch(prefetch.as_deref_mut(), u)?;
             let keep = keeps_activations(plan, u);
-            let (y, graph) = self
-                .tracks
-                .compute
-                .span(Phase::Forward, Some(u), 0, || {
-                    self.checked_delay(u, false)?;
-                    let out = if keep {
-                        let (y, graph) = self.model.forward_keep(u, &params, &inputs[u], segments)?;
-                        (y, Some(graph))
-                    } else {
-                        (self.model.forward_unit(u, &params, &inputs[u], segments)?, None)
-                    };
-                    sim::charge(Work::Forward(u));
-                    self.settle().map(|()| out)
-                })
-                .map_err(self.torch_err())?;
+            let (y, graph) = self.compute_span((Phase::Forward, Some(u)), |engine| {
+                engine.checked_delay(u, false)?;
+                let out = if keep {
+                    let (y, graph) = engine.model.forward_keep(u, &params, &inputs[u], segments)?;
+                    (y, Some(graph))
+                } else {
+                    (engine.model.forward_unit(u, &params, &inputs[u], segments)?, None)
+                };
+                sim::charge(Work::Forward(u));
+                Ok(out)
+            })?;
             if graph.is_some() {
                 // without the prefetcher (which holds a held unit itself) the graph keeps
                 // the gathered parameters alive: their memory stays reserved with it
@@ -221,23 +254,15 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         } else {
             None
         };
-        let final_start = Instant::now();
-        self.checked_delay(last, true).map_err(self.torch_err())?;
-        let last_unit = self
-            .model
-            .backward_final(
-                &params,
-                tied.as_ref().map(|t| &t.0),
-                &inputs[last],
-                targets,
-                weight,
-            )
-            .map_err(self.torch_err())?;
-        sim::charge(Work::Head);
-        self.settle().map_err(self.torch_err())?;
-        self.tracks
-            .compute
-            .record(Phase::Backward, Some(last), final_start, 0);
+        let last_unit = self.compute_span((Phase::Backward, Some(last)), |engine| {
+            engine.checked_delay(last, true)?;
+            let tied = tied.as_ref().map(|t| &t.0);
+            let out = engine
+                .model
+                .backward_final(&params, tied, &inputs[last], targets, weight)?;
+            sim::charge(Work::Head);
+            Ok(out)
+        })?;
         drop((params, gathered, tied));
         self.grads.accumulate(
             last,
@@ -283,21 +308,17 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 Some(_) => (Tensor::new(), None),
                 None => self.fetch(prefetch.as_deref_mut(), u)?,
             };
-            let (g, grad_in) = self
-                .tracks
-                .compute
-                .span(Phase::Backward, Some(u), 0, || {
-                    self.checked_delay(u, true)?;
-                    let grads = match graph {
-                        Some(graph) => self.model.backward_kept(graph, &grad_out)?,
-                        None => self
-                            .model
-                            .backward_unit(u, &params, &inputs[u], &grad_out, segments)?,
-                    };
-                    sim::charge(Work::Backward(u));
-                    self.settle().map(|()| grads)
-                })
-                .map_err(self.torch_err())?;
+            let (g, grad_in) = self.compute_span((Phase::Backward, Some(u)), |engine| {
+                engine.checked_delay(u, true)?;
+                let grads = match graph {
+                    Some(graph) => engine.model.backward_kept(graph, &grad_out)?,
+                    None => engine
+                        .model
+                        .backward_unit(u, &params, &inputs[u], &grad_out, segments)?,
+                };
+                sim::charge(Work::Backward(u));
+                Ok(grads)
+            })?;
             self.grads
                 .accumulate(u, &g, (&self.comms.main, &self.tracks.compute), false)?;
             if let Some(d) = grad_in {

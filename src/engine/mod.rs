@@ -5,6 +5,7 @@
 //!   step for stages 0–3
 //! - `step_lanes.rs`: the step's lanes (collectives, h2d), opened and closed once a step
 //! - `micro_batch.rs`: one micro-batch's forward and backward, and evaluation
+//! - `compute_times.rs`: compute's spans on a GPU, timed by the device (no host sync per unit)
 //! - `units.rs`, `gradients.rs`, `optimizer.rs`: the owners of parameters, gradient
 //!   accumulators and optimizer state, each unit's residency a type
 //! - `params.rs`: low-precision parameters as stored, and their residency
@@ -19,6 +20,7 @@
 //! - `snapshot.rs`: a rank's part of saving a checkpoint
 //! - `setup.rs`: what a rank starts from: each unit's state, device reservations, arenas, streams
 
+mod compute_times;
 pub mod context;
 pub mod error;
 pub mod grad_store;

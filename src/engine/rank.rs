@@ -25,6 +25,7 @@
 //! fetches come from the prefetcher (`prefetch.rs`), reduce-scatters from the reducer
 //! (`reduce.rs`) with `overlap_comm`, both on the step's collectives lane.
 
+use super::compute_times::ComputeTimes;
 use super::context::{Comms, LaneOptions, RankContext, StepReport, Tracks};
 use super::error::{EngineError, On};
 use super::gradients::Gradients;
@@ -70,6 +71,8 @@ pub struct RankEngine<'a, C: Collective> {
     /// The micro-batch being computed (step and index), which checked mode's delays of
     /// compute mix in so they differ from one micro-batch to the next.
     pub(super) checked_round: u64,
+    /// On a GPU, the step's compute spans timed by the device.
+    pub(super) compute_times: ComputeTimes,
 }
 
 /// Where a rank computes and what it holds there: its rank, the compute device with its
@@ -211,6 +214,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             overlap,
             lanes,
             checked_round: 0,
+            compute_times: ComputeTimes::default(),
         })
     }
 
@@ -246,7 +250,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let plan = self.plan;
         self.grads.zero();
         let loss_scale = self.optimizer.scaler.scale;
+        self.begin_compute()?;
         let loss = self.micro_batches(step, loss_scale)?;
+        self.end_compute();
         let reduce_start = Instant::now();
         self.grads.all_reduce_replicas(&self.comms.main)?;
         // each rank's preemption flag travels with its loss: any rank asked, all stop

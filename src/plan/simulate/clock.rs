@@ -14,8 +14,10 @@ use serde::Serialize;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Track {
-    /// The device's compute stream, and the thread that issues the step's work: the
-    /// engine waits on the host after every unit (`settle`), so the two keep step.
+    /// The device's compute stream, and the thread that issues the step's work, as one:
+    /// the thread queues a unit and goes on (its own work is small beside the unit's
+    /// kernels), and where it waits on the host the stream is taken to wait too, so
+    /// the track is the later of the two (an upper bound where the thread runs ahead).
     Compute,
     /// Host → device copies of parameters.
     H2d,

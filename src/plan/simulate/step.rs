@@ -10,9 +10,8 @@
 //! and copy to the host, a one-thread host add, the NVMe read-modify-write where
 //! gradients live there), the lanes drained at the micro-batch's end; then the
 //! step's all-reduces and serial `sum_squares`, and the optimizer thread over the units
-//! in forward order, which the next step's fetch of each unit waits for. Compute waits
-//! on the host after each unit (the engine's `settle`), so the issuing thread and the
-//! compute stream are one track.
+//! in forward order, which the next step's fetch of each unit waits for. The issuing
+//! thread and the compute stream are one track (`clock::Track::Compute`).
 //!
 //! The gradient path is `step/reduce.rs`, the optimizer thread `step/optimizer.rs`.
 //! Three steps run; the third is reported, so the optimizer of the one before overlaps
