@@ -187,16 +187,16 @@ impl Nccl {
             .map_err(|reason| CommError::Aborted { rank, reason })?;
         let mut nccl = Nccl::init(cuda, &id, world, rank)?;
         nccl.store = Some(store);
-        nccl.connect()?;
         Ok(nccl)
     }
 
     /// Eager connect: NCCL sets up the connections each kind of collective uses at its
-    /// first call; one of each here, at start-up, sets them up before the step's first
+    /// first call; one of each, at start-up, sets them up before the step's first
     /// collectives, so they are never made beside its kernels and the allocations of
-    /// other ranks' threads in the process. Every rank joins in the same order, so these
-    /// run in the same order on every rank.
-    fn connect(&self) -> Result<(), CommError> {
+    /// other ranks' threads in the process. Every rank calls it on its communicators
+    /// in the same order, once the watchdog runs (`run/comms.rs`): a rank that fails
+    /// here stops the others instead of leaving them waiting.
+    pub fn connect(&self) -> Result<(), CommError> {
         let world = self.world;
         self.all_reduce(&mut [0f32], ReduceOp::Sum)?;
         self.all_gather(&[0f32], &mut vec![0f32; world])?;

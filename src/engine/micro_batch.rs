@@ -170,7 +170,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             }
             None => Weight::Mean(loss_scale / accumulation as f64),
         };
-        self.tracks.compute.record(Phase::Forward, None, data_start, 0);
+        if self.timed_stream().map_err(self.torch_err())?.is_none() {
+            // on a GPU the token ids' upload waits for compute's queued kernels, which
+            // its device-timed spans already count
+            self.tracks.compute.record(Phase::Forward, None, data_start, 0);
+        }
         let forward = self.forward(prefetch.as_deref_mut(), tokens, segments.as_ref())?;
         let (loss_sum, count, grad_out) =
             self.final_unit(prefetch.as_deref_mut(), &forward.inputs, &targets, weight)?;

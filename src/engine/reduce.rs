@@ -423,6 +423,11 @@ struct InFlight<'s> {
     unit: usize,
     done: Event,
     slot: Arc<Mutex<Option<Outcome<'s>>>>,
+    /// The gradient the job reads, held until its event (`keep_until`): on a GPU the job
+    /// only queues the reads (a device sum's add, the bucket's copies) on the lane's
+    /// stream, and compute's allocator would hand the freed block to the next unit
+    /// before they ran.
+    _grad: Tensor,
 }
 
 /// The compute thread's end of the reduce lane.
@@ -483,6 +488,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
             slot.clone(),
             self.buffers.clone(),
         );
+        let held = grad.shallow_clone();
         let done = self.lane.submit(move || {
             let mut acc = acc;
             let mut buffers = buffers.lock().unwrap_or_else(|e| e.into_inner());
@@ -508,7 +514,12 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
             *out.lock().unwrap_or_else(|e| e.into_inner()) = Some(result.map(|()| (acc, squares)));
             message.map_or(Ok(()), |m| Err(m.into()))
         });
-        self.in_flight.push_back(InFlight { unit, done, slot });
+        self.in_flight.push_back(InFlight {
+            unit,
+            done,
+            slot,
+            _grad: held,
+        });
         Ok(())
     }
 
@@ -525,10 +536,18 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
         if !wait && !oldest.done.query() {
             return Ok(None);
         }
-        let Some(InFlight { unit, done, slot }) = self.in_flight.pop_front() else {
+        let Some(InFlight {
+            unit,
+            done,
+            slot,
+            _grad,
+        }) = self.in_flight.pop_front()
+        else {
             return Ok(None);
         };
+        // the gradient goes once the job's device work is done
         let waited = done.synchronize();
+        drop(_grad);
         let outcome = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
         match (outcome, waited) {
             // the job's own error names the collective's cause

@@ -155,6 +155,28 @@ pub(super) fn communicators(plan: &Plan, one: bool, c10d: bool) -> Result<Vec<Co
         .collect();
     if let (false, Some((_, store))) = (watched.is_empty(), comms.first()) {
         drop(watchdog(store.clone(), watched, timeout));
+        // eager connect under the watchdog, this process's ranks at once, each on its
+        // three communicators in the order every rank joined them
+        let comms = &comms;
+        join_concurrently(plan.train.local_ranks(), |rank| {
+            let (c, store) = &comms[rank - first];
+            for group in [&c.main, &c.gather, &c.reduce] {
+                if let Group::Nccl(nccl) = group {
+                    if let Err(e) = nccl.connect() {
+                        let _ = store.set(
+                            crate::comm::gloo::ABORT_KEY,
+                            format!("rank {rank}: {e}").as_bytes(),
+                        );
+                        return Err(e.to_string());
+                    }
+                }
+            }
+            Ok(())
+        })
+        .map_err(|message| TrainError::Store {
+            what: "connecting the NCCL communicators",
+            message,
+        })?;
     }
     Ok(comms.into_iter().map(|(c, _)| c).collect())
 }
