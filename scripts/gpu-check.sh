@@ -73,6 +73,10 @@ fi
 if part bench; then
   run bench-gpu "$BIN" bench gpu
   run bench-h2d "$BIN" bench h2d --size-mb 256
+  # the host adds of a block's gradient against memcpy on this machine's cores (whether
+  # the reduce lane's add, 31.9 GB/s in an H200 trace, is memory-bound there)
+  run bench-unit "$BIN" bench unit --config configs/llama-1b-1gpu-cpu.json --set train.accelerator=cpu \
+    --set train_micro_batch_size_per_gpu=1 --set data.seq_len=128
 fi
 
 tiny() { # name, accelerator, param tier, optimizer tier, more train arguments
