@@ -152,6 +152,7 @@ impl Local {
         round.posted[self.rank] = input;
         round.filled[self.rank] = true;
         round.arrived += 1;
+        let posted_at = std::time::Instant::now();
         let generation = round.generation;
         if round.arrived == hub.world {
             round.open = true;
@@ -169,6 +170,7 @@ impl Local {
         }
         let posted = round.posted.clone();
         drop(round);
+        super::add_peer_wait(posted_at.elapsed());
         let other = posted.iter().position(|p| p.op != input.op);
         let result = match other {
             None => Ok(read(&Peers { posted: &posted })),
@@ -180,6 +182,7 @@ impl Local {
                 ),
             )),
         };
+        let read_at = std::time::Instant::now();
         let mut round = hub.round.lock().unwrap_or_else(|e| e.into_inner());
         round.finished += 1;
         if round.finished == hub.world {
@@ -194,6 +197,8 @@ impl Local {
         while round.generation == generation {
             round = hub.changed.wait(round).unwrap_or_else(|e| e.into_inner());
         }
+        drop(round);
+        super::add_peer_wait(read_at.elapsed());
         result
     }
 
@@ -356,6 +361,26 @@ mod tests {
             let handles: Vec<_> = ranks.into_iter().map(|c| s.spawn(|| body(c))).collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         })
+    }
+
+    /// A rank early at a collective's rendezvous counts its wait for the late one
+    /// (`take_peer_wait`): the engine records it as a wait, not as the collective's work.
+    #[test]
+    fn a_rank_early_at_a_collective_counts_its_wait_for_the_late_one() {
+        let waits = run(2, |c| {
+            let _ = crate::comm::take_peer_wait();
+            if c.rank() == 1 {
+                std::thread::sleep(std::time::Duration::from_millis(30));
+            }
+            let mut out = [0f32; 2];
+            c.all_gather(&[c.rank() as f32], &mut out).unwrap();
+            assert_eq!(out, [0.0, 1.0]);
+            crate::comm::take_peer_wait()
+        });
+        // the early rank waited at least the late one's sleep (a lower bound, not a timing)
+        assert!(waits[0] >= std::time::Duration::from_millis(25), "{waits:?}");
+        // and the wait is taken once
+        assert_eq!(crate::comm::take_peer_wait(), std::time::Duration::ZERO);
     }
 
     /// Ranks that issue different collectives in one round fail, naming both: the

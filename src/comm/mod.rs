@@ -12,8 +12,27 @@ pub mod nccl;
 pub mod rendezvous;
 pub mod tensors;
 
+use std::cell::Cell;
+use std::time::Duration;
 use tch::Tensor;
 use tierzero_offload::host::Pod;
+
+thread_local! {
+    /// Time this thread's collectives waited for their peers since the last
+    /// [`take_peer_wait`]: `Local`'s rendezvous measures it (a rank early at a round waits
+    /// there for the last to arrive, and after reading for every peer to finish); other
+    /// communicators, whose waits are the library's, leave it zero.
+    static PEER_WAIT: Cell<Duration> = const { Cell::new(Duration::ZERO) };
+}
+
+/// The time this thread's collectives waited for their peers since the last call.
+pub fn take_peer_wait() -> Duration {
+    PEER_WAIT.replace(Duration::ZERO)
+}
+
+fn add_peer_wait(waited: Duration) {
+    PEER_WAIT.set(PEER_WAIT.get() + waited);
+}
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum CommError {

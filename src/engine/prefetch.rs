@@ -18,6 +18,7 @@
 //! released when the compute thread is done with the unit, staging buffers with the
 //! event of the gather that read them (`keep_until`).
 
+use super::context::{collective_start, record_collective};
 use super::error::{EngineError, On};
 use super::params::{LowParams, Params};
 use crate::comm::Collective;
@@ -599,7 +600,7 @@ impl<C: Collective> Fetcher<C> {
             rank: self.rank,
             source,
         };
-        let start = Instant::now();
+        let start = collective_start();
         // the pool's buffers may be larger than this unit
         let shard = shard.f_narrow(0, 0, part.shard as i64).map_err(torch_err)?;
         let full = out.f_narrow(0, 0, part.padded as i64).map_err(torch_err)?;
@@ -610,8 +611,7 @@ impl<C: Collective> Fetcher<C> {
         self.comm.all_gather_tensor(&shard, &full)?;
         let bytes = (part.padded * self.precision.bytes()) as u64;
         sim::charge(Work::Gather(bytes));
-        self.gather_track
-            .record(Phase::AllGather, Some(unit), start, bytes);
+        record_collective(&self.gather_track, (Phase::AllGather, Some(unit)), start, bytes);
         Ok(())
     }
 }

@@ -18,6 +18,7 @@
 //! are in flight (the role of DeepSpeed's reduce bucket). On any error the engine aborts
 //! the reduce communicator, so no rank's lane waits forever.
 
+use super::context::{collective_start, record_collective};
 use super::error::EngineError;
 use super::grad_store::{Acc, Accumulate};
 use super::grads::Values;
@@ -305,10 +306,10 @@ impl<C: Collective> Chunks<'_, C> {
             }
             let bytes = (wire.elt_size_in_bytes() * pieces * k) as u64;
             track.record(Phase::D2h, Some(unit), copy_start, bytes);
-            let reduce_start = Instant::now();
             let reduced = device_view(&mut buffers.reduced, k, wire, device).map_err(torch_err)?;
+            let reduce_start = collective_start();
             comm.reduce_scatter_tensor(&bucket, &reduced, ReduceOp::Avg)?;
-            track.record(Phase::Reduce, Some(unit), reduce_start, bytes);
+            record_collective(track, (Phase::Reduce, Some(unit)), reduce_start, bytes);
             sim::charge(Work::OnDevice(bytes));
             sim::charge(Work::Collective(bytes));
             if let Some(device) = on_device {

@@ -3,6 +3,7 @@
 //! the buffers reused between updates. Residency changes only here: at start-up ([`Units::push`]) and when an
 //! update is installed ([`Units::install`]).
 
+use super::context::{collective_start, record_collective};
 use super::error::{EngineError, On};
 use super::params::{LowParams, Params};
 use super::prefetch::{self, GatherBuffers, Source};
@@ -17,7 +18,6 @@ use crate::plan::simulate::costs::Work;
 use crate::plan::Precision;
 use crate::torch::{self, Shared};
 use std::sync::Arc;
-use std::time::Instant;
 use tch::Tensor;
 use tierzero_offload::arena::Pinning;
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
@@ -520,7 +520,7 @@ fn all_gather_into<C: Collective>(
     full: &mut LowParams,
     track: &Track,
 ) -> Result<(), EngineError> {
-    let start = Instant::now();
+    let start = collective_start();
     let bytes = full.as_bytes().len() as u64;
     match (shard, &mut *full) {
         (LowParams::F32(s), LowParams::F32(out)) => comm.all_gather(s, out)?,
@@ -533,7 +533,7 @@ fn all_gather_into<C: Collective>(
             })
         }
     }
-    track.record(Phase::AllGather, None, start, bytes);
+    record_collective(track, (Phase::AllGather, None), start, bytes);
     sim::charge(Work::Gather(bytes));
     Ok(())
 }
@@ -545,10 +545,10 @@ fn gather_tensor<C: Collective>(
     full: &Tensor,
     track: &Track,
 ) -> Result<(), EngineError> {
-    let start = Instant::now();
+    let start = collective_start();
     comm.all_gather_tensor(shard, full)?;
     let bytes = (full.numel() * full.kind().elt_size_in_bytes()) as u64;
-    track.record(Phase::AllGather, None, start, bytes);
+    record_collective(track, (Phase::AllGather, None), start, bytes);
     sim::charge(Work::Gather(bytes));
     Ok(())
 }
