@@ -12,8 +12,9 @@ pub mod nccl;
 pub mod rendezvous;
 pub mod tensors;
 
+use crate::metrics::timeline::{Phase, Track};
 use std::cell::Cell;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tch::Tensor;
 use tierzero_offload::host::Pod;
 
@@ -28,6 +29,25 @@ thread_local! {
 /// The time this thread's collectives waited for their peers since the last call.
 pub fn take_peer_wait() -> Duration {
     PEER_WAIT.replace(Duration::ZERO)
+}
+
+/// The start of a collective whose span [`record_collective`] records (the peer waits
+/// of the thread's collectives before it are let go).
+pub fn collective_start() -> Instant {
+    let _ = take_peer_wait();
+    Instant::now()
+}
+
+/// Records the collective that ran on `track` from `start` (a [`collective_start`]) until
+/// now: the time it waited for its peers ([`take_peer_wait`]: a rank early at the
+/// rendezvous) as a wait for `phase`, the rest as `phase`'s work. A late peer is the
+/// peer's time, not the collective's.
+pub fn record_collective(track: &Track, (phase, unit): (Phase, Option<usize>), start: Instant, bytes: u64) {
+    let waited = take_peer_wait();
+    let now = Instant::now();
+    let split = (start + waited).min(now);
+    track.record_between(phase, true, unit, start, split, 0);
+    track.record_between(phase, false, unit, split, now, bytes);
 }
 
 fn add_peer_wait(waited: Duration) {

@@ -6,11 +6,10 @@ use super::start::Start;
 use crate::comm::Collective;
 use crate::data::Dataset;
 use crate::device::lanes::Mode;
-use crate::metrics::timeline::{Phase, Timeline, Track};
+use crate::metrics::timeline::{Timeline, Track};
 use crate::model::Model;
 use crate::plan::simulate::profile::Profile;
 use crate::plan::Plan;
-use std::time::Instant;
 use tierzero_offload::nvme::swap::SwapStore;
 
 /// Per-step numbers one rank reports.
@@ -39,7 +38,8 @@ pub struct RankContext<'a> {
     /// Where the rank's threads record their spans (None: not recorded).
     pub timeline: Option<&'a Timeline>,
     /// False: every phase blocking (no prefetch worker, no NVMe read/write pipelining);
-    /// a debug switch that makes the breakdown's `overlap` 1.0.
+    /// a debug switch that makes the breakdown's `overlap` 1.0 (less the ranks' waits for
+    /// each other).
     pub overlap: bool,
     /// How the rank's lanes run (checked in tests), and a wait left out on purpose.
     pub lanes: LaneOptions,
@@ -92,30 +92,6 @@ impl<C: Collective> Comms<C> {
             c.abort(reason);
         }
     }
-}
-
-/// The start of a collective whose span [`record_collective`] records (the peer waits
-/// of the thread's collectives before it are let go).
-pub(super) fn collective_start() -> Instant {
-    let _ = crate::comm::take_peer_wait();
-    Instant::now()
-}
-
-/// Records the collective that ran on `track` from `start` (a [`collective_start`]) until
-/// now: the time it waited for its peers (`comm::take_peer_wait`: a rank early at the
-/// rendezvous) as a wait for `phase`, the rest as `phase`'s work. A late peer is the
-/// peer's time, not the collective's.
-pub(super) fn record_collective(
-    track: &Track,
-    (phase, unit): (Phase, Option<usize>),
-    start: Instant,
-    bytes: u64,
-) {
-    let waited = crate::comm::take_peer_wait();
-    let now = Instant::now();
-    let split = (start + waited).min(now);
-    track.record_between(phase, true, unit, start, split, 0);
-    track.record_between(phase, false, unit, split, now, bytes);
 }
 
 /// The tracks of one rank's threads.

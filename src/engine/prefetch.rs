@@ -18,10 +18,9 @@
 //! released when the compute thread is done with the unit, staging buffers with the
 //! event of the gather that read them (`keep_until`).
 
-use super::context::{collective_start, record_collective};
 use super::error::{EngineError, On};
 use super::params::{LowParams, Params};
-use crate::comm::Collective;
+use crate::comm::{collective_start, record_collective, Collective};
 use crate::device::cpu::{CpuDevice, Reservation};
 use crate::device::lanes::{Event, Lane, LaneError, Mark, Mode, Streams};
 use crate::device::pool::{tensor_buffer, Pool};

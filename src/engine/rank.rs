@@ -49,7 +49,6 @@ use crate::plan::simulate::costs::{Costs, Work};
 use crate::plan::{Plan, Precision};
 use crate::torch;
 use std::sync::Arc;
-use std::time::Instant;
 use tch::{Kind, TchError};
 use tierzero_offload::nvme::swap::SwapStore;
 
@@ -253,7 +252,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         self.begin_compute()?;
         let loss = self.micro_batches(step, loss_scale)?;
         self.end_compute();
-        let reduce_start = Instant::now();
+        let reduce_start = crate::comm::collective_start();
         self.grads.all_reduce_replicas(&self.comms.main)?;
         // each rank's preemption flag travels with its loss: any rank asked, all stop
         let mut losses = [loss, f64::from(u8::from(stop))];
@@ -270,7 +269,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 sim::charge(Work::Latency);
             }
         }
-        self.tracks.compute.record(Phase::Reduce, None, reduce_start, 0);
+        // the step's reductions (replicas at stages 0-1, the loss, the norm), their waits
+        // for the other ranks recorded as waits
+        crate::comm::record_collective(&self.tracks.compute, (Phase::Reduce, None), reduce_start, 0);
         let grad_norm = sum_sq[0].sqrt() / loss_scale;
         let lr = self.optimizer.learning_rate(plan);
         let mut report = StepReport {

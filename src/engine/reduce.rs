@@ -18,12 +18,11 @@
 //! are in flight (the role of DeepSpeed's reduce bucket). On any error the engine aborts
 //! the reduce communicator, so no rank's lane waits forever.
 
-use super::context::{collective_start, record_collective};
 use super::error::EngineError;
 use super::grad_store::{Acc, Accumulate};
 use super::grads::Values;
 use super::staging::{in_place, slot_view, Squares, Staging};
-use crate::comm::{Collective, ReduceOp};
+use crate::comm::{collective_start, record_collective, Collective, ReduceOp};
 use crate::device::lanes::{Event, Lane};
 use crate::device::sim;
 use crate::metrics::timeline::{Phase, Track};

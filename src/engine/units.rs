@@ -3,11 +3,10 @@
 //! the buffers reused between updates. Residency changes only here: at start-up ([`Units::push`]) and when an
 //! update is installed ([`Units::install`]).
 
-use super::context::{collective_start, record_collective};
 use super::error::{EngineError, On};
 use super::params::{LowParams, Params};
 use super::prefetch::{self, GatherBuffers, Source};
-use crate::comm::Collective;
+use crate::comm::{collective_start, record_collective, Collective};
 use crate::device::cpu::Reservation;
 use crate::device::lanes::Mode;
 use crate::device::sim;

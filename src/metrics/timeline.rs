@@ -9,7 +9,8 @@
 //! another thread while compute went on counts in full and the phase times can add up to
 //! more than the step. On CUDA the same spans come from event timings per stream.
 //!
-//! - `overlap` = sum of phase times ÷ step time: 1.0 when phases run one after another,
+//! - `overlap` = sum of phase times ÷ step time: 1.0 when phases run one after another
+//!   (less the time ranks waited for each other at collectives, a wait, not work),
 //!   higher the more of them run at once;
 //! - `bound_ratio` = step time ÷ the longest phase: 1.0 when everything hides behind it.
 
