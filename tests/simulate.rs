@@ -11,6 +11,22 @@ use tierzero::plan::simulate::{simulate, Simulation};
 use tierzero::plan::Plan;
 use tierzero::run::{train, TrainOptions};
 
+/// Optimizer state on the device, parameters in host memory: the update's new values
+/// leave the device (a layout both simulation tests run).
+const STATE_ON_DEVICE_PARAMS_IN_HOST: &[&str] = &[
+    "train.accumulate_on_device=true",
+    "zero_optimization.offload_optimizer.device=none",
+    "zero_optimization.offload_param.device=cpu",
+];
+
+/// The same with the parameters in pinned host memory.
+const STATE_ON_DEVICE_PARAMS_PINNED: &[&str] = &[
+    "train.accumulate_on_device=true",
+    "zero_optimization.offload_optimizer.device=none",
+    "zero_optimization.offload_param.device=cpu",
+    "zero_optimization.offload_param.pin_memory=true",
+];
+
 fn plan_on(config: &str, sets: &[&str], profile: &Profile) -> Plan {
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs").join(config);
@@ -206,19 +222,10 @@ fn the_replay_moves_the_bytes_the_engine_moves() {
             "train.accumulate_on_device=true",
             "zero_optimization.offload_optimizer.device=none",
         ],
-        // and with the parameters in host memory, their new values do
-        &[
-            "train.accumulate_on_device=true",
-            "zero_optimization.offload_optimizer.device=none",
-            "zero_optimization.offload_param.device=cpu",
-        ],
-        // into pinned host memory as well
-        &[
-            "train.accumulate_on_device=true",
-            "zero_optimization.offload_optimizer.device=none",
-            "zero_optimization.offload_param.device=cpu",
-            "zero_optimization.offload_param.pin_memory=true",
-        ],
+        // and with the parameters in host memory, their new values do (into pinned
+        // memory as well)
+        STATE_ON_DEVICE_PARAMS_IN_HOST,
+        STATE_ON_DEVICE_PARAMS_PINNED,
     ];
     let params = tempfile::tempdir().unwrap();
     let param_nvme = format!(
@@ -335,19 +342,10 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
             "train.keep_gathered=true",
             "train.shards_on_device=true",
         ],
-        // device-tier state, parameters in host memory: the new values go out
-        &[
-            "train.accumulate_on_device=true",
-            "zero_optimization.offload_optimizer.device=none",
-            "zero_optimization.offload_param.device=cpu",
-        ],
-        // and into pinned host memory, from which the shards are copied in place
-        &[
-            "train.accumulate_on_device=true",
-            "zero_optimization.offload_optimizer.device=none",
-            "zero_optimization.offload_param.device=cpu",
-            "zero_optimization.offload_param.pin_memory=true",
-        ],
+        // device-tier state, parameters in host memory: the new values go out (into
+        // pinned memory as well, from which the shards are copied in place)
+        STATE_ON_DEVICE_PARAMS_IN_HOST,
+        STATE_ON_DEVICE_PARAMS_PINNED,
         &[
             "zero_optimization.offload_param.device=cpu",
             "zero_optimization.offload_param.pin_memory=true",

@@ -22,7 +22,7 @@ pub fn all_reduce<C: Collective + ?Sized>(comm: &C, data: &Tensor, op: ReduceOp)
     }
     let n = data.numel();
     if comm.world() == 1 {
-        // one rank's values are their own sum, mean, maximum and minimum
+        // one rank's values are their own sum and mean
         return Ok(());
     }
     if data.device() == Device::Cpu {

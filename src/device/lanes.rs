@@ -127,6 +127,12 @@ impl Mode {
         })
     }
 
+    /// [`Mode::salt`] for the `round` of stream `name` of `rank` (a step, a micro-batch),
+    /// so that checked mode's delays differ from one round to the next.
+    pub fn round_salt(name: &str, rank: usize, round: u64) -> u64 {
+        Mode::salt(name, rank) ^ round.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+
     /// The mode tests run in: `TIERZERO_CHECKED_LANES=1` (or a seed) turns it on for
     /// any run; tests ask for it explicitly.
     pub fn from_env() -> Mode {

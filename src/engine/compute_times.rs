@@ -13,6 +13,11 @@ use crate::metrics::timeline::{Phase, Track};
 use std::time::{Duration, Instant};
 use tch::TchError;
 
+/// A device failure as a torch error, as compute reports its own.
+fn device_err(e: DeviceError) -> TchError {
+    TchError::Torch(e.to_string())
+}
+
 /// A span whose marks are queued and whose times are not read yet.
 struct Pending {
     phase: Phase,
@@ -32,10 +37,10 @@ pub(super) struct ComputeTimes {
 impl ComputeTimes {
     /// The step starts on `stream` (compute's): its origin, synchronised here (compute
     /// has nothing queued at a step's start, so this costs no wait).
-    pub(super) fn begin(&mut self, stream: &dyn Stream) -> Result<(), DeviceError> {
+    pub(super) fn begin(&mut self, stream: &dyn Stream) -> Result<(), TchError> {
         self.pending.clear();
-        let origin = stream.timed_mark()?;
-        origin.synchronize()?;
+        let origin = stream.timed_mark().map_err(device_err)?;
+        origin.synchronize().map_err(device_err)?;
         self.origin = Some((origin, Instant::now()));
         Ok(())
     }
@@ -47,10 +52,9 @@ impl ComputeTimes {
         (phase, unit): (Phase, Option<usize>),
         f: impl FnOnce() -> Result<T, TchError>,
     ) -> Result<T, TchError> {
-        let device = |e: DeviceError| TchError::Torch(e.to_string());
-        let start = stream.timed_mark().map_err(device)?;
+        let start = stream.timed_mark().map_err(device_err)?;
         let out = f()?;
-        let end = stream.timed_mark().map_err(device)?;
+        let end = stream.timed_mark().map_err(device_err)?;
         self.pending.push(Pending {
             phase,
             unit,

@@ -186,7 +186,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         let on_host = |u: usize| !in_store[u] && !kept[u];
         let lens: Vec<usize> = (0..parts.len())
             .filter(|&u| on_host(u))
-            .map(|u| accumulator_len(stage, &parts[u], &partitions[u]))
+            .map(|u| parts[u].accumulator_len(stage))
             .collect();
         let mut here = Grads::carve(&lens, bf16, pinning)
             .map_err(carve_err("gradient"))?
@@ -259,7 +259,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// and whether it flushes; None where the unit sums on the host.
     fn on_device(&mut self, u: usize, more: bool) -> Result<Option<OnDevice>, EngineError> {
         let (rank, kept) = (self.rank, self.keeps(u));
-        let len = accumulator_len(self.stage, &self.parts[u], &self.partitions[u]);
+        let len = self.parts[u].accumulator_len(self.stage);
         let Some(d) = self.device.as_mut().filter(|d| d.summed[u]) else {
             return Ok(None);
         };
@@ -473,7 +473,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// Keeps unit `u`'s Σ g² gathered by its last contribution, when it covers the whole
     /// accumulator.
     fn keep_squares(&mut self, u: usize, squares: Option<Squares>) {
-        let len = accumulator_len(self.stage, &self.parts[u], &self.partitions[u]);
+        let len = self.parts[u].accumulator_len(self.stage);
         self.squares[u] = squares.and_then(|s| s.over(len));
     }
 
@@ -585,10 +585,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// A gradient kept on the device that got nothing this step: its sum made zeros (made
     /// first where no step has added into it yet), the optimizer partition of it.
     fn zero_on_device(&mut self, u: usize) -> Result<Tensor, EngineError> {
-        let (rank, len) = (
-            self.rank,
-            accumulator_len(self.stage, &self.parts[u], &self.partitions[u]),
-        );
+        let (rank, len) = (self.rank, self.parts[u].accumulator_len(self.stage));
         let Some(d) = self.device.as_mut() else {
             return Err(EngineError::Invariant {
                 rank,
@@ -744,14 +741,14 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             return 0;
         }
         let elem = if self.bf16 { 2 } else { 4 };
-        elem * accumulator_len(self.stage, &self.parts[u], &self.partitions[u])
+        elem * self.parts[u].accumulator_len(self.stage)
     }
 
     /// Bytes of unit `u`'s gradient as a device-tier optimizer reads it: its fp32 sum on
     /// the device where it stays there, else its host accumulator's.
     pub(super) fn gradient_bytes(&self, u: usize) -> usize {
         if self.keeps(u) {
-            return 4 * accumulator_len(self.stage, &self.parts[u], &self.partitions[u]);
+            return 4 * self.parts[u].accumulator_len(self.stage);
         }
         self.unit_bytes(u)
     }
@@ -764,16 +761,6 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             .as_ref()
             .map_or(0, |n| n.chunks.count() * n.chunks.buffer_bytes());
         chunks + (0..self.parts.len()).map(|u| self.unit_bytes(u)).sum::<usize>()
-    }
-}
-
-/// Elements of a unit's accumulator: its optimizer partition at stages 2–3 (gradients
-/// are reduce-scattered into it), the whole padded unit at 0–1.
-fn accumulator_len(stage: u8, part: &Partition, partition: &Range<usize>) -> usize {
-    if stage >= 2 {
-        partition.len()
-    } else {
-        part.padded
     }
 }
 

@@ -49,9 +49,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// The step's compute starts: on a GPU the origin of its device-timed spans.
     pub(super) fn begin_compute(&mut self) -> Result<(), EngineError> {
         if let Some(stream) = self.timed_stream().map_err(self.torch_err())? {
-            self.compute_times
-                .begin(&*stream)
-                .map_err(|e| self.torch_err()(TchError::Torch(e.to_string())))?;
+            self.compute_times.begin(&*stream).map_err(self.torch_err())?;
         }
         Ok(())
     }
@@ -90,8 +88,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// Nothing on CPU devices, whose compute is done when the call returns, nor on a
     /// simulated one (virtual time does not see checked mode's delays).
     fn checked_delay(&self, u: usize, backward: bool) -> Result<(), TchError> {
-        let salt =
-            Mode::salt("compute", self.site.rank) ^ self.checked_round.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let salt = Mode::round_salt("compute", self.site.rank, self.checked_round);
         let delay = self
             .lanes
             .mode

@@ -223,8 +223,7 @@ impl UpdateStream {
             streams: streams.clone(),
             after,
             mode,
-            // checked mode's delays differ from step to step
-            salt: Mode::salt("optimizer", rank) ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            salt: Mode::round_salt("optimizer", rank, step),
         })
     }
 

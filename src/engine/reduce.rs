@@ -427,7 +427,7 @@ struct InFlight<'s> {
     /// only queues the reads (a device sum's add, the bucket's copies) on the lane's
     /// stream, and compute's allocator would hand the freed block to the next unit
     /// before they ran.
-    _grad: Tensor,
+    grad: Tensor,
 }
 
 /// The compute thread's end of the reduce lane.
@@ -518,7 +518,7 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
             unit,
             done,
             slot,
-            _grad: held,
+            grad: held,
         });
         Ok(())
     }
@@ -540,14 +540,14 @@ impl<'env, C: Collective + Clone + 'env> Reducer<'env, C> {
             unit,
             done,
             slot,
-            _grad,
+            grad,
         }) = self.in_flight.pop_front()
         else {
             return Ok(None);
         };
         // the gradient goes once the job's device work is done
         let waited = done.synchronize();
-        drop(_grad);
+        drop(grad);
         let outcome = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
         match (outcome, waited) {
             // the job's own error names the collective's cause

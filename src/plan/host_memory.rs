@@ -54,9 +54,8 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         .iter()
         .map(|&n| Partition::new(n, world))
         .collect();
-    let opt_len = |p: &Partition| if stage == 0 { p.padded } else { p.shard } as u64;
-    // a gradient accumulator: the optimizer partition at stages 2–3, the replica below
-    let acc_len = |p: &Partition| if stage >= 2 { opt_len(p) } else { p.padded as u64 };
+    let opt_len = |p: &Partition| p.optimizer_len(stage) as u64;
+    let acc_len = |p: &Partition| p.accumulator_len(stage) as u64;
     let kept = |p: &Partition| if stage == 3 { p.shard } else { p.padded } as u64;
     let max_opt = parts.iter().map(opt_len).max().unwrap_or(0);
     let max_numel = parts.iter().map(|p| p.numel).max().unwrap_or(0) as u64;

@@ -183,9 +183,8 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
     let elem = plan.precision.bytes() as u64;
     let numels = plan.model.config.unit_numels();
     let parts: Vec<Partition> = numels.iter().map(|&n| Partition::new(n, world)).collect();
-    let opt_len = |p: &Partition| if stage == 0 { p.padded } else { p.shard } as u64;
-    // a gradient accumulator: the optimizer partition at stages 2–3, the replica below
-    let acc_len = |p: &Partition| if stage >= 2 { opt_len(p) } else { p.padded as u64 };
+    let opt_len = |p: &Partition| p.optimizer_len(stage) as u64;
+    let acc_len = |p: &Partition| p.accumulator_len(stage) as u64;
     let mut bytes = DeviceBytes::default();
     let optimizer_tiers = super::rules::optimizer_tiers(plan);
     let param_tiers = super::rules::param_tiers(plan);

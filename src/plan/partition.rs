@@ -38,6 +38,26 @@ impl Partition {
         rank * self.shard..(rank + 1) * self.shard
     }
 
+    /// Elements of a rank's optimizer partition at ZeRO `stage`: the padded replica at
+    /// stage 0, its shard above.
+    pub fn optimizer_len(&self, stage: u8) -> usize {
+        if stage == 0 {
+            self.padded
+        } else {
+            self.shard
+        }
+    }
+
+    /// Elements of a rank's gradient accumulator at ZeRO `stage`: its optimizer partition
+    /// at stages 2–3 (gradients are reduce-scattered into it), the padded replica below.
+    pub fn accumulator_len(&self, stage: u8) -> usize {
+        if stage >= 2 {
+            self.optimizer_len(stage)
+        } else {
+            self.padded
+        }
+    }
+
     /// The part of rank r's slice that holds real elements (the rest is padding).
     pub fn real(&self, rank: usize) -> Range<usize> {
         let r = self.range(rank);

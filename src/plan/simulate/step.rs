@@ -115,12 +115,7 @@ impl<'a> Replay<'a> {
 
     /// Elements of unit `u`'s optimizer partition.
     fn optimizer_len(&self, u: usize) -> u64 {
-        let part = self.parts[u];
-        (if self.stage() == 0 {
-            part.padded
-        } else {
-            part.shard
-        }) as u64
+        self.parts[u].optimizer_len(self.stage()) as u64
     }
 
     /// One full step: the micro-batches, the step's reductions, the optimizer.
