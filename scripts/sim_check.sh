@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The simulated step against real CPU runs: for each of three runs, measures this
-# machine's profile at the run's shapes (`tierzero bench profile`, right before the run),
-# runs it for real, and prints the prediction (`plan --simulate`) beside the
-# measurement: step time and each phase's busy time (medians of the steps after the
-# warm-up); each run also times itself on the profile's clocks (`train --simulate`, the
-# simulated device running the engine).
+# machine's profile at the run's shapes (`tierzero bench profile`, right before the run
+# and right after it), runs it for real, and prints the prediction (`plan --simulate` on
+# the mean of the two profiles) beside the measurement: step time and each phase's busy
+# time (medians of the steps after the warm-up); each run also times itself on the
+# clocks of the profile measured before it (`train --simulate`, the simulated device
+# running the engine).
 #
 #   scripts/sim_check.sh [STEPS]          (default 6; the first 2 are warm-up)
 #
 # REUSE=1 keeps the real runs already in $WORK (runs/sim_check), measures the profiles
 # again and simulates again; PROFILE=FILE prices every run on that profile instead of
-# measuring (with REUSE=1: a model change priced on the same runs and rates).
+# measuring (with REUSE=1: a model change priced on the same runs and rates). Each
+# run's profiles stay in $WORK: profile-NAME-before.json, -after.json and their mean,
+# profile-NAME.json, which prices it.
 #
 # Runs: the default config (llama-tiny, 2 ranks, optimizer on NVMe); a ~130M Llama
 # (hidden 768, 12 layers, vocab 32000) with parameters and optimizer on NVMe over 2
@@ -41,28 +44,56 @@ l1b=(--config configs/llama-1b-1gpu-nvme.json "${common[@]}" --set "train.steps=
      --set "zero_optimization.offload_optimizer.nvme_path=$work/nvme-1b")
 
 # each run's profile is measured right before the run (its shapes, and the disk over a
-# file the size of its swap files): this machine's disk and cores drift by 2× within the
-# hour, and a profile measured an hour before prices another machine
-profile_for() { # $1: name; the rest: config arguments. Prints the profile's path.
-  local name=$1; shift
-  if [ -n "${PROFILE:-}" ]; then
-    echo "$PROFILE"
-    return
-  fi
-  "$bin" bench profile "$@" --dir "$work/nvme-profile" --out "$work/profile-$name.json" --name this-machine >/dev/null
-  echo "$work/profile-$name.json"
+# file the size of its swap files) and again right after it, and the run is priced on
+# the mean of the two: this machine's disk and cores drift by 2× within the hour (by a
+# third within one run of llama-1b), and a profile measured an hour before prices
+# another machine
+measure() { # $1: output file; the rest: config arguments
+  local out=$1; shift
+  "$bin" bench profile "$@" --dir "$work/nvme-profile" --out "$out" --name this-machine >/dev/null
+}
+
+# the mean of two profiles of this machine: every measured figure (a value with its
+# source, a compute rate) averaged, the first's sources kept with a note
+mean_profile() { # $1, $2: the profiles; $3: output file
+  python3 - "$1" "$2" "$3" <<'PY'
+import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:3])
+def mean(x, y):
+    if isinstance(x, dict) and isinstance(y, dict):
+        out = {k: mean(v, y[k]) if k in y else v for k, v in x.items()}
+        for key in ("value", "flops_per_s"):
+            if isinstance(x.get(key), (int, float)) and isinstance(y.get(key), (int, float)):
+                out[key] = (x[key] + y[key]) / 2
+                if "source" in x:
+                    out["source"] = x["source"] + "; the mean of this measurement just before and just after the run (scripts/sim_check.sh)"
+        return out
+    if isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+        return [mean(u, v) for u, v in zip(x, y)]
+    return x
+json.dump(mean(a, b), open(sys.argv[3], "w"), indent=2)
+PY
 }
 
 compare() { # $1: name; the rest: config arguments
   local name=$1; shift
-  local profile
-  profile=$(profile_for "$name" "$@")
-  "$bin" plan "$@" --set "train.output_dir=$work/out-$name" --simulate "$profile" --json > "$work/sim-$name.json"
+  local before=$work/profile-$name-before.json after=$work/profile-$name-after.json profile=$work/profile-$name.json
+  if [ -z "${PROFILE:-}" ]; then
+    measure "$before" "$@"
+  fi
   if [ -z "${REUSE:-}" ] || [ ! -s "$work/out-$name/metrics.jsonl" ]; then
     rm -rf "$work/out-$name"
-    # the run also times itself on the profile's clocks (the simulated device)
-    "$bin" train "$@" --no-save --simulate "$profile" --set "train.output_dir=$work/out-$name" > "$work/train-$name.log" 2>&1
+    # the run also times itself on the clocks of the profile measured before it (the
+    # simulated device)
+    "$bin" train "$@" --no-save --simulate "${PROFILE:-$before}" --set "train.output_dir=$work/out-$name" > "$work/train-$name.log" 2>&1
   fi
+  if [ -n "${PROFILE:-}" ]; then
+    profile=$PROFILE
+  else
+    measure "$after" "$@"
+    mean_profile "$before" "$after" "$profile"
+  fi
+  "$bin" plan "$@" --set "train.output_dir=$work/out-$name" --simulate "$profile" --json > "$work/sim-$name.json"
   python3 - "$work" "$name" <<'PY'
 import json, sys
 work, name = sys.argv[1], sys.argv[2]

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use tierzero::plan::simulate::clock::Track;
 use tierzero::plan::simulate::profile::Profile;
-use tierzero::plan::simulate::{simulate, Simulation};
+use tierzero::plan::simulate::{simulate, simulate_as_the_device, Simulation};
 use tierzero::plan::Plan;
 use tierzero::run::{train, TrainOptions};
 
@@ -267,7 +267,9 @@ fn the_replay_moves_the_bytes_the_engine_moves() {
 /// CPU run's bit for bit (checked lanes on), and its steady step is the dry-run replay's
 /// prediction for the same plan and profile, since both price the same pieces of work
 /// with the same rates (`plan/simulate/costs.rs`) and follow the same schedule: the
-/// replay by its own account of it, the simulated device by running it.
+/// replay by its own account of it, the simulated device by running it. (The replay is
+/// taken with a disk per track, as the device's streams keep them; the dry run shares
+/// one between the tracks.)
 #[test]
 fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     use tierzero::device::lanes::Mode;
@@ -407,7 +409,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
                 "{sets:?}: master weights on the simulated device"
             );
             let device = simulated.steps[3].simulated.as_ref().unwrap().step_seconds;
-            let replay = simulate(&plan, profile).step_s;
+            let replay = simulate_as_the_device(&plan, profile).step_s;
             gaps.push((sets.to_vec(), profile.device.clone(), device / replay - 1.0));
         }
     }
@@ -421,4 +423,46 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
             100.0 * gap
         );
     }
+}
+
+/// The dry run's tracks share the rank's disk (`disk::Disk`): no two NVMe transfers of
+/// the step overlap, the h2d lane's parameter reads among them, and sharing it makes the
+/// step of `llama-8b-1gpu-nvme` (parameters and optimizer state on NVMe) longer than
+/// with a disk per track, as the simulated device keeps them.
+#[test]
+fn every_nvme_transfer_of_a_rank_takes_its_turn_on_one_disk() {
+    let profile = Profile::load("h100-pcie5").unwrap();
+    let plan = plan_on("llama-8b-1gpu-nvme.json", &[], &profile);
+    let shared = simulate(&plan, &profile);
+    let own = simulate_as_the_device(&plan, &profile);
+    let transfers = |sim: &Simulation| -> Vec<(f64, f64, Track)> {
+        let mut spans: Vec<_> = sim
+            .clocks
+            .spans()
+            .iter()
+            .filter(|s| s.waited_for.is_none() && s.bytes > 0)
+            .filter(|s| s.what == "nvme_read" || s.what == "nvme_write")
+            .map(|s| (s.start, s.end, s.track))
+            .collect();
+        spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+        spans
+    };
+    let disk = transfers(&shared);
+    assert!(disk.iter().any(|t| t.2 == Track::H2d) && disk.iter().any(|t| t.2 == Track::Optimizer));
+    for w in disk.windows(2) {
+        assert!(
+            w[0].1 <= w[1].0 + 1e-9,
+            "two transfers at once: {:?} and {:?}",
+            w[0],
+            w[1]
+        );
+    }
+    // a disk per track lets the h2d lane read beside the optimizer's transfers
+    assert!(transfers(&own).windows(2).any(|w| w[0].1 > w[1].0 + 1e-9));
+    assert!(
+        shared.step_s > own.step_s,
+        "shared {} s, a disk per track {} s",
+        shared.step_s,
+        own.step_s
+    );
 }

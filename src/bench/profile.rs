@@ -176,6 +176,11 @@ fn copies(threads: usize) -> anyhow::Result<Copies> {
         crate::engine::grads::add_f32(&mut dst, &src);
         Ok(())
     })?;
+    let raw = vec![1u8; bytes];
+    let checksum = gb_s(bytes, || {
+        std::hint::black_box(crc32c::crc32c(&raw));
+        Ok(())
+    })?;
     tch::set_num_threads(threads as i32);
     let a = Tensor::f_ones([N as i64], (Kind::Float, Device::Cpu))?;
     let mut b = Tensor::f_zeros([N as i64], (Kind::Float, Device::Cpu))?;
@@ -207,6 +212,10 @@ fn copies(threads: usize) -> anyhow::Result<Copies> {
             "the engine's accumulator add (every core) over 256 MiB, `tierzero bench profile`",
         ),
         d2h_wait_s: None,
+        checksum: Some(Figure::new(
+            checksum,
+            "a one-thread crc32c of 256 MiB (the swap files' checksum), `tierzero bench profile`",
+        )),
     })
 }
 

@@ -45,7 +45,8 @@ use crate::model::layout::UnitKind;
 use crate::model::Model;
 use crate::plan::partition::Partition;
 use crate::plan::rules::{bf16_gradients, optimizer_tiers, stored_gradients};
-use crate::plan::simulate::costs::{Costs, Work};
+use crate::plan::simulate;
+use crate::plan::simulate::costs::Work;
 use crate::plan::{Plan, Precision};
 use crate::torch;
 use std::sync::Arc;
@@ -187,8 +188,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         // on a simulated device the calling thread, which issues the rank's compute,
         // enters its compute stream
         let trace = timeline.is_some_and(|t| t.keeps_for_trace());
-        let streams =
-            simulate.map(|profile| Arc::new(SimStreams::new(Arc::new(Costs::new(plan, profile)), trace)));
+        let streams = simulate
+            .map(|profile| Arc::new(SimStreams::new(Arc::new(simulate::costs(plan, profile)), trace)));
         Ok(RankEngine {
             comms,
             plan,

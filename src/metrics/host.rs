@@ -135,21 +135,27 @@ mod tests {
 
     #[test]
     fn a_touched_buffer_shows_in_the_resident_set_and_its_peak() {
-        let before = Usage::now();
-        assert!(before.rss > 0 && before.peak_rss >= before.rss, "{before:?}");
-        let mut buffer = vec![0u8; 64 << 20];
-        for page in buffer.chunks_mut(4096) {
-            page[0] = 1;
+        // other tests of this binary allocate and free concurrently: only the direction
+        // is certain, and a test beside it freeing as much as the buffer takes can hide it
+        // once, so it is tried a few times
+        let mut tries = Vec::new();
+        for _ in 0..5 {
+            let before = Usage::now();
+            assert!(before.rss > 0 && before.peak_rss >= before.rss, "{before:?}");
+            let mut buffer = vec![0u8; 64 << 20];
+            for page in buffer.chunks_mut(4096) {
+                page[0] = 1;
+            }
+            let during = Usage::now();
+            std::hint::black_box(&buffer);
+            drop(buffer);
+            assert!(during.user_s + during.system_s >= before.user_s + before.system_s);
+            if during.peak_rss >= before.rss + (32 << 20) {
+                return;
+            }
+            tries.push((before, during));
         }
-        let during = Usage::now();
-        std::hint::black_box(&buffer);
-        drop(buffer);
-        // other tests of this binary allocate concurrently: only the direction is certain
-        assert!(
-            during.peak_rss >= before.rss + (32 << 20),
-            "{before:?} {during:?}"
-        );
-        assert!(during.user_s + during.system_s >= before.user_s + before.system_s);
+        panic!("a 64 MiB buffer never showed in the peak resident set: {tries:?}");
     }
 
     #[test]

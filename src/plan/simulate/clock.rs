@@ -8,6 +8,7 @@
 //! runs: the clocks only add up what the schedule asks of each track, as a stream would
 //! run it (in order, one piece at a time).
 
+use super::disk::Disk;
 use serde::Serialize;
 
 /// A track of the simulated machine.
@@ -81,14 +82,44 @@ pub struct Span {
     pub waited_for: Option<Track>,
 }
 
-/// Every track's clock and what was queued on it.
-#[derive(Clone, Debug, Default)]
+/// Every track's clock and what was queued on it, and the rank's disk.
+#[derive(Clone, Debug)]
 pub struct Clocks {
     now: [f64; 7],
     spans: Vec<Span>,
+    /// The disk every track's NVMe transfers share, one at a time (`disk::Disk`); or,
+    /// as the simulated device times them, one per track (see [`Clocks::disk_per_track`]).
+    disks: Vec<Disk>,
+}
+
+impl Default for Clocks {
+    fn default() -> Clocks {
+        Clocks {
+            now: [0.0; 7],
+            spans: Vec::new(),
+            disks: vec![Disk::default()],
+        }
+    }
 }
 
 impl Clocks {
+    /// Clocks whose tracks each have a disk of their own, as the simulated device's
+    /// streams do: its threads place their transfers in the order they run, and a disk
+    /// they shared would make the virtual times depend on that order, so only the dry
+    /// run shares one (a track's own transfers still go one at a time).
+    pub fn disk_per_track() -> Clocks {
+        Clocks {
+            disks: vec![Disk::default(); Track::ALL.len()],
+            ..Clocks::default()
+        }
+    }
+
+    /// The disk `track`'s NVMe transfers take their time on.
+    pub fn disk(&mut self, track: Track) -> &mut Disk {
+        let i = if self.disks.len() == 1 { 0 } else { track.index() };
+        &mut self.disks[i]
+    }
+
     pub fn now(&self, track: Track) -> f64 {
         self.now[track.index()]
     }
@@ -112,6 +143,20 @@ impl Clocks {
     ) -> Mark {
         let start = self.now(track);
         self.place(track, (what, unit), (start, start + seconds.max(0.0)), bytes)
+    }
+
+    /// Queues an NVMe transfer of `seconds` on `track`: it starts once the track has
+    /// run what was queued before it and the disk has a free stretch (`Disk::place`).
+    pub fn run_on_disk(
+        &mut self,
+        track: Track,
+        (what, unit): (&'static str, Option<usize>),
+        seconds: f64,
+        bytes: u64,
+    ) -> Mark {
+        let ready = self.now(track);
+        let span = self.disk(track).place(ready, seconds);
+        self.place(track, (what, unit), span, bytes)
     }
 
     /// Work on `track` from `start` to `end` beside the track's own order (a pipeline of

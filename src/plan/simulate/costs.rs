@@ -96,6 +96,9 @@ pub struct Costs {
     /// The disk's (read, write) GB/s over files the size of the machine's swap files,
     /// looked up once: every NVMe piece of work is priced at them.
     disk: (f64, f64),
+    /// Each piece of compute's time × this: 1, or more on a CPU device where the lanes'
+    /// host work takes cores from compute (`contention.rs`).
+    compute_stretch: f64,
 }
 
 impl Costs {
@@ -105,7 +108,21 @@ impl Costs {
             profile: profile.clone(),
             numels: plan.model.config.unit_numels(),
             disk: profile.nvme.rates_for(nvme_bytes(plan)),
+            compute_stretch: 1.0,
         }
+    }
+
+    /// These prices with every piece of compute `stretch` times as long.
+    pub fn with_compute_stretch(self, stretch: f64) -> Costs {
+        Costs {
+            compute_stretch: stretch,
+            ..self
+        }
+    }
+
+    /// The ranks of a process, which share its disk and cores.
+    pub fn ranks(&self) -> f64 {
+        self.plan.train.devices.max(1) as f64
     }
 
     pub fn profile(&self) -> &Profile {
@@ -129,7 +146,7 @@ impl Costs {
     /// and CPU AdamW rate as one rank sees them: the ranks of a process share its disk
     /// and cores, and all run the same schedule.
     fn shared(&self) -> (f64, f64, f64) {
-        let ranks = self.plan.train.devices.max(1) as f64;
+        let ranks = self.ranks();
         let p = &self.profile;
         let (read, write) = self.disk;
         (read / ranks, write / ranks, p.cpu_adam.params_per_s.value / ranks)
@@ -218,7 +235,8 @@ impl Costs {
             } else {
                 0
             };
-            return overhead + Self::seconds_at(bytes, self.profile.copies.device_to_device.value);
+            return (overhead + Self::seconds_at(bytes, self.profile.copies.device_to_device.value))
+                * self.compute_stretch;
         } else if kernel == Kernel::Forward {
             (flops::block_forward(c, numel, tokens, seq), kernel, dtype)
         } else if rules::keeps_activations(&self.plan, u) {
@@ -226,7 +244,7 @@ impl Costs {
         } else {
             (flops::block_backward(c, numel, tokens, seq), kernel, dtype)
         };
-        overhead + flops / self.profile.rate(kernel, dtype, self.shape(tokens))
+        (overhead + flops / self.profile.rate(kernel, dtype, self.shape(tokens))) * self.compute_stretch
     }
 
     /// Seconds `work` takes on the profiled machine.

@@ -1,7 +1,13 @@
-//! The NVMe optimizer pipeline of one unit in virtual time, on one disk
+//! The disk in virtual time, and the NVMe optimizer pipeline of one unit on it
 //! (`offload/src/pipeline.rs`): the simulated device's optimizer thread
 //! (`engine/optimize.rs`) and the dry-run replay (`step/optimizer.rs`) both time a unit's
 //! sub-groups with [`schedule`].
+//!
+//! A rank's share of the disk is one [`Disk`]: every NVMe transfer of the rank — the
+//! pipeline's legs, the h2d lane's parameter reads, the reduce lane's gradient chunks,
+//! the new parameters written back — takes the first stretch of the disk's time, from
+//! when it is ready, that no other transfer holds. A lane reading parameters while the
+//! optimizer streams its state waits for the disk as on the machine.
 //!
 //! A sub-group's read waits for a free buffer set (the write `sets` sub-groups back) and,
 //! without `pipeline_read`, for the update before it (and, without `pipeline_write`, its
@@ -13,6 +19,42 @@
 //! alone 4.05; together 1.46 and 0.59, 1.12 of the disk's time in all).
 
 use tierzero_offload::pipeline::PipelineConfig;
+
+/// Transfers kept on a disk's timeline (a dry run's three steps of the largest config
+/// place well under this); older ones are forgotten, their stretches long past for every
+/// track of a run on the simulated device.
+const KEPT: usize = 1 << 16;
+
+/// The stretches of virtual time a rank's disk is busy, in order, none overlapping.
+#[derive(Clone, Debug, Default)]
+pub struct Disk {
+    busy: Vec<(f64, f64)>,
+}
+
+impl Disk {
+    /// Places a transfer of `seconds` that is ready at `ready` in the first stretch from
+    /// then on that the disk has free; returns its (start, end).
+    pub fn place(&mut self, ready: f64, seconds: f64) -> (f64, f64) {
+        let seconds = seconds.max(0.0);
+        let mut start = ready;
+        let mut at = self.busy.partition_point(|&(_, end)| end <= ready);
+        while let Some(&(a, b)) = self.busy.get(at) {
+            if start + seconds <= a {
+                break;
+            }
+            start = start.max(b);
+            at += 1;
+        }
+        let end = start + seconds;
+        if seconds > 0.0 {
+            self.busy.insert(at, (start, end));
+            if self.busy.len() > KEPT {
+                self.busy.drain(..self.busy.len() - KEPT);
+            }
+        }
+        (start, end)
+    }
+}
 
 /// The seconds of one sub-group's legs on the profiled machine.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -46,13 +88,13 @@ fn ended(
     }
 }
 
-/// Times every sub-group's legs from `start`, one disk serving the reads and writes.
-pub fn schedule(start: f64, legs: &[Legs], how: PipelineConfig) -> Vec<Timed> {
+/// Times every sub-group's legs from `start`, the rank's `disk` serving the reads and
+/// writes.
+pub fn schedule(start: f64, legs: &[Legs], how: PipelineConfig, disk: &mut Disk) -> Vec<Timed> {
     let n = legs.len();
     let sets = how.sets.max(1);
     let mut timed = vec![Timed::default(); n];
     let (mut reads, mut updates, mut writes) = (0, 0, 0);
-    let mut disk = start;
     while writes < n {
         // every update whose legs are in: it runs on the CPU, beside the disk
         while updates < reads {
@@ -93,14 +135,11 @@ pub fn schedule(start: f64, legs: &[Legs], how: PipelineConfig) -> Vec<Timed> {
                 break;
             }
         };
-        let begin = ready.max(disk);
         if write {
-            disk = begin + legs[writes].write;
-            timed[writes].write = (begin, disk);
+            timed[writes].write = disk.place(ready, legs[writes].write);
             writes += 1;
         } else {
-            disk = begin + legs[reads].read;
-            timed[reads].read = (begin, disk);
+            timed[reads].read = disk.place(ready, legs[reads].read);
             reads += 1;
         }
     }
@@ -145,7 +184,7 @@ mod tests {
                 pipeline_write: true,
             },
         ] {
-            let t = schedule(10.0, &[LEG; 6], how);
+            let t = schedule(10.0, &[LEG; 6], how, &mut Disk::default());
             let disk: Vec<_> = t.iter().flat_map(|t| [t.read, t.write]).collect();
             for (i, a) in disk.iter().enumerate() {
                 assert!(a.0 >= 10.0);
@@ -172,13 +211,29 @@ mod tests {
     }
 
     #[test]
+    fn a_transfer_takes_the_first_free_stretch_of_the_disk_from_when_it_is_ready() {
+        let mut disk = Disk::default();
+        assert_eq!(disk.place(0.0, 2.0), (0.0, 2.0));
+        assert_eq!(disk.place(5.0, 1.0), (5.0, 6.0));
+        // ready before the first ends: after it, in the gap that holds it
+        assert_eq!(disk.place(1.0, 2.0), (2.0, 4.0));
+        // the gap left (4 to 5) is too short: after the last
+        assert_eq!(disk.place(3.0, 1.5), (6.0, 7.5));
+        assert_eq!(disk.place(4.0, 1.0), (4.0, 5.0));
+        // nothing overlaps
+        let mut spans = disk.busy.clone();
+        spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+        assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0), "{spans:?}");
+    }
+
+    #[test]
     fn without_pipelining_each_sub_group_runs_read_update_write_in_turn() {
         let how = PipelineConfig {
             sets: 1,
             pipeline_read: false,
             pipeline_write: false,
         };
-        let t = schedule(0.0, &[LEG; 3], how);
+        let t = schedule(0.0, &[LEG; 3], how, &mut Disk::default());
         let expect = |i: f64| Timed {
             read: (6.0 * i, 6.0 * i + 3.0),
             update: (6.0 * i + 3.0, 6.0 * i + 4.0),
@@ -194,7 +249,7 @@ mod tests {
             pipeline_read: true,
             pipeline_write: true,
         };
-        let t = schedule(0.0, &[LEG; 4], how);
+        let t = schedule(0.0, &[LEG; 4], how, &mut Disk::default());
         // read 0, read 1 (a second set), then write 0 (read 2 waits for its set), then
         // write 1 (ready at 7, before read 2 at 8)
         assert_eq!(t[0].read, (0.0, 3.0));

@@ -10,6 +10,7 @@
 //! critical path of the replay (the track compute waited for most).
 
 pub mod clock;
+mod contention;
 pub mod costs;
 pub mod disk;
 pub mod flops;
@@ -27,6 +28,8 @@ use std::collections::BTreeMap;
 
 /// Steps replayed; the last is reported (the optimizer of the one before overlaps it).
 const STEPS: usize = 3;
+
+pub use contention::costs;
 
 /// One track's share of the simulated step.
 #[derive(Clone, Debug, Serialize)]
@@ -71,7 +74,18 @@ pub struct Simulation {
 
 /// Replays `STEPS` steps of `plan` on `profile`'s machine and reports the last.
 pub fn simulate(plan: &Plan, profile: &Profile) -> Simulation {
-    let mut replay = step::Replay::new(plan, profile);
+    simulate_on(plan, profile, Clocks::default())
+}
+
+/// [`simulate`] with a disk per track, as the simulated device times the engine
+/// ([`Clocks::disk_per_track`]): what a run on it reports, to the nanosecond.
+pub fn simulate_as_the_device(plan: &Plan, profile: &Profile) -> Simulation {
+    simulate_on(plan, profile, Clocks::disk_per_track())
+}
+
+fn simulate_on(plan: &Plan, profile: &Profile, clocks: Clocks) -> Simulation {
+    let mut replay = step::Replay::new(plan, contention::costs(plan, profile));
+    replay.clocks = clocks;
     let mut step_s = 0.0;
     let mut step_start = 0.0;
     for _ in 0..STEPS {

@@ -94,6 +94,10 @@ pub struct Copies {
     /// profile does not say.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub d2h_wait_s: Option<Figure>,
+    /// One thread's crc32c, GB/s: what the swap files' checksums cost the host per byte
+    /// written or read (a memcpy's rate where a profile does not say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<Figure>,
 }
 
 /// The link collectives run over: a ring's bus bandwidth and a per-call latency.

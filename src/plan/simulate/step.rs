@@ -21,7 +21,7 @@
 
 use super::clock::{Clocks, Mark, Track};
 use super::costs::{Costs, Work as Cost};
-use super::profile::{Profile, Work};
+use super::profile::Work;
 use crate::plan::fetch::{may_request, schedule, Fetches, Limits, Purpose};
 use crate::plan::partition::Partition;
 use crate::plan::rules;
@@ -65,7 +65,7 @@ pub(super) struct Replay<'a> {
 }
 
 impl<'a> Replay<'a> {
-    pub fn new(plan: &'a Plan, profile: &'a Profile) -> Replay<'a> {
+    pub fn new(plan: &'a Plan, costs: Costs) -> Replay<'a> {
         let world = plan.world_size;
         let parts: Vec<Partition> = plan
             .model
@@ -78,7 +78,7 @@ impl<'a> Replay<'a> {
         let parts_len = parts.len();
         Replay {
             plan,
-            costs: Costs::new(plan, profile),
+            costs,
             clocks: Clocks::default(),
             parts,
             param_tiers: rules::param_tiers(plan),
@@ -185,13 +185,14 @@ impl<'a> Replay<'a> {
                 // none for a pinned host shard, copied in place) and the copy
                 self.clocks.wait(Track::H2d, issued);
                 if tier == Tier::Nvme {
-                    let read = self.costs.seconds(Cost::NvmeRead(shard_bytes))
-                        + self.costs.seconds(Cost::Fill {
-                            bytes: shard_bytes,
-                            parallel: false,
-                        });
+                    let read = self.costs.seconds(Cost::NvmeRead(shard_bytes));
+                    let bounce = self.costs.seconds(Cost::Fill {
+                        bytes: shard_bytes,
+                        parallel: false,
+                    });
                     self.clocks
-                        .run(Track::H2d, "nvme_read", Some(u), read, shard_bytes);
+                        .run_on_disk(Track::H2d, ("nvme_read", Some(u)), read, shard_bytes);
+                    self.clocks.run(Track::H2d, "nvme_read", Some(u), bounce, 0);
                 }
                 if self.cuda() {
                     if !self.pinned[u] {

@@ -89,7 +89,8 @@ impl Replay<'_> {
                         pipeline_write: opt.pipeline_write,
                     };
                     let start = self.clocks.now(Track::Optimizer);
-                    for (t, (read, update, write)) in schedule(start, &legs, how).into_iter().zip(bytes) {
+                    let timed = schedule(start, &legs, how, self.clocks.disk(Track::Optimizer));
+                    for (t, (read, update, write)) in timed.into_iter().zip(bytes) {
                         for (what, span, bytes) in [
                             ("nvme_read", t.read, read),
                             ("optimizer", t.update, update),
@@ -103,10 +104,9 @@ impl Replay<'_> {
             // the new parameters back to their tier
             let shard = self.parts[u].shard as u64 * self.p();
             if self.param_tiers[u] == Tier::Nvme && self.stage() == 3 {
-                self.clocks.run(
+                self.clocks.run_on_disk(
                     Track::Optimizer,
-                    "nvme_write",
-                    Some(u),
+                    ("nvme_write", Some(u)),
                     self.costs.seconds(Cost::NvmeWrite(shard)),
                     shard,
                 );

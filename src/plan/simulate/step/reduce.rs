@@ -130,11 +130,11 @@ impl Replay<'_> {
             if std::mem::replace(&mut self.stored[u], true) {
                 let read = self.costs.seconds(Cost::NvmeRead(bytes));
                 self.clocks
-                    .run(Track::Collectives, "nvme_read", Some(u), read, bytes);
+                    .run_on_disk(Track::Collectives, ("nvme_read", Some(u)), read, bytes);
             }
             let write = self.costs.seconds(Cost::NvmeWrite(bytes));
             self.clocks
-                .run(Track::Collectives, "nvme_write", Some(u), write, bytes);
+                .run_on_disk(Track::Collectives, ("nvme_write", Some(u)), write, bytes);
         }
         let done = self.clocks.mark(Track::Collectives);
         if self.plan.zero.overlap_comm {
