@@ -54,22 +54,32 @@ measure() { # $1: output file; the rest: config arguments
 }
 
 # the mean of two profiles of this machine: every measured figure (a value with its
-# source, a compute rate) averaged, the first's sources kept with a note
+# source, a compute rate) averaged as the time it prices averages (a rate's harmonic
+# mean, a time's arithmetic mean), rows of the disk's rates by file size paired by size,
+# the first's sources kept with a note
 mean_profile() { # $1, $2: the profiles; $3: output file
   python3 - "$1" "$2" "$3" <<'PY'
 import json, sys
 a, b = (json.load(open(f)) for f in sys.argv[1:3])
-def mean(x, y):
+def is_time(key):
+    return key.endswith("_s") and not key.endswith("_gb_s") and not key.endswith("per_s")
+def average(x, y, time):
+    return (x + y) / 2 if time else 2 / (1 / x + 1 / y) if x > 0 and y > 0 else (x + y) / 2
+def mean(x, y, key=""):
     if isinstance(x, dict) and isinstance(y, dict):
-        out = {k: mean(v, y[k]) if k in y else v for k, v in x.items()}
-        for key in ("value", "flops_per_s"):
-            if isinstance(x.get(key), (int, float)) and isinstance(y.get(key), (int, float)):
-                out[key] = (x[key] + y[key]) / 2
+        out = {k: mean(v, y[k], k) if k in y else v for k, v in x.items()}
+        for field in ("value", "flops_per_s"):
+            if isinstance(x.get(field), (int, float)) and isinstance(y.get(field), (int, float)):
+                out[field] = average(x[field], y[field], is_time(key))
                 if "source" in x:
                     out["source"] = x["source"] + "; the mean of this measurement just before and just after the run (scripts/sim_check.sh)"
         return out
-    if isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
-        return [mean(u, v) for u, v in zip(x, y)]
+    if isinstance(x, list) and isinstance(y, list):
+        if key == "by_file_size":
+            by_size = {r["file_bytes"]: r for r in y}
+            return [mean(r, by_size[r["file_bytes"]]) if r["file_bytes"] in by_size else r for r in x]
+        if len(x) == len(y):
+            return [mean(u, v) for u, v in zip(x, y)]
     return x
 json.dump(mean(a, b), open(sys.argv[3], "w"), indent=2)
 PY

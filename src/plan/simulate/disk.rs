@@ -20,9 +20,9 @@
 
 use tierzero_offload::pipeline::PipelineConfig;
 
-/// Transfers kept on a disk's timeline (a dry run's three steps of the largest config
-/// place well under this); older ones are forgotten, their stretches long past for every
-/// track of a run on the simulated device.
+/// Transfers a disk's timeline keeps at least (a dry run's three steps of the largest
+/// config place well under this); past twice as many the oldest are forgotten, their
+/// stretches long past for every track of a run on the simulated device.
 const KEPT: usize = 1 << 16;
 
 /// The stretches of virtual time a rank's disk is busy, in order, none overlapping.
@@ -35,7 +35,9 @@ impl Disk {
     /// Places a transfer of `seconds` that is ready at `ready` in the first stretch from
     /// then on that the disk has free; returns its (start, end).
     pub fn place(&mut self, ready: f64, seconds: f64) -> (f64, f64) {
-        let seconds = seconds.max(0.0);
+        if seconds <= 0.0 {
+            return (ready, ready);
+        }
         let mut start = ready;
         let mut at = self.busy.partition_point(|&(_, end)| end <= ready);
         while let Some(&(a, b)) = self.busy.get(at) {
@@ -46,11 +48,9 @@ impl Disk {
             at += 1;
         }
         let end = start + seconds;
-        if seconds > 0.0 {
-            self.busy.insert(at, (start, end));
-            if self.busy.len() > KEPT {
-                self.busy.drain(..self.busy.len() - KEPT);
-            }
+        self.busy.insert(at, (start, end));
+        if self.busy.len() > 2 * KEPT {
+            self.busy.drain(..KEPT);
         }
         (start, end)
     }
@@ -135,11 +135,17 @@ pub fn schedule(start: f64, legs: &[Legs], how: PipelineConfig, disk: &mut Disk)
                 break;
             }
         };
+        // each kind of leg in sub-group order: a leg starts no earlier than the one
+        // before it of its kind, even where a shared disk has a gap that only it fits
         if write {
-            timed[writes].write = disk.place(ready, legs[writes].write);
+            let after = writes
+                .checked_sub(1)
+                .map_or(ready, |j| ready.max(timed[j].write.0));
+            timed[writes].write = disk.place(after, legs[writes].write);
             writes += 1;
         } else {
-            timed[reads].read = disk.place(ready, legs[reads].read);
+            let after = reads.checked_sub(1).map_or(ready, |j| ready.max(timed[j].read.0));
+            timed[reads].read = disk.place(after, legs[reads].read);
             reads += 1;
         }
     }
@@ -220,6 +226,8 @@ mod tests {
         // the gap left (4 to 5) is too short: after the last
         assert_eq!(disk.place(3.0, 1.5), (6.0, 7.5));
         assert_eq!(disk.place(4.0, 1.0), (4.0, 5.0));
+        // no time for nothing
+        assert_eq!(disk.place(1.5, 0.0), (1.5, 1.5));
         // nothing overlaps
         let mut spans = disk.busy.clone();
         spans.sort_by(|a, b| a.0.total_cmp(&b.0));

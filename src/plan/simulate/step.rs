@@ -113,6 +113,13 @@ impl<'a> Replay<'a> {
         self.plan.precision.bytes() as u64
     }
 
+    /// Elements of a chunk of the NVMe parameter store (`run/stores.rs`: the swap chunk
+    /// for the largest shard).
+    fn param_chunk(&self) -> u64 {
+        let largest = self.parts.iter().map(|p| p.shard).max().unwrap_or(1);
+        rules::swap_chunk(self.plan, largest).max(1) as u64
+    }
+
     /// Elements of unit `u`'s optimizer partition.
     fn optimizer_len(&self, u: usize) -> u64 {
         self.parts[u].optimizer_len(self.stage()) as u64
@@ -185,13 +192,21 @@ impl<'a> Replay<'a> {
                 // none for a pinned host shard, copied in place) and the copy
                 self.clocks.wait(Track::H2d, issued);
                 if tier == Tier::Nvme {
-                    let read = self.costs.seconds(Cost::NvmeRead(shard_bytes));
+                    // chunk by chunk, as the parameter store reads them: each chunk takes
+                    // its turn on the disk beside the other tracks' transfers
+                    let chunk = self.param_chunk() * self.p();
+                    let mut left = shard_bytes;
+                    while left > 0 {
+                        let bytes = chunk.min(left);
+                        let read = self.costs.seconds(Cost::NvmeRead(bytes));
+                        self.clocks
+                            .run_on_disk(Track::H2d, ("nvme_read", Some(u)), read, bytes);
+                        left -= bytes;
+                    }
                     let bounce = self.costs.seconds(Cost::Fill {
                         bytes: shard_bytes,
                         parallel: false,
                     });
-                    self.clocks
-                        .run_on_disk(Track::H2d, ("nvme_read", Some(u)), read, shard_bytes);
                     self.clocks.run(Track::H2d, "nvme_read", Some(u), bounce, 0);
                 }
                 if self.cuda() {
