@@ -18,7 +18,6 @@
 use super::lanes::{DeviceMark, Mark, Stream, Streams};
 use super::DeviceError;
 use crate::plan::simulate::costs::{Costs, Work};
-use crate::plan::simulate::disk::Disk;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -125,9 +124,6 @@ struct StreamState {
     device: usize,
     costs: Arc<Costs>,
     clock: Mutex<Clock>,
-    /// The stream's NVMe transfers, one at a time (`Clocks::disk_per_track`: streams do
-    /// not share one, or the clocks would depend on the order the threads run in).
-    disk: Mutex<Disk>,
 }
 
 /// One simulated stream: a virtual clock that work advances.
@@ -144,29 +140,21 @@ impl SimStream {
                 spans: trace.then(Vec::new),
                 ..Clock::default()
             }),
-            disk: Mutex::new(Disk::default()),
         }))
-    }
-
-    /// The stream's disk (`disk::Disk`), for transfers timed beside the stream's order.
-    pub fn disk(&self) -> std::sync::MutexGuard<'_, Disk> {
-        self.0.disk.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn clock(&self) -> std::sync::MutexGuard<'_, Clock> {
         self.0.clock.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Advances the clock by what `work` costs.
-    /// An NVMe transfer waits for a free stretch of the stream's disk.
+    /// Advances the clock by what `work` costs. (A stream's NVMe transfers go one at a
+    /// time in its order; streams share no disk, or the clocks would depend on the order
+    /// the threads run in: `Clocks::disk_per_track`.)
     pub fn run(&self, work: Work) {
         let seconds = self.0.costs.seconds(work);
         let mut clock = self.clock();
-        let (start, end) = match work {
-            Work::NvmeRead(_) | Work::NvmeWrite(_) => self.disk().place(clock.now, seconds),
-            _ => (clock.now, clock.now + seconds),
-        };
-        clock.busy_with(work, start, end);
+        let start = clock.now;
+        clock.busy_with(work, start, start + seconds);
     }
 
     /// Seconds `work` takes on this stream's machine.

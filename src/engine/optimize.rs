@@ -332,7 +332,8 @@ impl LegClock {
                 write: self.stream.seconds(write),
             })
             .collect();
-        let timed = disk::schedule(self.start, &legs, self.config, &mut self.stream.disk());
+        // the optimizer stream's own disk: nothing of it is past `start`
+        let timed = disk::schedule(self.start, &legs, self.config, &mut disk::Disk::default());
         for (i, t) in timed.iter().enumerate() {
             self.stream.overlapped(self.reads[i], t.read.0, t.read.1);
             self.stream.overlapped(self.updates[i], t.update.0, t.update.1);

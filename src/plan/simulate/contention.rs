@@ -66,7 +66,7 @@ fn compute_stretch(plan: &Plan, costs: &Costs) -> f64 {
         })
         .collect();
     let profile = costs.profile();
-    let ranks = plan.train.devices.max(1) as f64;
+    let ranks = costs.ranks();
     let cores = profile.host_cores.max(1) as f64;
     let compute_threads = ranks * profile.compute.threads.max(1) as f64;
     let spare = (cores - compute_threads).max(0.0);
