@@ -390,6 +390,39 @@ fn bf16_gradients_with_the_optimizer_on_nvme_stay_within_bf16_resolution() {
     );
 }
 
+/// With one micro-batch per step a bf16 run keeps the host accumulators of blocks (and of
+/// an untied embedding) in bf16: each element receives one bf16 value a step (by one
+/// rank, or reduced on the bf16 wire), which fp32 holds no more exactly. The same master
+/// weights bit for bit as fp32 accumulators, at stages 2 and 3, one rank and two, tied
+/// and untied (a tied embedding's and the final unit's stay fp32).
+#[test]
+fn bf16_accumulators_train_the_bits_of_fp32_ones() {
+    let dir = disk_dir();
+    for (world, stage, param, tied) in [(1, 3, "cpu", true), (2, 3, "cpu", false), (2, 2, "none", true)] {
+        let mut p = plan(world, stage, param, "cpu", 1, dir.path(), "bf16");
+        p.model.config.tie_word_embeddings = tied;
+        let low = tierzero::plan::rules::bf16_gradients(&p);
+        let last = low.len() - 1;
+        assert!(low[1..last].iter().all(|&b| b), "blocks in bf16: {low:?}");
+        assert!(
+            !low[last] && low[0] != tied,
+            "final unit and tied embedding in fp32: {low:?}"
+        );
+        let mut fp32 = p.clone();
+        fp32.zero.bf16_accumulators = false;
+        assert!(tierzero::plan::rules::bf16_gradients(&fp32).iter().all(|&b| !b));
+        let host = |p: &Plan| tierzero::plan::host_memory::predict_host(p).gradients;
+        assert!(
+            host(&p) < host(&fp32),
+            "world {world} stage {stage}: no host bytes saved"
+        );
+        assert!(
+            master(&p) == master(&fp32),
+            "world {world} stage {stage} tied {tied}: bf16 accumulators changed the bits"
+        );
+    }
+}
+
 /// Units under the persistence threshold are gathered once per step, by the first
 /// forward after their update, and kept for every later use of the step; the others
 /// are gathered for each forward and each backward (2 micro-batches here: 4 times).

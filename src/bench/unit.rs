@@ -56,6 +56,9 @@ pub struct Reductions {
     pub values: String,
     pub add_gb_s: f64,
     pub first_squared_gb_s: f64,
+    /// The same first add into a bf16 accumulator (`plan::rules::bf16_gradients`), of bf16
+    /// values only; over the same 4 bytes per element, so the rates compare as times do.
+    pub first_squared_bf16_gb_s: Option<f64>,
     pub memcpy_gb_s: f64,
     /// The slower add's rate ÷ memcpy's (issue target ≥ 0.5).
     pub ratio: f64,
@@ -71,7 +74,7 @@ impl UnitReport {
              \x20 engine backward, kept graph {:>7.4} s   forward + it: {:.2}x torch's\n\
              \x20 torch forward + backward   {:>8.4} s   (forward {:.4} s; a tensor per parameter)\n\
              host reductions of the block's gradient ({} elements of {} into fp32):\n\
-             \x20 add onto sums   {:>6.2} GB/s   first add with Σ g² {:>6.2} GB/s   memcpy {:>6.2} GB/s   slower ÷ memcpy {:.2}",
+             \x20 add onto sums   {:>6.2} GB/s   first add with Σ g² {:>6.2} GB/s{}   memcpy {:>6.2} GB/s   slower ÷ memcpy {:.2}",
             self.model,
             self.parameters,
             self.tokens,
@@ -88,6 +91,8 @@ impl UnitReport {
             r.values,
             r.add_gb_s,
             r.first_squared_gb_s,
+            r.first_squared_bf16_gb_s
+                .map_or(String::new(), |b| format!(" (into bf16 {b:.2})")),
             r.memcpy_gb_s,
             r.ratio
         )
@@ -217,6 +222,16 @@ fn reductions(n: usize, kind: Kind) -> anyhow::Result<Reductions> {
         acc.set_values_squared(0, values(), 0.0);
         Ok(())
     })?);
+    let first_bf16 = match kind {
+        Kind::BFloat16 => {
+            let mut low = Grads::zeros(n, true)?;
+            Some(gb_s(timed(|| {
+                low.set_values_squared(0, values(), 0.0);
+                Ok(())
+            })?))
+        }
+        _ => None,
+    };
     let src = vec![1.0f32; n];
     let mut dst = vec![0.0f32; n];
     let memcpy = gb_s(timed(|| {
@@ -235,6 +250,7 @@ fn reductions(n: usize, kind: Kind) -> anyhow::Result<Reductions> {
         .to_string(),
         add_gb_s: add,
         first_squared_gb_s: first,
+        first_squared_bf16_gb_s: first_bf16,
         memcpy_gb_s: memcpy,
         ratio: add.min(first) / memcpy,
     })

@@ -103,8 +103,8 @@ pub(super) struct Gradients<'a, C: Collective> {
     partitions: Vec<Range<usize>>,
     stage: u8,
     rank: usize,
-    /// Accumulate in bf16 (see `plan::rules::bf16_gradients`).
-    bf16: bool,
+    /// Which units accumulate in bf16 (`plan::rules::bf16_gradients`).
+    bf16: Vec<bool>,
     /// The collectives lane of the step in progress, when gradients are reduced there.
     reducer: Option<Reducer<'a, C>>,
     /// Whether the compute thread goes on while a reduction runs (`overlap_comm`).
@@ -154,7 +154,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// store with a chunk buffer per reduction in flight, the others in one arena (and at
     /// stage 1 the partition copies in another), allocated here once for the run.
     pub(super) fn new(
-        (stage, rank, bf16): (u8, usize, bool),
+        (stage, rank, bf16): (u8, usize, Vec<bool>),
         (summed, kept, on): (Vec<bool>, Vec<bool>, tch::Device),
         (wire, chunk): (Wire, usize),
         parts: Vec<Partition>,
@@ -168,7 +168,9 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             (Some(store), true) => {
                 // one chunk (of the stored element) per reduction in flight: the compute
                 // thread waits for the lane's oldest before starting another (`accumulate`)
-                let elem = if bf16 { 2 } else { 4 };
+                // the store's gradients are all of one kind (`rules::stored_bf16`)
+                let stored_bf16 = (0..in_store.len()).any(|u| in_store[u] && bf16[u]);
+                let elem = if stored_bf16 { 2 } else { 4 };
                 let chunks = store
                     .pool(REDUCE_DEPTH, store.chunk_bytes(elem))
                     .map_err(On(rank).alloc())?;
@@ -184,23 +186,33 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         };
         // a gradient that stays on the device has no host accumulator (nor a stage-1 copy)
         let on_host = |u: usize| !in_store[u] && !kept[u];
-        let lens: Vec<usize> = (0..parts.len())
-            .filter(|&u| on_host(u))
-            .map(|u| parts[u].accumulator_len(stage))
-            .collect();
-        let mut here = Grads::carve(&lens, bf16, pinning)
-            .map_err(carve_err("gradient"))?
-            .into_iter();
-        let accumulators = (0..parts.len())
-            .map(|u| match (in_store[u], kept[u]) {
-                (true, _) => Ok(Accumulator::Nvme(Stored::Nothing)),
-                (false, true) => Ok(Accumulator::Device),
-                (false, false) => here.next().map(Accumulator::Here).ok_or(EngineError::Invariant {
-                    rank,
-                    what: "fewer gradient accumulators carved than units in memory",
-                }),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        // an arena for each kind of accumulator that has any, carved in the units' order
+        let carve = |low: bool| {
+            let lens: Vec<usize> = (0..parts.len())
+                .filter(|&u| on_host(u) && bf16[u] == low)
+                .map(|u| parts[u].accumulator_len(stage))
+                .collect();
+            if lens.is_empty() {
+                return Ok(Vec::new().into_iter());
+            }
+            Grads::carve(&lens, low, pinning)
+                .map(Vec::into_iter)
+                .map_err(carve_err("gradient"))
+        };
+        let mut carved = [carve(false)?, carve(true)?];
+        let accumulators =
+            (0..parts.len())
+                .map(|u| match (in_store[u], kept[u]) {
+                    (true, _) => Ok(Accumulator::Nvme(Stored::Nothing)),
+                    (false, true) => Ok(Accumulator::Device),
+                    (false, false) => carved[usize::from(bf16[u])].next().map(Accumulator::Here).ok_or(
+                        EngineError::Invariant {
+                            rank,
+                            what: "fewer gradient accumulators carved than units in memory",
+                        },
+                    ),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
         let copies = if stage == 1 {
             let lens: Vec<usize> = (0..parts.len())
                 .filter(|&u| !kept[u])
@@ -347,7 +359,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         match (&self.nvme, buf) {
             (Some(nvme), Some(buf)) => {
                 let fresh = matches!(stored, Stored::Nothing);
-                let stream = GradStream::new(On(self.rank), nvme.store, key, self.bf16, fresh, buf);
+                let stream = GradStream::new(On(self.rank), nvme.store, key, self.bf16[u], fresh, buf);
                 Ok(Acc::Stream(stream))
             }
             _ => {
@@ -709,7 +721,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             Accumulator::Here(g) => Ok(FinalGrad::Here(g)),
             Accumulator::Nvme(Stored::Whole { .. }) => Ok(FinalGrad::Stored {
                 len: self.partitions[u].len(),
-                bf16: self.bf16,
+                bf16: self.bf16[u],
             }),
             other => {
                 self.accumulators[u] = other;
@@ -740,7 +752,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         if self.in_store[u] || self.keeps(u) {
             return 0;
         }
-        let elem = if self.bf16 { 2 } else { 4 };
+        let elem = if self.bf16[u] { 2 } else { 4 };
         elem * self.parts[u].accumulator_len(self.stage)
     }
 

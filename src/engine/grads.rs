@@ -1,6 +1,7 @@
 //! A unit's gradient accumulator on the host: fp32, or bf16 when the run trains in bf16
-//! and its optimizer state lives on NVMe; a slab of the rank's gradient arena
-//! (`tierzero_offload::arena`), allocated once at start-up.
+//! and its optimizer state lives on NVMe, or where bf16 holds the step's one gradient as
+//! exactly as fp32 (`plan::rules::bf16_gradients`); a slab of the rank's gradient arena
+//! of its kind (`tierzero_offload::arena`), allocated once at start-up.
 //!
 //! With the optimizer on NVMe the host must not hold 4 bytes per parameter of gradient
 //! (issue "The engine on lanes and arenas", §2): a bf16 run keeps the reduced gradient

@@ -9,14 +9,15 @@
 //! in flight), optimizer state not on NVMe, the NVMe pipelines' buffers, the reduction's chunk buffers, and — on CPU ranks, whose device memory is
 //! host memory — the device prediction plus the largest unit's flat gradient tensor
 //! (a compute temporary the device row leaves out, as DeepSpeed's estimator does). Per
-//! process: [`RUNTIME_BYTES`] of code and libraries.
+//! process: [`RUNTIME_BYTES`] of code and libraries, and on a GPU
+//! [`CUDA_RUNTIME_BYTES`] of its context and kernels.
 
 use super::fetch::MAX_IN_FLIGHT;
 use super::memory::predict;
 use super::partition::Partition;
 use super::rules::{
     bf16_gradients, chunk_elements, device_sums, gathers_updates, held_at_once, nvme_gradients,
-    optimizer_tiers, param_tiers, pipeline_sets, stored_gradients, swap_chunk, REDUCE_DEPTH,
+    optimizer_tiers, param_tiers, pipeline_sets, stored_bf16, stored_gradients, swap_chunk, REDUCE_DEPTH,
 };
 use super::{Accelerator, Plan, Tier, Wire};
 use serde::Serialize;
@@ -25,6 +26,13 @@ use serde::Serialize;
 /// kernels' libraries, thread stacks and allocator slack (measured on the CI machine's
 /// kind: a `llama-tiny` run peaks within 100 MB of it).
 pub const RUNTIME_BYTES: u64 = 450 << 20;
+
+/// What a process that computes on a GPU holds beside [`RUNTIME_BYTES`]: the CUDA
+/// context and the GPU kernels' libraries as loaded (measured on the fifth lent H200 at
+/// `fe7d962`, one GPU a process: `llama-1b` with nothing in host memory peaked at
+/// 2.12–2.15 GB resident against 0.49 GB predicted without it, with parameters and
+/// optimizer on NVMe at 2.92 GB against 1.25).
+pub const CUDA_RUNTIME_BYTES: u64 = 1550 << 20;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct HostBytes {
@@ -59,7 +67,8 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     let kept = |p: &Partition| if stage == 3 { p.shard } else { p.padded } as u64;
     let max_opt = parts.iter().map(opt_len).max().unwrap_or(0);
     let max_numel = parts.iter().map(|p| p.numel).max().unwrap_or(0) as u64;
-    let grad_elem = if bf16_gradients(plan) { 2 } else { 4 };
+    let bf16_grads = bf16_gradients(plan);
+    let grad_elem = |u: usize| if bf16_grads[u] { 2 } else { 4 };
     let nvme_grads = nvme_gradients(plan);
     let mut rank = HostBytes::default();
     let param_tiers = param_tiers(plan);
@@ -87,7 +96,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         }
         // a gradient kept on the device has no host accumulator (nor a stage-1 copy)
         if !stored[u] && !on_device[u] {
-            rank.gradients += grad_elem * acc_len(p);
+            rank.gradients += grad_elem(u) * acc_len(p);
         }
         if cpu && sums[u] {
             // the device accumulators of gradient accumulation, in host memory on a CPU
@@ -110,7 +119,8 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     }
     if nvme_grads {
         // one chunk per gradient reduction in flight
-        rank.gradients += REDUCE_DEPTH as u64 * aligned(grad_elem * swap_chunk);
+        let stored_elem = if stored_bf16(plan) { 2 } else { 4 };
+        rank.gradients += REDUCE_DEPTH as u64 * aligned(stored_elem * swap_chunk);
     }
     if param_tiers.contains(&Tier::Nvme) {
         // the optimizer lane's staging partition, and two bounce buffers each for its
@@ -162,7 +172,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     }
     let ranks = plan.train.devices as u64;
     let mut total = HostBytes {
-        runtime: RUNTIME_BYTES,
+        runtime: RUNTIME_BYTES + if cpu { 0 } else { CUDA_RUNTIME_BYTES },
         parameters: ranks * rank.parameters,
         gradients: ranks * rank.gradients,
         optimizer: ranks * rank.optimizer,

@@ -23,44 +23,45 @@ pub fn model_states(plan: &Plan) -> Vec<StateRow> {
     let world = plan.world_size as u64;
     let stage = plan.zero.stage;
     let numels = plan.model.config.unit_numels();
-    let rows = |state: &'static str, tiers: &[Tier], bytes_per_param: u64, sharded: bool| -> Vec<StateRow> {
-        [Tier::Device, Tier::Cpu, Tier::Nvme]
-            .into_iter()
-            .filter_map(|tier| {
-                let elements: u64 = numels
-                    .iter()
-                    .zip(tiers)
-                    .filter(|(_, t)| **t == tier)
-                    .map(|(n, _)| *n as u64)
-                    .sum();
-                let bytes = elements * bytes_per_param;
-                (elements > 0).then(|| StateRow {
-                    state,
-                    tier,
-                    bytes_per_rank: if sharded { bytes.div_ceil(world) } else { bytes },
-                    sharded,
+    // bytes_per_param: of each unit
+    let rows =
+        |state: &'static str, tiers: &[Tier], bytes_per_param: &[u64], sharded: bool| -> Vec<StateRow> {
+            [Tier::Device, Tier::Cpu, Tier::Nvme]
+                .into_iter()
+                .filter_map(|tier| {
+                    let units = || (0..numels.len()).filter(|&u| tiers[u] == tier);
+                    let elements: u64 = units().map(|u| numels[u] as u64).sum();
+                    let bytes: u64 = units().map(|u| numels[u] as u64 * bytes_per_param[u]).sum();
+                    (elements > 0).then(|| StateRow {
+                        state,
+                        tier,
+                        bytes_per_rank: if sharded { bytes.div_ceil(world) } else { bytes },
+                        sharded,
+                    })
                 })
-            })
-            .collect()
-    };
-    let low = plan.precision.bytes() as u64;
+                .collect()
+        };
+    let low = vec![plan.precision.bytes() as u64; numels.len()];
     let optimizer_tiers = super::rules::optimizer_tiers(plan);
-    let mut out: Vec<StateRow> = rows("parameters", &super::rules::param_tiers(plan), low, stage >= 3);
+    let mut out: Vec<StateRow> = rows("parameters", &super::rules::param_tiers(plan), &low, stage >= 3);
     if stage >= 2 {
         // a unit's gradient shard sits next to its optimizer state, on NVMe too (as
-        // DeepSpeed's optimizer swapper keeps it), there in bf16 when the run trains in
-        // bf16 without accumulation
-        let bf16 = crate::plan::rules::bf16_gradients(plan);
-        out.extend(rows(
-            "gradients",
-            &optimizer_tiers,
-            if bf16 { 2 } else { 4 },
-            true,
-        ));
+        // DeepSpeed's optimizer swapper keeps it), in bf16 where `rules::bf16_gradients`
+        // says so
+        let grad: Vec<u64> = crate::plan::rules::bf16_gradients(plan)
+            .into_iter()
+            .map(|bf16| if bf16 { 2 } else { 4 })
+            .collect();
+        out.extend(rows("gradients", &optimizer_tiers, &grad, true));
     } else {
-        out.extend(rows("gradients", &vec![Tier::Device; numels.len()], low, false));
+        out.extend(rows("gradients", &vec![Tier::Device; numels.len()], &low, false));
     }
-    out.extend(rows("optimizer states", &optimizer_tiers, 12, stage >= 1));
+    out.extend(rows(
+        "optimizer states",
+        &optimizer_tiers,
+        &vec![12; numels.len()],
+        stage >= 1,
+    ));
     out
 }
 

@@ -142,6 +142,7 @@ pub(super) fn build_zero(
         )?,
         device_accumulation: true,
         device_gradients: true,
+        bf16_accumulators: true,
         gather_16bit_weights_on_model_save: gather_16bit.unwrap_or(false),
         offload_param: param_offload(param_tier, op)?,
         offload_optimizer: optimizer_offload((optimizer_tier, ratio), oo)?,

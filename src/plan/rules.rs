@@ -4,7 +4,7 @@
 //! pipeline has and how far ahead fetches run. The engine follows them and the
 //! predictions (`memory.rs`, `host_memory.rs`) count by them, so the two cannot drift.
 
-use super::{Plan, Precision, Tier};
+use super::{Plan, Precision, Tier, Wire};
 
 /// Gradients in flight on the reduction lane at most.
 pub const REDUCE_DEPTH: usize = 2;
@@ -165,17 +165,45 @@ pub fn pipeline_sets(plan: &Plan) -> usize {
     tierzero_offload::pipeline::sets_for(plan.zero.offload_optimizer.buffer_count, nvme_gradients(plan))
 }
 
-/// Whether gradient accumulators are kept in bf16: a bf16 run whose optimizer state is
-/// all on NVMe, at stages 2–3, without gradient accumulation (see `engine/grads.rs`); a
-/// placement over several tiers keeps fp32, the accumulators of its units in memory as
-/// those of a run in memory. With several micro-batches per step a bf16 sum of nearly
-/// cancelling micro-batch gradients can flip a sign that Adam then follows at full step
-/// size, so those runs keep fp32.
-pub fn bf16_gradients(plan: &Plan) -> bool {
-    plan.zero.stage >= 2
-        && plan.precision == Precision::Bf16
-        && plan.batch.gradient_accumulation_steps == 1
-        && optimizer_tiers(plan).iter().all(|&t| t == Tier::Nvme)
+/// Whether the optimizer's swap store keeps gradients in bf16: a bf16 run whose optimizer
+/// state is all on NVMe, at stages 2–3, without gradient accumulation (see
+/// `engine/grads.rs`); a placement over several tiers keeps fp32, the accumulators of its
+/// units in memory as those of a run in memory. With several micro-batches per step a
+/// bf16 sum of nearly cancelling micro-batch gradients can flip a sign that Adam then
+/// follows at full step size, so those runs keep fp32.
+pub fn stored_bf16(plan: &Plan) -> bool {
+    one_bf16_contribution(plan) && optimizer_tiers(plan).iter().all(|&t| t == Tier::Nvme)
+}
+
+/// A bf16 run at stages 2–3 with one micro-batch per step: each unit's gradient partition
+/// receives its step's gradient once per use of the unit.
+fn one_bf16_contribution(plan: &Plan) -> bool {
+    plan.zero.stage >= 2 && plan.precision == Precision::Bf16 && plan.batch.gradient_accumulation_steps == 1
+}
+
+/// Whether each unit's gradient accumulator is kept in bf16: every unit where the swap
+/// store keeps them so ([`stored_bf16`]); else, with [`one_bf16_contribution`], the host
+/// accumulators (optimizer state in host memory) that receive one bf16 value per element
+/// a step, which fp32 would hold exactly as bf16 does: a block's gradient, or an untied
+/// embedding's, reduced on a bf16 wire or by one rank. The final unit's gradient is fp32
+/// (the LM head's products accumulate in fp32) and a tied embedding's is the sum of two,
+/// so theirs stay fp32. Half the host bytes of those accumulators, and the same bits
+/// (`bf16_accumulators_train_the_bits_of_fp32_ones`).
+pub fn bf16_gradients(plan: &Plan) -> Vec<bool> {
+    let tiers = optimizer_tiers(plan);
+    if stored_bf16(plan) {
+        return vec![true; tiers.len()];
+    }
+    let exact = one_bf16_contribution(plan)
+        && plan.zero.bf16_accumulators
+        && (plan.world_size == 1 || plan.communication == Wire::Bf16);
+    let last = tiers.len().saturating_sub(1);
+    let tied = plan.model.config.tie_word_embeddings;
+    tiers
+        .iter()
+        .enumerate()
+        .map(|(u, &tier)| exact && tier == Tier::Cpu && u < last && (u > 0 || !tied))
+        .collect()
 }
 
 /// Whether a unit's new partition is all-gathered into its replica from a partition of

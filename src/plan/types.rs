@@ -236,6 +236,9 @@ pub struct Zero {
     /// on a GPU (the device row counts them either way); decided by
     /// `auto_batch::fit_device_sums`.
     pub device_gradients: bool,
+    /// Host accumulators in bf16 wherever that is exact (`rules::bf16_gradients`): on
+    /// unless a test compares them with fp32 ones.
+    pub bf16_accumulators: bool,
     pub gather_16bit_weights_on_model_save: bool,
     pub offload_param: ParamOffload,
     pub offload_optimizer: OptimizerOffload,

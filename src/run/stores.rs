@@ -88,7 +88,7 @@ pub(super) fn open_stores(
         (true, Some(path)) => {
             let mut specs = swap_specs(plan, model, &State::OPTIMIZER, 4);
             if crate::plan::rules::nvme_gradients(plan) {
-                let elem = if crate::plan::rules::bf16_gradients(plan) {
+                let elem = if crate::plan::rules::stored_bf16(plan) {
                     2
                 } else {
                     4

@@ -18,7 +18,7 @@ impl Replay<'_> {
         let opt = &self.plan.zero.offload_optimizer;
         let swap_chunk = self.swap_chunk() as u64;
         let stored_grads = rules::stored_gradients(self.plan);
-        let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
+        let accumulator = if rules::stored_bf16(self.plan) { 2 } else { 4 };
         // the step's stored gradients are consumed here
         self.stored.fill(false);
         for (u, stored) in stored_grads.into_iter().enumerate() {

@@ -72,7 +72,7 @@ impl Replay<'_> {
         let chunks = shard.div_ceil(stretch);
         let nvme = rules::stored_gradients(self.plan)[u];
         let swap_chunk = self.swap_chunk() as u64;
-        let accumulator = if rules::bf16_gradients(self.plan) { 2 } else { 4 };
+        let accumulator = if rules::stored_bf16(self.plan) { 2 } else { 4 };
         // gradient accumulation on the device: each stretch is added there, and only the
         // step's last contribution leaves for the host (`rules::device_sums`), none of a
         // gradient that stays there (`rules::gradients_on_device`)
