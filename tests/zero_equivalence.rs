@@ -390,35 +390,49 @@ fn bf16_gradients_with_the_optimizer_on_nvme_stay_within_bf16_resolution() {
     );
 }
 
-/// With one micro-batch per step a bf16 run keeps the host accumulators of blocks (and of
-/// an untied embedding) in bf16: each element receives one bf16 value a step (by one
+/// With one micro-batch per step a bf16 run keeps the host accumulators of its units in
+/// bf16 (a tied embedding's aside): each element receives one bf16 value a step (by one
 /// rank, or reduced on the bf16 wire), which fp32 holds no more exactly. The same master
 /// weights bit for bit as fp32 accumulators, at stages 2 and 3, one rank and two, tied
-/// and untied (a tied embedding's and the final unit's stay fp32).
+/// and untied, and beside fp32 gradients stored on NVMe (a mixed placement).
 #[test]
 fn bf16_accumulators_train_the_bits_of_fp32_ones() {
     let dir = disk_dir();
-    for (world, stage, param, tied) in [(1, 3, "cpu", true), (2, 3, "cpu", false), (2, 2, "none", true)] {
-        let mut p = plan(world, stage, param, "cpu", 1, dir.path(), "bf16");
+    let cases = [
+        (1, 3, "cpu", "cpu", true),
+        (1, 3, "cpu", "cpu", false),
+        (2, 3, "cpu", "cpu", false),
+        (2, 2, "none", "cpu", true),
+        (2, 3, "cpu", "nvme", false),
+    ];
+    for (world, stage, param, optimizer, tied) in cases {
+        let what = format!("world {world} stage {stage} optimizer {optimizer} tied {tied}");
+        let mut p = plan(world, stage, param, optimizer, 1, dir.path(), "bf16");
         p.model.config.tie_word_embeddings = tied;
+        let units = p.model.config.unit_numels();
+        // with the optimizer on NVMe: the first three units' state in host memory, the
+        // rest's (and their gradients, stored in fp32) on NVMe
+        let in_host = if optimizer == "nvme" { 3 } else { units.len() };
+        p.zero.offload_optimizer.max_in_cpu = units[..in_host].iter().sum();
+        assert_eq!(p.communication, Wire::Bf16);
         let low = tierzero::plan::rules::bf16_gradients(&p);
-        let last = low.len() - 1;
-        assert!(low[1..last].iter().all(|&b| b), "blocks in bf16: {low:?}");
         assert!(
-            !low[last] && low[0] != tied,
-            "final unit and tied embedding in fp32: {low:?}"
+            low[1..in_host].iter().all(|&b| b),
+            "{what}: in host memory, bf16: {low:?}"
         );
+        assert!(
+            low[in_host..].iter().all(|&b| !b),
+            "{what}: stored, fp32: {low:?}"
+        );
+        assert_eq!(low[0], !tied, "{what}: a tied embedding in fp32: {low:?}");
         let mut fp32 = p.clone();
         fp32.zero.bf16_accumulators = false;
         assert!(tierzero::plan::rules::bf16_gradients(&fp32).iter().all(|&b| !b));
         let host = |p: &Plan| tierzero::plan::host_memory::predict_host(p).gradients;
-        assert!(
-            host(&p) < host(&fp32),
-            "world {world} stage {stage}: no host bytes saved"
-        );
+        assert!(host(&p) < host(&fp32), "{what}: no host bytes saved");
         assert!(
             master(&p) == master(&fp32),
-            "world {world} stage {stage} tied {tied}: bf16 accumulators changed the bits"
+            "{what}: bf16 accumulators changed the bits"
         );
     }
 }

@@ -151,8 +151,9 @@ impl DeviceSums {
 
 impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     /// Every unit's accumulator, zeroed: the units `stored` marks (stages 2–3) in the
-    /// store with a chunk buffer per reduction in flight, the others in one arena (and at
-    /// stage 1 the partition copies in another), allocated here once for the run.
+    /// store with a chunk buffer per reduction in flight, the others in an arena of each
+    /// kind (`rules::bf16_gradients`; at stage 1 the partition copies in another),
+    /// allocated here once for the run.
     pub(super) fn new(
         (stage, rank, bf16): (u8, usize, Vec<bool>),
         (summed, kept, on): (Vec<bool>, Vec<bool>, tch::Device),

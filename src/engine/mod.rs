@@ -14,7 +14,8 @@
 //! - `prefetch.rs`: the stage-3 fetch schedule; fetches on the h2d and gather lanes
 //! - `reduce.rs`: gradient reduce-scatters on the reduce lane (`overlap_comm`)
 //! - `staging.rs`: a GPU's reduced stretches to the host through pinned buffers, two deep
-//! - `grads.rs`: gradient accumulators (fp32, or bf16 with the optimizer on NVMe)
+//! - `grads.rs`: gradient accumulators (fp32, or bf16 with the optimizer on NVMe or where
+//!   bf16 is exact)
 //! - `optimize.rs`: the optimizer phase and installing its updates (`Installer`)
 //! - `start.rs`: where state starts: seeded init, Hugging Face weights, a checkpoint
 //! - `snapshot.rs`: a rank's part of saving a checkpoint

@@ -184,10 +184,10 @@ fn one_bf16_contribution(plan: &Plan) -> bool {
 /// Whether each unit's gradient accumulator is kept in bf16: every unit where the swap
 /// store keeps them so ([`stored_bf16`]); else, with [`one_bf16_contribution`], the host
 /// accumulators (optimizer state in host memory) that receive one bf16 value per element
-/// a step, which fp32 would hold exactly as bf16 does: a block's gradient, or an untied
-/// embedding's, reduced on a bf16 wire or by one rank. The final unit's gradient is fp32
-/// (the LM head's products accumulate in fp32) and a tied embedding's is the sum of two,
-/// so theirs stay fp32. Half the host bytes of those accumulators, and the same bits
+/// a step, which fp32 would hold exactly as bf16 does: every unit's gradient is in the
+/// parameters' kind (the LM head's dW too, rounded once), reduced on a bf16 wire or by
+/// one rank; a tied embedding's is the sum of two (the lookup's and the head's), so it
+/// stays fp32. Half the host bytes of those accumulators, and the same bits
 /// (`bf16_accumulators_train_the_bits_of_fp32_ones`).
 pub fn bf16_gradients(plan: &Plan) -> Vec<bool> {
     let tiers = optimizer_tiers(plan);
@@ -197,12 +197,11 @@ pub fn bf16_gradients(plan: &Plan) -> Vec<bool> {
     let exact = one_bf16_contribution(plan)
         && plan.zero.bf16_accumulators
         && (plan.world_size == 1 || plan.communication == Wire::Bf16);
-    let last = tiers.len().saturating_sub(1);
     let tied = plan.model.config.tie_word_embeddings;
     tiers
         .iter()
         .enumerate()
-        .map(|(u, &tier)| exact && tier == Tier::Cpu && u < last && (u > 0 || !tied))
+        .map(|(u, &tier)| exact && tier == Tier::Cpu && (u > 0 || !tied))
         .collect()
 }
 
