@@ -28,11 +28,11 @@ use serde::Serialize;
 pub const RUNTIME_BYTES: u64 = 450 << 20;
 
 /// What a process that computes on a GPU holds beside [`RUNTIME_BYTES`]: the CUDA
-/// context and the GPU kernels' libraries as loaded, counted once a process (measured on
-/// the fifth lent H200 at `fe7d962`, one GPU a process; a process driving several GPUs
-/// holds a context for each, which no machine lent so far could measure: `llama-1b` with nothing in host memory peaked at
+/// context and the GPU kernels' libraries as loaded. Measured on the fifth lent H200 at
+/// `fe7d962`, one GPU a process: `llama-1b` with nothing in host memory peaked at
 /// 2.12–2.15 GB resident against 0.49 GB predicted without it, with parameters and
-/// optimizer on NVMe at 2.92 GB against 1.25).
+/// optimizer on NVMe at 2.92 GB against 1.25. Counted once a process: a process driving
+/// several GPUs holds a context for each, which no machine lent so far could measure.
 pub const CUDA_RUNTIME_BYTES: u64 = 1550 << 20;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
