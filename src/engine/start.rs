@@ -81,6 +81,14 @@ impl Start {
         self.checkpoint().map_or(0, |c| c.manifest.step)
     }
 
+    /// Lets go of the resident pages of a memory-mapped source once every rank holds
+    /// its state (checkpoints are read with `pread`, the seeded init has none).
+    pub fn release_pages(&self) {
+        if let Start::Hf(weights) = self {
+            weights.release_pages();
+        }
+    }
+
     pub fn checkpoint(&self) -> Option<&Checkpoint> {
         match self {
             Start::Checkpoint(c) => Some(c),

@@ -111,6 +111,10 @@ fn run_rank(
     std::thread::scope(|scope| -> Result<(), TrainError> {
         let first_step = context.start.first_step();
         engine.check_same_start(first_step)?;
+        // every rank of this process has read its state (the check is a collective)
+        if rank == plan.train.local_ranks().start {
+            context.start.release_pages();
+        }
         // from the first step on, a signal asks for a checkpoint first
         super::preempt::arm();
         let root = save::root(&plan.train.output_dir);
