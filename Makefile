@@ -18,9 +18,11 @@ export LIBTORCH_BYPASS_VERSION_CHECK = 1
 
 setup: $(TORCH_STAMP) tools
 
-# system tools the tests use: strace watches a checkpoint save's system calls from outside
+# system tools the tests use: strace watches a checkpoint save's system calls from outside;
+# the binary links gperftools' tcmalloc whole (build.rs), from libgoogle-perftools-dev
 tools:
 	@command -v strace >/dev/null || (apt-get update && apt-get install -y strace)
+	@test -f /usr/lib/$$(gcc -dumpmachine)/libtcmalloc_minimal.a || (apt-get update && apt-get install -y libgoogle-perftools-dev)
 
 $(TORCH_STAMP):
 	@command -v $(PYTHON) >/dev/null || (apt-get update && apt-get install -y python3 python3-venv python3-pip)

@@ -30,6 +30,28 @@ fn main() {
     check_torch_version(&lib_dir);
     compile_shim(&lib_dir);
     link_nccl(&lib_dir);
+    link_tcmalloc();
+}
+
+/// The binary's allocator (`src/main.rs`): gperftools' tcmalloc, linked whole into the
+/// executable so that its `malloc` serves libtorch too, from Debian's
+/// `libgoogle-perftools-dev` (`make setup` installs it).
+fn link_tcmalloc() {
+    const ARCHIVE: &str = "libtcmalloc_minimal.a";
+    let dirs = [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+    ];
+    let Some(dir) = dirs.iter().find(|d| Path::new(d).join(ARCHIVE).exists()) else {
+        panic!(
+            "{ARCHIVE} not found in {dirs:?}: install Debian's libgoogle-perftools-dev (`make setup` does)"
+        );
+    };
+    println!("cargo:rerun-if-changed={dir}/{ARCHIVE}");
+    println!("cargo:rustc-link-arg-bins=-Wl,--whole-archive,{dir}/{ARCHIVE},--no-whole-archive");
+    println!("cargo:rustc-link-arg-bins=-lstdc++");
 }
 
 /// The c10d bridge compiles against this torch's headers and the gloo stand-ins match

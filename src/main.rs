@@ -20,9 +20,23 @@ struct Cli {
     command: cli::Command,
 }
 
+// gperftools' release rate (`TCMALLOC_RELEASE_RATE`), a C++ flag with no C setter: the
+// page heap reads it each time it considers handing freed spans back to the kernel.
+extern "C" {
+    #[link_name = "_ZN62FLAG__namespace_do_not_use_directly_use_DECLARE_double_instead27FLAGS_tcmalloc_release_rateE"]
+    static mut TCMALLOC_RELEASE_RATE: f64;
+}
+
 fn main() -> ExitCode {
-    // before any thread exists: a thread that takes a malloc arena of its own keeps it
-    tierzero::metrics::host::reuse_freed_memory();
+    // Every allocation of the process, libtorch's included, is tcmalloc's (build.rs links
+    // it whole into the executable, so its `malloc` takes the place of the C library's).
+    // It never hands freed memory back unless `TCMALLOC_RELEASE_RATE` asks: a step frees
+    // and allocates the same blocks again, and each page handed back is zeroed by the
+    // kernel on its next touch (README, "Host memory and kernel time").
+    if std::env::var_os("TCMALLOC_RELEASE_RATE").is_none() {
+        // SAFETY: written once before any other thread exists; tcmalloc only reads it.
+        unsafe { TCMALLOC_RELEASE_RATE = 0.0 };
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -47,8 +47,8 @@ fn run(dir: &std::path::Path, sets: &[&str]) -> serde_json::Value {
 }
 
 /// The measured peak is within 5% below the prediction and at most 35% above it: what
-/// the prediction leaves out is glibc's slack (each thread's arena keeps blocks freed
-/// there). Since the final unit's gradients are released before the blocks' backward
+/// the prediction leaves out is the allocator's slack (blocks freed and kept for
+/// reuse). Since the final unit's gradients are released before the blocks' backward
 /// (they were held through it), the three configurations measure 0.98–1.03, 1.22 and
 /// 1.01 of the prediction, moving by ±3% from run to run, and the fourth (gradients kept
 /// with device-tier state, no host accumulators) 1.07 — a term of the state missing

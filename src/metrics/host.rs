@@ -65,23 +65,24 @@ impl Span {
     }
 }
 
-/// Makes glibc's malloc keep freed memory for reuse instead of handing it back to the
-/// kernel: no allocation is served by its own `mmap` (glibc maps every block above
-/// 32 MiB on its own and unmaps it on free, so each of libtorch's per-unit gradient and
-/// activation tensors came back as fresh pages, zeroed by the kernel on first touch: at
-/// `llama-1b` scale most of the process's CPU time was kernel time), the heap's top is
-/// trimmed only past 2 GiB free (`mallopt` takes an `int`; −1, never, costs more kernel
-/// time on a VM than the faults it saves: README, "Host memory and kernel time"), and
-/// every thread allocates from the one main arena. The steps' working
-/// set then stays mapped and is reused step after step. One arena, because glibc serves
-/// a block larger than a secondary arena's 64 MiB heap from its own `mmap` whatever
-/// `M_MMAP_MAX` says, and any thread that has ever allocated holds a secondary arena
-/// once the main one was busy: with one arena per core, `llama-1b`'s 243 MB block
-/// gradients and 1.05 GB embedding tensors were still mapped and unmapped every step
-/// (16.9 M minor page faults in 3 steps, 3.5 M with one arena). The binary calls this
-/// first in `main`, before any thread exists; `train` calls it again for library users
-/// (arenas a thread already holds stay). Returns whether glibc took the settings (other
-/// C libraries: nothing happens).
+/// For a process whose allocator is glibc's (a library user's; the `tierzero` binary
+/// links tcmalloc, which never hands memory back: `src/main.rs`), makes glibc's malloc
+/// keep freed memory for reuse instead of handing it back to the kernel: no allocation
+/// is served by its own `mmap` (glibc maps every block above 32 MiB on its own and
+/// unmaps it on free, so each of libtorch's per-unit gradient and activation tensors
+/// came back as fresh pages, zeroed by the kernel on first touch: at `llama-1b` scale
+/// most of the process's CPU time was kernel time), the heap's top is trimmed only past
+/// 2 GiB free (`mallopt` takes an `int`; −1, never, costs more kernel time on a VM than
+/// the faults it saves: README, "Host memory and kernel time"), and every thread
+/// allocates from the one main arena. The steps' working set then stays mapped and is
+/// reused step after step. One arena, because glibc serves a block larger than a
+/// secondary arena's 64 MiB heap from its own `mmap` whatever `M_MMAP_MAX` says, and
+/// any thread that has ever allocated holds a secondary arena once the main one was
+/// busy: with one arena per core, `llama-1b`'s 243 MB block gradients and 1.05 GB
+/// embedding tensors were still mapped and unmapped every step (16.9 M minor page
+/// faults in 3 steps, 3.5 M with one arena). `train` calls it (arenas a thread already
+/// holds stay). Returns whether glibc took the settings (under another allocator
+/// glibc's settings go unused).
 pub fn reuse_freed_memory() -> bool {
     // SAFETY: mallopt only sets allocator parameters (under the allocator's own lock).
     unsafe {
