@@ -76,7 +76,7 @@ fn failure(rank: usize, op: &'static str) -> impl Fn(String) -> CommError {
 }
 
 /// Checks that `whole` holds world × `piece`'s elements, of the same kind.
-fn check_sizes<C: Collective + ?Sized>(
+pub(super) fn check_sizes<C: Collective + ?Sized>(
     comm: &C,
     op: &'static str,
     piece: &Tensor,
@@ -105,7 +105,7 @@ fn check_sizes<C: Collective + ?Sized>(
 // A tensor handle shares its storage, so the mutable view comes from a shared handle;
 // exclusivity is the caller's contract (as for `torch::host_slice_mut`).
 #[allow(clippy::mut_from_ref)]
-unsafe fn host_views<'t, T: Element>(
+pub(super) unsafe fn host_views<'t, T: Element>(
     rank: usize,
     op: &'static str,
     input: &'t Tensor,
