@@ -46,13 +46,15 @@ fn run(dir: &std::path::Path, sets: &[&str]) -> serde_json::Value {
     serde_json::from_str(&text).unwrap()
 }
 
-/// The measured peak is within 5% below the prediction and at most 35% above it: what
+/// The measured peak is within 10% below the prediction and at most 35% above it: what
 /// the prediction leaves out is the allocator's slack (blocks freed and kept for
 /// reuse). Since the final unit's gradients are released before the blocks' backward
 /// (they were held through it), the three configurations measure 0.98–1.03, 1.22 and
 /// 1.01 of the prediction, moving by ±3% from run to run, and the fourth (gradients kept
-/// with device-tier state, no host accumulators) 1.07 — a term of the state missing
-/// from the prediction, or counted twice, leaves this band.
+/// with device-tier state, no host accumulators) 1.07. Under tcmalloc, the binary's
+/// allocator since `979cb08`, a process holds less than under glibc: 0.94–0.97, 0.97,
+/// 0.99 and 1.02 (the lower bound was 0.95). A term of the state missing from the
+/// prediction, or counted twice, leaves this band.
 #[test]
 fn the_host_prediction_bounds_the_measured_peak_resident_set() {
     let cases: [(&str, &[&str]); 4] = [
@@ -92,7 +94,7 @@ fn the_host_prediction_bounds_the_measured_peak_resident_set() {
         let ratio = measured / predicted;
         println!("{name}: measured {measured:.3e} predicted {predicted:.3e} ({ratio:.3})");
         assert!(
-            (0.95..=1.35).contains(&ratio),
+            (0.90..=1.35).contains(&ratio),
             "{name}: measured {measured} predicted {predicted}"
         );
     }

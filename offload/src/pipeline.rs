@@ -256,6 +256,65 @@ fn wait_all_writes(writes: Writes<'_>) -> Result<(), IoError> {
     first.map_or(Ok(()), Err)
 }
 
+/// The optimizer-state reads of a step's first sub-group, submitted before the step's
+/// update can start ([`read_ahead`]): they do not depend on the gradient norm, and the
+/// pipeline's buffers are idle while the backward runs. With its gradient read, submitted
+/// when the step starts, they serve that sub-group in place of its reads
+/// ([`nvme_adam_step_from`]); dropped unused, their buffers return to the pool once the
+/// reads complete.
+pub struct ReadAhead {
+    group: (u32, u32, usize),
+    submit: Instant,
+    reads: Reads,
+}
+
+/// Submits the three optimizer-state reads of sub-group `group` (unit, rank, chunk)
+/// into buffers of `pool`. The state must not be written before the reads are used.
+pub fn read_ahead(
+    store: &SwapStore,
+    pool: &BufferPool,
+    group: (u32, u32, usize),
+) -> Result<ReadAhead, IoError> {
+    Ok(ReadAhead {
+        group,
+        submit: Instant::now(),
+        reads: submit_reads(store, pool, group, false)?,
+    })
+}
+
+/// The reads of sub-group `planned`: those of `ahead` when it read this sub-group (with
+/// its gradient's read added), else submitted now; and from when the disk had them.
+fn reads_for(
+    store: &SwapStore,
+    pool: &BufferPool,
+    planned: &Planned,
+    ahead: &mut Option<ReadAhead>,
+) -> Result<(Instant, Reads), IoError> {
+    let early = match ahead.take() {
+        Some(early) if early.group == planned.group => early,
+        other => {
+            // a read-ahead of another sub-group goes first: its buffers return to the
+            // pool as its reads complete, and these reads may need them
+            drop(other);
+            return Ok((
+                Instant::now(),
+                submit_reads(store, pool, planned.group, planned.grad)?,
+            ));
+        }
+    };
+    let mut reads = early.reads;
+    if planned.grad {
+        let (unit, rank, chunk) = planned.group;
+        let key = TensorKey {
+            unit,
+            rank,
+            state: State::Grad,
+        };
+        reads.push(store.read_async(key, chunk, pool.lease()).map_err(|(e, _)| e)?);
+    }
+    Ok((early.submit, reads))
+}
+
 /// What the stages share: the report, the first error, the observer.
 type Shared<'r> = (&'r Mutex<PipelineReport>, &'r FirstError, &'r dyn Observer);
 
@@ -373,7 +432,7 @@ fn wait_writes_here(
 fn serial(
     store: &SwapStore,
     pool: &BufferPool,
-    groups: Vec<SubGroup<'_>>,
+    (groups, mut ahead): (Vec<SubGroup<'_>>, Option<ReadAhead>),
     order: &[Planned],
     coefficients: &Coefficients,
     shared: Shared<'_>,
@@ -383,8 +442,7 @@ fn serial(
         if error.is_set() {
             break;
         }
-        let submit = Instant::now();
-        let reads = match submit_reads(store, pool, planned.group, planned.grad) {
+        let (submit, reads) = match reads_for(store, pool, planned, &mut ahead) {
             Ok(reads) => reads,
             Err(e) => {
                 error.set(e);
@@ -460,6 +518,20 @@ pub fn nvme_adam_step_observed(
     config: PipelineConfig,
     observer: &dyn Observer,
 ) -> Result<PipelineReport, IoError> {
+    nvme_adam_step_from(store, pool, (groups, None), coefficients, config, observer)
+}
+
+/// [`nvme_adam_step_observed`], the first sub-group's state read by `ahead` where it
+/// read that sub-group ([`read_ahead`]; otherwise it is dropped). The same values: only
+/// when the reads were submitted differs.
+pub fn nvme_adam_step_from(
+    store: &SwapStore,
+    pool: &BufferPool,
+    (groups, ahead): (Vec<SubGroup<'_>>, Option<ReadAhead>),
+    coefficients: &Coefficients,
+    config: PipelineConfig,
+    observer: &dyn Observer,
+) -> Result<PipelineReport, IoError> {
     let start = Instant::now();
     let sets = config.sets.max(1);
     let order: Vec<Planned> = groups
@@ -479,8 +551,9 @@ pub fn nvme_adam_step_observed(
         ..PipelineReport::default()
     });
     let shared = (&report, &error, observer);
+    let mut ahead = ahead;
     if !config.pipeline_read && !config.pipeline_write {
-        serial(store, pool, groups, &order, coefficients, shared);
+        serial(store, pool, (groups, ahead.take()), &order, coefficients, shared);
     } else {
         let (to_wait, submitted) = crossbeam_channel::bounded::<(u32, Instant, Reads, u64)>(sets);
         let (to_update, updates) = crossbeam_channel::bounded::<Result<Vec<IoBuf>, IoError>>(sets);
@@ -564,17 +637,17 @@ pub fn nvme_adam_step_observed(
             });
 
             // stage 1 (this thread): read ahead
-            for (i, &Planned { group, grad, moved }) in order.iter().enumerate() {
+            for (i, planned) in order.iter().enumerate() {
                 if error.is_set() {
                     break;
                 }
                 if !config.pipeline_read && i > 0 && updated_rx.recv().is_err() {
                     break;
                 }
-                let submit = Instant::now();
-                match submit_reads(store, pool, group, grad) {
-                    Ok(reads) => {
-                        if to_wait.send((group.0, submit, reads, moved.0 + moved.1)).is_err() {
+                let (unit, moved) = (planned.group.0, planned.moved);
+                match reads_for(store, pool, planned, &mut ahead) {
+                    Ok((submit, reads)) => {
+                        if to_wait.send((unit, submit, reads, moved.0 + moved.1)).is_err() {
                             break;
                         }
                     }

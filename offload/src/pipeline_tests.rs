@@ -5,7 +5,10 @@ use crate::adam::{self, AdamHyper, GradSlice, LowPrecisionOut, Sweep};
 use crate::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
 use crate::nvme::tests::{engines, test_dir};
 use crate::nvme::{BlockIo, IoError};
-use crate::pipeline::{buffer_pool_for, nvme_adam_step, sub_groups, GradIn, PipelineConfig, SubGroup};
+use crate::pipeline::{
+    buffer_pool_for, nvme_adam_step, nvme_adam_step_from, read_ahead, sub_groups, GradIn, Leg, Observer,
+    PipelineConfig, SubGroup,
+};
 use crate::pool::IoBuf;
 use std::io::{Seek, SeekFrom, Write};
 use std::sync::Arc;
@@ -55,6 +58,12 @@ fn as_bytes_mut(x: &mut [f32]) -> &mut [u8] {
 
 fn store_with(engine: Arc<dyn BlockIo>, dir: &std::path::Path, units: &[usize], chunk: usize) -> SwapStore {
     SwapStore::create(dir, "swap", engine, &specs(units, 0), chunk).unwrap()
+}
+
+struct NoLegs;
+
+impl Observer for NoLegs {
+    fn leg(&self, _: Leg, _: u32, _: std::time::Instant, _: std::time::Instant, _: u64) {}
 }
 
 #[test]
@@ -161,7 +170,13 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
                     pipeline_read,
                     pipeline_write,
                 };
-                let report = nvme_adam_step(&store, &pool, groups, &c, config).unwrap();
+                // the first sub-group's state read ahead (odd steps), or another's, dropped
+                // unused (even steps: its buffers come back for the first sub-group's
+                // reads), changes nothing
+                let ahead_of = if step % 2 == 1 { (0, 0, 0) } else { (2, 0, 1) };
+                let ahead = read_ahead(&store, &pool, ahead_of).unwrap();
+                let report =
+                    nvme_adam_step_from(&store, &pool, (groups, Some(ahead)), &c, config, &NoLegs).unwrap();
                 assert_eq!(report.sub_groups, 3 + 1 + 3);
                 // the bytes the disk moved: each chunk's elements padded to 4 KiB (a
                 // ragged tail moves less than a whole chunk)

@@ -297,6 +297,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             mut graphs,
             kept,
         } = forward;
+        if self.overlap {
+            self.optimizer.read_first_ahead()?;
+        }
         for u in (0..graphs.len()).rev() {
             let graph = graphs[u].take();
             let (params, _gathered) = match graph {

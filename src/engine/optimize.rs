@@ -156,6 +156,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             },
             step,
             tracks: self.tracks.clone(),
+            ahead: std::sync::Mutex::new(self.optimizer.ahead.take()),
         };
         match scope {
             Some(scope) => {
@@ -268,6 +269,9 @@ struct OptimizerContext {
     pipeline: PipelineConfig,
     step: AdamStep,
     tracks: Tracks,
+    /// The first NVMe sub-group's state reads, submitted during the backward, for the
+    /// first unit whose state streams through the pipeline.
+    ahead: std::sync::Mutex<Option<pipeline::ReadAhead>>,
 }
 
 /// The NVMe pipeline's legs: spans on the optimizer's tracks, and on a simulated device
@@ -552,10 +556,11 @@ impl OptimizerContext {
                     tracks: &self.tracks,
                     simulated: sim::entered().map(|s| std::sync::Mutex::new(LegClock::new(s, self.pipeline))),
                 };
-                pipeline::nvme_adam_step_observed(
+                let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner()).take();
+                pipeline::nvme_adam_step_from(
                     tier.store,
                     &tier.pool,
-                    groups,
+                    (groups, ahead),
                     &self.step.coefficients,
                     self.pipeline,
                     &legs,

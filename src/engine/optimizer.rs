@@ -19,6 +19,7 @@ use tch::{Kind, Tensor};
 use tierzero_offload::adam;
 use tierzero_offload::arena::{self, Pinning, Slab};
 use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey};
+use tierzero_offload::pipeline;
 use tierzero_offload::pool::{BufferPool, IoBuf};
 
 /// Receives a slice's bytes with the unit element they start at.
@@ -82,6 +83,9 @@ pub(super) struct Optimizer<'a> {
     pub(super) scaler: LossScaler,
     /// The optimizer lane's buffers for writing parameters to NVMe, kept between steps.
     pub(super) staging: SharedStaging,
+    /// The first unit's first sub-group of NVMe state, read during the backward
+    /// ([`Self::read_first_ahead`]) for the next update.
+    pub(super) ahead: Option<pipeline::ReadAhead>,
 }
 
 impl<'a> Optimizer<'a> {
@@ -148,7 +152,28 @@ impl<'a> Optimizer<'a> {
             adam_steps,
             scaler,
             staging: SharedStaging::default(),
+            ahead: None,
         })
+    }
+
+    /// Submits the reads of the first unit's first sub-group of optimizer state, where it
+    /// is on NVMe and back from its last update: the next update reads it first, and
+    /// only after the backward and the gradient norm, while the pipeline's buffers and
+    /// the disk are idle until then (`pipeline::read_ahead`). Not on a simulated device,
+    /// whose optimizer legs are priced in the pipeline's order.
+    pub(super) fn read_first_ahead(&mut self) -> Result<(), EngineError> {
+        let first_on_nvme = matches!(self.moments.first(), Some(Moments::Nvme(_)));
+        let (None, true, Some(tier), None) = (
+            &self.ahead,
+            first_on_nvme,
+            &self.nvme,
+            crate::device::sim::entered(),
+        ) else {
+            return Ok(());
+        };
+        let group = (0, self.on.0 as u32, 0);
+        self.ahead = Some(pipeline::read_ahead(tier.store, &tier.pool, group).map_err(self.on.io())?);
+        Ok(())
     }
 
     /// Unit `u`'s initial state (each slice its partition's length): copied into its

@@ -284,6 +284,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             preempted: losses[1] > 0.0,
         };
         let Some(adam_step) = self.optimizer.next_update(plan, grad_norm, lr) else {
+            // no update reads the state read ahead: its buffers go back to the pool
+            self.optimizer.ahead = None;
             report.skipped = true;
             return Ok(report);
         };
