@@ -161,19 +161,21 @@ impl<'a> Optimizer<'a> {
     /// only after the backward and the gradient norm, while the pipeline's buffers and
     /// the disk are idle until then (`pipeline::read_ahead`). Not on a simulated device,
     /// whose optimizer legs are priced in the pipeline's order.
-    pub(super) fn read_first_ahead(&mut self) -> Result<(), EngineError> {
-        let first_on_nvme = matches!(self.moments.first(), Some(Moments::Nvme(_)));
+    /// A failed submission is left to the update, which reads the same chunk and
+    /// reports it.
+    pub(super) fn read_first_ahead(&mut self) {
+        let first_on_nvme = matches!(self.moments.first(), Some(Moments::Nvme(_)))
+            && self.partitions.first().is_some_and(|p| !p.is_empty());
         let (None, true, Some(tier), None) = (
             &self.ahead,
             first_on_nvme,
             &self.nvme,
             crate::device::sim::entered(),
         ) else {
-            return Ok(());
+            return;
         };
         let group = (0, self.on.0 as u32, 0);
-        self.ahead = Some(pipeline::read_ahead(tier.store, &tier.pool, group).map_err(self.on.io())?);
-        Ok(())
+        self.ahead = pipeline::read_ahead(tier.store, &tier.pool, group).ok();
     }
 
     /// Unit `u`'s initial state (each slice its partition's length): copied into its
