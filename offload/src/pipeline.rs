@@ -527,7 +527,7 @@ pub fn nvme_adam_step_observed(
 pub fn nvme_adam_step_from(
     store: &SwapStore,
     pool: &BufferPool,
-    (groups, ahead): (Vec<SubGroup<'_>>, Option<ReadAhead>),
+    (groups, mut ahead): (Vec<SubGroup<'_>>, Option<ReadAhead>),
     coefficients: &Coefficients,
     config: PipelineConfig,
     observer: &dyn Observer,
@@ -551,9 +551,8 @@ pub fn nvme_adam_step_from(
         ..PipelineReport::default()
     });
     let shared = (&report, &error, observer);
-    let mut ahead = ahead;
     if !config.pipeline_read && !config.pipeline_write {
-        serial(store, pool, (groups, ahead.take()), &order, coefficients, shared);
+        serial(store, pool, (groups, ahead), &order, coefficients, shared);
     } else {
         let (to_wait, submitted) = crossbeam_channel::bounded::<(u32, Instant, Reads, u64)>(sets);
         let (to_update, updates) = crossbeam_channel::bounded::<Result<Vec<IoBuf>, IoError>>(sets);

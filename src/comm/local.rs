@@ -12,7 +12,7 @@
 //! Nothing is copied into an intermediate buffer and nothing is allocated, except the
 //! result of an in-place `all_reduce`, which must not overwrite its input before the
 //! peers have read it. A reduce-scatter of 16-bit tensors reads the posted bits too,
-//! widening each element as it sums (`reduce_16`), where the generic path widens every
+//! widening each element as it sums (`reduce_into`), where the generic path widens every
 //! rank's whole input into fp32 first. Sums run in rank order, element by element (`x0 + x1 + …`, then
 //! the mean's scale in f64), so results are deterministic, and equal bit for bit to the
 //! Gloo communicators' for two ranks (`gloo.rs` tests it).
@@ -207,7 +207,7 @@ impl Local {
     }
 
     /// A reduce-scatter of two contiguous host tensors of one 16-bit kind, its
-    /// elements widened and rounded by `convert` ([`reduce_16`]).
+    /// elements widened to fp32 and rounded by `convert` ([`reduce_into`]).
     fn reduce_scatter_16(
         &self,
         full: &Tensor,
@@ -222,7 +222,7 @@ impl Local {
         let (world, n) = (self.hub.world, out.len());
         self.round(Posted::of("reduce_scatter", full), |peers| {
             self.same_bytes("reduce_scatter", peers, std::mem::size_of_val(full))?;
-            reduce_16(peers, (world, self.rank * n), out, op, convert);
+            reduce_into(peers, (world, self.rank * n), out, op, convert);
             Ok(())
         })?
     }
@@ -244,32 +244,34 @@ impl Local {
     }
 }
 
-/// [`reduce_into`] on 16-bit inputs: each element widened to fp32 by `widen`, summed in
-/// rank order and scaled in fp32 as `reduce_into::<f32>` does, and rounded once by
-/// `round`. The same bits as widening every rank's input, reducing the fp32 copies and
-/// rounding the result (`tensors::reduce_scatter`'s path), with a third of the memory
-/// traffic: a block's sums stay in cache.
-fn reduce_16(
+/// `out[i] = Σ_r inputs[r][offset + i]` in rank order, then scaled for a mean, in
+/// cache-sized blocks (each element's additions happen in the same order as a scalar
+/// loop, so the result does not depend on the blocking). The sums are in `T`: each
+/// posted element widened by `widen` and each sum rounded once into `out` by `round`
+/// (identities where the inputs are `T`s; for 16-bit inputs the same bits as widening
+/// every rank's input to fp32, reducing the copies and rounding the result, which
+/// `tensors::reduce_scatter` does, with a third of the memory traffic).
+fn reduce_into<S: Copy, T: Element>(
     peers: &Peers<'_>,
     (world, offset): (usize, usize),
-    out: &mut [u16],
+    out: &mut [S],
     op: ReduceOp,
-    (widen, round): (impl Fn(u16) -> f32, impl Fn(f32) -> u16),
+    (widen, round): (impl Fn(S) -> T, impl Fn(T) -> S),
 ) {
     const BLOCK: usize = 4096;
     let scale = 1.0 / world as f64;
-    let mut sums = [0f32; BLOCK];
+    let mut sums = [T::default(); BLOCK];
     for (b, block) in out.chunks_mut(BLOCK).enumerate() {
         let (start, len) = (offset + b * BLOCK, block.len());
         let sums = &mut sums[..len];
-        // SAFETY: called in the read phase with lengths checked against u16.
-        let first: &[u16] = unsafe { peers.input(0) };
+        // SAFETY: called in the read phase with lengths checked against `S`.
+        let first: &[S] = unsafe { peers.input(0) };
         for (s, &x) in sums.iter_mut().zip(&first[start..start + len]) {
             *s = widen(x);
         }
         for r in 1..world {
             // SAFETY: as above.
-            let peer: &[u16] = unsafe { peers.input(r) };
+            let peer: &[S] = unsafe { peers.input(r) };
             for (s, &x) in sums.iter_mut().zip(&peer[start..start + len]) {
                 *s = s.add(widen(x));
             }
@@ -285,31 +287,9 @@ fn reduce_16(
     }
 }
 
-/// `out[i] = Σ_r inputs[r][offset + i]` in rank order, then scaled for a mean, in
-/// cache-sized blocks (each element's additions happen in the same order as a scalar
-/// loop, so the result does not depend on the blocking).
-fn reduce_into<T: Element>(peers: &Peers<'_>, world: usize, offset: usize, out: &mut [T], op: ReduceOp) {
-    const BLOCK: usize = 4096;
-    let scale = 1.0 / world as f64;
-    for (b, block) in out.chunks_mut(BLOCK).enumerate() {
-        let start = offset + b * BLOCK;
-        // SAFETY: called in the read phase with lengths checked against `T`.
-        let first: &[T] = unsafe { peers.input(0) };
-        block.copy_from_slice(&first[start..start + block.len()]);
-        for r in 1..world {
-            // SAFETY: as above.
-            let peer: &[T] = unsafe { peers.input(r) };
-            let len = block.len();
-            for (o, &x) in block.iter_mut().zip(&peer[start..start + len]) {
-                *o = o.add(x);
-            }
-        }
-        if op == ReduceOp::Avg {
-            for o in block.iter_mut() {
-                *o = o.scale(scale);
-            }
-        }
-    }
+/// [`reduce_into`] of `T`s into `T`s.
+fn reduce_same<T: Element>(peers: &Peers<'_>, at: (usize, usize), out: &mut [T], op: ReduceOp) {
+    reduce_into(peers, at, out, op, (|x: T| x, |x: T| x));
 }
 
 impl Collective for Local {
@@ -346,12 +326,12 @@ impl Collective for Local {
         }
         self.round(Posted::of("reduce_scatter", full), |peers| {
             self.same_bytes("reduce_scatter", peers, std::mem::size_of_val(full))?;
-            reduce_into(peers, world, self.rank * n, out, op);
+            reduce_same(peers, (world, self.rank * n), out, op);
             Ok(())
         })?
     }
 
-    /// 16-bit tensors in host memory reduce from the posted bits ([`reduce_16`]); any
+    /// 16-bit tensors in host memory reduce from the posted bits ([`reduce_into`]); any
     /// other through [`tensors::reduce_scatter`].
     fn reduce_scatter_tensor(&self, full: &Tensor, out: &Tensor, op: ReduceOp) -> Result<(), CommError> {
         let in_host = |t: &Tensor| t.device() == Device::Cpu && t.is_contiguous();
@@ -368,7 +348,7 @@ impl Collective for Local {
         let mut result = vec![T::default(); data.len()];
         self.round(Posted::of("all_reduce", data), |peers| {
             self.same_bytes("all_reduce", peers, std::mem::size_of_val(&result[..]))?;
-            reduce_into(peers, world, 0, &mut result, op);
+            reduce_same(peers, (world, 0), &mut result, op);
             Ok(())
         })??;
         // every peer has read `data`: now it may change

@@ -164,12 +164,11 @@ impl<'a> Optimizer<'a> {
     /// A failed submission is left to the update, which reads the same chunk and
     /// reports it.
     pub(super) fn read_first_ahead(&mut self) {
-        let first_on_nvme = matches!(self.moments.first(), Some(Moments::Nvme(_)))
-            && self.partitions.first().is_some_and(|p| !p.is_empty());
-        let (None, true, Some(tier), None) = (
+        let held = self.partitions.first().is_some_and(|p| !p.is_empty());
+        let (None, Some(Moments::Nvme(tier)), true, None) = (
             &self.ahead,
-            first_on_nvme,
-            &self.nvme,
+            self.moments.first(),
+            held,
             crate::device::sim::entered(),
         ) else {
             return;
