@@ -282,29 +282,45 @@ pub fn read_ahead(
     })
 }
 
-/// The reads of sub-group `planned`: those of `ahead` when it read this sub-group (with
-/// its gradient's read added), else submitted now; and from when the disk had them.
+/// A sub-group's reads as submitted: a read-ahead's of its state, when one read it,
+/// then the rest.
+struct Submitted {
+    unit: u32,
+    /// The read-ahead's: when it was submitted, its reads and their bytes.
+    ahead: Option<(Instant, Reads, u64)>,
+    /// When the rest were submitted, and their bytes.
+    submit: Instant,
+    reads: Reads,
+    bytes: u64,
+}
+
+/// The reads of sub-group `planned`: its state's from `ahead` when it read this
+/// sub-group (only its gradient's read submitted now), else all submitted now.
 fn reads_for(
     store: &SwapStore,
     pool: &BufferPool,
     planned: &Planned,
     ahead: &mut Option<ReadAhead>,
-) -> Result<(Instant, Reads), IoError> {
+) -> Result<Submitted, IoError> {
+    let (unit, rank, chunk) = planned.group;
+    let (states, grad) = planned.moved;
     let early = match ahead.take() {
         Some(early) if early.group == planned.group => early,
         other => {
             // a read-ahead of another sub-group goes first: its buffers return to the
             // pool as its reads complete, and these reads may need them
             drop(other);
-            return Ok((
-                Instant::now(),
-                submit_reads(store, pool, planned.group, planned.grad)?,
-            ));
+            return Ok(Submitted {
+                unit,
+                ahead: None,
+                submit: Instant::now(),
+                reads: submit_reads(store, pool, planned.group, planned.grad)?,
+                bytes: states + grad,
+            });
         }
     };
-    let mut reads = early.reads;
+    let mut reads = Vec::new();
     if planned.grad {
-        let (unit, rank, chunk) = planned.group;
         let key = TensorKey {
             unit,
             rank,
@@ -312,7 +328,59 @@ fn reads_for(
         };
         reads.push(store.read_async(key, chunk, pool.lease()).map_err(|(e, _)| e)?);
     }
-    Ok((early.submit, reads))
+    Ok(Submitted {
+        unit,
+        ahead: Some((early.submit, early.reads, states)),
+        submit: Instant::now(),
+        reads,
+        bytes: grad,
+    })
+}
+
+/// Waits for a sub-group's reads, every one of them (so every buffer returns to the
+/// pool after an error), and reports them: a read-ahead's as [`Leg::ReadAhead`], from
+/// its submission to when the disk had the last of them, the rest as [`Leg::Read`], from
+/// `last_end` at the earliest. Returns the buffers in the reads' order and the end.
+fn wait_submitted(
+    submitted: Submitted,
+    last_end: Instant,
+    observer: &dyn Observer,
+) -> (Result<Vec<IoBuf>, IoError>, Instant) {
+    let Submitted {
+        unit,
+        ahead,
+        submit,
+        reads,
+        bytes,
+    } = submitted;
+    let mut buffers = Vec::with_capacity(4);
+    let mut first = None;
+    if let Some((early, reads, bytes)) = ahead {
+        let mut done = early;
+        for read in reads {
+            match read.wait_timed() {
+                Ok((buf, at)) => {
+                    buffers.push(buf);
+                    done = done.max(at);
+                }
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        observer.leg(Leg::ReadAhead, unit, early, done, bytes);
+    }
+    let rest = wait_all_reads(reads);
+    let end = Instant::now();
+    observer.leg(Leg::Read, unit, submit.max(last_end), end, bytes);
+    let result = match (first, rest) {
+        (Some(e), _) | (None, Err(e)) => Err(e),
+        (None, Ok(rest)) => {
+            buffers.extend(rest);
+            Ok(buffers)
+        }
+    };
+    (result, end)
 }
 
 /// What the stages share: the report, the first error, the observer.
@@ -442,18 +510,16 @@ fn serial(
         if error.is_set() {
             break;
         }
-        let (submit, reads) = match reads_for(store, pool, planned, &mut ahead) {
-            Ok(reads) => reads,
+        let submitted = match reads_for(store, pool, planned, &mut ahead) {
+            Ok(submitted) => submitted,
             Err(e) => {
                 error.set(e);
                 break;
             }
         };
-        // every read is waited for, so every buffer returns to the pool after an error
-        let result = wait_all_reads(reads);
-        let end = Instant::now();
+        let from = submitted.submit;
+        let (result, _) = wait_submitted(submitted, from, observer);
         let (unit, moved) = (group.unit, planned.moved);
-        observer.leg(Leg::Read, unit, submit, end, moved.0 + moved.1);
         let Some(read) = reads_in(unit, result, shared) else {
             break;
         };
@@ -469,9 +535,14 @@ fn serial(
 /// A leg of the pipeline, as reported to an [`Observer`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Leg {
-    /// A sub-group's three reads, from when the disk could start them (submitted and the
-    /// previous read done) to completion.
+    /// A sub-group's reads, from when the disk could start them (submitted and the
+    /// previous read done) to completion: the three of its state and its gradient's, or
+    /// the gradient's alone after a read-ahead (its bytes: 0 without a stored gradient).
     Read,
+    /// The first sub-group's state reads of a [`ReadAhead`], from their submission to
+    /// when the disk had the last of them; reported with that sub-group's `Read`, before
+    /// it.
+    ReadAhead,
     /// AdamW on a sub-group (its bytes: 16 per element, master and moments read and
     /// written).
     Update,
@@ -554,7 +625,7 @@ pub fn nvme_adam_step_from(
     if !config.pipeline_read && !config.pipeline_write {
         serial(store, pool, (groups, ahead), &order, coefficients, shared);
     } else {
-        let (to_wait, submitted) = crossbeam_channel::bounded::<(u32, Instant, Reads, u64)>(sets);
+        let (to_wait, submitted) = crossbeam_channel::bounded::<Submitted>(sets);
         let (to_update, updates) = crossbeam_channel::bounded::<Result<Vec<IoBuf>, IoError>>(sets);
         let (to_complete, completions) = crossbeam_channel::bounded::<(u32, Instant, Writes<'_>, u64)>(sets);
         // without pipeline_read the reader waits for this after each sub-group
@@ -582,10 +653,8 @@ pub fn nvme_adam_step_from(
             let read_waiter = scope.spawn(|| {
                 let to_update = to_update; // closes the updater's channel when done
                 let mut last_end = start;
-                for (unit, submit, reads, bytes) in submitted {
-                    let result = wait_all_reads(reads);
-                    let end = Instant::now();
-                    observer.leg(Leg::Read, unit, submit.max(last_end), end, bytes);
+                for reads in submitted {
+                    let (result, end) = wait_submitted(reads, last_end, observer);
                     last_end = end;
                     if to_update.send(result).is_err() {
                         error.set(IoError::Store {
@@ -643,10 +712,9 @@ pub fn nvme_adam_step_from(
                 if !config.pipeline_read && i > 0 && updated_rx.recv().is_err() {
                     break;
                 }
-                let (unit, moved) = (planned.group.0, planned.moved);
                 match reads_for(store, pool, planned, &mut ahead) {
-                    Ok((submit, reads)) => {
-                        if to_wait.send((unit, submit, reads, moved.0 + moved.1)).is_err() {
+                    Ok(submitted) => {
+                        if to_wait.send(submitted).is_err() {
                             break;
                         }
                     }

@@ -271,7 +271,7 @@ struct OptimizerContext {
     tracks: Tracks,
     /// The first NVMe sub-group's state reads, submitted during the backward, for the
     /// first unit whose state streams through the pipeline.
-    ahead: std::sync::Mutex<Option<pipeline::ReadAhead>>,
+    ahead: std::sync::Mutex<Option<super::optimizer::Ahead>>,
 }
 
 /// The NVMe pipeline's legs: spans on the optimizer's tracks, and on a simulated device
@@ -296,22 +296,26 @@ impl pipeline::Observer for Legs<'_> {
 /// sub-group order, so the i-th of a kind is sub-group i's), and timed when the run is
 /// done by `disk::schedule`, which the replay uses too: a read waits for a free buffer
 /// set and, without `pipeline_read`, for the update before it; an update for its read;
-/// a write for its update; the reads and writes one at a time on the disk.
+/// a write for its update; the reads and writes one at a time on the disk. A read-ahead
+/// of the first sub-group's state takes the disk from when the backward submitted it.
 pub(super) struct LegClock {
     stream: SimStream,
     start: f64,
     config: PipelineConfig,
+    /// When the read-ahead was submitted, in virtual time, and its reads once reported.
+    ahead: (Option<f64>, Option<Work>),
     reads: Vec<Work>,
     updates: Vec<Work>,
     writes: Vec<Work>,
 }
 
 impl LegClock {
-    fn new(stream: SimStream, config: PipelineConfig) -> LegClock {
+    fn new(stream: SimStream, config: PipelineConfig, ahead: Option<f64>) -> LegClock {
         LegClock {
             start: stream.now(),
             stream,
             config,
+            ahead: (ahead, None),
             reads: Vec::new(),
             updates: Vec::new(),
             writes: Vec::new(),
@@ -320,6 +324,7 @@ impl LegClock {
 
     fn leg(&mut self, leg: pipeline::Leg, bytes: u64) {
         match leg {
+            pipeline::Leg::ReadAhead => self.ahead.1 = Some(Work::NvmeRead(bytes)),
             pipeline::Leg::Read => self.reads.push(Work::NvmeRead(bytes)),
             pipeline::Leg::Update => self.updates.push(Work::Adam(bytes / 16)),
             pipeline::Leg::Write => self.writes.push(Work::NvmeWrite(bytes)),
@@ -336,8 +341,22 @@ impl LegClock {
                 write: self.stream.seconds(write),
             })
             .collect();
-        // the optimizer stream's own disk: nothing of it is past `start`
-        let timed = disk::schedule(self.start, &legs, self.config, &mut disk::Disk::default());
+        // the optimizer stream's own disk: nothing of it is past `start` but the read-ahead
+        let mut disk = disk::Disk::default();
+        let ahead = match self.ahead {
+            (Some(at), Some(work)) => Some((work, disk.place(at, self.stream.seconds(work)))),
+            _ => None,
+        };
+        let timed = disk::schedule(
+            self.start,
+            &legs,
+            self.config,
+            &mut disk,
+            ahead.map(|(_, (_, end))| end),
+        );
+        if let Some((work, (start, end))) = ahead {
+            self.stream.overlapped(work, start, end);
+        }
         for (i, t) in timed.iter().enumerate() {
             self.stream.overlapped(self.reads[i], t.read.0, t.read.1);
             self.stream.overlapped(self.updates[i], t.update.0, t.update.1);
@@ -350,7 +369,7 @@ impl pipeline::Observer for Tracks {
     fn leg(&self, leg: pipeline::Leg, unit: u32, start: Instant, end: Instant, bytes: u64) {
         let unit = Some(unit as usize);
         match leg {
-            pipeline::Leg::Read => {
+            pipeline::Leg::Read | pipeline::Leg::ReadAhead => {
                 self.nvme_read
                     .record_between(Phase::NvmeRead, false, unit, start, end, bytes)
             }
@@ -552,11 +571,13 @@ impl OptimizerContext {
                     grad,
                     fresh.out_as(&self.precision),
                 );
+                let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner()).take();
+                let (ahead, at) = ahead.map_or((None, None), |a| (Some(a.reads), a.at));
                 let legs = Legs {
                     tracks: &self.tracks,
-                    simulated: sim::entered().map(|s| std::sync::Mutex::new(LegClock::new(s, self.pipeline))),
+                    simulated: sim::entered()
+                        .map(|s| std::sync::Mutex::new(LegClock::new(s, self.pipeline, at))),
                 };
-                let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner()).take();
                 pipeline::nvme_adam_step_from(
                     tier.store,
                     &tier.pool,

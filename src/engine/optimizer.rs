@@ -85,7 +85,14 @@ pub(super) struct Optimizer<'a> {
     pub(super) staging: SharedStaging,
     /// The first unit's first sub-group of NVMe state, read during the backward
     /// ([`Self::read_first_ahead`]) for the next update.
-    pub(super) ahead: Option<pipeline::ReadAhead>,
+    pub(super) ahead: Option<Ahead>,
+}
+
+/// A read-ahead of NVMe state, and on a simulated device the virtual time it was
+/// submitted at (the update's `LegClock` times its reads from then).
+pub(super) struct Ahead {
+    pub(super) reads: pipeline::ReadAhead,
+    pub(super) at: Option<f64>,
 }
 
 impl<'a> Optimizer<'a> {
@@ -159,22 +166,19 @@ impl<'a> Optimizer<'a> {
     /// Submits the reads of the first unit's first sub-group of optimizer state, where it
     /// is on NVMe and back from its last update: the next update reads it first, and
     /// only after the backward and the gradient norm, while the pipeline's buffers and
-    /// the disk are idle until then (`pipeline::read_ahead`). Not on a simulated device,
-    /// whose optimizer legs are priced in the pipeline's order.
+    /// the disk are idle until then (`pipeline::read_ahead`).
     /// A failed submission is left to the update, which reads the same chunk and
     /// reports it.
     pub(super) fn read_first_ahead(&mut self) {
         let held = self.partitions.first().is_some_and(|p| !p.is_empty());
-        let (None, Some(Moments::Nvme(tier)), true, None) = (
-            &self.ahead,
-            self.moments.first(),
-            held,
-            crate::device::sim::entered(),
-        ) else {
+        let (None, Some(Moments::Nvme(tier)), true) = (&self.ahead, self.moments.first(), held) else {
             return;
         };
         let group = (0, self.on.0 as u32, 0);
-        self.ahead = pipeline::read_ahead(tier.store, &tier.pool, group).ok();
+        let at = crate::device::sim::entered().map(|s| s.now());
+        self.ahead = pipeline::read_ahead(tier.store, &tier.pool, group)
+            .ok()
+            .map(|reads| Ahead { reads, at });
     }
 
     /// Unit `u`'s initial state (each slice its partition's length): copied into its

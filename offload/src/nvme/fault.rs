@@ -97,7 +97,7 @@ impl BlockIo for Faulty {
                 op.len,
                 source,
             ));
-            return Pending::ready(self.inner.name(), Done { buf: op.buf, result });
+            return Pending::ready(self.inner.name(), Done::new(op.buf, result));
         }
         self.inner.submit(op)
     }

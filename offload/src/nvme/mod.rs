@@ -250,14 +250,25 @@ impl Op {
     }
 }
 
-/// What comes back from an operation: the buffer, always, and the result.
+/// What comes back from an operation: the buffer, always, the result, and when the
+/// engine had it.
 #[derive(Debug)]
 pub struct Done {
     pub buf: IoBuf,
     pub result: Result<(), IoError>,
+    pub at: std::time::Instant,
 }
 
 impl Done {
+    /// An operation finished now.
+    pub fn new(buf: IoBuf, result: Result<(), IoError>) -> Done {
+        Done {
+            buf,
+            result,
+            at: std::time::Instant::now(),
+        }
+    }
+
     /// The buffer if the transfer succeeded.
     pub fn into_result(self) -> Result<IoBuf, IoError> {
         self.result.map(|()| self.buf)

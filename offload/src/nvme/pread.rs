@@ -54,7 +54,7 @@ impl Pread {
 /// Runs one operation to completion on the calling thread.
 pub fn execute(mut op: Op) -> Done {
     let result = transfer(&mut op);
-    Done { buf: op.buf, result }
+    Done::new(op.buf, result)
 }
 
 fn transfer(op: &mut Op) -> Result<(), IoError> {
@@ -102,24 +102,10 @@ impl BlockIo for Pread {
         match &self.jobs {
             Some(jobs) => {
                 if let Err(crossbeam_channel::SendError((op, _))) = jobs.send((op, reply)) {
-                    return Pending::ready(
-                        "pread",
-                        Done {
-                            buf: op.buf,
-                            result: Err(IoError::Shutdown("pread")),
-                        },
-                    );
+                    return Pending::ready("pread", Done::new(op.buf, Err(IoError::Shutdown("pread"))));
                 }
             }
-            None => {
-                return Pending::ready(
-                    "pread",
-                    Done {
-                        buf: op.buf,
-                        result: Err(IoError::Shutdown("pread")),
-                    },
-                )
-            }
+            None => return Pending::ready("pread", Done::new(op.buf, Err(IoError::Shutdown("pread")))),
         }
         pending
     }

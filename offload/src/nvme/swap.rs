@@ -658,7 +658,14 @@ pub struct StoreRead {
 
 impl StoreRead {
     pub fn wait(self) -> Result<IoBuf, IoError> {
-        let buf = self.pending.wait()?.into_result()?;
+        self.wait_timed().map(|(buf, _)| buf)
+    }
+
+    /// [`Self::wait`], with when the engine had the chunk (before its checksum here).
+    pub fn wait_timed(self) -> Result<(IoBuf, std::time::Instant), IoError> {
+        let done = self.pending.wait()?;
+        let at = done.at;
+        let buf = done.into_result()?;
         let got = crc32c::crc32c(&buf.as_bytes()[..self.padded]);
         if got != self.expected {
             return Err(IoError::Checksum {
@@ -669,6 +676,6 @@ impl StoreRead {
                 got,
             });
         }
-        Ok(buf)
+        Ok((buf, at))
     }
 }

@@ -269,13 +269,7 @@ impl BlockIo for Uring {
         let (reply, pending) = Pending::channel("uring");
         let (ring, doorbell) = &self.rings[self.next.fetch_add(1, Ordering::Relaxed) % self.rings.len()];
         if let Err(crossbeam_channel::SendError(Job::Io(op, _))) = ring.send(Job::Io(op, reply)) {
-            return Pending::ready(
-                "uring",
-                Done {
-                    buf: op.buf,
-                    result: Err(IoError::Shutdown("uring")),
-                },
-            );
+            return Pending::ready("uring", Done::new(op.buf, Err(IoError::Shutdown("uring"))));
         }
         doorbell.ring();
         pending
@@ -384,17 +378,11 @@ impl RingWorker {
             }
         };
         if let Err(error) = op.validate() {
-            let _ = reply.send(Done {
-                buf: op.buf,
-                result: Err(error),
-            });
+            let _ = reply.send(Done::new(op.buf, Err(error)));
             return;
         }
         if op.len == 0 {
-            let _ = reply.send(Done {
-                buf: op.buf,
-                result: Ok(()),
-            });
+            let _ = reply.send(Done::new(op.buf, Ok(())));
             return;
         }
         let pieces = op.len.div_ceil(self.block_size);
@@ -515,10 +503,7 @@ impl RingWorker {
     fn finish(&mut self, index: usize) {
         if let Some(slot) = self.slots[index].take() {
             let result = slot.error.map_or(Ok(()), Err);
-            let _ = slot.reply.send(Done {
-                buf: slot.op.buf,
-                result,
-            });
+            let _ = slot.reply.send(Done::new(slot.op.buf, result));
             self.free_slots.push(index);
         }
     }

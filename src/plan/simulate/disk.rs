@@ -89,8 +89,15 @@ fn ended(
 }
 
 /// Times every sub-group's legs from `start`, the rank's `disk` serving the reads and
-/// writes.
-pub fn schedule(start: f64, legs: &[Legs], how: PipelineConfig, disk: &mut Disk) -> Vec<Timed> {
+/// writes. `ahead`: when the first sub-group's state, read ahead, was in (its update
+/// waits for that too; its `read` leg is then its gradient's alone).
+pub fn schedule(
+    start: f64,
+    legs: &[Legs],
+    how: PipelineConfig,
+    disk: &mut Disk,
+    ahead: Option<f64>,
+) -> Vec<Timed> {
     let n = legs.len();
     let sets = how.sets.max(1);
     let mut timed = vec![Timed::default(); n];
@@ -100,8 +107,9 @@ pub fn schedule(start: f64, legs: &[Legs], how: PipelineConfig, disk: &mut Disk)
         while updates < reads {
             let i = updates;
             let mut ready = timed[i].read.1;
-            if let Some(j) = i.checked_sub(1) {
-                ready = ready.max(timed[j].update.1);
+            match i.checked_sub(1) {
+                Some(j) => ready = ready.max(timed[j].update.1),
+                None => ready = ready.max(ahead.unwrap_or(ready)),
             }
             if !how.pipeline_write {
                 match ended(&timed, writes, i, 1, |t| t.write, start) {
@@ -190,7 +198,7 @@ mod tests {
                 pipeline_write: true,
             },
         ] {
-            let t = schedule(10.0, &[LEG; 6], how, &mut Disk::default());
+            let t = schedule(10.0, &[LEG; 6], how, &mut Disk::default(), None);
             let disk: Vec<_> = t.iter().flat_map(|t| [t.read, t.write]).collect();
             for (i, a) in disk.iter().enumerate() {
                 assert!(a.0 >= 10.0);
@@ -241,7 +249,7 @@ mod tests {
             pipeline_read: false,
             pipeline_write: false,
         };
-        let t = schedule(0.0, &[LEG; 3], how, &mut Disk::default());
+        let t = schedule(0.0, &[LEG; 3], how, &mut Disk::default(), None);
         let expect = |i: f64| Timed {
             read: (6.0 * i, 6.0 * i + 3.0),
             update: (6.0 * i + 3.0, 6.0 * i + 4.0),
@@ -257,7 +265,7 @@ mod tests {
             pipeline_read: true,
             pipeline_write: true,
         };
-        let t = schedule(0.0, &[LEG; 4], how, &mut Disk::default());
+        let t = schedule(0.0, &[LEG; 4], how, &mut Disk::default(), None);
         // read 0, read 1 (a second set), then write 0 (read 2 waits for its set), then
         // write 1 (ready at 7, before read 2 at 8)
         assert_eq!(t[0].read, (0.0, 3.0));

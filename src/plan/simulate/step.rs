@@ -62,6 +62,9 @@ pub(super) struct Replay<'a> {
     cached: bool,
     /// Whether the micro-batch under way is the step's last.
     last_micro: bool,
+    /// When this step's backward first started, where the first unit's first sub-group
+    /// of NVMe optimizer state is read ahead from (`Optimizer::read_first_ahead`).
+    ahead_at: Option<f64>,
 }
 
 impl<'a> Replay<'a> {
@@ -93,6 +96,7 @@ impl<'a> Replay<'a> {
             stored: vec![false; parts_len],
             cached: false,
             last_micro: true,
+            ahead_at: None,
         }
     }
 
@@ -278,6 +282,11 @@ impl<'a> Replay<'a> {
                 self.replica(u)
             };
             self.compute(u, Work::Forward, ready);
+        }
+        // the backward starts: the first unit's first sub-group of NVMe state is read
+        // from here, once a step, where this rank holds some of that unit's state
+        if self.ahead_at.is_none() && self.optimizer_tiers[0] == Tier::Nvme && self.optimizer_len(0) > 0 {
+            self.ahead_at = Some(self.clocks.now(Track::Compute));
         }
         // the final unit (and the tied embedding), its loss and backward
         let ready = if stage3 {

@@ -62,7 +62,10 @@ impl Replay<'_> {
                 }
                 Tier::Nvme => {
                     // the pipeline's sub-groups on one disk (`disk::schedule`, as the
-                    // simulated device's `LegClock` times them)
+                    // simulated device's `LegClock` times them); the first sub-group's
+                    // state read ahead since the backward's start
+                    let ahead_at = if u == 0 { self.ahead_at.take() } else { None };
+                    let mut ahead = None;
                     let mut legs = Vec::new();
                     let mut bytes = Vec::new();
                     for i in 0..len.div_ceil(swap_chunk) {
@@ -70,12 +73,18 @@ impl Replay<'_> {
                         // what the disk moves: each state's chunk (and the stored
                         // gradient's) padded to the O_DIRECT alignment, as the store does
                         let states = 3 * round_4k(elements * 4);
-                        let read = states
-                            + if stored {
-                                round_4k(elements * accumulator)
-                            } else {
-                                0
-                            };
+                        let grad = if stored {
+                            round_4k(elements * accumulator)
+                        } else {
+                            0
+                        };
+                        let read = match ahead_at {
+                            Some(at) if i == 0 => {
+                                ahead = Some((at, states));
+                                grad
+                            }
+                            _ => states + grad,
+                        };
                         legs.push(Legs {
                             read: self.costs.seconds(Cost::NvmeRead(read)),
                             update: self.costs.seconds(Cost::Adam(elements)),
@@ -89,7 +98,15 @@ impl Replay<'_> {
                         pipeline_write: opt.pipeline_write,
                     };
                     let start = self.clocks.now(Track::Optimizer);
-                    let timed = schedule(start, &legs, how, self.clocks.disk(Track::Optimizer));
+                    let ahead =
+                        ahead.map(|(at, bytes)| (at, self.costs.seconds(Cost::NvmeRead(bytes)), bytes));
+                    let disk = self.clocks.disk(Track::Optimizer);
+                    let ahead = ahead.map(|(at, seconds, bytes)| (disk.place(at, seconds), bytes));
+                    let timed = schedule(start, &legs, how, disk, ahead.map(|((_, end), _)| end));
+                    if let Some((span, bytes)) = ahead {
+                        self.clocks
+                            .place(Track::Optimizer, ("nvme_read", Some(u)), span, bytes);
+                    }
                     for (t, (read, update, write)) in timed.into_iter().zip(bytes) {
                         for (what, span, bytes) in [
                             ("nvme_read", t.read, read),
