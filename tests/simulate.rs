@@ -168,6 +168,32 @@ fn a_dry_run_of_llama_70b_on_eight_gpus() {
     assert!(json["phases"]["forward"].as_f64().unwrap() > 0.0);
 }
 
+/// The floor `plan --simulate` prints where optimizer state is off the device (no update
+/// before the step's last backward has ended: the micro-batches, then the optimizer,
+/// beside at most the next step's first micro-batch) is one no replayed step goes
+/// under, on the shipped configs; with every unit's state on the GPU there is none.
+#[test]
+fn no_step_goes_under_its_floor() {
+    let profile = Profile::load("h100-pcie5").unwrap();
+    for config in [
+        "llama-1b-1gpu-cpu.json",
+        "llama-8b-1gpu-nvme.json",
+        "llama-13b-2gpu-cpu.json",
+        "llama-70b-8gpu-nvme.json",
+    ] {
+        let sim = simulate(&plan_on(config, &[], &profile), &profile);
+        let (what, floor_s) = sim.floor.clone().unwrap();
+        assert!(
+            floor_s > 0.0 && floor_s <= sim.step_s * 1.0001,
+            "{config}: floor {floor_s} ({what}), step {}",
+            sim.step_s
+        );
+    }
+    let sets = ["zero_optimization.offload_optimizer.device=none"];
+    let plan = plan_on("llama-1b-1gpu-cpu.json", &sets, &profile);
+    assert_eq!(simulate(&plan, &profile).floor, None);
+}
+
 /// The replay moves the bytes the engine moves: per phase of the breakdown (gathers,
 /// reductions, copies each way, NVMe reads and writes), the simulated step's bytes equal
 /// the real run's in a steady step, for the default config and variants that change the

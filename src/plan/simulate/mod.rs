@@ -64,6 +64,10 @@ pub struct Simulation {
     /// The slowest resource at its profiled rate with the layout's minimal traffic.
     pub bound: String,
     pub bound_s: f64,
+    /// The step's floor where no update starts before the step's last backward has
+    /// ended (what it is made of, and its seconds; see `floor`), where optimizer state is
+    /// off the device.
+    pub floor: Option<(String, f64)>,
     /// The track compute waited for most, or compute itself.
     pub critical: String,
     #[serde(skip)]
@@ -168,6 +172,12 @@ fn simulate_on(plan: &Plan, profile: &Profile, clocks: Clocks) -> Simulation {
     let pcie_minimum_per_param = pcie_minimum[0] + pcie_minimum[1];
     let compute_s = busy.get(&Track::Compute).map_or(0.0, |b| b.0);
     let (bound, bound_s) = bound(plan, profile, compute_s, pcie_minimum);
+    let floor = floor(
+        plan,
+        profile,
+        compute_s,
+        phases.get("forward").copied().unwrap_or(0.0),
+    );
     let critical = tracks
         .iter()
         .filter(|t| t.track != Track::Compute)
@@ -196,6 +206,7 @@ fn simulate_on(plan: &Plan, profile: &Profile, clocks: Clocks) -> Simulation {
         host_peak_bytes: crate::plan::host_memory::predict_host(plan).total,
         bound,
         bound_s,
+        floor,
         critical,
         clocks,
         step_start,
@@ -247,22 +258,62 @@ fn bound(plan: &Plan, profile: &Profile, compute_s: f64, [h2d, d2h]: [f64; 2]) -
             d2h * per_rank / (profile.copies.d2h_pinned.value * gb),
         ));
     }
-    if plan.world_size > 1 {
-        // the link: a ring moves (W-1)/W of each buffer; at stages 2–3 every micro-batch
-        // reduce-scatters each gradient (a rank keeps only its shard's sum) and stage 3
-        // gathers each unit at least once a step; stages 0–1 all-reduce the step's fp32
-        // gradients once (twice a buffer's traffic)
-        let w = plan.world_size as f64;
-        let ring = (w - 1.0) / w * params;
-        let micro_batches = plan.batch.gradient_accumulation_steps as f64;
-        let wire = plan.communication.kind().elt_size_in_bytes() as f64;
-        let bytes = match plan.zero.stage {
-            0 | 1 => 2.0 * 4.0 * ring,
-            2 => micro_batches * wire * ring,
-            _ => micro_batches * wire * ring + plan.precision.bytes() as f64 * ring,
-        };
-        candidates.push(("the link".into(), bytes / (profile.link.bus_gb_s.value * gb)));
+    if let Some((link_s, _)) = link(plan, profile) {
+        candidates.push(("the link".into(), link_s));
     }
+    let [cpu, nvme] = optimizer_resources(plan, profile);
+    candidates.extend(cpu.map(|s| ("CPU optimizer".to_string(), s)));
+    candidates.extend(nvme.map(|s| ("NVMe".to_string(), s)));
+    let (param_reads, _) = nvme_param_bytes(plan);
+    let ranks_per_host = plan.train.devices as f64;
+    let (read_gb_s, _) = profile.nvme.rates_for(nvme_bytes(plan));
+    if param_reads > 0.0 {
+        // the h2d lane: each use of a unit on NVMe reads its shard
+        candidates.push((
+            "NVMe parameter reads".into(),
+            param_reads * ranks_per_host / (read_gb_s * gb),
+        ));
+    }
+    candidates
+        .into_iter()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap_or(("compute".into(), compute_s))
+}
+
+/// The link's seconds a step with minimal traffic, and those of its one gather of the
+/// model (stage 3), where there are several ranks: a ring moves (W-1)/W of each buffer;
+/// at stages 2–3 every micro-batch reduce-scatters each gradient (a rank keeps only its
+/// shard's sum) and stage 3 gathers each unit at least once a step; stages 0–1
+/// all-reduce the step's fp32 gradients once (twice a buffer's traffic).
+fn link(plan: &Plan, profile: &Profile) -> Option<(f64, f64)> {
+    if plan.world_size < 2 {
+        return None;
+    }
+    let w = plan.world_size as f64;
+    let ring = (w - 1.0) / w * plan.model.config.num_parameters() as f64;
+    let micro_batches = plan.batch.gradient_accumulation_steps as f64;
+    let wire = plan.communication.kind().elt_size_in_bytes() as f64;
+    let gather = if plan.zero.stage == 3 {
+        plan.precision.bytes() as f64 * ring
+    } else {
+        0.0
+    };
+    let bytes = match plan.zero.stage {
+        0 | 1 => 2.0 * 4.0 * ring,
+        _ => micro_batches * wire * ring + gather,
+    };
+    let rate = profile.link.bus_gb_s.value * 1e9;
+    Some((bytes / rate, gather / rate))
+}
+
+/// The optimizer's own resources at their profiled rates, for the state off the device:
+/// the CPU AdamW (a machine's ranks share its cores), and the NVMe traffic of the
+/// optimizer thread (master and both moments read and written once, the new parameters
+/// of units on NVMe written; a machine's ranks share its disk). None where it has none.
+fn optimizer_resources(plan: &Plan, profile: &Profile) -> [Option<f64>; 2] {
+    let per_rank = plan.model.config.num_parameters() as f64 / plan.world_size as f64;
+    let ranks_per_host = plan.train.devices as f64;
+    let gb = 1e9;
     // the share of the parameters whose optimizer state is off the device, and on NVMe
     let tiers = crate::plan::rules::optimizer_tiers(plan);
     let numels = plan.model.config.unit_numels();
@@ -276,39 +327,52 @@ fn bound(plan: &Plan, profile: &Profile, compute_s: f64, [h2d, d2h]: [f64; 2]) -
         of as f64 / numels.iter().sum::<usize>().max(1) as f64
     };
     let off_device = share(&|t| t != Tier::Device);
-    if off_device > 0.0 {
-        // the CPU optimizers of a machine's ranks share its cores
-        let ranks_per_host = plan.train.devices as f64;
-        candidates.push((
-            "CPU optimizer".into(),
-            off_device * per_rank * ranks_per_host / profile.cpu_adam.params_per_s.value,
-        ));
-    }
+    let cpu = (off_device > 0.0)
+        .then(|| off_device * per_rank * ranks_per_host / profile.cpu_adam.params_per_s.value);
     let on_nvme = share(&|t| t == Tier::Nvme);
-    let (param_reads, param_writes) = nvme_param_bytes(plan);
-    let ranks_per_host = plan.train.devices as f64;
+    let (_, param_writes) = nvme_param_bytes(plan);
     let (read_gb_s, write_gb_s) = profile.nvme.rates_for(nvme_bytes(plan));
-    if on_nvme > 0.0 || param_writes > 0.0 {
-        // the optimizer thread: master and both moments read and written once, and the
-        // new parameters of units on NVMe written (ranks of a machine share its disk)
+    let nvme = (on_nvme > 0.0 || param_writes > 0.0).then(|| {
         let state = 12.0 * on_nvme * per_rank * ranks_per_host;
         let written = state + param_writes * ranks_per_host;
-        candidates.push((
-            "NVMe".into(),
-            state / (read_gb_s * gb) + written / (write_gb_s * gb),
-        ));
-    }
-    if param_reads > 0.0 {
-        // the h2d lane: each use of a unit on NVMe reads its shard
-        candidates.push((
-            "NVMe parameter reads".into(),
-            param_reads * ranks_per_host / (read_gb_s * gb),
-        ));
-    }
-    candidates
+        state / (read_gb_s * gb) + written / (write_gb_s * gb)
+    });
+    [cpu, nvme]
+}
+
+/// The step's floor where no update starts before the step's last backward has ended
+/// (the gradient norm, which clipping needs; the engine waits for it, as DeepSpeed
+/// does): the micro-batches at the slowest of compute and the link, then the optimizer
+/// at the slowest of its own resources. Only the next step's first micro-batch can run
+/// beside the optimizer, unit by unit as each is updated, so the micro-batches' part
+/// leaves out at most one micro-batch's forward of compute and one gather of the model
+/// of the link. None where no optimizer state is off the device. Returns what it is made
+/// of, and its seconds.
+fn floor(plan: &Plan, profile: &Profile, compute_s: f64, forward_s: f64) -> Option<(String, f64)> {
+    let [cpu, nvme] = optimizer_resources(plan, profile);
+    let (what, optimizer_s) = [("the CPU optimizer", cpu), ("the NVMe optimizer", nvme)]
         .into_iter()
-        .max_by(|a, b| a.1.total_cmp(&b.1))
-        .unwrap_or(("compute".into(), compute_s))
+        .filter_map(|(what, s)| Some((what, s?)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))?;
+    let one_forward = forward_s / plan.batch.gradient_accumulation_steps as f64;
+    let compute = (
+        format!("compute {compute_s:.3} s less one micro-batch's forward {one_forward:.3} s"),
+        compute_s - one_forward,
+    );
+    let link = link(plan, profile).map(|(link_s, gather_s)| {
+        (
+            format!("the link {link_s:.3} s less one gather of the model {gather_s:.3} s"),
+            link_s - gather_s,
+        )
+    });
+    let (before, before_s) = match link {
+        Some(link) if link.1 > compute.1 => link,
+        _ => compute,
+    };
+    Some((
+        format!("{before}, then {what} {optimizer_s:.3} s"),
+        before_s + optimizer_s,
+    ))
 }
 
 impl Simulation {
@@ -352,6 +416,16 @@ impl Simulation {
                 self.step_s / self.bound_s.max(1e-12)
             ),
         );
+        if let Some((what, floor_s)) = &self.floor {
+            line(
+                &mut out,
+                "floor, no update before norm",
+                format!(
+                    "{floor_s:.3} s ({what}): step ÷ floor {:.2}",
+                    self.step_s / floor_s.max(1e-12)
+                ),
+            );
+        }
         line(&mut out, "critical path", self.critical.clone());
         line(
             &mut out,
