@@ -70,6 +70,12 @@ const DEEPSPEED_UNACTED_PRECISION: &[&str] = &[
     "fp16_master_weights_and_grads",
 ];
 
+/// Keys inside `zero_optimization.offload_optimizer` accepted and not acted on: DeepSpeed's
+/// SuperOffload for Superchips (since 0.18), whose CPU AdamW runs in a process of its own
+/// on `cpuadam_cores_perc` of the cores and, without gradient clipping, starts during the
+/// last backward; with clipping it steps after the norm, as tierzero does.
+const DEEPSPEED_UNACTED_OFFLOAD_OPTIMIZER: &[&str] = &["super_offload", "cpuadam_cores_perc"];
+
 /// How an unnamed key is treated.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Unnamed {
@@ -89,6 +95,7 @@ pub fn classify(path: &str) -> Unnamed {
         "" => DEEPSPEED_UNACTED_TOP,
         "zero_optimization" => DEEPSPEED_UNACTED_ZERO,
         "bf16" | "bfloat16" | "fp16" => DEEPSPEED_UNACTED_PRECISION,
+        "zero_optimization.offload_optimizer" => DEEPSPEED_UNACTED_OFFLOAD_OPTIMIZER,
         _ => &[],
     };
     if unacted.contains(&leaf) {
@@ -225,6 +232,10 @@ mod tests {
     #[test]
     fn deepspeed_keys_are_accepted() {
         assert_eq!(classify("wandb"), Unnamed::DeepSpeedUnacted);
+        assert_eq!(
+            classify("zero_optimization.offload_optimizer.super_offload"),
+            Unnamed::DeepSpeedUnacted
+        );
         assert_eq!(
             classify("zero_optimization.round_robin_gradients"),
             Unnamed::DeepSpeedUnacted
