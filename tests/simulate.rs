@@ -175,17 +175,30 @@ fn a_dry_run_of_llama_70b_on_eight_gpus() {
 #[test]
 fn no_step_goes_under_its_floor() {
     let profile = Profile::load("h100-pcie5").unwrap();
-    for config in [
-        "llama-1b-1gpu-cpu.json",
-        "llama-8b-1gpu-nvme.json",
-        "llama-13b-2gpu-cpu.json",
-        "llama-70b-8gpu-nvme.json",
+    // and at stages 1-2 with the parameters on the GPU, where the first forward's
+    // compute track installs each update and (over 2 ranks) gathers the replica
+    let replicas: &[&str] = &[
+        "zero_optimization.stage=1",
+        "zero_optimization.offload_param.device=none",
+    ];
+    let halves: &[&str] = &[
+        "zero_optimization.stage=2",
+        "zero_optimization.offload_param.device=none",
+    ];
+    for (config, sets) in [
+        ("llama-1b-1gpu-cpu.json", &[][..]),
+        ("llama-8b-1gpu-nvme.json", &[]),
+        ("llama-13b-2gpu-cpu.json", &[]),
+        ("llama-70b-8gpu-nvme.json", &[]),
+        ("llama-1b-1gpu-cpu.json", replicas),
+        ("llama-13b-2gpu-cpu.json", replicas),
+        ("llama-13b-2gpu-cpu.json", halves),
     ] {
-        let sim = simulate(&plan_on(config, &[], &profile), &profile);
+        let sim = simulate(&plan_on(config, sets, &profile), &profile);
         let (what, floor_s) = sim.floor.clone().unwrap();
         assert!(
             floor_s > 0.0 && floor_s <= sim.step_s * 1.0001,
-            "{config}: floor {floor_s} ({what}), step {}",
+            "{config} {sets:?}: floor {floor_s} ({what}), step {}",
             sim.step_s
         );
     }

@@ -60,10 +60,23 @@ fn store_with(engine: Arc<dyn BlockIo>, dir: &std::path::Path, units: &[usize], 
     SwapStore::create(dir, "swap", engine, &specs(units, 0), chunk).unwrap()
 }
 
-struct NoLegs;
+/// Every leg reported, in order: its kind, unit and bytes.
+#[derive(Default)]
+struct Recorded(std::sync::Mutex<Vec<(Leg, u32, u64)>>);
 
-impl Observer for NoLegs {
-    fn leg(&self, _: Leg, _: u32, _: std::time::Instant, _: std::time::Instant, _: u64) {}
+impl Observer for Recorded {
+    fn leg(&self, leg: Leg, unit: u32, start: std::time::Instant, end: std::time::Instant, bytes: u64) {
+        assert!(start <= end, "{leg:?} of unit {unit} ends before it starts");
+        self.0.lock().unwrap().push((leg, unit, bytes));
+    }
+}
+
+impl Recorded {
+    /// The legs of one kind, in the order reported: (unit, bytes).
+    fn of(&self, kind: Leg) -> Vec<(u32, u64)> {
+        let legs = self.0.lock().unwrap();
+        legs.iter().filter(|l| l.0 == kind).map(|l| (l.1, l.2)).collect()
+    }
 }
 
 #[test]
@@ -175,9 +188,28 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
                 // reads), changes nothing
                 let ahead_of = if step % 2 == 1 { (0, 0, 0) } else { (2, 0, 1) };
                 let ahead = read_ahead(&store, &pool, ahead_of).unwrap();
+                let legs = Recorded::default();
                 let report =
-                    nvme_adam_step_from(&store, &pool, (groups, Some(ahead)), &c, config, &NoLegs).unwrap();
+                    nvme_adam_step_from(&store, &pool, (groups, Some(ahead)), &c, config, &legs).unwrap();
                 assert_eq!(report.sub_groups, 3 + 1 + 3);
+                // one read, update and write a sub-group, in sub-group order (the simulated
+                // device's clock takes the i-th of a kind as sub-group i's); a used
+                // read-ahead is its first sub-group's state, reported once, before its read
+                let order = [0, 0, 0, 1, 2, 2, 2];
+                for kind in [Leg::Read, Leg::Update, Leg::Write] {
+                    let units: Vec<u32> = legs.of(kind).iter().map(|l| l.0).collect();
+                    assert_eq!(units, order, "{kind:?} legs, step {step}");
+                }
+                let early = legs.of(Leg::ReadAhead);
+                let chunk = 3 * 4 * 4096;
+                assert_eq!(early, if step % 2 == 1 { vec![(0, chunk)] } else { vec![] });
+                if step % 2 == 1 {
+                    let first = legs.0.lock().unwrap().iter().position(|l| l.0 == Leg::Read);
+                    let ahead = legs.0.lock().unwrap().iter().position(|l| l.0 == Leg::ReadAhead);
+                    assert!(ahead < first, "the read-ahead is reported before the first read");
+                }
+                let read: u64 = legs.of(Leg::Read).iter().chain(&early).map(|l| l.1).sum();
+                assert_eq!(read, report.bytes_read);
                 // the bytes the disk moved: each chunk's elements padded to 4 KiB (a
                 // ragged tail moves less than a whole chunk)
                 let moved: u64 = units

@@ -251,7 +251,8 @@ impl Op {
 }
 
 /// What comes back from an operation: the buffer, always, the result, and when the
-/// engine had it.
+/// engine had it (io_uring without `overlap_events` reaps a whole batch at once: each of
+/// its operations is stamped when the batch's last one completed).
 #[derive(Debug)]
 pub struct Done {
     pub buf: IoBuf,

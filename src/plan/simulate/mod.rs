@@ -176,7 +176,7 @@ fn simulate_on(plan: &Plan, profile: &Profile, clocks: Clocks) -> Simulation {
         plan,
         profile,
         compute_s,
-        phases.get("forward").copied().unwrap_or(0.0),
+        (replay.first_forward, replay.ahead_bytes),
     );
     let critical = tracks
         .iter()
@@ -345,16 +345,28 @@ fn optimizer_resources(plan: &Plan, profile: &Profile) -> [Option<f64>; 2] {
 /// does): the micro-batches at the slowest of compute and the link, then the optimizer
 /// at the slowest of its own resources. Only the next step's first micro-batch can run
 /// beside the optimizer, unit by unit as each is updated, so the micro-batches' part
-/// leaves out at most one micro-batch's forward of compute and one gather of the model
-/// of the link. None where no optimizer state is off the device. Returns what it is made
-/// of, and its seconds.
-fn floor(plan: &Plan, profile: &Profile, compute_s: f64, forward_s: f64) -> Option<(String, f64)> {
+/// leaves out the compute of its forward (`one_forward`: every piece the compute track
+/// runs there, installs and replicas' gathers with the units' forward) and one gather of
+/// the model of the link; the optimizer's part leaves out the state read ahead during
+/// the backward (`ahead_bytes`). None where no optimizer state is off the device.
+/// Returns what it is made of, and its seconds.
+fn floor(
+    plan: &Plan,
+    profile: &Profile,
+    compute_s: f64,
+    (one_forward, ahead_bytes): (f64, u64),
+) -> Option<(String, f64)> {
     let [cpu, nvme] = optimizer_resources(plan, profile);
+    // none without optimizer state off the device
+    cpu?;
+    // the read-ahead of every rank of a machine, on its one disk
+    let (read_gb_s, _) = profile.nvme.rates_for(nvme_bytes(plan));
+    let ahead_s = ahead_bytes as f64 * plan.train.devices as f64 / (read_gb_s * 1e9);
+    let nvme = nvme.map(|s| s - ahead_s);
     let (what, optimizer_s) = [("the CPU optimizer", cpu), ("the NVMe optimizer", nvme)]
         .into_iter()
         .filter_map(|(what, s)| Some((what, s?)))
         .max_by(|a, b| a.1.total_cmp(&b.1))?;
-    let one_forward = forward_s / plan.batch.gradient_accumulation_steps as f64;
     let compute = (
         format!("compute {compute_s:.3} s less one micro-batch's forward {one_forward:.3} s"),
         compute_s - one_forward,

@@ -62,9 +62,17 @@ pub(super) struct Replay<'a> {
     cached: bool,
     /// Whether the micro-batch under way is the step's last.
     last_micro: bool,
-    /// When this step's backward first started, where the first unit's first sub-group
-    /// of NVMe optimizer state is read ahead from (`Optimizer::read_first_ahead`).
+    /// When this step's first backward through the blocks started (after the final
+    /// unit's), where the first unit's first sub-group of NVMe optimizer state is read
+    /// ahead from (`Optimizer::read_first_ahead`).
     ahead_at: Option<f64>,
+    /// Whether the micro-batch under way is the step's first.
+    first_micro: bool,
+    /// The compute track's busy seconds in the forward of this step's first micro-batch
+    /// (what the next step can run beside the optimizer; `simulate::floor`).
+    pub first_forward: f64,
+    /// The bytes of NVMe optimizer state read ahead this step, during the backward.
+    pub ahead_bytes: u64,
 }
 
 impl<'a> Replay<'a> {
@@ -97,6 +105,9 @@ impl<'a> Replay<'a> {
             cached: false,
             last_micro: true,
             ahead_at: None,
+            first_micro: true,
+            first_forward: 0.0,
+            ahead_bytes: 0,
         }
     }
 
@@ -134,7 +145,9 @@ impl<'a> Replay<'a> {
         let start = self.clocks.now(Track::Compute);
         self.pcie = [0, 0];
         let micro_batches = self.plan.batch.gradient_accumulation_steps;
+        self.ahead_bytes = 0;
         for micro in 0..micro_batches {
+            self.first_micro = micro == 0;
             self.last_micro = micro + 1 == micro_batches;
             self.micro_batch();
         }
@@ -275,6 +288,7 @@ impl<'a> Replay<'a> {
             limits,
         };
         // forward
+        let spans = self.clocks.spans().len();
         for u in 0..last {
             let ready = if stage3 {
                 self.next(&mut fetcher, u, 0)
@@ -283,10 +297,12 @@ impl<'a> Replay<'a> {
             };
             self.compute(u, Work::Forward, ready);
         }
-        // the backward starts: the first unit's first sub-group of NVMe state is read
-        // from here, once a step, where this rank holds some of that unit's state
-        if self.ahead_at.is_none() && self.optimizer_tiers[0] == Tier::Nvme && self.optimizer_len(0) > 0 {
-            self.ahead_at = Some(self.clocks.now(Track::Compute));
+        if self.first_micro {
+            self.first_forward = self.clocks.spans()[spans..]
+                .iter()
+                .filter(|s| s.track == Track::Compute && s.waited_for.is_none())
+                .map(|s| s.end - s.start)
+                .sum();
         }
         // the final unit (and the tied embedding), its loss and backward
         let ready = if stage3 {
@@ -304,6 +320,11 @@ impl<'a> Replay<'a> {
         if tied {
             // the embedding's own gradient follows in backward
             self.accumulate(0, true);
+        }
+        // the blocks' backward starts: the first unit's first sub-group of NVMe state is
+        // read from here, once a step, where this rank holds some of that unit's state
+        if self.ahead_at.is_none() && self.optimizer_tiers[0] == Tier::Nvme && self.optimizer_len(0) > 0 {
+            self.ahead_at = Some(self.clocks.now(Track::Compute));
         }
         // backward in reverse by recompute
         for u in (0..last).rev() {

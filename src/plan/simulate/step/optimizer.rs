@@ -106,6 +106,7 @@ impl Replay<'_> {
                     if let Some((span, bytes)) = ahead {
                         self.clocks
                             .place(Track::Optimizer, ("nvme_read", Some(u)), span, bytes);
+                        self.ahead_bytes = bytes;
                     }
                     for (t, (read, update, write)) in timed.into_iter().zip(bytes) {
                         for (what, span, bytes) in [
