@@ -774,6 +774,45 @@ fn optimizer_state_spreads_over_device_host_and_nvme() {
         .any(|w| w.contains("train.optimizer_max_in_cpu has no effect")));
 }
 
+/// `pipeline_read`/`pipeline_write` with DeepSpeed's default `buffer_count` (one sub-group's
+/// buffers) have nothing to overlap: said once, with the count for two sets; not said
+/// with two sets, nor where no optimizer state is on NVMe.
+#[test]
+fn pipelining_with_one_buffer_set_is_said() {
+    let nvme = std::env::temp_dir();
+    let path = format!("zero_optimization.offload_optimizer.nvme_path={}", nvme.display());
+    let sets = |extra: &[&'static str]| -> Vec<String> {
+        let mut all = vec![
+            "zero_optimization.stage=3".to_string(),
+            "zero_optimization.offload_optimizer.device=nvme".to_string(),
+            path.clone(),
+            "zero_optimization.offload_optimizer.pipeline_read=true".to_string(),
+        ];
+        all.extend(extra.iter().map(|s| s.to_string()));
+        all
+    };
+    let warned = |sets: Vec<String>| -> Vec<String> {
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let loaded = with(base(), &sets).unwrap();
+        loaded
+            .warnings
+            .into_iter()
+            .filter(|w| w.contains("no effect with buffer_count"))
+            .collect()
+    };
+    let one = warned(sets(&[]));
+    assert_eq!(one.len(), 1, "{one:?}");
+    assert!(
+        one[0].contains("offload_optimizer.pipeline_read") && one[0].contains("set buffer_count to"),
+        "{}",
+        one[0]
+    );
+    assert!(warned(sets(&["zero_optimization.offload_optimizer.buffer_count=8"])).is_empty());
+    let mut on_host = sets(&[]);
+    on_host[1] = "zero_optimization.offload_optimizer.device=cpu".into();
+    assert!(warned(on_host).is_empty());
+}
+
 /// Swap files over `train.nvme_space` are said at plan time, with what would fit them.
 #[test]
 fn swap_files_over_the_nvme_space_are_said() {

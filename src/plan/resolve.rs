@@ -145,19 +145,54 @@ impl Plan {
         let fits = |p: &Plan| super::capacity::TierFit::of(p, facts).fits();
         let mut fast = plan.clone();
         fill_device(&mut fast, facts, false);
-        if !fits(&fast) {
+        let plan = if !fits(&fast) && {
             fill_device(&mut plan, facts, true);
-            if fits(&plan) {
-                return Ok(plan);
-            }
-        }
-        Ok(fast)
+            fits(&plan)
+        } {
+            plan
+        } else {
+            fast
+        };
+        warnings.extend(one_buffer_set(&plan));
+        Ok(plan)
     }
 
     /// Bytes of tokens one optimizer step consumes on all ranks.
     pub fn tokens_per_step(&self) -> usize {
         self.batch.train_batch_size * self.data.seq_len
     }
+}
+
+/// `pipeline_read`/`pipeline_write` asked for where `buffer_count` holds one sub-group's
+/// buffers: its reads and writes cannot overlap another sub-group's (DeepSpeed's
+/// pipelined swapper stops there, out of buffers); said once, with the count that gives
+/// two sets.
+fn one_buffer_set(plan: &Plan) -> Option<String> {
+    let oo = &plan.zero.offload_optimizer;
+    let asked = match (oo.pipeline_read, oo.pipeline_write) {
+        (false, false) => return None,
+        (true, false) => "pipeline_read has",
+        (false, true) => "pipeline_write has",
+        (true, true) => "pipeline_read and pipeline_write have",
+    };
+    if !super::rules::nvme_optimizer(plan) || super::rules::pipeline_sets(plan) > 1 {
+        return None;
+    }
+    let per_set = if super::rules::nvme_gradients(plan) { 4 } else { 3 };
+    let largest = (plan.model.config.unit_numels().into_iter())
+        .map(|n| super::partition::Partition::new(n, plan.world_size).optimizer_len(plan.zero.stage))
+        .max()
+        .unwrap_or(1);
+    let chunk_bytes = (4 * super::rules::swap_chunk(plan, largest)).div_ceil(4096) * 4096;
+    Some(format!(
+        "zero_optimization.offload_optimizer.{asked} no effect with buffer_count {}: the buffers hold one \
+         sub-group's {per_set} tensors (master, exp_avg, exp_avg_sq{}), so its reads and writes take turns with the \
+         update; set buffer_count to {} for two sets ({:.1} MiB more pinned host memory per rank)",
+        oo.buffer_count,
+        if per_set == 4 { " and the gradient" } else { "" },
+        2 * per_set,
+        (per_set * chunk_bytes) as f64 / (1u64 << 20) as f64,
+    ))
 }
 
 fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError> {
