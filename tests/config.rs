@@ -775,8 +775,9 @@ fn optimizer_state_spreads_over_device_host_and_nvme() {
 }
 
 /// `pipeline_read`/`pipeline_write` with DeepSpeed's default `buffer_count` (one sub-group's
-/// buffers) have nothing to overlap: said once, with the count for two sets; not said
-/// with two sets, nor where no optimizer state is on NVMe.
+/// buffers) have next to nothing to overlap: said once, with the count DeepSpeed's
+/// swapper needs for the flags; not said with two sets, nor where no optimizer state is
+/// on NVMe.
 #[test]
 fn pipelining_with_one_buffer_set_is_said() {
     let nvme = std::env::temp_dir();
@@ -797,7 +798,7 @@ fn pipelining_with_one_buffer_set_is_said() {
         loaded
             .warnings
             .into_iter()
-            .filter(|w| w.contains("no effect with buffer_count"))
+            .filter(|w| w.contains("next to no effect with buffer_count"))
             .collect()
     };
     let one = warned(sets(&[]));
@@ -808,6 +809,12 @@ fn pipelining_with_one_buffer_set_is_said() {
         one[0]
     );
     assert!(warned(sets(&["zero_optimization.offload_optimizer.buffer_count=8"])).is_empty());
+    // both flags: the three sets DeepSpeed's swapper needs for them
+    let both = warned(sets(&["zero_optimization.offload_optimizer.pipeline_write=true"]));
+    assert!(
+        both[0].contains("pipeline_read and pipeline_write have") && both[0].contains("3 sets"),
+        "{both:?}"
+    );
     let mut on_host = sets(&[]);
     on_host[1] = "zero_optimization.offload_optimizer.device=cpu".into();
     assert!(warned(on_host).is_empty());

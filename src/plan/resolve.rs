@@ -145,13 +145,15 @@ impl Plan {
         let fits = |p: &Plan| super::capacity::TierFit::of(p, facts).fits();
         let mut fast = plan.clone();
         fill_device(&mut fast, facts, false);
-        let plan = if !fits(&fast) && {
-            fill_device(&mut plan, facts, true);
-            fits(&plan)
-        } {
-            plan
-        } else {
+        let plan = if fits(&fast) {
             fast
+        } else {
+            fill_device(&mut plan, facts, true);
+            if fits(&plan) {
+                plan
+            } else {
+                fast
+            }
         };
         warnings.extend(one_buffer_set(&plan));
         Ok(plan)
@@ -164,16 +166,17 @@ impl Plan {
 }
 
 /// `pipeline_read`/`pipeline_write` asked for where `buffer_count` holds one sub-group's
-/// buffers: its reads and writes cannot overlap another sub-group's (DeepSpeed's
-/// pipelined swapper stops there, out of buffers); said once, with the count that gives
-/// two sets.
+/// buffers: each sub-group's reads wait for the writes of the one before, so next to
+/// nothing overlaps; said once, with the count DeepSpeed 0.19.8's pipelined swapper needs
+/// for those flags (two sets for one flag, three for both; it stops at an assertion with
+/// fewer) and the pinned memory it costs.
 fn one_buffer_set(plan: &Plan) -> Option<String> {
     let oo = &plan.zero.offload_optimizer;
-    let asked = match (oo.pipeline_read, oo.pipeline_write) {
+    let (asked, sets) = match (oo.pipeline_read, oo.pipeline_write) {
         (false, false) => return None,
-        (true, false) => "pipeline_read has",
-        (false, true) => "pipeline_write has",
-        (true, true) => "pipeline_read and pipeline_write have",
+        (true, false) => ("pipeline_read has", 2),
+        (false, true) => ("pipeline_write has", 2),
+        (true, true) => ("pipeline_read and pipeline_write have", 3),
     };
     if !super::rules::nvme_optimizer(plan) || super::rules::pipeline_sets(plan) > 1 {
         return None;
@@ -185,13 +188,14 @@ fn one_buffer_set(plan: &Plan) -> Option<String> {
         .unwrap_or(1);
     let chunk_bytes = (4 * super::rules::swap_chunk(plan, largest)).div_ceil(4096) * 4096;
     Some(format!(
-        "zero_optimization.offload_optimizer.{asked} no effect with buffer_count {}: the buffers hold one \
-         sub-group's {per_set} tensors (master, exp_avg, exp_avg_sq{}), so its reads and writes take turns with the \
-         update; set buffer_count to {} for two sets ({:.1} MiB more pinned host memory per rank)",
+        "zero_optimization.offload_optimizer.{asked} next to no effect with buffer_count {}: the buffers hold \
+         one sub-group's {per_set} tensors (master, exp_avg, exp_avg_sq{}), so each sub-group's reads wait for \
+         the writes of the one before; set buffer_count to {} ({sets} sets, as DeepSpeed's pipelined swapper \
+         needs for these flags; {:.1} MiB more pinned host memory per rank)",
         oo.buffer_count,
         if per_set == 4 { " and the gradient" } else { "" },
-        2 * per_set,
-        (per_set * chunk_bytes) as f64 / (1u64 << 20) as f64,
+        sets * per_set,
+        ((sets - 1) * per_set * chunk_bytes) as f64 / (1u64 << 20) as f64,
     ))
 }
 
