@@ -232,18 +232,24 @@ fn submit_reads(
         .collect()
 }
 
-fn wait_all_reads(reads: Reads) -> Result<Vec<IoBuf>, IoError> {
+/// Waits for every read (so every buffer returns to the pool after an error): their
+/// buffers in order or the first error, and when the engine had the last of those that
+/// completed.
+fn wait_all_reads(reads: Reads) -> (Result<Vec<IoBuf>, IoError>, Option<Instant>) {
     let mut buffers = Vec::with_capacity(reads.len());
-    let mut first = None;
+    let (mut first, mut done) = (None, None);
     for read in reads {
-        match read.wait() {
-            Ok(buf) => buffers.push(buf),
+        match read.wait_timed() {
+            Ok((buf, at)) => {
+                buffers.push(buf);
+                done = done.max(Some(at));
+            }
             Err(e) => {
                 first.get_or_insert(e);
             }
         }
     }
-    first.map_or(Ok(buffers), Err)
+    (first.map_or(Ok(buffers), Err), done)
 }
 
 fn wait_all_writes(writes: Writes<'_>) -> Result<(), IoError> {
@@ -353,33 +359,25 @@ fn wait_submitted(
         reads,
         bytes,
     } = submitted;
-    let mut buffers = Vec::with_capacity(4);
-    let mut first = None;
+    let mut buffers = Ok(Vec::new());
     if let Some((early, reads, bytes)) = ahead {
-        let mut done = early;
-        for read in reads {
-            match read.wait_timed() {
-                Ok((buf, at)) => {
-                    buffers.push(buf);
-                    done = done.max(at);
-                }
-                Err(e) => {
-                    first.get_or_insert(e);
-                }
-            }
-        }
-        observer.leg(Leg::ReadAhead, unit, early, done, bytes);
+        let (result, done) = wait_all_reads(reads);
+        observer.leg(
+            Leg::ReadAhead,
+            unit,
+            early,
+            done.map_or(early, |d| d.max(early)),
+            bytes,
+        );
+        buffers = result;
     }
-    let rest = wait_all_reads(reads);
+    let (rest, _) = wait_all_reads(reads);
     let end = Instant::now();
     observer.leg(Leg::Read, unit, submit.max(last_end), end, bytes);
-    let result = match (first, rest) {
-        (Some(e), _) | (None, Err(e)) => Err(e),
-        (None, Ok(rest)) => {
-            buffers.extend(rest);
-            Ok(buffers)
-        }
-    };
+    let result = buffers.and_then(|mut buffers| {
+        buffers.extend(rest?);
+        Ok(buffers)
+    });
     (result, end)
 }
 
@@ -790,7 +788,7 @@ pub fn read_only(
         pool.count() / 3,
         groups,
         |group| submit_reads(store, pool, group, false),
-        |reads| wait_all_reads(reads).map(drop),
+        |reads| wait_all_reads(reads).0.map(drop),
     )
 }
 

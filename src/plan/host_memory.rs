@@ -17,7 +17,8 @@ use super::memory::predict;
 use super::partition::Partition;
 use super::rules::{
     bf16_gradients, chunk_elements, device_sums, gathers_updates, held_at_once, nvme_gradients,
-    optimizer_tiers, param_tiers, pipeline_sets, stored_bf16, stored_gradients, swap_chunk, REDUCE_DEPTH,
+    optimizer_swap_chunk, optimizer_tiers, param_tiers, pipeline_sets, stored_bf16, stored_gradients,
+    REDUCE_DEPTH,
 };
 use super::{Accelerator, Plan, Tier, Wire};
 use serde::Serialize;
@@ -112,7 +113,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         }
     }
     let aligned = |bytes: u64| bytes.div_ceil(4096) * 4096;
-    let swap_chunk = swap_chunk(plan, max_opt as usize) as u64;
+    let swap_chunk = optimizer_swap_chunk(plan) as u64;
     if optimizer_tiers.contains(&Tier::Nvme) {
         let sets = pipeline_sets(plan) as u64;
         let per_set = 3 + u64::from(nvme_grads);

@@ -182,11 +182,7 @@ fn one_buffer_set(plan: &Plan) -> Option<String> {
         return None;
     }
     let per_set = if super::rules::nvme_gradients(plan) { 4 } else { 3 };
-    let largest = (plan.model.config.unit_numels().into_iter())
-        .map(|n| super::partition::Partition::new(n, plan.world_size).optimizer_len(plan.zero.stage))
-        .max()
-        .unwrap_or(1);
-    let chunk_bytes = (4 * super::rules::swap_chunk(plan, largest)).div_ceil(4096) * 4096;
+    let chunk_bytes = (4 * super::rules::optimizer_swap_chunk(plan)).div_ceil(4096) * 4096;
     Some(format!(
         "zero_optimization.offload_optimizer.{asked} next to no effect with buffer_count {}: the buffers hold \
          one sub-group's {per_set} tensors (master, exp_avg, exp_avg_sq{}), so each sub-group's reads wait for \

@@ -38,6 +38,16 @@ pub fn swap_chunk(plan: &Plan, largest: usize) -> usize {
     plan.zero.sub_group_size.min(SWAP_CHUNK_LIMIT).min(largest.max(1))
 }
 
+/// Elements per chunk of the optimizer's swap store: [`swap_chunk`] over a rank's largest
+/// optimizer partition (a buffer of the NVMe pipeline holds one in fp32).
+pub fn optimizer_swap_chunk(plan: &Plan) -> usize {
+    let largest = (plan.model.config.unit_numels().into_iter())
+        .map(|n| super::partition::Partition::new(n, plan.world_size).optimizer_len(plan.zero.stage))
+        .max()
+        .unwrap_or(1);
+    swap_chunk(plan, largest)
+}
+
 /// Each unit's optimizer-state tier (fp32 master, Adam moments, and at stages 2–3 the
 /// gradient partition with them): `offload_optimizer.device`, except that DeepSpeed's
 /// partial offload (`offload_optimizer.ratio` below 1) keeps the first

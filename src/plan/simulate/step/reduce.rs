@@ -196,11 +196,7 @@ impl Replay<'_> {
     /// Elements per swap chunk: the store's rule over the largest optimizer partition,
     /// rounded up to whole 4 KiB pages of elements as the store rounds it.
     pub(super) fn swap_chunk(&self) -> usize {
-        let largest = (0..self.parts.len())
-            .map(|u| self.optimizer_len(u))
-            .max()
-            .unwrap_or(1);
-        rules::swap_chunk(self.plan, largest as usize).div_ceil(4096) * 4096
+        rules::optimizer_swap_chunk(self.plan).div_ceil(4096) * 4096
     }
 
     /// The step's all-reduces and the gradient norm, on the compute thread.
