@@ -467,11 +467,18 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
 /// The dry run's tracks share the rank's disk (`disk::Disk`): no two NVMe transfers of
 /// the step overlap, the h2d lane's parameter reads among them, and sharing it makes the
 /// step of `llama-8b-1gpu-nvme` (parameters and optimizer state on NVMe) longer than
-/// with a disk per track, as the simulated device keeps them.
+/// with a disk per track, as the simulated device keeps them. The sums accumulate on the
+/// host here, so the last micro-batch's gradients go to the disk during the backward,
+/// beside the parameter reads (held on the device, they would not touch it).
 #[test]
 fn every_nvme_transfer_of_a_rank_takes_its_turn_on_one_disk() {
     let profile = Profile::load("h100-pcie5").unwrap();
-    let plan = plan_on("llama-8b-1gpu-nvme.json", &[], &profile);
+    let plan = plan_on(
+        "llama-8b-1gpu-nvme.json",
+        &["train.accumulate_on_device=false"],
+        &profile,
+    );
+    assert!(tierzero::plan::rules::stored_gradients(&plan).contains(&true));
     let shared = simulate(&plan, &profile);
     let own = simulate_as_the_device(&plan, &profile);
     let transfers = |sim: &Simulation| -> Vec<(f64, f64, Track)> {

@@ -516,8 +516,10 @@ fn overlapped_gradient_reduction_equals_the_inline_one_bit_for_bit() {
 
 /// Gradient accumulation's sums kept on the device (`train.accumulate_on_device`, the
 /// default on a GPU) flush the bits that accumulating every micro-batch on the host gives,
-/// into host accumulators and into the swap store, overlapped or inline, with one rank
-/// (nothing reduced) or three, a tied head's gradient added before the embedding's. The
+/// into host accumulators, or where the optimizer state is on NVMe are held there for the
+/// update to read in place of the swap store's (`rules::held_gradients`), overlapped or
+/// inline, with one rank (nothing reduced) or three, a tied head's gradient added before
+/// the embedding's. The
 /// gradients of device-tier optimizer state never leave the device, with one micro-batch
 /// too and at stages 0–1 (`rules::gradients_on_device`): their Σ g² and update come from
 /// the device's sum, a replica's all-reduced there.
@@ -555,6 +557,10 @@ fn gradient_sums_on_the_device_train_the_bits_of_host_accumulation() {
         let host = master(&p);
         p.zero.device_accumulation = true;
         p.zero.device_gradients = true;
+        if optimizer == "nvme" {
+            // held on the device: nothing of the gradient goes through the store
+            assert!(!tierzero::plan::rules::nvme_gradients(&p));
+        }
         let device = master(&p);
         assert!(
             device == host,

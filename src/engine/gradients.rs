@@ -31,7 +31,8 @@ pub(super) enum Accumulator {
     Stale(Grads),
     /// In the swap store under (unit, rank, [`State::Grad`]).
     Nvme(Stored),
-    /// None on the host: the gradient stays on the device (`rules::gradients_on_device`).
+    /// None on the host: the step's sum stays on the device until the optimizer reads it
+    /// (`rules::held_gradients`).
     Device,
     /// On a lane (named), coming back with its job.
     Lent(&'static str),
@@ -63,8 +64,8 @@ pub(super) enum Stored {
 #[derive(Debug)]
 pub(super) enum FinalGrad {
     Here(Grads),
-    /// The step's sum on the device, for optimizer state there
-    /// (`rules::gradients_on_device`); the host accumulator stays where it is.
+    /// The step's sum on the device (`rules::held_gradients`): read there by state on
+    /// the device, taken to the host by an update off it.
     Device(Tensor),
     /// `len` elements in the optimizer's swap store, bf16 or fp32.
     Stored {
@@ -287,8 +288,8 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         }))
     }
 
-    /// Whether unit `u`'s gradient stays on the device (`rules::gradients_on_device`): it
-    /// has no host accumulator.
+    /// Whether unit `u`'s sum stays on the device until the optimizer reads it
+    /// (`rules::held_gradients`): it has no host accumulator.
     fn keeps(&self, u: usize) -> bool {
         matches!(self.accumulators[u], Accumulator::Device)
     }

@@ -8,7 +8,8 @@ use super::context::Tracks;
 use super::error::{EngineError, On};
 use super::gradients::{FinalGrad, Gradients};
 use super::optimizer::{
-    AdamStep, DeviceState, Moments, Optimizer, OptimizerState, ParamStaging, SharedStaging, Update,
+    AdamStep, DeviceState, HeldCopy, Moments, NvmeTier, Optimizer, OptimizerState, ParamStaging,
+    SharedStaging, Update,
 };
 use super::params::LowParams;
 use super::prefetch::DroppedWait;
@@ -157,6 +158,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             step,
             tracks: self.tracks.clone(),
             ahead: std::sync::Mutex::new(self.optimizer.ahead.take()),
+            held_copy: self.optimizer.held_copy.clone(),
         };
         match scope {
             Some(scope) => {
@@ -272,6 +274,8 @@ struct OptimizerContext {
     /// The first NVMe sub-group's state reads, submitted during the backward, for the
     /// first unit whose state streams through the pipeline.
     ahead: std::sync::Mutex<Option<super::optimizer::Ahead>>,
+    /// The pinned buffer a GPU's held gradient sums are copied into.
+    held_copy: HeldCopy,
 }
 
 /// The NVMe pipeline's legs: spans on the optimizer's tracks, and on a simulated device
@@ -478,38 +482,18 @@ impl OptimizerContext {
         };
         let device_params = "parameters on the device updated from optimizer state off it";
         let stored_in_memory = "a gradient on NVMe with optimizer state in memory";
-        let kept_off_device = "a gradient kept on the device with optimizer state off it";
         match (&mut moments, grad) {
-            (
-                Moments::Memory(OptimizerState {
-                    master,
-                    exp_avg,
-                    exp_avg_sq,
-                }),
-                FinalGrad::Here(grad),
-            ) => {
+            (Moments::Memory(state), FinalGrad::Here(grad)) => {
                 let Fresh::Host(fresh) = fresh else {
                     return Err(invariant(device_params));
                 };
-                let sweep = Sweep {
-                    master: &mut master[..],
-                    exp_avg: &mut exp_avg[..],
-                    exp_avg_sq: &mut exp_avg_sq[..],
-                    grad: grad.slice(0..grad.len()),
-                    low: fresh.out_as(&self.precision),
+                self.memory_update(unit, state, grad.slice(0..grad.len()), fresh)?;
+            }
+            (Moments::Memory(state), FinalGrad::Device(sum)) => {
+                let Fresh::Host(fresh) = fresh else {
+                    return Err(invariant(device_params));
                 };
-                let bytes = 16 * opt_len as u64;
-                self.tracks
-                    .optimizer
-                    .span(Phase::Optimizer, Some(unit), bytes, || {
-                        sim::charge(Work::Adam(opt_len as u64));
-                        adam::step(&self.step.coefficients, sweep)
-                    })
-                    .map_err(|source| EngineError::Adam {
-                        rank: self.on.0,
-                        unit,
-                        source,
-                    })?;
+                self.held_on_host(unit, sum, |grad| self.memory_update(unit, state, grad, fresh))?;
             }
             (Moments::Device(state), grad) => {
                 // the step's sum where it stayed on the device, else the host
@@ -554,46 +538,138 @@ impl OptimizerContext {
                 }
             }
             (Moments::Memory(_), FinalGrad::Stored { .. }) => return Err(invariant(stored_in_memory)),
-            (Moments::Memory(_), FinalGrad::Device(_)) => return Err(invariant(kept_off_device)),
             (Moments::Nvme(tier), grad) => {
                 let Fresh::Host(fresh) = fresh else {
                     return Err(invariant(device_params));
                 };
-                let grad = match grad {
-                    FinalGrad::Here(g) => GradIn::Host(g.slice(0..g.len())),
-                    &FinalGrad::Stored { len, bf16 } => GradIn::Stored { len, bf16 },
-                    FinalGrad::Device(_) => return Err(invariant(kept_off_device)),
-                };
-                let groups = pipeline::sub_groups(
-                    unit as u32,
-                    self.on.0 as u32,
-                    tier.store.chunk_elems(),
-                    grad,
-                    fresh.out_as(&self.precision),
-                );
-                let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner()).take();
-                let (ahead, at) = ahead.map_or((None, None), |a| (Some(a.reads), a.at));
-                let legs = Legs {
-                    tracks: &self.tracks,
-                    simulated: sim::entered()
-                        .map(|s| std::sync::Mutex::new(LegClock::new(s, self.pipeline, at))),
-                };
-                pipeline::nvme_adam_step_from(
-                    tier.store,
-                    &tier.pool,
-                    (groups, ahead),
-                    &self.step.coefficients,
-                    self.pipeline,
-                    &legs,
-                )
-                .map_err(self.on.io())?;
-                if let Some(clock) = legs.simulated {
-                    clock.into_inner().unwrap_or_else(|e| e.into_inner()).finish();
+                match grad {
+                    FinalGrad::Here(g) => {
+                        self.nvme_update(unit, tier, GradIn::Host(g.slice(0..g.len())), fresh)?
+                    }
+                    &FinalGrad::Stored { len, bf16 } => {
+                        self.nvme_update(unit, tier, GradIn::Stored { len, bf16 }, fresh)?
+                    }
+                    FinalGrad::Device(sum) => self.held_on_host(unit, sum, |grad| {
+                        self.nvme_update(unit, tier, GradIn::Host(grad), fresh)
+                    })?,
                 }
             }
             (Moments::Lent, _) => return Err(invariant("an optimizer job was given state already lent")),
         }
         Ok(moments)
+    }
+
+    /// AdamW on in-memory state, the new low-precision values into `fresh`.
+    fn memory_update(
+        &self,
+        unit: usize,
+        state: &mut OptimizerState,
+        grad: GradSlice<'_>,
+        fresh: &mut LowParams,
+    ) -> Result<(), EngineError> {
+        let OptimizerState {
+            master,
+            exp_avg,
+            exp_avg_sq,
+        } = state;
+        let opt_len = fresh.len();
+        let sweep = Sweep {
+            master: &mut master[..],
+            exp_avg: &mut exp_avg[..],
+            exp_avg_sq: &mut exp_avg_sq[..],
+            grad,
+            low: fresh.out_as(&self.precision),
+        };
+        let bytes = 16 * opt_len as u64;
+        self.tracks
+            .optimizer
+            .span(Phase::Optimizer, Some(unit), bytes, || {
+                sim::charge(Work::Adam(opt_len as u64));
+                adam::step(&self.step.coefficients, sweep)
+            })
+            .map_err(|source| EngineError::Adam {
+                rank: self.on.0,
+                unit,
+                source,
+            })?;
+        Ok(())
+    }
+
+    /// AdamW on NVMe state through the pipeline (its legs timed on a simulated device by
+    /// a [`LegClock`]), the new low-precision values into `fresh`.
+    fn nvme_update(
+        &self,
+        unit: usize,
+        tier: &NvmeTier<'_>,
+        grad: GradIn<'_>,
+        fresh: &mut LowParams,
+    ) -> Result<(), EngineError> {
+        let groups = pipeline::sub_groups(
+            unit as u32,
+            self.on.0 as u32,
+            tier.store.chunk_elems(),
+            grad,
+            fresh.out_as(&self.precision),
+        );
+        let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let (ahead, at) = ahead.map_or((None, None), |a| (Some(a.reads), a.at));
+        let legs = Legs {
+            tracks: &self.tracks,
+            simulated: sim::entered().map(|s| std::sync::Mutex::new(LegClock::new(s, self.pipeline, at))),
+        };
+        pipeline::nvme_adam_step_from(
+            tier.store,
+            &tier.pool,
+            (groups, ahead),
+            &self.step.coefficients,
+            self.pipeline,
+            &legs,
+        )
+        .map_err(self.on.io())?;
+        if let Some(clock) = legs.simulated {
+            clock.into_inner().unwrap_or_else(|e| e.into_inner()).finish();
+        }
+        Ok(())
+    }
+
+    /// A gradient sum held on the device (`rules::held_gradients`) as host values for an
+    /// update off it, given to `f`: a CPU device's where it is (a simulated GPU's copy
+    /// charged on the way), a GPU's copied into the pinned buffer first, on this
+    /// thread's stream.
+    fn held_on_host<R>(
+        &self,
+        unit: usize,
+        sum: &Tensor,
+        f: impl FnOnce(GradSlice<'_>) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        let n = sum.numel();
+        let bytes = 4 * n as u64;
+        if sum.device() == tch::Device::Cpu {
+            if sim::gpu() {
+                self.tracks
+                    .optimizer
+                    .span(Phase::D2h, Some(unit), bytes, || sim::charge(Work::D2h(bytes)));
+            }
+            // SAFETY: the step's reductions into the sum are done (the reduce lane is
+            // stopped before the update is issued), and the next step writes it only
+            // after this update is installed.
+            let values = unsafe { crate::torch::host_slice::<f32>(sum, n) }.map_err(self.on.torch())?;
+            return f(GradSlice::F32(values));
+        }
+        let mut slot = self.held_copy.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(copy) = slot.as_mut().filter(|c| c.len() >= n) else {
+            return Err(EngineError::Invariant {
+                rank: self.on.0,
+                what: "a held gradient sum without a pinned buffer to copy it into",
+            });
+        };
+        self.tracks
+            .optimizer
+            .span(Phase::D2h, Some(unit), bytes, || {
+                crate::torch::copy_to_host(sum, crate::torch::pod_bytes_mut(&mut copy[..n]))
+            })
+            .map_err(self.on.torch())?;
+        f(GradSlice::F32(&copy[..n]))
     }
 }
 

@@ -152,7 +152,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             (stage, rank, bf16_grads),
             (
                 crate::plan::rules::device_sums(plan),
-                crate::plan::rules::gradients_on_device(plan),
+                crate::plan::rules::held_gradients(plan),
                 compute,
             ),
             (plan.communication, crate::plan::rules::chunk_elements(plan)),
@@ -162,11 +162,18 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             (optimizer_store, stored_gradients(plan)),
         )?;
         let adam_steps = start.checkpoint().map_or(0, |c| c.manifest.adam_steps);
+        // a GPU's held gradient sums reach an update off it through one pinned buffer
+        let held_copy = if compute.is_cuda() {
+            let lens: Vec<usize> = partitions.iter().map(|r| r.len()).collect();
+            crate::plan::rules::held_copy_elements(plan, &lens)
+        } else {
+            0
+        };
         // each unit's state on its tier: tensors on the rank's device, slabs of a host
         // arena, or the swap store
         let mut optimizer = Optimizer::new(
             rank,
-            (optimizer_tiers(plan), optimizer_nvme, compute),
+            (optimizer_tiers(plan), optimizer_nvme, compute, held_copy),
             (adam_steps, loss_scaler(plan, start)),
             partitions.clone(),
             &pinning,

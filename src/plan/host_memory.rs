@@ -16,9 +16,9 @@ use super::fetch::MAX_IN_FLIGHT;
 use super::memory::predict;
 use super::partition::Partition;
 use super::rules::{
-    bf16_gradients, chunk_elements, device_sums, gathers_updates, held_at_once, nvme_gradients,
-    optimizer_swap_chunk, optimizer_tiers, param_tiers, pipeline_sets, stored_bf16, stored_gradients,
-    REDUCE_DEPTH,
+    bf16_gradients, chunk_elements, device_sums, gathers_updates, held_at_once, held_copy_elements,
+    nvme_gradients, optimizer_swap_chunk, optimizer_tiers, param_tiers, pipeline_sets, stored_bf16,
+    stored_gradients, REDUCE_DEPTH,
 };
 use super::{Accelerator, Plan, Tier, Wire};
 use serde::Serialize;
@@ -77,7 +77,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     let optimizer_tiers = optimizer_tiers(plan);
     let stored = stored_gradients(plan);
     let sums = device_sums(plan);
-    let on_device = super::rules::gradients_on_device(plan);
+    let on_device = super::rules::held_gradients(plan);
     for (u, (p, &param_tier)) in parts.iter().zip(&param_tiers).enumerate() {
         let optimizer_tier = optimizer_tiers[u];
         if in_host(param_tier) {
@@ -96,7 +96,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
             // the host buffer the CPU optimizer writes the new partition into
             rank.parameters += elem * opt_len(p);
         }
-        // a gradient kept on the device has no host accumulator (nor a stage-1 copy)
+        // a gradient held on the device has no host accumulator (nor a stage-1 copy)
         if !stored[u] && !on_device[u] {
             rank.gradients += grad_elem(u) * acc_len(p);
         }
@@ -118,6 +118,11 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         let sets = pipeline_sets(plan) as u64;
         let per_set = 3 + u64::from(nvme_grads);
         rank.buffers += per_set * sets * aligned(4 * swap_chunk);
+    }
+    if !cpu {
+        // the pinned buffer a held sum is copied into for a host or NVMe update
+        let partitions: Vec<usize> = parts.iter().map(|p| p.optimizer_len(stage)).collect();
+        rank.gradients += 4 * held_copy_elements(plan, &partitions) as u64;
     }
     if nvme_grads {
         // one chunk per gradient reduction in flight

@@ -95,12 +95,14 @@ fn spill_to_nvme(max_in_cpu: usize) -> impl FnMut(usize) -> Tier {
 
 /// Whether each unit's gradient partition lives in the optimizer's swap store on NVMe
 /// (stages 2–3, the unit's optimizer state there; `engine/grad_store.rs`), as DeepSpeed's
-/// optimizer swapper keeps them, instead of in host memory.
+/// optimizer swapper keeps them, instead of in host memory: where the step's sum is not
+/// held on the device for the optimizer ([`held_gradients`]).
 pub fn stored_gradients(plan: &Plan) -> Vec<bool> {
     let stage = plan.zero.stage;
+    let accumulated = device_accumulation(plan);
     optimizer_tiers(plan)
         .into_iter()
-        .map(|tier| stage >= 2 && tier == Tier::Nvme)
+        .map(|tier| stage >= 2 && tier == Tier::Nvme && !accumulated)
         .collect()
 }
 
@@ -156,6 +158,40 @@ pub fn gradients_on_device(plan: &Plan) -> Vec<bool> {
         .into_iter()
         .map(|t| keep && t == Tier::Device)
         .collect()
+}
+
+/// Which units' step sums stay on the device until the optimizer reads them: those that
+/// never leave it ([`gradients_on_device`]), and with gradient accumulation on the device
+/// ([`device_accumulation`]) those whose optimizer state is on NVMe. The optimizer thread
+/// takes each of these sums to the host as it reaches the unit (a GPU's in one copy into
+/// a pinned buffer of the largest such partition, a CPU device's read where it is),
+/// where the last micro-batch would send it through the swap store: written in backward
+/// order, read back in forward order, twice the gradient's bytes on the disk each step
+/// (DeepSpeed's optimizer swapper keeps gradients there). Their Σ g² is taken on the
+/// device.
+pub fn held_gradients(plan: &Plan) -> Vec<bool> {
+    let accumulated = device_accumulation(plan);
+    optimizer_tiers(plan)
+        .into_iter()
+        .zip(gradients_on_device(plan))
+        .map(|(tier, kept)| kept || (accumulated && tier == Tier::Nvme))
+        .collect()
+}
+
+/// Elements of the pinned buffer a GPU's optimizer thread copies a held sum into
+/// ([`held_gradients`]) for a host or NVMe update: the largest such of the units'
+/// optimizer `partitions` (0 where none is held; a CPU device needs none, its sums read
+/// where they are).
+pub fn held_copy_elements(plan: &Plan, partitions: &[usize]) -> usize {
+    let tiers = optimizer_tiers(plan);
+    held_gradients(plan)
+        .into_iter()
+        .zip(partitions)
+        .enumerate()
+        .filter(|&(u, (held, _))| held && tiers[u] != Tier::Device)
+        .map(|(_, (_, &len))| len)
+        .max()
+        .unwrap_or(0)
 }
 
 /// Which units sum their gradient in a device accumulator: every unit with gradient

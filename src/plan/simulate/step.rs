@@ -45,7 +45,8 @@ pub(super) struct Replay<'a> {
     optimizer_tiers: Vec<Tier>,
     /// Which units sum their gradient on the device (`rules::device_sums`).
     device_sums: Vec<bool>,
-    /// Which units' gradients stay there (`rules::gradients_on_device`).
+    /// Which units' sums stay there until the optimizer reads them
+    /// (`rules::held_gradients`).
     kept: Vec<bool>,
     /// When each unit's update of the previous step is installed (the optimizer thread).
     updated: Vec<Mark>,
@@ -96,7 +97,7 @@ impl<'a> Replay<'a> {
             pinned: rules::pinned_params(plan),
             optimizer_tiers: rules::optimizer_tiers(plan),
             device_sums: rules::device_sums(plan),
-            kept: rules::gradients_on_device(plan),
+            kept: rules::held_gradients(plan),
             updated,
             reducing: Vec::new(),
             pcie: [0, 0],

@@ -61,6 +61,15 @@ impl Replay<'_> {
                     );
                 }
                 Tier::Nvme => {
+                    if self.kept[u] && self.cuda() {
+                        // the step's sum held on the device, copied out into the pinned
+                        // buffer the pipeline reads it from (a CPU device's is read where
+                        // it is)
+                        let bytes = 4 * len;
+                        let copy = self.costs.seconds(Cost::D2h(bytes));
+                        self.clocks.run(Track::Optimizer, "d2h", Some(u), copy, bytes);
+                        self.pcie[1] += bytes;
+                    }
                     // the pipeline's sub-groups on one disk (`disk::schedule`, as the
                     // simulated device's `LegClock` times them); the first sub-group's
                     // state read ahead since the backward's start
