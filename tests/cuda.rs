@@ -237,6 +237,17 @@ fn tiny(
     precision: &str,
     dir: &std::path::Path,
 ) -> Plan {
+    tiny_with(accelerator, (stage, param, optimizer), precision, dir, &[])
+}
+
+/// [`tiny`] with config overrides (`key=value`).
+fn tiny_with(
+    accelerator: &str,
+    (stage, param, optimizer): (u8, &str, &str),
+    precision: &str,
+    dir: &std::path::Path,
+    sets: &[String],
+) -> Plan {
     let config = json!({
         "train_micro_batch_size_per_gpu": 4,
         "gradient_clipping": 1.0,
@@ -252,7 +263,7 @@ fn tiny(
         "data": { "synthetic": "markov", "seq_len": 64 },
         "train": { "steps": 20, "devices": 1, "seed": 5, "accelerator": accelerator }
     });
-    from_json(config, &[], tierzero::device::facts()).unwrap().plan
+    from_json(config, sets, tierzero::device::facts()).unwrap().plan
 }
 
 fn losses(plan: &Plan) -> Vec<f64> {
@@ -283,22 +294,33 @@ fn tiny_llama_on_cuda_follows_the_cpu_run() {
         (3, "cpu", "none", true),
         (0, "none", "none", false),
     ];
-    for (stage, param, optimizer, pin) in layouts {
+    // and with two micro-batches a step, the GPU's sums held on it for the NVMe
+    // optimizer, which copies each into its pinned buffer (`rules::held_gradients`)
+    let layouts = layouts
+        .into_iter()
+        .map(|l| (l, 1))
+        .chain([((3, "nvme", "nvme", false), 2)]);
+    for ((stage, param, optimizer, pin), accumulation) in layouts {
         for (precision, tolerance) in [("fp32", 1e-3), ("bf16", 2e-2)] {
             let layout = (stage, param, optimizer);
+            let sets = [format!("gradient_accumulation_steps={accumulation}")];
             let with_pin = |mut plan: Plan| {
                 plan.zero.offload_param.pin_memory = pin;
                 plan
             };
-            let cpu = losses(&with_pin(tiny("cpu", layout, precision, &tmp.path().join("a"))));
-            let gpu = losses(&with_pin(tiny("cuda", layout, precision, &tmp.path().join("b"))));
+            let cpu = with_pin(tiny_with("cpu", layout, precision, &tmp.path().join("a"), &sets));
+            let gpu = with_pin(tiny_with("cuda", layout, precision, &tmp.path().join("b"), &sets));
+            if accumulation > 1 {
+                assert!(tierzero::plan::rules::held_gradients(&gpu).contains(&true));
+            }
+            let (cpu, gpu) = (losses(&cpu), losses(&gpu));
             let worst = cpu
                 .iter()
                 .zip(&gpu)
                 .map(|(a, b)| (a - b).abs() / a.abs())
                 .fold(0.0, f64::max);
             println!(
-                "stage {stage} {param}/{optimizer} pinned {pin} {precision}: cpu {cpu:?}\n  cuda {gpu:?}\n  worst relative {worst:.2e}"
+                "stage {stage} {param}/{optimizer} pinned {pin} {precision} accumulation {accumulation}: cpu {cpu:?}\n  cuda {gpu:?}\n  worst relative {worst:.2e}"
             );
             assert!(
                 worst < tolerance,
