@@ -294,12 +294,12 @@ fn tiny_llama_on_cuda_follows_the_cpu_run() {
         (3, "cpu", "none", true),
         (0, "none", "none", false),
     ];
-    // and with two micro-batches a step, the GPU's sums held on it for the NVMe
-    // optimizer, which copies each into its pinned buffer (`rules::held_gradients`)
+    // and with two micro-batches a step, the GPU's sums held on it for the host or
+    // NVMe optimizer, which copies each into a pinned buffer (`rules::held_gradients`)
     let layouts = layouts
         .into_iter()
         .map(|l| (l, 1))
-        .chain([((3, "nvme", "nvme", false), 2)]);
+        .chain([((3, "cpu", "cpu", false), 2), ((3, "nvme", "nvme", false), 2)]);
     for ((stage, param, optimizer, pin), accumulation) in layouts {
         for (precision, tolerance) in [("fp32", 1e-3), ("bf16", 2e-2)] {
             let layout = (stage, param, optimizer);

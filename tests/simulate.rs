@@ -324,7 +324,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     let gpu = Profile::load("h100-pcie5").unwrap();
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
-    let variants: [&[&str]; 23] = [
+    let variants: [&[&str]; 24] = [
         &[],
         &[
             "zero_optimization.stage=0",
@@ -398,6 +398,13 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
         ],
         &["gradient_accumulation_steps=2", "train.devices=4"],
         &["zero_optimization.stage=1", "train.devices=1"],
+        // sums held on the device for the host optimizer, the next unit's copy beside
+        // each update
+        &[
+            "gradient_accumulation_steps=3",
+            "train.accumulate_on_device=true",
+            "zero_optimization.offload_optimizer.device=cpu",
+        ],
     ];
     let mut gaps = Vec::new();
     for (i, sets) in variants.iter().enumerate() {

@@ -542,13 +542,27 @@ fn gradient_sums_on_the_device_train_the_bits_of_host_accumulation() {
         // half the units' state on the device (DeepSpeed's partial offload)
         (2, 3, "cpu", "cpu-half", true, 3),
         (1, 3, "cpu", "cpu-half", false, 1),
+        // a quarter on the device, the next units' in host memory, the rest on NVMe
+        (2, 3, "cpu", "nvme-mixed", true, 3),
     ];
     for (world, stage, param, optimizer, overlap, micro) in cases {
-        let half = optimizer == "cpu-half";
-        let optimizer = if half { "cpu" } else { optimizer };
+        let (half, mixed) = (optimizer == "cpu-half", optimizer == "nvme-mixed");
+        let optimizer = match optimizer {
+            "cpu-half" => "cpu",
+            "nvme-mixed" => "nvme",
+            other => other,
+        };
         let mut p = plan(world, stage, param, optimizer, micro, dir.path(), "fp32");
         if half {
             p.zero.offload_optimizer.ratio = 0.5;
+        }
+        if mixed {
+            p.zero.offload_optimizer.ratio = 0.75;
+            p.zero.offload_optimizer.max_in_cpu = p.model.config.unit_numels()[2];
+            let tiers = tierzero::plan::rules::optimizer_tiers(&p);
+            for tier in [Tier::Device, Tier::Cpu, Tier::Nvme] {
+                assert!(tiers.contains(&tier), "{tiers:?}");
+            }
         }
         p.model.config.tie_word_embeddings = true;
         p.zero.overlap_comm = overlap;
@@ -557,9 +571,11 @@ fn gradient_sums_on_the_device_train_the_bits_of_host_accumulation() {
         let host = master(&p);
         p.zero.device_accumulation = true;
         p.zero.device_gradients = true;
-        if optimizer == "nvme" {
-            // held on the device: nothing of the gradient goes through the store
+        // held on the device: nothing of the gradient goes through the store, nor a host
+        // accumulator
+        if micro > 1 {
             assert!(!tierzero::plan::rules::nvme_gradients(&p));
+            assert!(tierzero::plan::rules::held_gradients(&p).iter().all(|&h| h));
         }
         let device = master(&p);
         assert!(

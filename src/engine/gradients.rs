@@ -613,6 +613,21 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         self.optimizer_view(u, sum)
     }
 
+    /// Zeroes the device sum of every unit held there that got no gradient this step (made
+    /// first where no step has added into it yet), so that the optimizer reads it as the
+    /// step's sum: on compute's stream, before the optimizer's stream takes its mark.
+    pub(super) fn zero_idle_sums(&mut self) -> Result<(), EngineError> {
+        for u in 0..self.accumulators.len() {
+            if self.keeps(u) && self.device_sum(u).is_none() {
+                let _zeros = self.zero_on_device(u)?;
+                if let Some(d) = self.device.as_mut() {
+                    d.started[u] = true;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Of [`Self::kept_sum`], what the optimizer partition reads.
     fn kept_partition(&self, u: usize) -> Result<Option<Tensor>, EngineError> {
         self.kept_sum(u)

@@ -17,6 +17,7 @@
 //! - `grads.rs`: gradient accumulators (fp32, or bf16 with the optimizer on NVMe or where
 //!   bf16 is exact)
 //! - `optimize.rs`: the optimizer phase and installing its updates (`Installer`)
+//! - `held.rs`: gradient sums held on the device, copied out for updates off it, two deep
 //! - `start.rs`: where state starts: seeded init, Hugging Face weights, a checkpoint
 //! - `snapshot.rs`: a rank's part of saving a checkpoint
 //! - `setup.rs`: what a rank starts from: each unit's state, device reservations, arenas, streams
@@ -27,6 +28,7 @@ pub mod error;
 pub mod grad_store;
 pub mod gradients;
 pub mod grads;
+mod held;
 mod micro_batch;
 pub mod optimize;
 pub mod optimizer;

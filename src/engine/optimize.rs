@@ -8,8 +8,7 @@ use super::context::Tracks;
 use super::error::{EngineError, On};
 use super::gradients::{FinalGrad, Gradients};
 use super::optimizer::{
-    AdamStep, DeviceState, HeldCopy, Moments, NvmeTier, Optimizer, OptimizerState, ParamStaging,
-    SharedStaging, Update,
+    AdamStep, DeviceState, Moments, NvmeTier, Optimizer, OptimizerState, ParamStaging, SharedStaging, Update,
 };
 use super::params::LowParams;
 use super::prefetch::DroppedWait;
@@ -124,6 +123,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         // with its update (all or nothing: nothing is lent unless every gradient is here)
         self.grads.all_here()?;
         self.grads.store_missing(&self.tracks.compute)?;
+        self.grads.zero_idle_sums()?;
         // on a device the optimizer's stream follows what compute has queued by now (taken
         // before anything is lent, so a failure leaves every owner whole)
         let device = match (&self.site.streams, scope) {
@@ -158,7 +158,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             step,
             tracks: self.tracks.clone(),
             ahead: std::sync::Mutex::new(self.optimizer.ahead.take()),
-            held_copy: self.optimizer.held_copy.clone(),
+            held: self.optimizer.held.clone(),
         };
         match scope {
             Some(scope) => {
@@ -166,14 +166,15 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 let rank = self.site.rank;
                 scope.spawn(move || {
                     let stream = device.as_ref().map(UpdateStream::enter).transpose();
-                    for job in jobs {
+                    let mut jobs = jobs.into_iter().peekable();
+                    while let Some(job) = jobs.next() {
                         let result = stream.clone().map_err(stream_failed(rank)).and_then(|stream| {
                             let unit = job.unit;
                             let delay = device.as_ref().and_then(|d| d.delay(unit));
                             if let (Some(stream), Some(micros)) = (&stream, delay) {
                                 stream.delay(micros).map_err(stream_failed(rank))?;
                             }
-                            let update = context.run(job)?;
+                            let update = context.run_before(job, jobs.peek())?;
                             let mark = stream.map(|s| s.mark()).transpose();
                             Ok((update, mark.map_err(stream_failed(rank))?))
                         });
@@ -186,8 +187,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 self.optimizer.running(rx);
             }
             None => {
-                for job in jobs {
-                    let update = context.run(job)?;
+                let mut jobs = jobs.into_iter().peekable();
+                while let Some(job) = jobs.next() {
+                    let update = context.run_before(job, jobs.peek())?;
                     self.installer().install(update)?;
                 }
             }
@@ -274,8 +276,8 @@ struct OptimizerContext {
     /// The first NVMe sub-group's state reads, submitted during the backward, for the
     /// first unit whose state streams through the pipeline.
     ahead: std::sync::Mutex<Option<super::optimizer::Ahead>>,
-    /// The pinned buffer a GPU's held gradient sums are copied into.
-    held_copy: HeldCopy,
+    /// The copies of held gradient sums out of the device.
+    held: super::held::SharedHeld,
 }
 
 /// The NVMe pipeline's legs: spans on the optimizer's tracks, and on a simulated device
@@ -633,43 +635,43 @@ impl OptimizerContext {
     }
 
     /// A gradient sum held on the device (`rules::held_gradients`) as host values for an
-    /// update off it, given to `f`: a CPU device's where it is (a simulated GPU's copy
-    /// charged on the way), a GPU's copied into the pinned buffer first, on this
-    /// thread's stream.
+    /// update off it, given to `f` once its copy is in (`held.rs`).
     fn held_on_host<R>(
         &self,
         unit: usize,
         sum: &Tensor,
         f: impl FnOnce(GradSlice<'_>) -> Result<R, EngineError>,
     ) -> Result<R, EngineError> {
-        let n = sum.numel();
-        let bytes = 4 * n as u64;
-        if sum.device() == tch::Device::Cpu {
-            if sim::gpu() {
-                self.tracks
-                    .optimizer
-                    .span(Phase::D2h, Some(unit), bytes, || sim::charge(Work::D2h(bytes)));
-            }
-            // SAFETY: the step's reductions into the sum are done (the reduce lane is
-            // stopped before the update is issued), and the next step writes it only
-            // after this update is installed.
-            let values = unsafe { crate::torch::host_slice::<f32>(sum, n) }.map_err(self.on.torch())?;
-            return f(GradSlice::F32(values));
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .with(unit, sum, f)
+    }
+
+    /// Queues the copy of `job`'s gradient sum where it is held on the device for an
+    /// update off it: a unit's own before its update, the next unit's beside it.
+    fn queue_held(&self, job: &OptimizerJob<'_>) -> Result<(), EngineError> {
+        match (&job.grad, &job.moments) {
+            (FinalGrad::Device(sum), Moments::Memory(_) | Moments::Nvme(_)) => self
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .queue(job.unit, sum),
+            _ => Ok(()),
         }
-        let mut slot = self.held_copy.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(copy) = slot.as_mut().filter(|c| c.len() >= n) else {
-            return Err(EngineError::Invariant {
-                rank: self.on.0,
-                what: "a held gradient sum without a pinned buffer to copy it into",
-            });
-        };
-        self.tracks
-            .optimizer
-            .span(Phase::D2h, Some(unit), bytes, || {
-                crate::torch::copy_to_host(sum, crate::torch::pod_bytes_mut(&mut copy[..n]))
-            })
-            .map_err(self.on.torch())?;
-        f(GradSlice::F32(&copy[..n]))
+    }
+
+    /// One unit's update, the next unit's held sum queued for its copy beside it.
+    fn run_before<'a>(
+        &self,
+        job: OptimizerJob<'a>,
+        next: Option<&OptimizerJob<'a>>,
+    ) -> Result<Update<'a>, EngineError> {
+        self.queue_held(&job)?;
+        if let Some(next) = next {
+            self.queue_held(next)?;
+        }
+        self.run(job)
     }
 }
 

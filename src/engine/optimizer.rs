@@ -86,7 +86,8 @@ pub(super) struct Optimizer<'a> {
     /// The first unit's first sub-group of NVMe state, read during the backward
     /// ([`Self::read_first_ahead`]) for the next update.
     pub(super) ahead: Option<Ahead>,
-    pub(super) held_copy: HeldCopy,
+    /// The copies of held gradient sums out of the device (`held.rs`).
+    pub(super) held: super::held::SharedHeld,
 }
 
 /// A read-ahead of NVMe state, and on a simulated device the virtual time it was
@@ -99,11 +100,15 @@ pub(super) struct Ahead {
 impl<'a> Optimizer<'a> {
     /// The state of every unit's `partitions` entry on the unit's tier: in `nvme`, zeroed
     /// tensors on `device`, or zeroed slabs of one arena allocated here for the run (a
-    /// unit's three side by side); and a buffer of `held_copy` elements for held gradient
-    /// sums ([`HeldCopy`]; none for 0).
+    /// unit's three side by side); with the copies of held gradient sums (`held.rs`).
     pub(super) fn new(
         rank: usize,
-        (tiers, nvme, device, held_copy): (Vec<Tier>, Option<NvmeTier<'a>>, tch::Device, usize),
+        (tiers, nvme, device, held): (
+            Vec<Tier>,
+            Option<NvmeTier<'a>>,
+            tch::Device,
+            super::held::HeldCopies,
+        ),
         (adam_steps, scaler): (u64, LossScaler),
         partitions: Vec<Range<usize>>,
         pinning: &Pinning,
@@ -150,17 +155,6 @@ impl<'a> Optimizer<'a> {
                 },
             })
             .collect::<Result<Vec<_>, EngineError>>()?;
-        let held_copy = if held_copy == 0 {
-            None
-        } else {
-            let mut one =
-                arena::carve::<f32>(&[held_copy], pinning).map_err(|source| EngineError::Arena {
-                    rank,
-                    what: "held gradient copy",
-                    source,
-                })?;
-            one.pop()
-        };
         Ok(Optimizer {
             moments,
             tiers,
@@ -173,7 +167,7 @@ impl<'a> Optimizer<'a> {
             scaler,
             staging: SharedStaging::default(),
             ahead: None,
-            held_copy: Arc::new(std::sync::Mutex::new(held_copy)),
+            held: Arc::new(std::sync::Mutex::new(held)),
         })
     }
 
@@ -456,6 +450,11 @@ impl<'a> Optimizer<'a> {
             .sum();
         pipeline + in_memory
     }
+
+    /// Host bytes of the copies of held gradient sums (`held.rs`).
+    pub(super) fn held_bytes(&self) -> usize {
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).bytes()
+    }
 }
 
 /// The optimizer lane's buffers for parameters on NVMe: the new partition (sized to the
@@ -468,11 +467,6 @@ pub(super) struct ParamStaging {
 }
 
 pub(super) type SharedStaging = Arc<std::sync::Mutex<Option<ParamStaging>>>;
-
-/// The pinned buffer a GPU's optimizer thread copies a held gradient sum into for an
-/// update off the device (`rules::held_gradients`), carved once for the run: none on a
-/// CPU device, whose sums are read where they are.
-pub(super) type HeldCopy = Arc<std::sync::Mutex<Option<Slab<f32>>>>;
 
 /// One optimizer step: the kernels' coefficients (the gradient multiplier among them),
 /// and for torch's fused kernel on the device the hyper-parameters and the 1-based step.

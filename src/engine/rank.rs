@@ -31,7 +31,8 @@ use super::error::{EngineError, On};
 use super::gradients::Gradients;
 use super::optimizer::Optimizer;
 use super::setup::{
-    device_reservations, device_streams, homes, host_pinning, loss_scaler, param_pinning, unit_start,
+    device_reservations, device_streams, homes, host_pinning, loss_scaler, param_pinning, staging_pinning,
+    unit_start,
 };
 use super::units::Units;
 use crate::comm::{Collective, ReduceOp};
@@ -162,18 +163,19 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             (optimizer_store, stored_gradients(plan)),
         )?;
         let adam_steps = start.checkpoint().map_or(0, |c| c.manifest.adam_steps);
-        // a GPU's held gradient sums reach an update off it through one pinned buffer
+        // a GPU's held gradient sums reach an update off it through two pinned buffers
         let held_copy = if compute.is_cuda() {
             let lens: Vec<usize> = partitions.iter().map(|r| r.len()).collect();
             crate::plan::rules::held_copy_elements(plan, &lens)
         } else {
             0
         };
+        let held = super::held::HeldCopies::new(rank, held_copy, &staging_pinning(compute, rank)?)?;
         // each unit's state on its tier: tensors on the rank's device, slabs of a host
         // arena, or the swap store
         let mut optimizer = Optimizer::new(
             rank,
-            (optimizer_tiers(plan), optimizer_nvme, compute, held_copy),
+            (optimizer_tiers(plan), optimizer_nvme, compute, held),
             (adam_steps, loss_scaler(plan, start)),
             partitions.clone(),
             &pinning,
@@ -325,9 +327,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// stores' files, every rank's). State lent to a lane counts by its size.
     pub fn tier_bytes(&self) -> TierBytes {
         let optimizer = self.optimizer.memory_bytes();
-        // gradient accumulators are host arenas, but those stored on NVMe or kept on the
-        // device with their optimizer state
-        let grads = self.grads.bytes();
+        // gradient accumulators are host arenas, but those stored on NVMe or held on the
+        // device (the copies of held sums out of a GPU count)
+        let grads = self.grads.bytes() + self.optimizer.held_bytes();
         let params = self.units.memory_bytes();
         TierBytes {
             device: self.site.device.take_window_peak(),

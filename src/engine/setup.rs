@@ -187,6 +187,15 @@ pub(super) fn param_pinning(
     pinned.then(|| pinning(compute, rank)).transpose()
 }
 
+/// How staging buffers of a CUDA rank are held whatever `pin_memory` says (as the
+/// reduction's staging is pinned): registered with its context, so that DMA copies into
+/// them run beside the host's work. A CPU rank's are plain memory.
+pub(super) fn staging_pinning(compute: tch::Device, rank: usize) -> Result<Pinning, EngineError> {
+    let mut pinning = pinning(compute, rank)?;
+    pinning.lock = pinning.register.is_some();
+    Ok(pinning)
+}
+
 /// Locked, and registered with a CUDA rank's context.
 fn pinning(compute: tch::Device, rank: usize) -> Result<Pinning, EngineError> {
     let register = match compute {

@@ -120,9 +120,9 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         rank.buffers += per_set * sets * aligned(4 * swap_chunk);
     }
     if !cpu {
-        // the pinned buffer a held sum is copied into for a host or NVMe update
+        // the two pinned buffers held sums are copied into for host or NVMe updates
         let partitions: Vec<usize> = parts.iter().map(|p| p.optimizer_len(stage)).collect();
-        rank.gradients += 4 * held_copy_elements(plan, &partitions) as u64;
+        rank.gradients += 2 * 4 * held_copy_elements(plan, &partitions) as u64;
     }
     if nvme_grads {
         // one chunk per gradient reduction in flight

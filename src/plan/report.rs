@@ -47,12 +47,17 @@ pub fn model_states(plan: &Plan) -> Vec<StateRow> {
     if stage >= 2 {
         // a unit's gradient shard sits next to its optimizer state, on NVMe too (as
         // DeepSpeed's optimizer swapper keeps it), in bf16 where `rules::bf16_gradients`
-        // says so
+        // says so; a sum held on the device until the optimizer reads it
+        // (`rules::held_gradients`) is there, in fp32
         let grad: Vec<u64> = crate::plan::rules::bf16_gradients(plan)
             .into_iter()
             .map(|bf16| if bf16 { 2 } else { 4 })
             .collect();
-        out.extend(rows("gradients", &optimizer_tiers, &grad, true));
+        let grad_tiers: Vec<Tier> = (optimizer_tiers.iter())
+            .zip(crate::plan::rules::held_gradients(plan))
+            .map(|(&tier, held)| if held { Tier::Device } else { tier })
+            .collect();
+        out.extend(rows("gradients", &grad_tiers, &grad, true));
     } else {
         out.extend(rows("gradients", &vec![Tier::Device; numels.len()], &low, false));
     }

@@ -162,24 +162,25 @@ pub fn gradients_on_device(plan: &Plan) -> Vec<bool> {
 
 /// Which units' step sums stay on the device until the optimizer reads them: those that
 /// never leave it ([`gradients_on_device`]), and with gradient accumulation on the device
-/// ([`device_accumulation`]) those whose optimizer state is on NVMe. The optimizer thread
-/// takes each of these sums to the host as it reaches the unit (a GPU's in one copy into
-/// a pinned buffer of the largest such partition, a CPU device's read where it is),
-/// where the last micro-batch would send it through the swap store: written in backward
-/// order, read back in forward order, twice the gradient's bytes on the disk each step
-/// (DeepSpeed's optimizer swapper keeps gradients there). Their Σ g² is taken on the
-/// device.
+/// ([`device_accumulation`]) every other unit's. The optimizer thread takes each of these
+/// sums to the host as it reaches the unit, the next unit's copy beside this unit's
+/// update (a GPU's into two pinned buffers of the largest such partition, a CPU device's
+/// read where it is; `engine/held.rs`), where the last micro-batch would send it to a
+/// host accumulator (4 bytes a parameter of host memory through the run) or through the
+/// swap store (written in backward order, read back in forward order: twice the
+/// gradient's bytes on the disk each step; DeepSpeed's optimizer swapper keeps gradients
+/// there). Their Σ g² is taken on the device.
 pub fn held_gradients(plan: &Plan) -> Vec<bool> {
     let accumulated = device_accumulation(plan);
     optimizer_tiers(plan)
         .into_iter()
         .zip(gradients_on_device(plan))
-        .map(|(tier, kept)| kept || (accumulated && tier == Tier::Nvme))
+        .map(|(tier, kept)| kept || (accumulated && tier != Tier::Device))
         .collect()
 }
 
-/// Elements of the pinned buffer a GPU's optimizer thread copies a held sum into
-/// ([`held_gradients`]) for a host or NVMe update: the largest such of the units'
+/// Elements of each of the two pinned buffers a GPU's optimizer thread copies held sums
+/// into ([`held_gradients`]) for a host or NVMe update: the largest such of the units'
 /// optimizer `partitions` (0 where none is held; a CPU device needs none, its sums read
 /// where they are).
 pub fn held_copy_elements(plan: &Plan, partitions: &[usize]) -> usize {

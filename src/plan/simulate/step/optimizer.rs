@@ -2,7 +2,7 @@
 //! the step, with its state read from and written to its tier, and the new parameters
 //! sent back to theirs.
 
-use super::super::clock::Track;
+use super::super::clock::{Mark, Track};
 use super::super::costs::Work as Cost;
 use super::super::disk::{schedule, Legs};
 use super::{round_4k, Replay};
@@ -21,8 +21,26 @@ impl Replay<'_> {
         let accumulator = if rules::stored_bf16(self.plan) { 2 } else { 4 };
         // the step's stored gradients are consumed here
         self.stored.fill(false);
+        let mut held = HeldCopies::default();
+        let units = self.parts.len();
         for (u, stored) in stored_grads.into_iter().enumerate() {
             let len = self.optimizer_len(u);
+            // a sum held on the device for an update off it: its copy queued (the next
+            // unit's beside this update), then waited for
+            self.queue_held(u, &mut held);
+            if u + 1 < units {
+                self.queue_held(u + 1, &mut held);
+            }
+            if let Some(i) = held.queued.iter().position(|q| q.0 == u) {
+                let (_, landed) = held.queued.remove(i);
+                if landed > self.clocks.now(Track::Optimizer) {
+                    let woken = Mark {
+                        at: landed + self.costs.d2h_wait(),
+                        track: Track::D2h,
+                    };
+                    self.clocks.wait(Track::Optimizer, woken);
+                }
+            }
             match self.optimizer_tiers[u] {
                 Tier::Device => {
                     // fused AdamW on the step's gradient sum, already on the device, or
@@ -61,15 +79,6 @@ impl Replay<'_> {
                     );
                 }
                 Tier::Nvme => {
-                    if self.kept[u] && self.cuda() {
-                        // the step's sum held on the device, copied out into the pinned
-                        // buffer the pipeline reads it from (a CPU device's is read where
-                        // it is)
-                        let bytes = 4 * len;
-                        let copy = self.costs.seconds(Cost::D2h(bytes));
-                        self.clocks.run(Track::Optimizer, "d2h", Some(u), copy, bytes);
-                        self.pcie[1] += bytes;
-                    }
                     // the pipeline's sub-groups on one disk (`disk::schedule`, as the
                     // simulated device's `LegClock` times them); the first sub-group's
                     // state read ahead since the backward's start
@@ -141,5 +150,33 @@ impl Replay<'_> {
             self.updated[u] = self.clocks.mark(Track::Optimizer);
             self.fresh[u] = true;
         }
+    }
+}
+
+/// The optimizer thread's copies of held sums out of a GPU (`engine/held.rs`): the units
+/// queued (at most the one in use and the next) with when each copy is in, and when the
+/// copy engine is free.
+#[derive(Default)]
+struct HeldCopies {
+    queued: Vec<(usize, f64)>,
+    free: f64,
+}
+
+impl Replay<'_> {
+    /// Queues the copy of unit `u`'s sum where it is held on a GPU for an update off it
+    /// (`rules::held_gradients`; a CPU device's is read in place) and not queued yet: on
+    /// the copy engine from the later of the optimizer's time and the engine's last copy.
+    fn queue_held(&mut self, u: usize, held: &mut HeldCopies) {
+        let off_device = self.kept[u] && self.optimizer_tiers[u] != Tier::Device;
+        if !off_device || !self.cuda() || held.queued.iter().any(|q| q.0 == u) || held.queued.len() >= 2 {
+            return;
+        }
+        let bytes = 4 * self.optimizer_len(u);
+        let start = self.clocks.now(Track::Optimizer).max(held.free);
+        held.free = start + self.costs.seconds(Cost::D2h(bytes));
+        self.clocks
+            .place(Track::D2h, ("d2h", Some(u)), (start, held.free), bytes);
+        self.pcie[1] += bytes;
+        held.queued.push((u, held.free));
     }
 }

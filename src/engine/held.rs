@@ -1,0 +1,198 @@
+//! Gradient sums held on the device until the optimizer reaches their unit
+//! (`rules::held_gradients`), taken to the host for an update there, two deep: the
+//! optimizer thread queues the copy of the next unit's sum before it waits for this
+//! unit's, so one copy runs while the host updates the unit before (as the reduction's
+//! staging does, `staging.rs`). A GPU's sums are copied by DMA on the thread's stream
+//! into two pinned buffers of the largest held partition, each with a mark recorded
+//! after its copy; a CPU device's are read where they are, and a simulated GPU is charged
+//! the same schedule: each copy on the stream's copy engine from when it is queued, each
+//! update once its copy is in.
+
+use super::error::EngineError;
+use crate::device::cuda::Cuda;
+use crate::device::lanes::{Mark, Stream};
+use crate::device::sim;
+use crate::plan::simulate::costs::Work;
+use crate::torch;
+use tch::{Kind, Tensor};
+use tierzero_offload::adam::GradSlice;
+use tierzero_offload::arena::{self, Pinning, Slab};
+
+/// A sum whose copy is queued.
+struct Queued {
+    unit: usize,
+    /// The buffer it goes into (a GPU's), and the mark recorded after its copy.
+    copy: Option<(usize, Mark)>,
+    /// On a simulated GPU, the virtual time its copy is in.
+    landed: Option<f64>,
+    len: usize,
+}
+
+/// The optimizer thread's copies of held sums: the pinned buffers (none on a CPU device),
+/// and the sum being used and the one queued after it.
+pub(super) struct HeldCopies {
+    buffers: Vec<Slab<f32>>,
+    queued: Vec<Queued>,
+    /// The buffer the next copy goes into.
+    next: usize,
+    /// Virtual time a simulated GPU's copy engine is free from.
+    engine_free: f64,
+    rank: usize,
+}
+
+impl HeldCopies {
+    /// Two pinned buffers of `elements` each (none for 0: a CPU device's sums are read in
+    /// place), carved once for the run.
+    pub(super) fn new(rank: usize, elements: usize, pinning: &Pinning) -> Result<HeldCopies, EngineError> {
+        let buffers = if elements == 0 {
+            Vec::new()
+        } else {
+            arena::carve::<f32>(&[elements, elements], pinning).map_err(|source| EngineError::Arena {
+                rank,
+                what: "held gradient copies",
+                source,
+            })?
+        };
+        Ok(HeldCopies {
+            buffers,
+            queued: Vec::with_capacity(2),
+            next: 0,
+            engine_free: 0.0,
+            rank,
+        })
+    }
+
+    /// Bytes of the pinned buffers.
+    pub(super) fn bytes(&self) -> usize {
+        self.buffers.iter().map(|b| 4 * b.len()).sum()
+    }
+
+    fn torch_error(&self, what: &str, message: String) -> EngineError {
+        EngineError::Torch {
+            rank: self.rank,
+            source: tch::TchError::Torch(format!("{what}: {message}")),
+        }
+    }
+
+    /// Queues the copy of unit `u`'s held `sum` unless it is queued already (at most the
+    /// one in use and one after it).
+    pub(super) fn queue(&mut self, u: usize, sum: &Tensor) -> Result<(), EngineError> {
+        if self.queued.iter().any(|q| q.unit == u) || self.queued.len() >= 2 {
+            return Ok(());
+        }
+        let len = sum.numel();
+        let bytes = 4 * len as u64;
+        let mut queued = Queued {
+            unit: u,
+            copy: None,
+            landed: None,
+            len,
+        };
+        if sum.device() == tch::Device::Cpu {
+            if let Some(stream) = sim::entered().filter(|_| sim::gpu()) {
+                let work = Work::D2h(bytes);
+                let start = stream.now().max(self.engine_free);
+                self.engine_free = start + stream.seconds(work);
+                stream.beside(work, start, self.engine_free);
+                queued.landed = Some(self.engine_free);
+            }
+            self.queued.push(queued);
+            return Ok(());
+        }
+        let buffer = self.next;
+        let Some(slab) = self.buffers.get_mut(buffer).filter(|b| b.len() >= len) else {
+            return Err(EngineError::Invariant {
+                rank: self.rank,
+                what: "a held gradient sum larger than its copy buffers",
+            });
+        };
+        let out = torch::pod_bytes_mut(&mut slab[..len]);
+        // SAFETY: the view lives while the copy is in flight: the buffer is not written
+        // or read again before its mark has passed (`with`), and is freed only after
+        // every queued copy's mark has (`Drop`)
+        let mut view = unsafe {
+            Tensor::f_from_blob(
+                out.as_mut_ptr(),
+                &[len as i64],
+                &[1],
+                Kind::Float,
+                tch::Device::Cpu,
+            )
+        }
+        .map_err(|source| EngineError::Torch {
+            rank: self.rank,
+            source,
+        })?;
+        torch::shim::copy_(&mut view, sum, true).map_err(|source| EngineError::Torch {
+            rank: self.rank,
+            source,
+        })?;
+        let ordinal = match sum.device() {
+            tch::Device::Cuda(ordinal) => ordinal,
+            _ => 0,
+        };
+        let mark = Cuda::shared(ordinal)
+            .and_then(|cuda| cuda.current_stream())
+            .map_err(|e| e.to_string())
+            .and_then(|stream| stream.mark().map_err(|e| e.to_string()))
+            .map_err(|message| self.torch_error("a held sum's copy mark", message))?;
+        queued.copy = Some((buffer, mark));
+        self.next = 1 - buffer;
+        self.queued.push(queued);
+        Ok(())
+    }
+
+    /// Unit `u`'s held `sum` as host values, given to `f` once its copy is in (queued
+    /// now where it was not), then done with.
+    pub(super) fn with<R>(
+        &mut self,
+        u: usize,
+        sum: &Tensor,
+        f: impl FnOnce(GradSlice<'_>) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        self.queue(u, sum)?;
+        let Some(i) = self.queued.iter().position(|q| q.unit == u) else {
+            return Err(EngineError::Invariant {
+                rank: self.rank,
+                what: "a held gradient sum not queued for its copy",
+            });
+        };
+        let queued = self.queued.remove(i);
+        if let (Some(at), Some(stream)) = (queued.landed, sim::entered()) {
+            stream.wait_for_copy(at);
+        }
+        match queued.copy {
+            None => {
+                // SAFETY: the step's reductions into the sum are done (the reduce lane
+                // is stopped before the update is issued), and the next step writes it
+                // only after this update is installed
+                let values = unsafe { torch::host_slice::<f32>(sum, queued.len) }.map_err(|source| {
+                    EngineError::Torch {
+                        rank: self.rank,
+                        source,
+                    }
+                })?;
+                f(GradSlice::F32(values))
+            }
+            Some((buffer, mark)) => {
+                mark.synchronize()
+                    .map_err(|e| self.torch_error("a held sum's copy", e.to_string()))?;
+                f(GradSlice::F32(&self.buffers[buffer][..queued.len]))
+            }
+        }
+    }
+}
+
+impl Drop for HeldCopies {
+    /// A copy still in flight (the run stopped) is waited for before its buffer goes.
+    fn drop(&mut self) {
+        for queued in self.queued.drain(..) {
+            if let Some((_, mark)) = queued.copy {
+                let _ = mark.synchronize();
+            }
+        }
+    }
+}
+
+/// [`HeldCopies`] kept by the optimizer between steps and lent to its thread.
+pub(super) type SharedHeld = std::sync::Arc<std::sync::Mutex<HeldCopies>>;
