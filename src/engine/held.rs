@@ -9,8 +9,7 @@
 //! update once its copy is in.
 
 use super::error::EngineError;
-use crate::device::cuda::Cuda;
-use crate::device::lanes::{Mark, Stream};
+use crate::device::lanes::Mark;
 use crate::device::sim;
 use crate::plan::simulate::costs::Work;
 use crate::torch;
@@ -127,15 +126,7 @@ impl HeldCopies {
             rank: self.rank,
             source,
         })?;
-        let ordinal = match sum.device() {
-            tch::Device::Cuda(ordinal) => ordinal,
-            _ => 0,
-        };
-        let mark = Cuda::shared(ordinal)
-            .and_then(|cuda| cuda.current_stream())
-            .map_err(|e| e.to_string())
-            .and_then(|stream| stream.mark().map_err(|e| e.to_string()))
-            .map_err(|message| self.torch_error("a held sum's copy mark", message))?;
+        let mark = super::staging::copied_mark(sum, "a held sum's copy mark", self.rank)?;
         queued.copy = Some((buffer, mark));
         self.next = 1 - buffer;
         self.queued.push(queued);

@@ -171,18 +171,7 @@ impl Staging {
         }
         let mut head = pinned.f_narrow(0, 0, copied as i64).map_err(torch_err)?;
         torch::shim::copy_(&mut head, src, true).map_err(torch_err)?;
-        let ordinal = match src.device() {
-            tch::Device::Cuda(ordinal) => ordinal,
-            _ => 0,
-        };
-        let mark = Cuda::shared(ordinal)
-            .and_then(|cuda| cuda.current_stream())
-            .map_err(|e| e.to_string())
-            .and_then(|stream| stream.mark().map_err(|e| e.to_string()))
-            .map_err(|message| EngineError::Torch {
-                rank,
-                source: tch::TchError::Torch(format!("a staged copy's mark: {message}")),
-            })?;
+        let mark = copied_mark(src, "a staged copy's mark", rank)?;
         self.next = 1 - buffer;
         track.record(Phase::D2h, Some(unit), issued, bytes);
         let before = self.in_flight.replace(InFlight {
@@ -303,6 +292,23 @@ impl Staging {
         }
         self.engine_free = 0.0;
     }
+}
+
+/// A mark on the calling thread's current stream of `src`'s GPU, recorded after a copy
+/// out of `src` queued there (`what` names it in an error).
+pub(super) fn copied_mark(src: &Tensor, what: &str, rank: usize) -> Result<Mark, EngineError> {
+    let ordinal = match src.device() {
+        tch::Device::Cuda(ordinal) => ordinal,
+        _ => 0,
+    };
+    Cuda::shared(ordinal)
+        .and_then(|cuda| cuda.current_stream())
+        .map_err(|e| e.to_string())
+        .and_then(|stream| stream.mark().map_err(|e| e.to_string()))
+        .map_err(|message| EngineError::Torch {
+            rank,
+            source: tch::TchError::Torch(format!("{what}: {message}")),
+        })
 }
 
 /// The host's wait for a charged stretch's copy (with the thread's wake-up after it),
