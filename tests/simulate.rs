@@ -324,7 +324,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     let gpu = Profile::load("h100-pcie5").unwrap();
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
-    let variants: [&[&str]; 24] = [
+    let variants: [&[&str]; 25] = [
         &[],
         &[
             "zero_optimization.stage=0",
@@ -404,6 +404,13 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
             "gradient_accumulation_steps=3",
             "train.accumulate_on_device=true",
             "zero_optimization.offload_optimizer.device=cpu",
+        ],
+        // half the units' state on the device: no copy queued beside their updates
+        &[
+            "gradient_accumulation_steps=2",
+            "train.accumulate_on_device=true",
+            "zero_optimization.offload_optimizer.device=cpu",
+            "zero_optimization.offload_optimizer.ratio=0.5",
         ],
     ];
     let mut gaps = Vec::new();

@@ -716,7 +716,12 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             return Ok(FinalGrad::Device(sum));
         }
         if self.keeps(u) {
-            return self.zero_on_device(u).map(FinalGrad::Device);
+            // zeroed before the optimizer's stream took compute's mark, or the zeros
+            // would be queued after it
+            return Err(EngineError::Invariant {
+                rank: self.rank,
+                what: "a held gradient sum lent without zero_idle_sums",
+            });
         }
         if self.stage == 1 {
             let range = self.partitions[u].clone();

@@ -11,8 +11,10 @@
 use super::error::EngineError;
 use crate::device::lanes::Mark;
 use crate::device::sim;
+use crate::metrics::timeline::{Phase, Track};
 use crate::plan::simulate::costs::Work;
 use crate::torch;
+use std::time::Instant;
 use tch::{Kind, Tensor};
 use tierzero_offload::adam::GradSlice;
 use tierzero_offload::arena::{self, Pinning, Slab};
@@ -73,9 +75,32 @@ impl HeldCopies {
         }
     }
 
+    /// Forgets what is queued from an earlier step, each copy waited for first (a step
+    /// whose optimizer stopped early leaves its next unit's copy queued).
+    pub(super) fn start_step(&mut self) -> Result<(), EngineError> {
+        for queued in std::mem::take(&mut self.queued) {
+            if let Some((_, mark)) = queued.copy {
+                if let Err(e) = mark.synchronize() {
+                    self.poison();
+                    return Err(self.torch_error("a held sum's copy", e.to_string()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// After a GPU error, when a copy into the buffers may still be in flight: they are
+    /// never freed (nor used again: a later copy finds none).
+    fn poison(&mut self) {
+        std::mem::take(&mut self.buffers)
+            .into_iter()
+            .for_each(std::mem::forget);
+        self.queued.clear();
+    }
+
     /// Queues the copy of unit `u`'s held `sum` unless it is queued already (at most the
-    /// one in use and one after it).
-    pub(super) fn queue(&mut self, u: usize, sum: &Tensor) -> Result<(), EngineError> {
+    /// one in use and one after it); a GPU's copy is recorded on `track`.
+    pub(super) fn queue(&mut self, u: usize, sum: &Tensor, track: &Track) -> Result<(), EngineError> {
         if self.queued.iter().any(|q| q.unit == u) || self.queued.len() >= 2 {
             return Ok(());
         }
@@ -98,7 +123,7 @@ impl HeldCopies {
             self.queued.push(queued);
             return Ok(());
         }
-        let buffer = self.next;
+        let (buffer, issued) = (self.next, Instant::now());
         let Some(slab) = self.buffers.get_mut(buffer).filter(|b| b.len() >= len) else {
             return Err(EngineError::Invariant {
                 rank: self.rank,
@@ -126,7 +151,15 @@ impl HeldCopies {
             rank: self.rank,
             source,
         })?;
-        let mark = super::staging::copied_mark(sum, "a held sum's copy mark", self.rank)?;
+        let mark = match super::staging::copied_mark(sum, "a held sum's copy mark", self.rank) {
+            Ok(mark) => mark,
+            Err(e) => {
+                // the copy was queued, and nothing says when it is done
+                self.poison();
+                return Err(e);
+            }
+        };
+        track.record(Phase::D2h, Some(u), issued, bytes);
         queued.copy = Some((buffer, mark));
         self.next = 1 - buffer;
         self.queued.push(queued);
@@ -139,9 +172,10 @@ impl HeldCopies {
         &mut self,
         u: usize,
         sum: &Tensor,
+        track: &Track,
         f: impl FnOnce(GradSlice<'_>) -> Result<R, EngineError>,
     ) -> Result<R, EngineError> {
-        self.queue(u, sum)?;
+        self.queue(u, sum, track)?;
         let Some(i) = self.queued.iter().position(|q| q.unit == u) else {
             return Err(EngineError::Invariant {
                 rank: self.rank,
@@ -166,8 +200,12 @@ impl HeldCopies {
                 f(GradSlice::F32(values))
             }
             Some((buffer, mark)) => {
-                mark.synchronize()
-                    .map_err(|e| self.torch_error("a held sum's copy", e.to_string()))?;
+                let waited = Instant::now();
+                if let Err(e) = mark.synchronize() {
+                    self.poison();
+                    return Err(self.torch_error("a held sum's copy", e.to_string()));
+                }
+                track.waited(Phase::D2h, Some(u), waited);
                 f(GradSlice::F32(&self.buffers[buffer][..queued.len]))
             }
         }

@@ -124,6 +124,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         self.grads.all_here()?;
         self.grads.store_missing(&self.tracks.compute)?;
         self.grads.zero_idle_sums()?;
+        self.optimizer
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .start_step()?;
         // on a device the optimizer's stream follows what compute has queued by now (taken
         // before anything is lent, so a failure leaves every owner whole)
         let device = match (&self.site.streams, scope) {
@@ -645,7 +650,7 @@ impl OptimizerContext {
         self.held
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .with(unit, sum, f)
+            .with(unit, sum, &self.tracks.optimizer, f)
     }
 
     /// Queues the copy of `job`'s gradient sum where it is held on the device for an
@@ -656,19 +661,21 @@ impl OptimizerContext {
                 .held
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .queue(job.unit, sum),
+                .queue(job.unit, sum, &self.tracks.optimizer),
             _ => Ok(()),
         }
     }
 
-    /// One unit's update, the next unit's held sum queued for its copy beside it.
+    /// One unit's update, the next unit's held sum queued for its copy beside it where
+    /// the update is the host's (a device-tier update would queue behind the copy on the
+    /// thread's stream).
     fn run_before<'a>(
         &self,
         job: OptimizerJob<'a>,
         next: Option<&OptimizerJob<'a>>,
     ) -> Result<Update<'a>, EngineError> {
         self.queue_held(&job)?;
-        if let Some(next) = next {
+        if let Some(next) = next.filter(|_| !matches!(job.moments, Moments::Device(_))) {
             self.queue_held(next)?;
         }
         self.run(job)

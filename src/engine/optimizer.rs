@@ -88,6 +88,7 @@ pub(super) struct Optimizer<'a> {
     pub(super) ahead: Option<Ahead>,
     /// The copies of held gradient sums out of the device (`held.rs`).
     pub(super) held: super::held::SharedHeld,
+    held_bytes: usize,
 }
 
 /// A read-ahead of NVMe state, and on a simulated device the virtual time it was
@@ -167,6 +168,7 @@ impl<'a> Optimizer<'a> {
             scaler,
             staging: SharedStaging::default(),
             ahead: None,
+            held_bytes: held.bytes(),
             held: Arc::new(std::sync::Mutex::new(held)),
         })
     }
@@ -451,9 +453,10 @@ impl<'a> Optimizer<'a> {
         pipeline + in_memory
     }
 
-    /// Host bytes of the copies of held gradient sums (`held.rs`).
+    /// Host bytes of the copies of held gradient sums (`held.rs`), fixed for the run (the
+    /// optimizer thread holds them while it updates).
     pub(super) fn held_bytes(&self) -> usize {
-        self.held.lock().unwrap_or_else(|e| e.into_inner()).bytes()
+        self.held_bytes
     }
 }
 

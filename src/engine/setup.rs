@@ -188,11 +188,12 @@ pub(super) fn param_pinning(
 }
 
 /// How staging buffers of a CUDA rank are held whatever `pin_memory` says (as the
-/// reduction's staging is pinned): registered with its context, so that DMA copies into
-/// them run beside the host's work. A CPU rank's are plain memory.
+/// reduction's staging is pinned): registered with its context, which pins their pages,
+/// so that DMA copies into them run beside the host's work (not locked as well: that is
+/// `pin_memory`'s, and fails under a small `ulimit -l`). A CPU rank's are plain memory.
 pub(super) fn staging_pinning(compute: tch::Device, rank: usize) -> Result<Pinning, EngineError> {
     let mut pinning = pinning(compute, rank)?;
-    pinning.lock = pinning.register.is_some();
+    pinning.lock = false;
     Ok(pinning)
 }
 

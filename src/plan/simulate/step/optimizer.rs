@@ -26,9 +26,9 @@ impl Replay<'_> {
         for (u, stored) in stored_grads.into_iter().enumerate() {
             let len = self.optimizer_len(u);
             // a sum held on the device for an update off it: its copy queued (the next
-            // unit's beside this update), then waited for
+            // unit's beside this update, where it is the host's), then waited for
             self.queue_held(u, &mut held);
-            if u + 1 < units {
+            if u + 1 < units && self.optimizer_tiers[u] != Tier::Device {
                 self.queue_held(u + 1, &mut held);
             }
             if let Some(i) = held.queued.iter().position(|q| q.0 == u) {
