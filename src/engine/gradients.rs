@@ -596,9 +596,9 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         self.keeps(u).then(|| self.device_sum(u)).flatten()
     }
 
-    /// A gradient kept on the device that got nothing this step: its sum made zeros (made
-    /// first where no step has added into it yet), the optimizer partition of it.
-    fn zero_on_device(&mut self, u: usize) -> Result<Tensor, EngineError> {
+    /// A gradient held on the device that got nothing this step: its sum made zeros (made
+    /// first where no step has added into it yet) and counted as the step's.
+    fn zero_on_device(&mut self, u: usize) -> Result<(), EngineError> {
         let (rank, len) = (self.rank, self.parts[u].accumulator_len(self.stage));
         let Some(d) = self.device.as_mut() else {
             return Err(EngineError::Invariant {
@@ -606,23 +606,20 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
                 what: "a gradient kept on the device without device sums",
             });
         };
-        let sum = d
-            .sum(u, len)
-            .and_then(|sum| sum.shallow_clone().f_zero_().map(|_| sum))
+        d.sum(u, len)
+            .and_then(|mut sum| sum.f_zero_().map(|_| ()))
             .map_err(|source| EngineError::Torch { rank, source })?;
-        self.optimizer_view(u, sum)
+        d.started[u] = true;
+        Ok(())
     }
 
-    /// Zeroes the device sum of every unit held there that got no gradient this step (made
-    /// first where no step has added into it yet), so that the optimizer reads it as the
-    /// step's sum: on compute's stream, before the optimizer's stream takes its mark.
+    /// Zeroes the device sum of every unit held there that got no gradient this step, so
+    /// that the optimizer reads it as the step's sum: on compute's stream, before the
+    /// optimizer's stream takes its mark.
     pub(super) fn zero_idle_sums(&mut self) -> Result<(), EngineError> {
         for u in 0..self.accumulators.len() {
             if self.keeps(u) && self.device_sum(u).is_none() {
-                let _zeros = self.zero_on_device(u)?;
-                if let Some(d) = self.device.as_mut() {
-                    d.started[u] = true;
-                }
+                self.zero_on_device(u)?;
             }
         }
         Ok(())

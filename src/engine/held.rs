@@ -114,11 +114,8 @@ impl HeldCopies {
         };
         if sum.device() == tch::Device::Cpu {
             if let Some(stream) = sim::entered().filter(|_| sim::gpu()) {
-                let work = Work::D2h(bytes);
-                let start = stream.now().max(self.engine_free);
-                self.engine_free = start + stream.seconds(work);
-                stream.beside(work, start, self.engine_free);
-                queued.landed = Some(self.engine_free);
+                let landed = super::staging::charge_copy(&stream, &mut self.engine_free, Work::D2h(bytes));
+                queued.landed = Some(landed);
             }
             self.queued.push(queued);
             return Ok(());

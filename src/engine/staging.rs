@@ -256,11 +256,7 @@ impl Staging {
         let Some(stream) = sim::entered().filter(|_| sim::gpu()) else {
             return false;
         };
-        let work = Work::D2h(elt as u64 * elements);
-        let start = stream.now().max(self.engine_free);
-        self.engine_free = start + stream.seconds(work);
-        stream.beside(work, start, self.engine_free);
-        let landed = self.engine_free;
+        let landed = charge_copy(&stream, &mut self.engine_free, Work::D2h(elt as u64 * elements));
         if let Some(before) = self.charged.replace(Charged { elements, landed }) {
             land_charged(&stream, before);
         }
@@ -309,6 +305,16 @@ pub(super) fn copied_mark(src: &Tensor, what: &str, rank: usize) -> Result<Mark,
             rank,
             source: tch::TchError::Torch(format!("{what}: {message}")),
         })
+}
+
+/// Charges `work`, a copy a thread queued on a simulated GPU, to its stream's copy engine,
+/// free from `engine_free`: from the later of the stream's time and that, beside the
+/// thread. Returns when the copy is in (the engine's time from then).
+pub(super) fn charge_copy(stream: &sim::SimStream, engine_free: &mut f64, work: Work) -> f64 {
+    let start = stream.now().max(*engine_free);
+    *engine_free = start + stream.seconds(work);
+    stream.beside(work, start, *engine_free);
+    *engine_free
 }
 
 /// The host's wait for a charged stretch's copy (with the thread's wake-up after it),

@@ -77,7 +77,7 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     let optimizer_tiers = optimizer_tiers(plan);
     let stored = stored_gradients(plan);
     let sums = device_sums(plan);
-    let on_device = super::rules::held_gradients(plan);
+    let held_sums = super::rules::held_gradients(plan);
     for (u, (p, &param_tier)) in parts.iter().zip(&param_tiers).enumerate() {
         let optimizer_tier = optimizer_tiers[u];
         if in_host(param_tier) {
@@ -97,14 +97,14 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
             rank.parameters += elem * opt_len(p);
         }
         // a gradient held on the device has no host accumulator (nor a stage-1 copy)
-        if !stored[u] && !on_device[u] {
+        if !stored[u] && !held_sums[u] {
             rank.gradients += grad_elem(u) * acc_len(p);
         }
         if cpu && sums[u] {
             // the device accumulators of gradient accumulation, in host memory on a CPU
             rank.gradients += 4 * acc_len(p);
         }
-        if stage == 1 && !on_device[u] {
+        if stage == 1 && !held_sums[u] {
             // the partition copy lent to the optimizer
             rank.gradients += 4 * opt_len(p);
         }
