@@ -27,7 +27,9 @@ tools:
 $(TORCH_STAMP):
 	@command -v $(PYTHON) >/dev/null || (apt-get update && apt-get install -y python3 python3-venv python3-pip)
 	@test -x $(VENV)/bin/pip || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION) tensorboard==$(TENSORBOARD_VERSION)
+	@avail=$$(df -Pk $(CURDIR) | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	  test "$$avail" -ge 12 || echo "WARN $$avail GiB free under $(CURDIR): torch's wheels take ~8 GiB while they install and the build ~7 GiB more; free space if pip stops with 'No space left on device'"
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-cache-dir torch==$(TORCH_VERSION) tensorboard==$(TENSORBOARD_VERSION)
 	@touch $@
 
 build: setup
