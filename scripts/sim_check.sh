@@ -9,7 +9,7 @@
 #
 #   scripts/sim_check.sh [STEPS]          (default 6; the first 2 are warm-up)
 #
-# REUSE=1 keeps the real runs already in $WORK (runs/sim_check), measures the profiles
+# ONLY=NAME runs one of them (tiny, m130, l1b). REUSE=1 keeps the real runs already in $WORK (runs/sim_check), measures the profiles
 # again and simulates again; PROFILE=FILE prices every run on that profile instead of
 # measuring (with REUSE=1: a model change priced on the same runs and rates). Each
 # run's profiles stay in $WORK: profile-NAME-before.json, -after.json and their mean,
@@ -122,6 +122,9 @@ for phase in ("forward", "backward", "all_gather", "reduce", "h2d", "d2h", "nvme
         print(f"  {phase:<11} {p:.4f} s predicted, {r:.4f} s measured ({p / r - 1 if r else float('inf'):+.0%})")
 PY
 }
-compare tiny "${tiny[@]}"
-compare m130 "${m130[@]}"
-compare l1b "${l1b[@]}"
+for name in tiny m130 l1b; do
+  if [ -z "${ONLY:-}" ] || [ "$ONLY" = "$name" ]; then
+    args="$name[@]"
+    compare "$name" "${!args}"
+  fi
+done

@@ -279,7 +279,8 @@ fn losses(plan: &Plan) -> Vec<f64> {
 /// on the GPU, whose gradients stay there (`rules::gradients_on_device`; stage 3 with
 /// parameters on the GPU or in host memory, and stage 0); parameters in host memory
 /// also pinned (`offload_param.pin_memory`: copied to the GPU in place by DMA, and from
-/// a device-tier optimizer straight into their registered buffer).
+/// a device-tier optimizer straight into their registered buffer); parameters on the GPU
+/// with the host's optimizer (stages 2 and 3).
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it with --ignored"]
 fn tiny_llama_on_cuda_follows_the_cpu_run() {
@@ -293,6 +294,10 @@ fn tiny_llama_on_cuda_follows_the_cpu_run() {
         (3, "cpu", "none", false),
         (3, "cpu", "none", true),
         (0, "none", "none", false),
+        // parameters on the GPU, the host's optimizer: its new values copied there
+        // through two pinned buffers (`engine/update_copies.rs`)
+        (3, "none", "cpu", false),
+        (2, "none", "cpu", false),
     ];
     // and with two micro-batches a step, the GPU's sums held on it for the host or
     // NVMe optimizer, which copies each into a pinned buffer (`rules::held_gradients`)

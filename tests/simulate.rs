@@ -324,7 +324,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     let gpu = Profile::load("h100-pcie5").unwrap();
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
-    let variants: [&[&str]; 25] = [
+    let variants: [&[&str]; 26] = [
         &[],
         &[
             "zero_optimization.stage=0",
@@ -405,6 +405,15 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
             "train.accumulate_on_device=true",
             "zero_optimization.offload_optimizer.device=cpu",
         ],
+        // units kept gathered whose shard would be on NVMe keep it on the device: the
+        // NVMe optimizer's new values copied there through the thread's two buffers
+        &[
+            "zero_optimization.offload_param.device=nvme",
+            "zero_optimization.offload_param.max_in_cpu=0",
+            "(the parameters' NVMe directory)",
+            "train.keep_gathered=true",
+            "train.shards_on_device=true",
+        ],
         // half the units' state on the device: no copy queued beside their updates
         &[
             "gradient_accumulation_steps=2",
@@ -483,13 +492,14 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
 /// step of `llama-8b-1gpu-nvme` (parameters and optimizer state on NVMe) longer than
 /// with a disk per track, as the simulated device keeps them. The sums accumulate on the
 /// host here, so the last micro-batch's gradients go to the disk during the backward,
-/// beside the parameter reads (held on the device, they would not touch it).
+/// beside the parameter reads (held on the device, they would not touch it; nor would
+/// the parameters, with their shards kept on the device).
 #[test]
 fn every_nvme_transfer_of_a_rank_takes_its_turn_on_one_disk() {
     let profile = Profile::load("h100-pcie5").unwrap();
     let plan = plan_on(
         "llama-8b-1gpu-nvme.json",
-        &["train.accumulate_on_device=false"],
+        &["train.accumulate_on_device=false", "train.shards_on_device=false"],
         &profile,
     );
     assert!(tierzero::plan::rules::stored_gradients(&plan).contains(&true));

@@ -623,21 +623,28 @@ fn shards_on_the_device_train_the_bits_of_shards_off_it() {
         );
     }
     // units kept gathered whose optimizer state is on the device keep their shard there
-    // too (`offload_param.kept_on_device`): updated there, the bits of the host's shard
-    for (world, param) in [(2, "cpu"), (1, "nvme")] {
-        let mut p = plan(world, 3, param, "cpu", 2, dir.path(), "fp32");
+    // too (`offload_param.kept_on_device`): updated there, the bits of the host's shard;
+    // so do those whose shard would be on NVMe, updated by the host's optimizer and copied
+    // there (`engine/update_copies.rs`): the bits of the shard on NVMe
+    for (world, param, optimizer, ratio, all) in [
+        (2, "cpu", "cpu", 0.5, false),
+        (1, "nvme", "cpu", 0.5, true),
+        (2, "nvme", "nvme", 1.0, true),
+        (3, "nvme", "cpu", 1.0, true),
+    ] {
+        let mut p = plan(world, 3, param, optimizer, 2, dir.path(), "fp32");
         p.zero.overlap_comm = true;
         p.zero.param_persistence_threshold = usize::MAX;
-        p.zero.offload_optimizer.ratio = 0.5;
+        p.zero.offload_optimizer.ratio = ratio;
         let off = master(&p);
         p.zero.offload_param.kept_on_device = true;
         let tiers = tierzero::plan::rules::param_tiers(&p);
         let moved = tiers.iter().filter(|&&t| t == Tier::Device).count();
-        assert!(moved > 0 && moved < tiers.len(), "{tiers:?}");
+        assert!(moved > 0 && (moved == tiers.len()) == all, "{tiers:?}");
         let on = master(&p);
         assert!(
             on == off,
-            "world {world} param {param}: kept units' shards on the device"
+            "world {world} param {param} optimizer {optimizer}: kept units' shards on the device"
         );
     }
 }

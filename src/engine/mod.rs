@@ -42,3 +42,4 @@ pub mod staging;
 pub mod start;
 mod step_lanes;
 pub mod units;
+mod update_copies;

@@ -164,6 +164,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             tracks: self.tracks.clone(),
             ahead: std::sync::Mutex::new(self.optimizer.ahead.take()),
             held: self.optimizer.held.clone(),
+            update_copies: self.optimizer.update_copies.clone(),
         };
         match scope {
             Some(scope) => {
@@ -283,6 +284,8 @@ struct OptimizerContext {
     ahead: std::sync::Mutex<Option<super::optimizer::Ahead>>,
     /// The copies of held gradient sums out of the device.
     held: super::held::SharedHeld,
+    /// The copies of host updates into device parameters.
+    update_copies: super::update_copies::SharedUpdateCopies,
 }
 
 /// The NVMe pipeline's legs: spans on the optimizer's tracks, and on a simulated device
@@ -420,6 +423,16 @@ impl OptimizerContext {
             Destination::Device(fresh) => {
                 let moments = self.update(unit, moments, &grad, Fresh::Device(&fresh))?;
                 Ok((unit, NewParams::Device(fresh), moments, grad))
+            }
+            Destination::ToDevice(target) => {
+                let moments = self
+                    .update_copies
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .through(unit, &target, &self.tracks.optimizer, |fresh| {
+                        self.update(unit, moments, &grad, Fresh::Host(fresh))
+                    })?;
+                Ok((unit, NewParams::Device(target), moments, grad))
             }
             Destination::Nvme(store) => {
                 let moments = self.update_to_nvme(unit, moments, &grad, store)?;

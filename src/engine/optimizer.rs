@@ -89,6 +89,9 @@ pub(super) struct Optimizer<'a> {
     /// The copies of held gradient sums out of the device (`held.rs`).
     pub(super) held: super::held::SharedHeld,
     held_bytes: usize,
+    /// The copies of host updates into device parameters (`update_copies.rs`).
+    pub(super) update_copies: super::update_copies::SharedUpdateCopies,
+    update_copy_bytes: usize,
 }
 
 /// A read-ahead of NVMe state, and on a simulated device the virtual time it was
@@ -101,14 +104,15 @@ pub(super) struct Ahead {
 impl<'a> Optimizer<'a> {
     /// The state of every unit's `partitions` entry on the unit's tier: in `nvme`, zeroed
     /// tensors on `device`, or zeroed slabs of one arena allocated here for the run (a
-    /// unit's three side by side); with the copies of held gradient sums (`held.rs`).
+    /// unit's three side by side); with the copies of held gradient sums (`held.rs`)
+    /// and of host updates into device parameters (`update_copies.rs`).
     pub(super) fn new(
         rank: usize,
-        (tiers, nvme, device, held): (
+        (tiers, nvme, device, (held, update_copies)): (
             Vec<Tier>,
             Option<NvmeTier<'a>>,
             tch::Device,
-            super::held::HeldCopies,
+            (super::held::HeldCopies, super::update_copies::UpdateCopies),
         ),
         (adam_steps, scaler): (u64, LossScaler),
         partitions: Vec<Range<usize>>,
@@ -170,6 +174,8 @@ impl<'a> Optimizer<'a> {
             ahead: None,
             held_bytes: held.bytes(),
             held: Arc::new(std::sync::Mutex::new(held)),
+            update_copy_bytes: update_copies.bytes(),
+            update_copies: Arc::new(std::sync::Mutex::new(update_copies)),
         })
     }
 
@@ -457,6 +463,12 @@ impl<'a> Optimizer<'a> {
     /// optimizer thread holds them while it updates).
     pub(super) fn held_bytes(&self) -> usize {
         self.held_bytes
+    }
+
+    /// Host bytes of the copies of host updates into device parameters
+    /// (`update_copies.rs`), fixed for the run.
+    pub(super) fn update_copy_bytes(&self) -> usize {
+        self.update_copy_bytes
     }
 }
 

@@ -16,12 +16,12 @@ pub enum LowParams {
     U16(HostBuf<u16>),
 }
 
-/// A host buffer of parameter values: a `Vec`, or a slab of an arena of its own, locked
-/// and registered with the rank's GPU (`offload_param.pin_memory`), which a DMA copy
-/// reads in place. A clone is a `Vec`.
+/// A host buffer of parameter values: a `Vec`, or the first elements (the count beside
+/// it) of a slab of an arena of its own, locked and registered with the rank's GPU
+/// (`offload_param.pin_memory`), which a DMA copy reads in place. A clone is a `Vec`.
 pub enum HostBuf<T: Pod> {
     Vec(Vec<T>),
-    Pinned(Slab<T>),
+    Pinned(Slab<T>, usize),
 }
 
 impl<T: Pod> std::ops::Deref for HostBuf<T> {
@@ -29,7 +29,7 @@ impl<T: Pod> std::ops::Deref for HostBuf<T> {
     fn deref(&self) -> &[T] {
         match self {
             HostBuf::Vec(v) => v,
-            HostBuf::Pinned(s) => s,
+            HostBuf::Pinned(s, len) => &s[..*len],
         }
     }
 }
@@ -38,7 +38,7 @@ impl<T: Pod> std::ops::DerefMut for HostBuf<T> {
     fn deref_mut(&mut self) -> &mut [T] {
         match self {
             HostBuf::Vec(v) => v,
-            HostBuf::Pinned(s) => s,
+            HostBuf::Pinned(s, len) => &mut s[..*len],
         }
     }
 }
@@ -53,7 +53,7 @@ impl<T: Pod> std::fmt::Debug for HostBuf<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self {
             HostBuf::Vec(_) => "Vec",
-            HostBuf::Pinned(_) => "Pinned",
+            HostBuf::Pinned(..) => "Pinned",
         };
         write!(f, "HostBuf::{kind}({} elements)", self.len())
     }
@@ -66,21 +66,34 @@ fn zero<T: Pod>() -> T {
 }
 
 impl<T: Pod> HostBuf<T> {
-    /// `len` elements, new ones zero; within a `Vec`'s capacity nothing is allocated,
-    /// beyond it exactly `len` elements are (a slab of another length becomes a `Vec`).
+    /// `len` elements, new ones zero; within a `Vec`'s capacity or the slab nothing is
+    /// allocated, beyond it exactly `len` elements are (a slab too short becomes a `Vec`).
     fn resize(&mut self, len: usize) {
         match self {
             HostBuf::Vec(v) => {
                 v.reserve_exact(len.saturating_sub(v.len()));
                 v.resize(len, zero::<T>());
             }
-            HostBuf::Pinned(s) if s.len() == len => {}
-            HostBuf::Pinned(s) => {
+            HostBuf::Pinned(s, used) if len <= s.len() => {
+                if len > *used {
+                    s[*used..len].fill(zero::<T>());
+                }
+                *used = len;
+            }
+            HostBuf::Pinned(s, used) => {
                 let mut v = Vec::with_capacity(len);
-                v.extend_from_slice(&s[..len.min(s.len())]);
+                v.extend_from_slice(&s[..*used]);
                 v.resize(len, zero::<T>());
                 *self = HostBuf::Vec(v);
             }
+        }
+    }
+
+    /// Elements the buffer holds without allocating.
+    fn capacity(&self) -> usize {
+        match self {
+            HostBuf::Vec(v) => v.capacity(),
+            HostBuf::Pinned(s, _) => s.len(),
         }
     }
 
@@ -90,12 +103,12 @@ impl<T: Pod> HostBuf<T> {
             .pop()
             .unwrap_or_else(|| unreachable!("one length gives one slab"));
         slab.copy_from_slice(values);
-        Ok(HostBuf::Pinned(slab))
+        Ok(HostBuf::Pinned(slab, values.len()))
     }
 
     /// Whether the buffer is registered with a GPU (a DMA copy can read it in place).
     fn is_registered(&self) -> bool {
-        matches!(self, HostBuf::Pinned(s) if s.arena().is_registered())
+        matches!(self, HostBuf::Pinned(s, _) if s.arena().is_registered())
     }
 }
 
@@ -136,7 +149,7 @@ impl LowParams {
     pub(crate) fn is_pinned(&self) -> bool {
         matches!(
             self,
-            LowParams::F32(HostBuf::Pinned(_)) | LowParams::U16(HostBuf::Pinned(_))
+            LowParams::F32(HostBuf::Pinned(..)) | LowParams::U16(HostBuf::Pinned(..))
         )
     }
 
@@ -187,6 +200,14 @@ impl LowParams {
         }
     }
 
+    /// Elements [`Self::resize`] reaches without allocating (a pinned buffer's, pinned).
+    pub(crate) fn capacity(&self) -> usize {
+        match self {
+            LowParams::F32(v) => v.capacity(),
+            LowParams::U16(v) => v.capacity(),
+        }
+    }
+
     pub(crate) fn elem_bytes(&self) -> usize {
         match self {
             LowParams::F32(_) => 4,
@@ -216,7 +237,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pinned_parameters_keep_their_values_and_a_clone_or_a_new_length_is_a_vec() {
+    fn pinned_parameters_keep_their_values_within_the_slab_and_a_clone_or_a_longer_length_is_a_vec() {
         let values = LowParams::rounded(&[1.0, -2.5, 3.25], &Precision::Bf16);
         let mut pinned = values.pinned(&Pinning::default()).unwrap();
         assert!(pinned.is_pinned() && !values.is_pinned());
@@ -231,6 +252,14 @@ mod tests {
         assert!(!copy.is_pinned() && copy.as_bytes() == values.as_bytes());
         pinned.resize(3);
         assert!(pinned.is_pinned());
+        // shorter, then back within the slab: pinned, the elements shown again zero
+        pinned.resize(1);
+        assert!(pinned.is_pinned() && pinned.len() == 1 && pinned.capacity() == 3);
+        assert_eq!(pinned.as_bytes(), &values.as_bytes()[..2]);
+        pinned.resize(3);
+        assert!(pinned.is_pinned());
+        assert_eq!(&pinned.as_bytes()[2..], &[0, 0, 0, 0]);
+        pinned.bytes_mut().copy_from_slice(values.as_bytes());
         pinned.resize(4);
         assert!(!pinned.is_pinned());
         assert_eq!(&pinned.as_bytes()[..6], values.as_bytes());

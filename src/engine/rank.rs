@@ -171,11 +171,24 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             0
         };
         let held = super::held::HeldCopies::new(rank, held_copy, &staging_pinning(compute, rank)?)?;
+        // and host updates reach parameters on the device through two more
+        let lens: Vec<usize> = partitions.iter().map(|r| r.len()).collect();
+        let update_copies = super::update_copies::UpdateCopies::new(
+            rank,
+            crate::plan::rules::update_copy_elements(plan, &lens),
+            &plan.precision,
+            &staging_pinning(compute, rank)?,
+        )?;
         // each unit's state on its tier: tensors on the rank's device, slabs of a host
         // arena, or the swap store
         let mut optimizer = Optimizer::new(
             rank,
-            (optimizer_tiers(plan), optimizer_nvme, compute, held),
+            (
+                optimizer_tiers(plan),
+                optimizer_nvme,
+                compute,
+                (held, update_copies),
+            ),
             (adam_steps, loss_scaler(plan, start)),
             partitions.clone(),
             &pinning,
@@ -330,7 +343,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         // gradient accumulators are host arenas, but those stored on NVMe or held on the
         // device (the copies of held sums out of a GPU count)
         let grads = self.grads.bytes() + self.optimizer.held_bytes();
-        let params = self.units.memory_bytes();
+        let params = self.units.memory_bytes() + self.optimizer.update_copy_bytes();
         TierBytes {
             device: self.site.device.take_window_peak(),
             host: (params + optimizer + grads) as u64,

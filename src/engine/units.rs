@@ -54,6 +54,9 @@ pub(super) enum Destination<'a> {
     Host(LowParams),
     /// Into this tensor on the device (parameters and optimizer state both there).
     Device(Tensor),
+    /// Into this tensor on the device from the host's optimizer, through the optimizer
+    /// thread's two buffers (`update_copies.rs`).
+    ToDevice(Tensor),
     /// Into the NVMe parameter store, from the optimizer lane's staging buffer.
     Nvme(&'a SwapStore),
 }
@@ -351,9 +354,9 @@ impl<'a> Units<'a> {
     }
 
     /// Where the optimizer writes unit `u`'s new partition of `len` elements: straight to
-    /// NVMe; into a device tensor when the parameters and the optimizer state
-    /// (`device_optimizer`) are both on the device; else into a host buffer. Spare
-    /// buffers of that length are reused.
+    /// NVMe; into a device tensor where the parameters are on the device (with the
+    /// optimizer state there, `device_optimizer`, or from the host's optimizer through its
+    /// copy buffers); else into a host buffer. Spare buffers of that length are reused.
     pub(super) fn destination(
         &mut self,
         u: usize,
@@ -363,8 +366,9 @@ impl<'a> Units<'a> {
         let destination = match &self.units[u].params {
             Params::Nvme(store) => Destination::Nvme(store),
             Params::Device(_) if device_optimizer => Destination::Device(self.update_target(u, len)?),
+            Params::Device(_) => Destination::ToDevice(self.update_target(u, len)?),
             Params::Host(_) if matches!(self.stage, 0 | 3) => self.overwritten(u, len),
-            Params::Device(_) | Params::Host(_) => match self.units[u].spare.take() {
+            Params::Host(_) => match self.units[u].spare.take() {
                 Some(p) if p.len() == len => Destination::Host(p),
                 _ => Destination::Host(LowParams::zeros(len, &self.precision)),
             },
@@ -397,9 +401,9 @@ impl<'a> Units<'a> {
     }
 
     /// The new parameters of unit `u` to where they live: on the device written in place
-    /// and all-gathered into the replica (stages 1–2), in host memory all-gathered into
-    /// the replica (stages 1–2) or kept as the unit's stored parameters; parameters on
-    /// NVMe were written by the optimizer lane already. The persistent gathered copy is
+    /// (by the optimizer thread) and all-gathered into the replica (stages 1–2), in host
+    /// memory all-gathered into the replica (stages 1–2) or kept as the unit's stored
+    /// parameters; parameters on NVMe were written by the optimizer lane already. The persistent gathered copy is
     /// dropped either way. Host buffers the unit no longer needs become its spares for the
     /// next update.
     pub(super) fn install<C: Collective>(
@@ -413,20 +417,13 @@ impl<'a> Units<'a> {
         self.units[u].lent = 0;
         let written = match (fresh, &self.units[u].params) {
             (NewParams::Written, _) => return Ok(()),
-            (NewParams::Host(fresh), Params::Device(_)) => {
-                // the CPU optimizer's output to the device
-                let target = self.update_target(u, fresh.len())?;
-                let bytes = fresh.as_bytes();
-                sim::charge(Work::H2dPageable(bytes.len() as u64));
-                track
-                    .span(Phase::H2d, Some(u), bytes.len() as u64, || {
-                        torch::copy_from_host(&target, bytes)
-                    })
-                    .map_err(self.on.torch())?;
-                self.units[u].spare = Some(fresh);
-                target
-            }
             (NewParams::Device(written), Params::Device(_)) => written,
+            (NewParams::Host(_), Params::Device(_)) => {
+                return Err(EngineError::Invariant {
+                    rank: self.on.0,
+                    what: "a host update for parameters on the device",
+                })
+            }
             (NewParams::Host(fresh), _) => return self.install_in_host(u, fresh, comm, track),
             (NewParams::Device(_), _) => {
                 return Err(EngineError::Invariant {

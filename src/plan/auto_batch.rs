@@ -247,9 +247,11 @@ pub(super) fn fit_shards(plan: &mut Plan, facts: DeviceFacts) {
 }
 
 /// Stage 3 with parameters off the device: whether the units kept gathered whose optimizer
-/// state is on the device keep their shard there too (`offload_param.kept_on_device`), as
-/// `train.shards_on_device` says; for "auto", on a GPU, where its memory has room. Such a
-/// unit's update is made on the device and stays there: no copy out of it, none back in.
+/// state is on the device, or whose shard would be on NVMe, keep their shard there too
+/// (`offload_param.kept_on_device`), as `train.shards_on_device` says; for "auto", on a
+/// GPU, where its memory has room. The first kind's update is made on the device and stays
+/// there: no copy out of it, none back in; the second's new values cross once from the
+/// host's optimizer, where they went to the NVMe parameter store and came back.
 pub(super) fn fit_kept_shards(plan: &mut Plan, facts: DeviceFacts) {
     if plan.zero.stage != 3 || plan.zero.offload_param.tier == Tier::Device {
         return;
@@ -265,16 +267,35 @@ pub(super) fn fit_kept_shards(plan: &mut Plan, facts: DeviceFacts) {
         }
     };
     plan.zero.offload_param.kept_on_device = on;
-    let moved = crate::plan::rules::param_tiers(plan)
+    let optimizer = crate::plan::rules::optimizer_tiers(plan);
+    let (mut with_state, mut from_nvme) = (0, 0);
+    for (u, (now, was)) in crate::plan::rules::param_tiers(plan)
         .iter()
         .zip(&before)
-        .filter(|(now, was)| now != was)
-        .count();
+        .enumerate()
+    {
+        match (now != was, optimizer[u] == Tier::Device) {
+            (true, true) => with_state += 1,
+            (true, false) => from_nvme += 1,
+            (false, _) => {}
+        }
+    }
+    let moved = with_state + from_nvme;
     if plan.train.shards_on_device.is_none() && moved > 0 {
-        let why = format!(
-            "{moved} units kept gathered whose optimizer state is on the GPU keep their parameter shard there \
-             too: updated there, nothing crosses; its memory has room"
-        );
+        let mut kinds = Vec::new();
+        if with_state > 0 {
+            kinds.push(format!(
+                "{with_state} units kept gathered whose optimizer state is on the GPU keep their parameter shard \
+                 there too: updated there, nothing crosses"
+            ));
+        }
+        if from_nvme > 0 {
+            kinds.push(format!(
+                "{from_nvme} units kept gathered whose parameter shard would be on NVMe keep it on the GPU: the \
+                 host's update crosses once, with no trip through the NVMe parameter store"
+            ));
+        }
+        let why = format!("{}; its memory has room", kinds.join("; "));
         // one line for the key, beside what `fit_shards` chose
         match plan.auto.iter_mut().find(|c| c.key == "train.shards_on_device") {
             Some(choice) => {

@@ -4,7 +4,8 @@
 //!
 //! Counted per rank of the process: parameters kept in host memory (the current
 //! partition, which the update overwrites at stages 0 and 3; at stages 1–2 beside the
-//! partition the next update is written into), gradient accumulators
+//! partition the next update is written into), the two buffers host updates of
+//! parameters on the device go through, gradient accumulators
 //! (host memory, or with the optimizer on NVMe at stages 2–3 one swap chunk per reduction
 //! in flight), optimizer state not on NVMe, the NVMe pipelines' buffers, the reduction's chunk buffers, and — on CPU ranks, whose device memory is
 //! host memory — the device prediction plus the largest unit's flat gradient tensor
@@ -18,7 +19,7 @@ use super::partition::Partition;
 use super::rules::{
     bf16_gradients, chunk_elements, device_sums, gathers_updates, held_at_once, held_copy_elements,
     nvme_gradients, optimizer_swap_chunk, optimizer_tiers, param_tiers, pipeline_sets, stored_bf16,
-    stored_gradients, REDUCE_DEPTH,
+    stored_gradients, update_copy_elements, REDUCE_DEPTH,
 };
 use super::{Accelerator, Plan, Tier, Wire};
 use serde::Serialize;
@@ -92,10 +93,6 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
                     _ => kept(p),
                 };
         }
-        if param_tier == Tier::Device && optimizer_tier != Tier::Device {
-            // the host buffer the CPU optimizer writes the new partition into
-            rank.parameters += elem * opt_len(p);
-        }
         // a gradient held on the device has no host accumulator (nor a stage-1 copy)
         if !stored[u] && !held_sums[u] {
             rank.gradients += grad_elem(u) * acc_len(p);
@@ -112,6 +109,10 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
             rank.optimizer += 12 * opt_len(p);
         }
     }
+    // the two buffers the host's optimizer writes new values of parameters on the device
+    // into, each copied there before it is written again
+    let partitions: Vec<usize> = parts.iter().map(|p| p.optimizer_len(stage)).collect();
+    rank.parameters += 2 * elem * update_copy_elements(plan, &partitions) as u64;
     let aligned = |bytes: u64| bytes.div_ceil(4096) * 4096;
     let swap_chunk = optimizer_swap_chunk(plan) as u64;
     if optimizer_tiers.contains(&Tier::Nvme) {
@@ -121,7 +122,6 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
     }
     if !cpu {
         // the two pinned buffers held sums are copied into for host or NVMe updates
-        let partitions: Vec<usize> = parts.iter().map(|p| p.optimizer_len(stage)).collect();
         rank.gradients += 2 * 4 * held_copy_elements(plan, &partitions) as u64;
     }
     if nvme_grads {

@@ -306,14 +306,18 @@ fn zero_rows(out: &mut String, plan: &Plan) {
         ),
     ] {
         if let Some(p) = path {
-            // parameters on NVMe that max_in_cpu keeps in host memory leave theirs unused
+            // parameters on NVMe that max_in_cpu keeps in host memory, or whose shards stay
+            // on the device (`train.shards_on_device`), leave theirs unused
             let unused = what == "offload_param.nvme_path"
                 && plan.zero.offload_param.tier == Tier::Nvme
                 && !tiers.contains(&Tier::Nvme);
-            let note = if unused {
-                " (unused: every unit fits offload_param.max_in_cpu)"
-            } else {
-                ""
+            let note = match (unused, tiers.contains(&Tier::Cpu), tiers.contains(&Tier::Device)) {
+                (false, ..) => "",
+                (true, true, true) => {
+                    " (unused: every unit fits offload_param.max_in_cpu or keeps its shard on the device)"
+                }
+                (true, false, true) => " (unused: every unit keeps its shard on the device)",
+                (true, ..) => " (unused: every unit fits offload_param.max_in_cpu)",
             };
             row(out, what, format!("{}{note}", p.display()));
         }

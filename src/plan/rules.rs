@@ -195,6 +195,21 @@ pub fn held_copy_elements(plan: &Plan, partitions: &[usize]) -> usize {
         .unwrap_or(0)
 }
 
+/// Elements of each of the two buffers the optimizer thread writes a host update of
+/// parameters on the device into before its copy there (`engine/update_copies.rs`): the
+/// largest of the units' optimizer `partitions` whose parameters are on the device and
+/// optimizer state off it (0 where there is none).
+pub fn update_copy_elements(plan: &Plan, partitions: &[usize]) -> usize {
+    param_tiers(plan)
+        .into_iter()
+        .zip(optimizer_tiers(plan))
+        .zip(partitions)
+        .filter(|&((param, optimizer), _)| param == Tier::Device && optimizer != Tier::Device)
+        .map(|(_, &len)| len)
+        .max()
+        .unwrap_or(0)
+}
+
 /// Which units sum their gradient in a device accumulator: every unit with gradient
 /// accumulation on the device ([`device_accumulation`]), and those whose gradients stay
 /// there ([`gradients_on_device`]).
@@ -281,7 +296,8 @@ pub fn head_slice_rows(vocab: i64, hidden: i64) -> i64 {
 /// `stage3_param_persistence_threshold`: a unit kept gathered crosses once a step
 /// wherever its shard is) stay on the device (`train.shards_on_device`), and with
 /// `offload_param.kept_on_device` so do the shards of units kept gathered whose optimizer
-/// state is on the device (their update then never crosses).
+/// state is on the device (their update then never crosses) or whose shard would be on
+/// NVMe (their update then crosses once, where it went to the disk and back).
 pub fn param_tiers(plan: &Plan) -> Vec<Tier> {
     let param = &plan.zero.offload_param;
     let mut spill = spill_to_nvme(param.max_in_cpu);
@@ -309,7 +325,11 @@ pub fn param_tiers(plan: &Plan) -> Vec<Tier> {
                 on_device -= 1;
                 Tier::Device
             }
-            Tier::Nvme => spill(numel),
+            Tier::Nvme => match spill(numel) {
+                // a unit kept gathered whose shard would be on NVMe
+                Tier::Nvme if stage3 && param.kept_on_device && numel <= threshold => Tier::Device,
+                tier => tier,
+            },
             tier => tier,
         })
         .collect()

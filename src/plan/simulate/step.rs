@@ -175,8 +175,8 @@ impl<'a> Replay<'a> {
         self.clocks.run(Track::Compute, phase, Some(u), seconds, 0);
     }
 
-    /// `install_through(u)`: compute waits for unit `u`'s update of the last step, and
-    /// (parameters on the device, optimizer off it) copies it in.
+    /// `install_through(u)`: compute waits for unit `u`'s update of the last step (with,
+    /// for parameters on the device, the optimizer thread's copy of it there).
     /// Returns whether there was an update to install.
     fn install(&mut self, u: usize) -> bool {
         if !self.fresh[u] {
@@ -185,12 +185,6 @@ impl<'a> Replay<'a> {
         self.fresh[u] = false;
         let m = self.updated[u];
         self.clocks.wait(Track::Compute, m);
-        if self.param_tiers[u] == Tier::Device && self.optimizer_tiers[u] != Tier::Device {
-            let bytes = self.optimizer_len(u) * self.p();
-            let seconds = self.costs.seconds(Cost::H2dPageable(bytes));
-            self.clocks.run(Track::Compute, "h2d", Some(u), seconds, bytes);
-            self.pcie[0] += if self.cuda() { bytes } else { 0 };
-        }
         true
     }
 

@@ -137,7 +137,14 @@ impl Replay<'_> {
                     }
                 }
             }
-            // the new parameters back to their tier
+            // the new parameters back to their tier: parameters on the device updated off
+            // it copied there from the thread's buffer (`engine/update_copies.rs`)
+            if self.param_tiers[u] == Tier::Device && self.optimizer_tiers[u] != Tier::Device {
+                let bytes = len * self.p();
+                let seconds = self.costs.seconds(Cost::H2d(bytes));
+                self.clocks.run(Track::Optimizer, "h2d", Some(u), seconds, bytes);
+                self.pcie[0] += if self.cuda() { bytes } else { 0 };
+            }
             let shard = self.parts[u].shard as u64 * self.p();
             if self.param_tiers[u] == Tier::Nvme && self.stage() == 3 {
                 self.clocks.run_on_disk(

@@ -1,0 +1,161 @@
+//! Parameters on the device updated by the host's optimizer (state in host memory or on
+//! NVMe; `train.shards_on_device`): the optimizer thread writes each unit's new values
+//! into one of two buffers of the largest such partition and copies them into the
+//! device partition on its own stream, so the host holds two partitions' values however
+//! many units it updates, and one copy runs while the next unit is updated. A GPU's
+//! copies are DMA from pinned memory, each with a mark recorded after it, and a buffer is
+//! written again only once its copy's mark has passed; the optimizer's mark after the
+//! update covers the copy for compute, which waits for it before the unit's next use. A
+//! CPU device's copy is a memcpy; a simulated GPU is charged it on the thread's stream.
+
+use super::error::EngineError;
+use crate::device::lanes::Mark;
+use crate::device::sim;
+use crate::metrics::timeline::{Phase, Track};
+use crate::plan::simulate::costs::Work;
+use crate::plan::Precision;
+use crate::torch;
+use std::time::Instant;
+use tch::Tensor;
+use tierzero_offload::arena::Pinning;
+
+use super::params::LowParams;
+
+pub(super) struct UpdateCopies {
+    /// The two buffers, each with the mark recorded after its last copy out of it (a
+    /// GPU's, until waited for).
+    buffers: Vec<(LowParams, Option<Mark>)>,
+    /// The buffer the next update writes.
+    next: usize,
+    rank: usize,
+}
+
+impl UpdateCopies {
+    /// Two buffers of `elements` each in `precision`, held as `pinning` says (none for 0:
+    /// no unit's parameters are on the device with its optimizer state off it).
+    pub(super) fn new(
+        rank: usize,
+        elements: usize,
+        precision: &Precision,
+        pinning: &Pinning,
+    ) -> Result<UpdateCopies, EngineError> {
+        let mut buffers = Vec::new();
+        if elements > 0 {
+            for _ in 0..2 {
+                let buffer = LowParams::zeros(elements, precision)
+                    .pinned(pinning)
+                    .map_err(|source| EngineError::Arena {
+                        rank,
+                        what: "the buffers of host updates to device parameters",
+                        source,
+                    })?;
+                buffers.push((buffer, None));
+            }
+        }
+        Ok(UpdateCopies {
+            buffers,
+            next: 0,
+            rank,
+        })
+    }
+
+    /// Bytes of the buffers.
+    pub(super) fn bytes(&self) -> usize {
+        self.buffers
+            .iter()
+            .map(|(b, _)| b.capacity() * b.elem_bytes())
+            .sum()
+    }
+
+    fn copy_failed(&mut self, message: String) -> EngineError {
+        // a copy out of them may still be in flight: never freed, nor used again
+        std::mem::take(&mut self.buffers)
+            .into_iter()
+            .for_each(std::mem::forget);
+        EngineError::Torch {
+            rank: self.rank,
+            source: tch::TchError::Torch(format!("a host update's copy to the device: {message}")),
+        }
+    }
+
+    /// Unit `u`'s update off the device into its device partition `target`: `update`
+    /// writes the new values into the next buffer (once its last copy is in), which are
+    /// then copied into `target` on the calling thread's stream, recorded on `track`.
+    pub(super) fn through<R>(
+        &mut self,
+        u: usize,
+        target: &Tensor,
+        track: &Track,
+        update: impl FnOnce(&mut LowParams) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        let len = target.numel();
+        let index = self.next;
+        let Some((buffer, copied)) = self.buffers.get_mut(index).filter(|(b, _)| b.capacity() >= len) else {
+            return Err(EngineError::Invariant {
+                rank: self.rank,
+                what: "a host update of device parameters larger than its copy buffers",
+            });
+        };
+        if let Some(mark) = copied.take() {
+            let waited = Instant::now();
+            if let Err(e) = mark.synchronize() {
+                return Err(self.copy_failed(e.to_string()));
+            }
+            track.waited(Phase::H2d, Some(u), waited);
+        }
+        buffer.resize(len);
+        let result = update(buffer)?;
+        let bytes = buffer.as_bytes();
+        let issued = Instant::now();
+        let torch_error = |source| EngineError::Torch {
+            rank: self.rank,
+            source,
+        };
+        if target.device().is_cuda() {
+            // SAFETY: the view lives while the copy is in flight: the buffer is not
+            // written again before its mark has passed (above), and is freed only after
+            // it has (`Drop`)
+            let view = unsafe {
+                Tensor::f_from_blob(
+                    bytes.as_ptr(),
+                    &[len as i64],
+                    &[1],
+                    target.kind(),
+                    tch::Device::Cpu,
+                )
+            }
+            .map_err(torch_error)?;
+            torch::shim::copy_(&mut target.shallow_clone(), &view, true).map_err(torch_error)?;
+            match super::staging::copied_mark(target, "a host update's copy mark", self.rank) {
+                Ok(mark) => self.buffers[index].1 = Some(mark),
+                // the copy was queued, and nothing says when it is done
+                Err(e) => return Err(self.copy_failed(e.to_string())),
+            }
+        } else {
+            sim::charge(Work::H2d(bytes.len() as u64));
+            torch::copy_from_host(target, bytes).map_err(torch_error)?;
+        }
+        track.record(
+            Phase::H2d,
+            Some(u),
+            issued,
+            (len * self.buffers[index].0.elem_bytes()) as u64,
+        );
+        self.next = 1 - index;
+        Ok(result)
+    }
+}
+
+impl Drop for UpdateCopies {
+    /// A copy still in flight (the run stopped) is waited for before its buffer goes.
+    fn drop(&mut self) {
+        for (_, copied) in &mut self.buffers {
+            if let Some(mark) = copied.take() {
+                let _ = mark.synchronize();
+            }
+        }
+    }
+}
+
+/// [`UpdateCopies`] kept by the optimizer between steps and lent to its thread.
+pub(super) type SharedUpdateCopies = std::sync::Arc<std::sync::Mutex<UpdateCopies>>;
