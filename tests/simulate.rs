@@ -324,7 +324,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     let gpu = Profile::load("h100-pcie5").unwrap();
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
-    let variants: [&[&str]; 26] = [
+    let variants: [&[&str]; 27] = [
         &[],
         &[
             "zero_optimization.stage=0",
@@ -405,6 +405,8 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
             "train.accumulate_on_device=true",
             "zero_optimization.offload_optimizer.device=cpu",
         ],
+        // one rank, shards on the device: each the whole unit, used where it is stored
+        &["train.devices=1"],
         // units kept gathered whose shard would be on NVMe keep it on the device: the
         // NVMe optimizer's new values copied there through the thread's two buffers
         &[

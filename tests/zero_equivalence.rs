@@ -476,6 +476,39 @@ fn persistent_units_are_gathered_once_per_step() {
     }
 }
 
+/// With one rank, a shard on the device is the whole unit: it is used where it is stored
+/// (`rules::in_place_units`), never gathered into a copy beside it, and trains the bits of
+/// the run that gathers it from host memory.
+#[test]
+fn one_ranks_shards_on_the_device_are_used_in_place() {
+    let dir = disk_dir();
+    let on_device = plan(1, 3, "none", "cpu", 2, dir.path(), "fp32");
+    assert!(tierzero::plan::rules::in_place_units(&on_device)
+        .iter()
+        .all(|&x| x));
+    let options = TrainOptions {
+        lanes: Some(CHECKED),
+        collect_master: true,
+        ..TrainOptions::default()
+    };
+    let result = train(&on_device, options).unwrap();
+    for (step, m) in result.steps.iter().enumerate() {
+        let gathered: u64 = m
+            .breakdown
+            .bytes
+            .iter()
+            .filter(|(phase, _)| *phase == Phase::AllGather)
+            .map(|x| x.1)
+            .sum();
+        assert_eq!(gathered, 0, "step {step}: bytes gathered");
+    }
+    let in_host = plan(1, 3, "cpu", "cpu", 2, dir.path(), "fp32");
+    assert!(tierzero::plan::rules::in_place_units(&in_host)
+        .iter()
+        .all(|&x| !x));
+    assert!(result.master == master(&in_host));
+}
+
 /// The optimizer phase runs behind the next step's forward; it must compute exactly what
 /// the blocking phase computes (each unit waits for its own update, nothing else).
 #[test]

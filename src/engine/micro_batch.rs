@@ -114,8 +114,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         if let Some(tensor) = self.units.persistent(u) {
             return Ok((tensor, None));
         }
-        if self.stage() < 3 {
-            // the replica is already whole
+        if self.stage() < 3 || crate::plan::rules::in_place_units(self.plan)[u] {
+            // the replica is already whole, or with one rank the stored shard on the
+            // device is the whole unit (`rules::in_place_units`)
             return Ok((self.units.replica(u, &self.tracks.compute)?, None));
         }
         let (tensor, hold) = match prefetch {

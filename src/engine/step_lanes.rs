@@ -17,7 +17,7 @@ use super::rank::RankEngine;
 use super::reduce::Reducer;
 use crate::comm::Collective;
 use crate::device::lanes::Lane;
-use crate::plan::fetch::{schedule, Fetches, Limits};
+use crate::plan::fetch::{unit_schedule, Fetches, Limits};
 use std::sync::Arc;
 
 /// The lanes of one step and the communicators they issue on.
@@ -111,10 +111,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// A micro-batch's stage-3 prefetcher on the step's lanes (None below stage 3).
     fn prefetcher(&mut self, lanes: &StepLanes<'a, C>) -> Option<Prefetcher<'a, C>> {
         let h2d = lanes.h2d.clone()?;
-        let tied = self.model.config.tie_word_embeddings;
         let threshold = self.plan.zero.param_persistence_threshold;
         let parts = self.units.parts();
-        let mut order = schedule(parts.len(), tied, |u| parts[u].numel <= threshold);
+        let mut order = unit_schedule(self.plan);
         // a pending update invalidates every cached unit before its use, so while one is
         // pending every unit is fetched
         let pending = self.optimizer.any_pending();

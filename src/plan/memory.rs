@@ -15,7 +15,7 @@
 //! from the code of `model/` (tensor by tensor) and checked against libtorch's own
 //! allocator (`tests/memory.rs`), not against the engine's reservations.
 
-use super::fetch::{may_request, schedule, Fetches, Limits, Purpose};
+use super::fetch::{may_request, unit_schedule, Fetches, Limits, Purpose};
 use super::partition::Partition;
 use super::rules::{chunk_elements, device_sums, gathers_updates, keeps_activations};
 use super::{Plan, Tier};
@@ -247,7 +247,9 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
 /// dropped when its update is installed, just before its new gather is requested.
 fn stage3_working(plan: &Plan, parts: &[Partition], elem: u64, tokens: u64, hidden: u64) -> u64 {
     let threshold = plan.zero.param_persistence_threshold;
-    let small = |u: usize| parts[u].numel <= threshold;
+    // units used where they are stored are never gathered
+    let in_place = super::rules::in_place_units(plan);
+    let small = |u: usize| parts[u].numel <= threshold && !in_place[u];
     let first = replay(
         plan,
         parts,
@@ -287,13 +289,12 @@ fn replay(
     let gathered = |u: usize| elem * parts[u].padded as u64;
     let numels: Vec<usize> = parts.iter().map(|p| p.numel).collect();
     let last = parts.len() - 1;
-    let tied = plan.model.config.tie_word_embeddings;
     // units kept from a previous step are fetched again once (their update invalidates them)
     let mut stale = kept.clone();
     let mut kept_bytes: u64 = (0..parts.len()).filter(|&u| kept[u]).map(gathered).sum();
     let mut peak = 0u64;
     for _ in 0..micro_batches {
-        let mut uses = schedule(parts.len(), tied, |u| parts[u].numel <= threshold);
+        let mut uses = unit_schedule(plan);
         uses.retain(|&(u, _)| stale[u] || !kept[u]);
         let fetches = Fetches::new(
             uses,

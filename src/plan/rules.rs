@@ -335,6 +335,17 @@ pub fn param_tiers(plan: &Plan) -> Vec<Tier> {
         .collect()
 }
 
+/// Stage 3 with one rank: the units whose shard is on the device, which is then the whole
+/// unit, used where it is stored (as a replica below stage 3): never fetched, no gathered
+/// copy beside it.
+pub fn in_place_units(plan: &Plan) -> Vec<bool> {
+    let one = plan.zero.stage == 3 && plan.world_size == 1;
+    param_tiers(plan)
+        .into_iter()
+        .map(|t| one && t == Tier::Device)
+        .collect()
+}
+
 /// Which units' parameters live in locked host memory registered with the GPU
 /// (`offload_param.pin_memory`): those in host memory, whose h2d copy then reads them in
 /// place by DMA (no fill of a pinned staging buffer), and into which a device-tier
@@ -351,8 +362,8 @@ pub fn pinned_params(plan: &Plan) -> Vec<bool> {
 /// Whether unit `u` keeps its autograd graph from forward to backward (no recompute):
 /// kept activations are on, `u` is a block, and its parameters stay on the device
 /// from its forward through its backward (a replica on the device below stage 3, at stage
-/// 3 a persistent unit or one held for its backward), so the graph's references to them
-/// stay valid.
+/// 3 a persistent unit, one held for its backward or one used in place), so the graph's
+/// references to them stay valid.
 pub fn keeps_activations(plan: &Plan, u: usize) -> bool {
     let numels = plan.model.config.unit_numels();
     let block = u > 0 && u + 1 < numels.len();
@@ -362,7 +373,9 @@ pub fn keeps_activations(plan: &Plan, u: usize) -> bool {
     if plan.zero.stage < 3 {
         plan.zero.offload_param.tier == Tier::Device
     } else {
-        numels[u] <= plan.zero.param_persistence_threshold || held_for_backward(plan, &numels, u)
+        numels[u] <= plan.zero.param_persistence_threshold
+            || in_place_units(plan)[u]
+            || held_for_backward(plan, &numels, u)
     }
 }
 
@@ -370,11 +383,11 @@ pub fn keeps_activations(plan: &Plan, u: usize) -> bool {
 /// (`stage3_max_reuse_distance`): with the uses of a micro-batch whose persistent units are
 /// cached, the fewest elements lie between, so the most are held.
 pub fn held_at_once(plan: &Plan) -> usize {
-    use super::fetch::{schedule, Fetches};
+    use super::fetch::{unit_schedule, Fetches};
     let numels = plan.model.config.unit_numels();
     let threshold = plan.zero.param_persistence_threshold;
     let persistent = |v: usize| numels[v] <= threshold;
-    let mut uses = schedule(numels.len(), plan.model.config.tie_word_embeddings, persistent);
+    let mut uses = unit_schedule(plan);
     uses.retain(|&(v, _)| !persistent(v));
     let fetches = Fetches::new(uses, &numels, persistent, plan.zero.max_reuse_distance);
     fetches.keep.iter().filter(|&&k| k).count()
@@ -385,11 +398,8 @@ pub fn held_at_once(plan: &Plan) -> usize {
 /// the schedule, as in a step's first micro-batch; later ones leave out cached persistent
 /// units, so fewer elements lie between and what is held here is held there too.
 fn held_for_backward(plan: &Plan, numels: &[usize], u: usize) -> bool {
-    use super::fetch::{kept_until, schedule, Purpose};
-    let threshold = plan.zero.param_persistence_threshold;
-    let uses = schedule(numels.len(), plan.model.config.tie_word_embeddings, |v| {
-        numels[v] <= threshold
-    });
+    use super::fetch::{kept_until, unit_schedule, Purpose};
+    let uses = unit_schedule(plan);
     uses.iter()
         .position(|&use_| use_ == (u, Purpose::Forward))
         .and_then(|k| kept_until(&uses, k, numels, plan.zero.max_reuse_distance))

@@ -22,7 +22,7 @@
 use super::clock::{Clocks, Mark, Track};
 use super::costs::{Costs, Work as Cost};
 use super::profile::Work;
-use crate::plan::fetch::{may_request, schedule, Fetches, Limits, Purpose};
+use crate::plan::fetch::{may_request, unit_schedule, Fetches, Limits, Purpose};
 use crate::plan::partition::Partition;
 use crate::plan::rules;
 use crate::plan::{Plan, Tier};
@@ -39,6 +39,8 @@ pub(super) struct Replay<'a> {
     parts: Vec<Partition>,
     /// Each unit's parameter tier (`rules::param_tiers`).
     param_tiers: Vec<Tier>,
+    /// The units used where they are stored (`rules::in_place_units`).
+    in_place: Vec<bool>,
     /// Whether each unit's parameters in host memory are pinned (`rules::pinned_params`).
     pinned: Vec<bool>,
     /// Each unit's optimizer-state tier (`rules::optimizer_tiers`).
@@ -94,6 +96,7 @@ impl<'a> Replay<'a> {
             clocks: Clocks::default(),
             parts,
             param_tiers: rules::param_tiers(plan),
+            in_place: rules::in_place_units(plan),
             pinned: rules::pinned_params(plan),
             optimizer_tiers: rules::optimizer_tiers(plan),
             device_sums: rules::device_sums(plan),
@@ -261,7 +264,7 @@ impl<'a> Replay<'a> {
         let parts = self.parts.clone();
         let persistent = |u: usize| parts[u].numel <= threshold;
         let stage3 = self.stage() == 3;
-        let mut order = schedule(units, tied, persistent);
+        let mut order = unit_schedule(self.plan);
         // cached persistent units are not fetched again while no update is pending
         if self.cached && !self.fresh.iter().any(|&f| f) {
             order.retain(|&(u, _)| !persistent(u));
@@ -301,9 +304,11 @@ impl<'a> Replay<'a> {
         }
         // the final unit (and the tied embedding), its loss and backward
         let ready = if stage3 {
-            // the tied embedding's elements, unless already held for it
+            // the tied embedding's elements, unless already held for it (units used in
+            // place are not the prefetcher's)
+            let fetched = |u: usize| if self.in_place[u] { 0 } else { parts[u].numel };
             let tied_in_use = tied && !fetcher.held.contains(&0);
-            let in_use = parts[last].numel + if tied_in_use { parts[0].numel } else { 0 };
+            let in_use = fetched(last) + if tied_in_use { fetched(0) } else { 0 };
             let a = self.next(&mut fetcher, last, in_use);
             let b = tied.then(|| self.next(&mut fetcher, 0, in_use)).flatten();
             later(a, b)
@@ -360,6 +365,11 @@ impl<'a> Replay<'a> {
     /// queue (or the unit held since its previous use), issue more. Returns the mark
     /// compute waits for.
     fn next(&mut self, f: &mut Queue, u: usize, in_use: usize) -> Option<Mark> {
+        if self.in_place[u] {
+            // used where it is stored (`rules::in_place_units`): not the prefetcher's
+            self.install(u);
+            return None;
+        }
         // a cached persistent unit's use is not among the prefetcher's
         let use_ = (f.fetches.uses.get(f.taken).map(|s| s.0) == Some(u)).then_some(f.taken);
         let fetched = use_.is_none_or(|k| f.fetches.fetched[k]);
