@@ -17,7 +17,7 @@ use super::rank::RankEngine;
 use super::reduce::Reducer;
 use crate::comm::Collective;
 use crate::device::lanes::Lane;
-use crate::plan::fetch::{unit_schedule, Fetches, Limits};
+use crate::plan::fetch::{Fetches, Limits};
 use std::sync::Arc;
 
 /// The lanes of one step and the communicators they issue on.
@@ -113,7 +113,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         let h2d = lanes.h2d.clone()?;
         let threshold = self.plan.zero.param_persistence_threshold;
         let parts = self.units.parts();
-        let mut order = unit_schedule(self.plan);
+        let mut order = crate::plan::rules::unit_schedule(self.plan);
         // a pending update invalidates every cached unit before its use, so while one is
         // pending every unit is fetched
         let pending = self.optimizer.any_pending();

@@ -37,20 +37,6 @@ pub fn schedule(units: usize, tied: bool, persistent: impl Fn(usize) -> bool) ->
     order
 }
 
-/// [`schedule`] of `plan`'s units (its tied head, its persistence threshold) less those
-/// used where they are stored (`rules::in_place_units`), which are never fetched: the
-/// order the engine's prefetcher, the device-memory prediction and the replay follow.
-pub fn unit_schedule(plan: &super::Plan) -> Vec<(usize, Purpose)> {
-    let numels = plan.model.config.unit_numels();
-    let threshold = plan.zero.param_persistence_threshold;
-    let in_place = super::rules::in_place_units(plan);
-    let mut uses = schedule(numels.len(), plan.model.config.tie_word_embeddings, |u| {
-        numels[u] <= threshold
-    });
-    uses.retain(|&(u, _)| !in_place[u]);
-    uses
-}
-
 /// A micro-batch's uses of gathered units (the compute thread's order, after `schedule`)
 /// and which of them are fetched. After a use, a unit stays gathered for its next use in
 /// the micro-batch when the elements of the uses between are fewer than

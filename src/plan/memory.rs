@@ -15,7 +15,7 @@
 //! from the code of `model/` (tensor by tensor) and checked against libtorch's own
 //! allocator (`tests/memory.rs`), not against the engine's reservations.
 
-use super::fetch::{may_request, unit_schedule, Fetches, Limits, Purpose};
+use super::fetch::{may_request, Fetches, Limits, Purpose};
 use super::partition::Partition;
 use super::rules::{chunk_elements, device_sums, gathers_updates, keeps_activations};
 use super::{Plan, Tier};
@@ -294,7 +294,7 @@ fn replay(
     let mut kept_bytes: u64 = (0..parts.len()).filter(|&u| kept[u]).map(gathered).sum();
     let mut peak = 0u64;
     for _ in 0..micro_batches {
-        let mut uses = unit_schedule(plan);
+        let mut uses = super::rules::unit_schedule(plan);
         uses.retain(|&(u, _)| stale[u] || !kept[u]);
         let fetches = Fetches::new(
             uses,

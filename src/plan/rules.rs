@@ -346,6 +346,20 @@ pub fn in_place_units(plan: &Plan) -> Vec<bool> {
         .collect()
 }
 
+/// [`fetch::schedule`](super::fetch::schedule) of `plan`'s units (its tied head, its
+/// persistence threshold) less those used where they are stored ([`in_place_units`]), which are never fetched: the
+/// order the engine's prefetcher, the device-memory prediction and the replay follow.
+pub fn unit_schedule(plan: &Plan) -> Vec<(usize, super::fetch::Purpose)> {
+    let numels = plan.model.config.unit_numels();
+    let threshold = plan.zero.param_persistence_threshold;
+    let in_place = in_place_units(plan);
+    let mut uses = super::fetch::schedule(numels.len(), plan.model.config.tie_word_embeddings, |u| {
+        numels[u] <= threshold
+    });
+    uses.retain(|&(u, _)| !in_place[u]);
+    uses
+}
+
 /// Which units' parameters live in locked host memory registered with the GPU
 /// (`offload_param.pin_memory`): those in host memory, whose h2d copy then reads them in
 /// place by DMA (no fill of a pinned staging buffer), and into which a device-tier
@@ -383,7 +397,7 @@ pub fn keeps_activations(plan: &Plan, u: usize) -> bool {
 /// (`stage3_max_reuse_distance`): with the uses of a micro-batch whose persistent units are
 /// cached, the fewest elements lie between, so the most are held.
 pub fn held_at_once(plan: &Plan) -> usize {
-    use super::fetch::{unit_schedule, Fetches};
+    use super::fetch::Fetches;
     let numels = plan.model.config.unit_numels();
     let threshold = plan.zero.param_persistence_threshold;
     let persistent = |v: usize| numels[v] <= threshold;
@@ -398,7 +412,7 @@ pub fn held_at_once(plan: &Plan) -> usize {
 /// the schedule, as in a step's first micro-batch; later ones leave out cached persistent
 /// units, so fewer elements lie between and what is held here is held there too.
 fn held_for_backward(plan: &Plan, numels: &[usize], u: usize) -> bool {
-    use super::fetch::{kept_until, unit_schedule, Purpose};
+    use super::fetch::{kept_until, Purpose};
     let uses = unit_schedule(plan);
     uses.iter()
         .position(|&use_| use_ == (u, Purpose::Forward))

@@ -224,7 +224,7 @@ fn nvme_param_bytes(plan: &Plan) -> (f64, f64) {
     let numels = plan.model.config.unit_numels();
     let threshold = plan.zero.param_persistence_threshold;
     let persistent = |u: usize| numels[u] <= threshold;
-    let uses = crate::plan::fetch::unit_schedule(plan);
+    let uses = crate::plan::rules::unit_schedule(plan);
     // a use served by the gather of the unit's previous one reads nothing
     let order =
         crate::plan::fetch::Fetches::new(uses, &numels, persistent, plan.zero.max_reuse_distance).order();

@@ -22,7 +22,7 @@
 use super::clock::{Clocks, Mark, Track};
 use super::costs::{Costs, Work as Cost};
 use super::profile::Work;
-use crate::plan::fetch::{may_request, unit_schedule, Fetches, Limits, Purpose};
+use crate::plan::fetch::{may_request, Fetches, Limits, Purpose};
 use crate::plan::partition::Partition;
 use crate::plan::rules;
 use crate::plan::{Plan, Tier};
@@ -264,7 +264,7 @@ impl<'a> Replay<'a> {
         let parts = self.parts.clone();
         let persistent = |u: usize| parts[u].numel <= threshold;
         let stage3 = self.stage() == 3;
-        let mut order = unit_schedule(self.plan);
+        let mut order = rules::unit_schedule(self.plan);
         // cached persistent units are not fetched again while no update is pending
         if self.cached && !self.fresh.iter().any(|&f| f) {
             order.retain(|&(u, _)| !persistent(u));
