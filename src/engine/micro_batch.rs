@@ -104,7 +104,9 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
 
     /// The full parameters of unit `u` as a tensor of the compute kind, with the device
     /// memory its gathered form holds (stage 3) until dropped. At stage 3 the gather
-    /// comes from the prefetcher's lanes when they run, else it happens here.
+    /// comes from the prefetcher's lanes when they run, else it happens here; a unit used
+    /// in place (one rank, its shard on the device) is its stored tensor, holding nothing
+    /// more.
     pub(super) fn fetch(
         &mut self,
         prefetch: Option<&mut Prefetcher<'a, C>>,

@@ -350,8 +350,9 @@ impl<'env, C: Collective + Clone + 'env> Prefetcher<'env, C> {
         // the tied embedding joins it (on CPU compute is synchronous: its work is done; on
         // a GPU its kernels may still read it, but the next lane job to write the buffer
         // first waits for the compute queued before it was submitted, and compute's own
-        // later use is in stream order)
-        if purpose != Purpose::Tied {
+        // later use is in stream order); a final unit used in place is not among the uses
+        let after_final = self.taken > 0 && self.fetches.uses[self.taken - 1].1 == Purpose::Final;
+        if purpose != Purpose::Tied || !after_final {
             self.in_use = 0;
             for buffer in self.using.drain(..) {
                 self.buffers.units.release(buffer, Event::done());

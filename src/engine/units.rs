@@ -481,7 +481,8 @@ impl<'a> Units<'a> {
     }
 
     /// Host bytes of parameters: those kept in host memory, and the host buffers the
-    /// CPU optimizer writes new partitions into (spare, or lent until installed).
+    /// CPU optimizer writes their new partitions into (spare, or lent until installed;
+    /// the buffers of parameters on the device are the optimizer's, `update_copies.rs`).
     pub(super) fn memory_bytes(&self) -> usize {
         self.units
             .iter()

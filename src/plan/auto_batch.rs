@@ -247,7 +247,7 @@ pub(super) fn fit_shards(plan: &mut Plan, facts: DeviceFacts) {
 }
 
 /// Stage 3 with parameters off the device: whether the units kept gathered whose optimizer
-/// state is on the device, or whose shard would be on NVMe, keep their shard there too
+/// state is on the device, or whose parameters are on NVMe, keep their shard there too
 /// (`offload_param.kept_on_device`), as `train.shards_on_device` says; for "auto", on a
 /// GPU, where its memory has room. The first kind's update is made on the device and stays
 /// there: no copy out of it, none back in; the second's new values cross once from the
@@ -291,7 +291,7 @@ pub(super) fn fit_kept_shards(plan: &mut Plan, facts: DeviceFacts) {
         }
         if from_nvme > 0 {
             kinds.push(format!(
-                "{from_nvme} units kept gathered whose parameter shard would be on NVMe keep it on the GPU: the \
+                "{from_nvme} units kept gathered whose parameters are on NVMe keep their shard on the GPU: the \
                  host's update crosses once, with no trip through the NVMe parameter store"
             ));
         }

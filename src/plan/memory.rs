@@ -342,8 +342,10 @@ fn replay(
             }
         };
         for (k, &(u, phase)) in fetches.uses.iter().enumerate() {
-            // the final unit stays in use until the tied embedding joins it
-            if phase != Purpose::Tied {
+            // the final unit stays in use until the tied embedding joins it (one used in
+            // place is not among the uses)
+            let after_final = k > 0 && fetches.uses[k - 1].1 == Purpose::Final;
+            if phase != Purpose::Tied || !after_final {
                 in_use = 0;
                 in_use_numel = 0;
             }

@@ -296,7 +296,7 @@ pub fn head_slice_rows(vocab: i64, hidden: i64) -> i64 {
 /// `stage3_param_persistence_threshold`: a unit kept gathered crosses once a step
 /// wherever its shard is) stay on the device (`train.shards_on_device`), and with
 /// `offload_param.kept_on_device` so do the shards of units kept gathered whose optimizer
-/// state is on the device (their update then never crosses) or whose shard would be on
+/// state is on the device (their update then never crosses) or whose parameters are on
 /// NVMe (their update then crosses once, where it went to the disk and back).
 pub fn param_tiers(plan: &Plan) -> Vec<Tier> {
     let param = &plan.zero.offload_param;
@@ -320,16 +320,15 @@ pub fn param_tiers(plan: &Plan) -> Vec<Tier> {
         .map(|(u, numel)| match param.tier {
             // a unit kept gathered whose optimizer state is on the device
             _ if numel <= threshold && kept_state.get(u) == Some(&true) => Tier::Device,
+            // one whose parameters are on NVMe (whatever `max_in_cpu` would keep in host
+            // memory: the device's room was checked for all of them)
+            Tier::Nvme if stage3 && param.kept_on_device && numel <= threshold => Tier::Device,
             // `train.shards_on_device`: the first fetched units' shards stay on the device
             _ if on_device > 0 && numel > threshold => {
                 on_device -= 1;
                 Tier::Device
             }
-            Tier::Nvme => match spill(numel) {
-                // a unit kept gathered whose shard would be on NVMe
-                Tier::Nvme if stage3 && param.kept_on_device && numel <= threshold => Tier::Device,
-                tier => tier,
-            },
+            Tier::Nvme => spill(numel),
             tier => tier,
         })
         .collect()

@@ -188,7 +188,7 @@ pub struct ParamOffload {
     pub device_units: usize,
     /// Stage 3 with the parameters off the device: the units kept gathered whose
     /// optimizer state is on the device keep their shard there too (`train.shards_on_device`),
-    /// so their update never crosses; so do those whose shard would be on NVMe, whose
+    /// so their update never crosses; so do those whose parameters are on NVMe, whose
     /// update then crosses once instead of through the NVMe parameter store.
     pub kept_on_device: bool,
 }
