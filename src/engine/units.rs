@@ -403,8 +403,8 @@ impl<'a> Units<'a> {
     /// The new parameters of unit `u` to where they live: on the device written in place
     /// (by the optimizer thread) and all-gathered into the replica (stages 1–2), in host
     /// memory all-gathered into the replica (stages 1–2) or kept as the unit's stored
-    /// parameters; parameters on NVMe were written by the optimizer lane already. The persistent gathered copy is
-    /// dropped either way. Host buffers the unit no longer needs become its spares for the
+    /// parameters; parameters on NVMe were written by the optimizer lane already. The
+    /// persistent gathered copy is dropped either way. Host buffers the unit no longer needs become its spares for the
     /// next update.
     pub(super) fn install<C: Collective>(
         &mut self,

@@ -106,6 +106,7 @@ impl UpdateCopies {
         buffer.resize(len);
         let result = update(buffer)?;
         let bytes = buffer.as_bytes();
+        let moved = bytes.len() as u64;
         let issued = Instant::now();
         let torch_error = |source| EngineError::Torch {
             rank: self.rank,
@@ -132,15 +133,10 @@ impl UpdateCopies {
                 Err(e) => return Err(self.copy_failed(e.to_string())),
             }
         } else {
-            sim::charge(Work::H2d(bytes.len() as u64));
+            sim::charge(Work::H2d(moved));
             torch::copy_from_host(target, bytes).map_err(torch_error)?;
         }
-        track.record(
-            Phase::H2d,
-            Some(u),
-            issued,
-            (len * self.buffers[index].0.elem_bytes()) as u64,
-        );
+        track.record(Phase::H2d, Some(u), issued, moved);
         self.next = 1 - index;
         Ok(result)
     }

@@ -346,8 +346,9 @@ pub fn in_place_units(plan: &Plan) -> Vec<bool> {
 }
 
 /// [`fetch::schedule`](super::fetch::schedule) of `plan`'s units (its tied head, its
-/// persistence threshold) less those used where they are stored ([`in_place_units`]), which are never fetched: the
-/// order the engine's prefetcher, the device-memory prediction and the replay follow.
+/// persistence threshold) less those used where they are stored ([`in_place_units`]),
+/// which are never fetched: the order the engine's prefetcher, the device-memory
+/// prediction and the replay follow.
 pub fn unit_schedule(plan: &Plan) -> Vec<(usize, super::fetch::Purpose)> {
     let numels = plan.model.config.unit_numels();
     let threshold = plan.zero.param_persistence_threshold;

@@ -5,8 +5,8 @@
 //! with the same fetch order and limits (`plan::fetch`, `plan::rules`) and the same
 //! bytes: per micro-batch, forward units 0..last with each stage-3 unit fetched (h2d
 //! from its tier, then the all-gather on the one collectives lane, at most two ahead
-//! within the bucket; with one rank a shard on the device is used in place), the final unit and head, then backward by recompute in reverse,
-//! each gradient reduced on the collectives lane in chunks (pack, reduce-scatter, widen
+//! within the bucket; with one rank a shard on the device is used in place), the final
+//! unit and head, then backward by recompute in reverse, each gradient reduced on the collectives lane in chunks (pack, reduce-scatter, widen
 //! and copy to the host, a one-thread host add, the NVMe read-modify-write where
 //! gradients live there), the lanes drained at the micro-batch's end; then the
 //! step's all-reduces and serial `sum_squares`, and the optimizer thread over the units
