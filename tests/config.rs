@@ -681,6 +681,55 @@ fn a_plan_over_the_host_memory_names_the_change_that_fits() {
     );
 }
 
+/// `"auto"` settings fit the device; forced ones are taken as given, and a plan whose
+/// device bytes then exceed the GPU's memory (or `train.device_memory`) says so once,
+/// with the change that fits: the forced keys back to `"auto"`, then offloads and a
+/// smaller micro-batch.
+#[test]
+fn a_plan_over_the_device_memory_names_the_change_that_fits() {
+    let gpu = DeviceFacts {
+        cuda_bf16: true,
+        cuda_devices: 8,
+        cuda_memory: Some(80_000_000_000),
+        ..DeviceFacts::default()
+    };
+    let warning = |sets: &[&str]| {
+        let mut v = json!({
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 8,
+            "model": {"preset": "llama-70b"},
+            "data": { "seq_len": 2048, "synthetic": "markov" },
+            "zero_optimization": { "stage": 3, "offload_param": { "device": "cpu" },
+                                   "offload_optimizer": { "device": "cpu" } },
+            "train": { "accelerator": "cuda", "devices": 8, "host_memory": 1e13 }
+        });
+        for s in sets {
+            tierzero::config::overrides::apply(&mut v, s).unwrap();
+        }
+        let loaded = from_json(v, &[], gpu).unwrap();
+        let found: Vec<String> = loaded
+            .warnings
+            .iter()
+            .filter(|w| w.contains("device memory per rank"))
+            .cloned()
+            .collect();
+        assert!(found.len() <= 1, "{found:?}");
+        found.into_iter().next()
+    };
+    assert_eq!(warning(&[]), None);
+    let gathered = warning(&["train.keep_gathered=true"]).unwrap();
+    assert!(
+        gathered.contains("over the GPU's memory")
+            && gathered.contains("--set train.keep_gathered=auto plans"),
+        "{gathered}"
+    );
+    let threshold = warning(&["zero_optimization.stage3_param_persistence_threshold=1e12"]).unwrap();
+    assert!(
+        threshold.contains("--set zero_optimization.stage3_param_persistence_threshold=auto plans"),
+        "{threshold}"
+    );
+}
+
 /// DeepSpeed's partial offload: `offload_optimizer.ratio` is the fraction of units whose
 /// optimizer state is offloaded, the first `⌊(1 − ratio)·units⌋` stay on the device; it
 /// needs the state offloaded and a fraction, and `"auto"` keeps on the device as many

@@ -4,7 +4,8 @@
 //! `auto_tiers.rs`), the partitions of
 //! every unit (`partition.rs`), the rules every room asks (`rules.rs`), the stage-3 fetch
 //! order (`fetch.rs`), DeepSpeed's learning-rate schedules and loss scaler
-//! (`schedule.rs`), device and host memory predictions (`memory.rs`, `host_memory.rs`),
+//! (`schedule.rs`), device and host memory predictions (`memory.rs`, `host_memory.rs`) and the warning when
+//! forced settings overflow the device (`device_fit.rs`),
 //! the NVMe path's room (`disk.rs`), the largest model a machine's tiers hold
 //! (`capacity.rs`), DeepSpeed's ZeRO-3 estimate (`estimate.rs`), the table `plan` prints (`report.rs`),
 //! and the simulated step on a hardware profile (`simulate/`). Below the engine and above
@@ -13,6 +14,7 @@
 mod auto_batch;
 mod auto_tiers;
 pub mod capacity;
+mod device_fit;
 pub mod disk;
 pub mod estimate;
 pub mod fetch;
@@ -59,6 +61,7 @@ pub fn from_json(json: Value, sets: &[String], facts: DeviceFacts) -> Result<Loa
     let read = config::read(json, sets)?;
     let mut warnings = read.warnings;
     let plan = Plan::build(&read.ds, facts, &mut warnings)?;
+    warnings.extend(device_fit::device_fit_warning(&read.json, &plan, facts));
     warnings.extend(host_memory::host_fit_warning(&plan));
     warnings.extend(disk::nvme_fit_warning(&plan));
     warnings.extend(read.not_yet);
