@@ -9,6 +9,7 @@
 //! update once its copy is in.
 
 use super::error::EngineError;
+use super::staging::{dma, host_view, DmaFailed};
 use crate::device::lanes::Mark;
 use crate::device::sim;
 use crate::metrics::timeline::{Phase, Track};
@@ -131,27 +132,15 @@ impl HeldCopies {
         // SAFETY: the view lives while the copy is in flight: the buffer is not written
         // or read again before its mark has passed (`with`), and is freed only after
         // every queued copy's mark has (`Drop`)
-        let mut view = unsafe {
-            Tensor::f_from_blob(
-                out.as_mut_ptr(),
-                &[len as i64],
-                &[1],
-                Kind::Float,
-                tch::Device::Cpu,
-            )
-        }
-        .map_err(|source| EngineError::Torch {
-            rank: self.rank,
-            source,
-        })?;
-        torch::shim::copy_(&mut view, sum, true).map_err(|source| EngineError::Torch {
-            rank: self.rank,
-            source,
-        })?;
-        let mark = match super::staging::copied_mark(sum, "a held sum's copy mark", self.rank) {
+        let view =
+            unsafe { host_view(out.as_ptr(), len, Kind::Float) }.map_err(|source| EngineError::Torch {
+                rank: self.rank,
+                source,
+            })?;
+        let mark = match dma(&view, sum, false, "a held sum's copy mark", self.rank) {
             Ok(mark) => mark,
-            Err(e) => {
-                // the copy was queued, and nothing says when it is done
+            Err(DmaFailed::NotQueued(e)) => return Err(e),
+            Err(DmaFailed::InFlight(e)) => {
                 self.poison();
                 return Err(e);
             }

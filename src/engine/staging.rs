@@ -169,9 +169,9 @@ impl Staging {
                 .map_err(torch_err)?
                 .fill(0);
         }
-        let mut head = pinned.f_narrow(0, 0, copied as i64).map_err(torch_err)?;
-        torch::shim::copy_(&mut head, src, true).map_err(torch_err)?;
-        let mark = copied_mark(src, "a staged copy's mark", rank)?;
+        let head = pinned.f_narrow(0, 0, copied as i64).map_err(torch_err)?;
+        let mark = dma(&head, src, false, "a staged copy's mark", rank)
+            .map_err(|(DmaFailed::NotQueued(e) | DmaFailed::InFlight(e))| e)?;
         self.next = 1 - buffer;
         track.record(Phase::D2h, Some(unit), issued, bytes);
         let before = self.in_flight.replace(InFlight {
@@ -288,6 +288,45 @@ impl Staging {
         }
         self.engine_free = 0.0;
     }
+}
+
+/// A CPU tensor of `len` elements of `kind` over the host memory at `ptr`, for a copy
+/// between it and a GPU.
+///
+/// # Safety
+/// The memory must hold `len` elements and outlive the view, and any copy queued with
+/// it (until that copy's mark has passed).
+pub(super) unsafe fn host_view(ptr: *const u8, len: usize, kind: Kind) -> Result<Tensor, tch::TchError> {
+    // SAFETY: as the caller promises
+    unsafe { Tensor::f_from_blob(ptr, &[len as i64], &[1], kind, tch::Device::Cpu) }
+}
+
+/// How a [`dma`] copy failed.
+pub(super) enum DmaFailed {
+    /// It was not queued.
+    NotQueued(EngineError),
+    /// It was queued, and nothing says when it is done: its host memory must never be
+    /// freed nor used again.
+    InFlight(EngineError),
+}
+
+/// Queues a copy between `host` (a view of pinned host memory, [`host_view`]) and the GPU
+/// tensor `device`, into `device` or out of it, on the calling thread's current stream
+/// without waiting; returns the mark recorded after it (`what` names it in an error).
+pub(super) fn dma(
+    host: &Tensor,
+    device: &Tensor,
+    into_device: bool,
+    what: &str,
+    rank: usize,
+) -> Result<Mark, DmaFailed> {
+    let queued = if into_device {
+        torch::shim::copy_(&mut device.shallow_clone(), host, true)
+    } else {
+        torch::shim::copy_(&mut host.shallow_clone(), device, true)
+    };
+    queued.map_err(|source| DmaFailed::NotQueued(EngineError::Torch { rank, source }))?;
+    copied_mark(device, what, rank).map_err(DmaFailed::InFlight)
 }
 
 /// A mark on the calling thread's current stream of `src`'s GPU, recorded after a copy

@@ -9,6 +9,7 @@
 //! CPU device's copy is a memcpy; a simulated GPU is charged it on the thread's stream.
 
 use super::error::EngineError;
+use super::staging::{dma, host_view, DmaFailed};
 use crate::device::lanes::Mark;
 use crate::device::sim;
 use crate::metrics::timeline::{Phase, Track};
@@ -67,15 +68,13 @@ impl UpdateCopies {
             .sum()
     }
 
-    fn copy_failed(&mut self, message: String) -> EngineError {
-        // a copy out of them may still be in flight: never freed, nor used again
+    /// `error`, once the buffers are forgotten: a copy out of them may still be in
+    /// flight, so they are never freed, nor used again.
+    fn copy_failed(&mut self, error: EngineError) -> EngineError {
         std::mem::take(&mut self.buffers)
             .into_iter()
             .for_each(std::mem::forget);
-        EngineError::Torch {
-            rank: self.rank,
-            source: tch::TchError::Torch(format!("a host update's copy to the device: {message}")),
-        }
+        error
     }
 
     /// Unit `u`'s update off the device into its device partition `target`: `update`
@@ -99,7 +98,11 @@ impl UpdateCopies {
         if let Some(mark) = copied.take() {
             let waited = Instant::now();
             if let Err(e) = mark.synchronize() {
-                return Err(self.copy_failed(e.to_string()));
+                let error = EngineError::Torch {
+                    rank: self.rank,
+                    source: tch::TchError::Torch(format!("a host update's copy to the device: {e}")),
+                };
+                return Err(self.copy_failed(error));
             }
             track.waited(Phase::H2d, Some(u), waited);
         }
@@ -116,21 +119,11 @@ impl UpdateCopies {
             // SAFETY: the view lives while the copy is in flight: the buffer is not
             // written again before its mark has passed (above), and is freed only after
             // it has (`Drop`)
-            let view = unsafe {
-                Tensor::f_from_blob(
-                    bytes.as_ptr(),
-                    &[len as i64],
-                    &[1],
-                    target.kind(),
-                    tch::Device::Cpu,
-                )
-            }
-            .map_err(torch_error)?;
-            torch::shim::copy_(&mut target.shallow_clone(), &view, true).map_err(torch_error)?;
-            match super::staging::copied_mark(target, "a host update's copy mark", self.rank) {
+            let view = unsafe { host_view(bytes.as_ptr(), len, target.kind()) }.map_err(torch_error)?;
+            match dma(&view, target, true, "a host update's copy mark", self.rank) {
                 Ok(mark) => self.buffers[index].1 = Some(mark),
-                // the copy was queued, and nothing says when it is done
-                Err(e) => return Err(self.copy_failed(e.to_string())),
+                Err(DmaFailed::NotQueued(e)) => return Err(e),
+                Err(DmaFailed::InFlight(e)) => return Err(self.copy_failed(e)),
             }
         } else {
             sim::charge(Work::H2d(moved));

@@ -184,15 +184,9 @@ pub fn held_gradients(plan: &Plan) -> Vec<bool> {
 /// optimizer `partitions` (0 where none is held; a CPU device needs none, its sums read
 /// where they are).
 pub fn held_copy_elements(plan: &Plan, partitions: &[usize]) -> usize {
-    let tiers = optimizer_tiers(plan);
-    held_gradients(plan)
-        .into_iter()
-        .zip(partitions)
-        .enumerate()
-        .filter(|&(u, (held, _))| held && tiers[u] != Tier::Device)
-        .map(|(_, (_, &len))| len)
-        .max()
-        .unwrap_or(0)
+    let off_device = optimizer_tiers(plan).into_iter().map(|t| t != Tier::Device);
+    let held = held_gradients(plan).into_iter().zip(off_device);
+    largest_partition(partitions, held.map(|(held, off)| held && off))
 }
 
 /// Elements of each of the two buffers the optimizer thread writes a host update of
@@ -200,12 +194,18 @@ pub fn held_copy_elements(plan: &Plan, partitions: &[usize]) -> usize {
 /// largest of the units' optimizer `partitions` whose parameters are on the device and
 /// optimizer state off it (0 where there is none).
 pub fn update_copy_elements(plan: &Plan, partitions: &[usize]) -> usize {
-    param_tiers(plan)
-        .into_iter()
-        .zip(optimizer_tiers(plan))
+    let tiers = param_tiers(plan).into_iter().zip(optimizer_tiers(plan));
+    largest_partition(
+        partitions,
+        tiers.map(|(param, optimizer)| param == Tier::Device && optimizer != Tier::Device),
+    )
+}
+
+/// The largest of `partitions` among the units `which` picks (0 for none).
+fn largest_partition(partitions: &[usize], which: impl Iterator<Item = bool>) -> usize {
+    which
         .zip(partitions)
-        .filter(|&((param, optimizer), _)| param == Tier::Device && optimizer != Tier::Device)
-        .map(|(_, &len)| len)
+        .filter_map(|(picked, &len)| picked.then_some(len))
         .max()
         .unwrap_or(0)
 }
