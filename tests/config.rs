@@ -326,6 +326,10 @@ fn contradictions_name_the_keys_and_the_fix() {
             "train_micro_batch_size_per_gpu",
         ),
         (&["aio.block_size=1000"], "aio.block_size"),
+        (
+            &["train.layered_accumulation=true", "train.keep_activations=true"],
+            "recomputes every unit's forward",
+        ),
         (&["zero_optimization.stage=4"], "zero_optimization.stage"),
         (
             &["zero_optimization.offload_optimizer.device=disk"],

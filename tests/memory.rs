@@ -321,6 +321,13 @@ fn prediction_matches_libtorchs_allocator() {
             "zero_optimization.offload_optimizer.device=none",
             "zero_optimization.stage=0",
         ],
+        // a layered step: every micro-batch's checkpoints and gradients flowing back at
+        // once, and the fp32 sums
+        &[
+            "gradient_accumulation_steps=4",
+            "train.layered_accumulation=true",
+            "data.seq_len=128",
+        ],
     ];
     for sets in cases {
         let (measured, predicted) = allocator_peak(sets);

@@ -324,7 +324,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     let gpu = Profile::load("h100-pcie5").unwrap();
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
-    let variants: [&[&str]; 27] = [
+    let variants: [&[&str]; 29] = [
         &[],
         &[
             "zero_optimization.stage=0",
@@ -422,6 +422,15 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
             "train.accumulate_on_device=true",
             "zero_optimization.offload_optimizer.device=cpu",
             "zero_optimization.offload_optimizer.ratio=0.5",
+        ],
+        // the micro-batches unit by unit: each unit fetched once each way a step, its
+        // gradient summed on the device and reduced once
+        &["gradient_accumulation_steps=3", "train.layered_accumulation=true"],
+        &[
+            "gradient_accumulation_steps=2",
+            "train.layered_accumulation=true",
+            "train.accumulate_on_device=true",
+            "zero_optimization.offload_optimizer.device=cpu",
         ],
     ];
     let mut gaps = Vec::new();

@@ -509,6 +509,74 @@ fn one_ranks_shards_on_the_device_are_used_in_place() {
     assert!(result.master == master(&in_host));
 }
 
+/// `train.layered_accumulation` runs the step's micro-batches unit by unit, each unit's
+/// gradient summed over them before its one reduction: with one rank the same sums in the
+/// same order as micro-batch by micro-batch (the same bits, at every stage and tier);
+/// with more, the single-rank run's parameters within the tolerance of
+/// `every_world_size_stage_and_tier_matches_the_single_rank_run`, one unit fetched once
+/// each way a step.
+#[test]
+fn layered_accumulation_trains_the_micro_batch_major_bits() {
+    let dir = disk_dir();
+    let accumulation = 3;
+    let layered = |mut p: Plan| {
+        p.train.layered_accumulation = true;
+        p
+    };
+    let bits = |m: &[Vec<f32>]| m.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (stage, param, optimizer) in [
+        (0, "none", "none"),
+        (2, "none", "cpu"),
+        (3, "cpu", "nvme"),
+        (3, "nvme", "cpu"),
+    ] {
+        let p = plan(1, stage, param, optimizer, accumulation, dir.path(), "fp32");
+        assert_eq!(
+            bits(&master(&layered(p.clone()))),
+            bits(&master(&p)),
+            "one rank, stage {stage} param {param} optimizer {optimizer}"
+        );
+    }
+    let reference = master(&plan(1, 0, "none", "none", 2 * accumulation, dir.path(), "fp32"));
+    for (stage, param, optimizer) in [
+        (1, "none", "cpu"),
+        (3, "none", "none"),
+        (3, "cpu", "cpu"),
+        (3, "nvme", "nvme"),
+    ] {
+        let p = layered(plan(2, stage, param, optimizer, accumulation, dir.path(), "fp32"));
+        let options = TrainOptions {
+            lanes: Some(CHECKED),
+            collect_master: true,
+            ..TrainOptions::default()
+        };
+        let result = train(&p, options).unwrap();
+        let what = format!("two ranks, stage {stage} param {param} optimizer {optimizer}");
+        assert_close(&what, &result.master, &reference, 2e-5);
+        if stage == 3 {
+            // each unit gathered for the forward and for the backward, whatever the
+            // accumulation (the units held from their forward to their backward once)
+            let per_step: u64 = p
+                .model
+                .config
+                .unit_numels()
+                .iter()
+                .map(|&n| 2 * 4 * n as u64)
+                .sum();
+            for (step, m) in result.steps.iter().enumerate() {
+                let gathered: u64 = (m.breakdown.bytes.iter())
+                    .filter(|(phase, _)| *phase == Phase::AllGather)
+                    .map(|x| x.1)
+                    .sum();
+                assert!(
+                    gathered <= per_step,
+                    "{what}, step {step}: {gathered} bytes gathered"
+                );
+            }
+        }
+    }
+}
+
 /// The optimizer phase runs behind the next step's forward; it must compute exactly what
 /// the blocking phase computes (each unit waits for its own update, nothing else).
 #[test]

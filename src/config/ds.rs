@@ -273,4 +273,9 @@ pub struct TrainSection {
     /// has room and no `activation_checkpointing` section asks for recompute), true or
     /// false.
     pub keep_activations: Option<Flag>,
+    /// Gradient accumulation unit by unit: each unit runs the forward (and later the
+    /// backward) of every micro-batch of the step while it is fetched, its gradient summed
+    /// over them on the device and reduced once a step; false (the default: micro-batch
+    /// by micro-batch, as DeepSpeed) or true.
+    pub layered_accumulation: Option<bool>,
 }

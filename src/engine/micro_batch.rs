@@ -23,6 +23,29 @@ use std::sync::Arc;
 use std::time::Instant;
 use tch::{TchError, Tensor};
 
+/// One micro-batch's data on the compute device.
+pub(super) struct MicroData {
+    pub tokens: Tensor,
+    pub targets: Tensor,
+    /// The attention layout of rows holding packed samples.
+    pub segments: Option<Segments>,
+    /// How its tokens weigh in the step's loss.
+    pub weight: Weight,
+    loss_scale: f64,
+    accumulation: usize,
+}
+
+impl MicroData {
+    /// The micro-batch's share of the step loss, from the final unit's loss sum over
+    /// `count` counted tokens.
+    pub fn loss_share(&self, loss_sum: f64, count: i64) -> f64 {
+        match self.weight {
+            Weight::PerToken(w) => loss_sum * w / self.loss_scale,
+            Weight::Mean(_) => loss_sum / count.max(1) as f64 / self.accumulation as f64,
+        }
+    }
+}
+
 /// What a micro-batch's forward keeps for its backward.
 struct Forward {
     /// Each unit's input (the token ids first).
@@ -62,7 +85,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// Runs `f`, which computes one span of the step (a unit's forward or backward, the
     /// head): on a GPU between two timed marks of compute's stream, never waiting for
     /// its kernels; elsewhere timed on the host.
-    fn compute_span<T>(
+    pub(super) fn compute_span<T>(
         &mut self,
         (phase, unit): (Phase, Option<usize>),
         f: impl FnOnce(&Self) -> Result<T, TchError>,
@@ -87,7 +110,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     /// reads what compute writes without waiting for its mark reads it unwritten.
     /// Nothing on CPU devices, whose compute is done when the call returns, nor on a
     /// simulated one (virtual time does not see checked mode's delays).
-    fn checked_delay(&self, u: usize, backward: bool) -> Result<(), TchError> {
+    pub(super) fn checked_delay(&self, u: usize, backward: bool) -> Result<(), TchError> {
         let salt = Mode::round_salt("compute", self.site.rank, self.checked_round);
         let delay = self
             .lanes
@@ -136,21 +159,17 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         Ok(self.units.keep_if_small(u, tensor, hold))
     }
 
-    /// One micro-batch: forward, the final unit's loss and backward, backward through
-    /// the kept graphs of units whose parameters stay on the device
-    /// (`rules::keeps_activations`) and by recompute for the others. Returns this
-    /// micro-batch's share of the step loss.
-    pub(super) fn micro_batch(
+    /// Micro-batch `global_micro` of `step` on the compute device, with its tokens' weight
+    /// in the step's loss (timed as the forward's on a CPU device).
+    pub(super) fn micro_data(
         &mut self,
-        mut prefetch: Option<&mut Prefetcher<'a, C>>,
         step: u64,
         global_micro: u64,
         loss_scale: f64,
-    ) -> Result<f64, EngineError> {
+    ) -> Result<MicroData, EngineError> {
         let plan = self.plan;
         let accumulation = plan.batch.gradient_accumulation_steps;
         let (rows, seq) = (plan.batch.micro_batch_per_gpu, plan.data.seq_len);
-        self.checked_round = (step << 24) ^ global_micro;
         let data_start = Instant::now();
         let batch = self
             .dataset
@@ -175,14 +194,53 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             // its device-timed spans already count
             self.tracks.compute.record(Phase::Forward, None, data_start, 0);
         }
-        let forward = self.forward(prefetch.as_deref_mut(), tokens, segments.as_ref())?;
-        let (loss_sum, count, grad_out) =
-            self.final_unit(prefetch.as_deref_mut(), &forward.inputs, &targets, weight)?;
-        self.backward(prefetch, forward, grad_out, segments.as_ref())?;
-        Ok(match weight {
-            Weight::PerToken(w) => loss_sum * w / loss_scale,
-            Weight::Mean(_) => loss_sum / count.max(1) as f64 / accumulation as f64,
+        Ok(MicroData {
+            tokens,
+            targets,
+            segments,
+            weight,
+            loss_scale,
+            accumulation,
         })
+    }
+
+    /// Device memory for a micro-batch's token ids (and a packed batch's mask and
+    /// positions), held until its backward is done.
+    pub(super) fn reserve_tokens(&self, data: &MicroData) -> Result<Vec<Reservation>, EngineError> {
+        let mut kept = vec![self
+            .site
+            .device
+            .reserve(8 * data.tokens.numel() as u64, "token ids")?];
+        if let Some(s) = &data.segments {
+            // the mask ([B, 1, T, T] bools) and positions of packed rows
+            let bytes = (s.mask.numel() + 8 * s.positions.numel()) as u64;
+            kept.push(self.site.device.reserve(bytes, "packed rows' attention mask")?);
+        }
+        Ok(kept)
+    }
+
+    /// One micro-batch: forward, the final unit's loss and backward, backward through
+    /// the kept graphs of units whose parameters stay on the device
+    /// (`rules::keeps_activations`) and by recompute for the others. Returns this
+    /// micro-batch's share of the step loss.
+    pub(super) fn micro_batch(
+        &mut self,
+        mut prefetch: Option<&mut Prefetcher<'a, C>>,
+        step: u64,
+        global_micro: u64,
+        loss_scale: f64,
+    ) -> Result<f64, EngineError> {
+        self.checked_round = (step << 24) ^ global_micro;
+        let data = self.micro_data(step, global_micro, loss_scale)?;
+        let forward = self.forward(prefetch.as_deref_mut(), &data)?;
+        let (loss_sum, count, grad_out) = self.final_unit(
+            prefetch.as_deref_mut(),
+            &forward.inputs,
+            &data.targets,
+            data.weight,
+        )?;
+        self.backward(prefetch, forward, grad_out, data.segments.as_ref())?;
+        Ok(data.loss_share(loss_sum, count))
     }
 
     /// The forward of every unit but the final one, keeping each unit's input (activation
@@ -191,18 +249,13 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     fn forward(
         &mut self,
         mut prefetch: Option<&mut Prefetcher<'a, C>>,
-        tokens: Tensor,
-        segments: Option<&Segments>,
+        data: &MicroData,
     ) -> Result<Forward, EngineError> {
         let plan = self.plan;
         let last = self.units.len() - 1;
-        let mut kept = vec![self.site.device.reserve(8 * tokens.numel() as u64, "token ids")?];
-        if let Some(s) = segments {
-            // the mask ([B, 1, T, T] bools) and positions of packed rows
-            let bytes = (s.mask.numel() + 8 * s.positions.numel()) as u64;
-            kept.push(self.site.device.reserve(bytes, "packed rows' attention mask")?);
-        }
-        let mut inputs = vec![tokens];
+        let segments = data.segments.as_ref();
+        let mut kept = self.reserve_tokens(data)?;
+        let mut inputs = vec![data.tokens.shallow_clone()];
         let mut graphs: Vec<Option<Graph>> = (0..last).map(|_| None).collect();
         for u in 0..last {
             let (params, gathered) = self.fetch(prefetch.as_deref_mut(), u)?;
@@ -337,7 +390,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     }
 
     /// The attention layout of a batch whose rows hold packed samples.
-    fn segments(&self, batch: &Batch) -> Result<Option<Segments>, EngineError> {
+    pub(super) fn segments(&self, batch: &Batch) -> Result<Option<Segments>, EngineError> {
         batch
             .segments
             .as_ref()

@@ -5,6 +5,7 @@
 //!   step for stages 0–3
 //! - `step_lanes.rs`: the step's lanes (collectives, h2d), opened and closed once a step
 //! - `micro_batch.rs`: one micro-batch's forward and backward, and evaluation
+//! - `layered.rs`: a step's micro-batches unit by unit (`train.layered_accumulation`)
 //! - `compute_times.rs`: compute's spans on a GPU, timed by the device (no host sync per unit)
 //! - `units.rs`, `gradients.rs`, `optimizer.rs`: the owners of parameters, gradient
 //!   accumulators and optimizer state, each unit's residency a type
@@ -29,6 +30,7 @@ pub mod grad_store;
 pub mod gradients;
 pub mod grads;
 mod held;
+mod layered;
 mod micro_batch;
 pub mod optimize;
 pub mod optimizer;

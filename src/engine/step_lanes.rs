@@ -88,24 +88,45 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
     ) -> Result<f64, EngineError> {
         let world = self.comms.main.world();
         let micro_batches = self.plan.batch.gradient_accumulation_steps;
+        if self.plan.train.layered_accumulation {
+            // one pass over the units for every micro-batch
+            self.grads.begin_micro_batch(true, true);
+            let loss = self.prefetched(lanes, |engine, prefetcher| {
+                engine.layered(prefetcher, step, loss_scale)
+            })?;
+            self.grads.absorb(true)?;
+            return Ok(loss);
+        }
         let mut loss = 0.0;
         for micro in 0..micro_batches {
             let global_micro = (micro * world + self.site.rank) as u64;
             self.grads
                 .begin_micro_batch(micro == 0, micro + 1 == micro_batches);
-            let mut prefetcher = lanes.and_then(|lanes| self.prefetcher(lanes));
-            let result = self.micro_batch(prefetcher.as_mut(), step, global_micro, loss_scale);
-            if let Some(prefetcher) = prefetcher {
-                if let (Err(e), Some(lanes)) = (&result, lanes) {
-                    // a gather may wait for a peer: abort before waiting for the lanes
-                    lanes.abort(&e.to_string());
-                }
-                self.units.return_gather_buffers(prefetcher.finish());
-            }
-            loss += result?;
+            loss += self.prefetched(lanes, |engine, prefetcher| {
+                engine.micro_batch(prefetcher, step, global_micro, loss_scale)
+            })?;
         }
         self.grads.absorb(true)?;
         Ok(loss)
+    }
+
+    /// Runs `f` with a stage-3 prefetcher on the step's lanes (none without lanes or below
+    /// stage 3), whose gather buffers come back afterwards; where `f` fails, the lanes are
+    /// aborted first (a gather may wait for a peer).
+    fn prefetched<T>(
+        &mut self,
+        lanes: Option<&StepLanes<'a, C>>,
+        f: impl FnOnce(&mut Self, Option<&mut Prefetcher<'a, C>>) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        let mut prefetcher = lanes.and_then(|lanes| self.prefetcher(lanes));
+        let result = f(self, prefetcher.as_mut());
+        if let Some(prefetcher) = prefetcher {
+            if let (Err(e), Some(lanes)) = (&result, lanes) {
+                lanes.abort(&e.to_string());
+            }
+            self.units.return_gather_buffers(prefetcher.finish());
+        }
+        result
     }
 
     /// A micro-batch's stage-3 prefetcher on the step's lanes (None below stage 3).

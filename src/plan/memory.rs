@@ -154,6 +154,34 @@ pub fn transient(plan: &Plan) -> u64 {
     block.max(embedding).max(head) + in_use
 }
 
+/// The micro-batches whose activations a step holds at once: all of them in a layered
+/// step (`train.layered_accumulation`), else one.
+pub fn layers(plan: &Plan) -> u64 {
+    if plan.train.layered_accumulation {
+        plan.batch.gradient_accumulation_steps as u64
+    } else {
+        1
+    }
+}
+
+/// A layered step's own temporaries (`engine/layered.rs`): the fp32 sum over the
+/// micro-batches of the unit in backward and of a tied embedding (from the head to the
+/// embedding's backward), and every micro-batch's gradient flowing back (`checkpoint`
+/// bytes each).
+fn layered_sums(plan: &Plan, checkpoint: u64) -> u64 {
+    if !plan.train.layered_accumulation {
+        return 0;
+    }
+    let numels = plan.model.config.unit_numels();
+    let largest = numels.iter().copied().max().unwrap_or(0) as u64;
+    let tied = if plan.model.config.tie_word_embeddings {
+        numels[0] as u64
+    } else {
+        0
+    };
+    4 * (largest + tied) + layers(plan) * checkpoint
+}
+
 /// Elements of the gradient reduction's bucket (`reduce.rs`): stages 2–3 with several
 /// ranks reduce-scatter every rank's stretches of a chunk of the largest shard.
 pub fn reduce_bucket_elements(plan: &Plan, parts: &[Partition]) -> u64 {
@@ -217,9 +245,12 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
     } else {
         0
     };
-    let tokens = 8 * rows * seq + packed;
-    let hidden =
+    // a layered step holds every micro-batch's token ids and checkpoints at once
+    let layers = layers(plan);
+    let tokens = layers * (8 * rows * seq + packed);
+    let checkpoint =
         elem * (plan.batch.micro_batch_per_gpu * plan.data.seq_len * plan.model.config.hidden_size) as u64;
+    let hidden = layers * checkpoint;
     let last = parts.len() - 1;
     bytes.working = if stage == 3 {
         stage3_working(plan, &parts, elem, tokens, hidden)
@@ -232,7 +263,7 @@ pub fn predict(plan: &Plan) -> DeviceBytes {
     bytes.working += keeping * kept_graph_bytes(plan);
     // the reduction's buckets are counted with the temporaries: the engine's own
     // reservation counter does not track them
-    bytes.transient = transient(plan) + reduce_buckets(plan, &parts);
+    bytes.transient = transient(plan) + reduce_buckets(plan, &parts) + layered_sums(plan, checkpoint);
     bytes.total = bytes.parameters + bytes.gradients + bytes.optimizer + bytes.working + bytes.transient;
     bytes
 }
@@ -257,7 +288,12 @@ fn stage3_working(plan: &Plan, parts: &[Partition], elem: u64, tokens: u64, hidd
         tokens,
         hidden,
         vec![false; parts.len()],
-        plan.batch.gradient_accumulation_steps.min(2),
+        // a layered step is one pass over the units
+        if plan.train.layered_accumulation {
+            1
+        } else {
+            plan.batch.gradient_accumulation_steps.min(2)
+        },
     );
     let later = replay(
         plan,

@@ -126,6 +126,14 @@ impl Plan {
             auto: Vec::new(),
         };
         plan.train.activation_checkpointing = ds.activation_checkpointing.is_some();
+        if plan.train.layered_accumulation && plan.train.keep_activations == Some(true) {
+            return Err(ConfigError::invalid(
+                "train.keep_activations",
+                "a layered step (train.layered_accumulation) recomputes every unit's forward in backward: \
+                 it keeps no activations",
+                "drop train.keep_activations, or train.layered_accumulation",
+            ));
+        }
         plan.train.low_precision_head = plan.precision.bytes() == 2
             && match plan.train.accelerator {
                 Accelerator::Cuda => true,
@@ -280,6 +288,7 @@ fn build_train(t: TrainSection, facts: DeviceFacts) -> Result<Train, ConfigError
             None | Some(Flag::Auto) => None,
             Some(Flag::Value(on)) => Some(on),
         },
+        layered_accumulation: t.layered_accumulation.unwrap_or(false),
         activation_checkpointing: false,
         kept_activations: false,
         low_precision_head: false,

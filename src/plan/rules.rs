@@ -381,7 +381,7 @@ pub fn pinned_params(plan: &Plan) -> Vec<bool> {
 pub fn keeps_activations(plan: &Plan, u: usize) -> bool {
     let numels = plan.model.config.unit_numels();
     let block = u > 0 && u + 1 < numels.len();
-    if !(plan.train.kept_activations && block) {
+    if !(plan.train.kept_activations && block) || plan.train.layered_accumulation {
         return false;
     }
     if plan.zero.stage < 3 {

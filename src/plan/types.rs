@@ -334,6 +334,9 @@ pub struct Train {
     pub shards_on_device: Option<bool>,
     /// `train.keep_activations`: None for "auto".
     pub keep_activations: Option<bool>,
+    /// `train.layered_accumulation`: the step's micro-batches run unit by unit
+    /// (`engine/layered.rs`).
+    pub layered_accumulation: bool,
     /// A ds_config `activation_checkpointing` section is present (recompute asked for).
     pub activation_checkpointing: bool,
     /// Resolved: units whose parameters stay on the device keep their activations for

@@ -283,7 +283,8 @@ fn bound(plan: &Plan, profile: &Profile, compute_s: f64, [h2d, d2h]: [f64; 2]) -
 /// The link's seconds a step with minimal traffic, and those of its one gather of the
 /// model (stage 3), where there are several ranks: a ring moves (W-1)/W of each buffer;
 /// at stages 2–3 every micro-batch reduce-scatters each gradient (a rank keeps only its
-/// shard's sum) and stage 3 gathers each unit at least once a step; stages 0–1
+/// shard's sum; a layered step, each unit's sum once) and stage 3 gathers each unit at
+/// least once a step; stages 0–1
 /// all-reduce the step's fp32 gradients once (twice a buffer's traffic).
 fn link(plan: &Plan, profile: &Profile) -> Option<(f64, f64)> {
     if plan.world_size < 2 {
@@ -291,7 +292,9 @@ fn link(plan: &Plan, profile: &Profile) -> Option<(f64, f64)> {
     }
     let w = plan.world_size as f64;
     let ring = (w - 1.0) / w * plan.model.config.num_parameters() as f64;
-    let micro_batches = plan.batch.gradient_accumulation_steps as f64;
+    // a layered step reduces each unit's sum once (`train.layered_accumulation`)
+    let micro_batches =
+        (plan.batch.gradient_accumulation_steps as u64 / crate::plan::memory::layers(plan)) as f64;
     let wire = plan.communication.kind().elt_size_in_bytes() as f64;
     let gather = if plan.zero.stage == 3 {
         plan.precision.bytes() as f64 * ring

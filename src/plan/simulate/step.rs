@@ -148,7 +148,12 @@ impl<'a> Replay<'a> {
     pub fn step(&mut self) -> f64 {
         let start = self.clocks.now(Track::Compute);
         self.pcie = [0, 0];
-        let micro_batches = self.plan.batch.gradient_accumulation_steps;
+        // a layered step is one pass over the units for every micro-batch
+        let micro_batches = if self.plan.train.layered_accumulation {
+            1
+        } else {
+            self.plan.batch.gradient_accumulation_steps
+        };
         self.ahead_bytes = 0;
         for micro in 0..micro_batches {
             self.first_micro = micro == 0;
@@ -254,8 +259,17 @@ impl<'a> Replay<'a> {
             .run(Track::Collectives, "all_gather", Some(u), seconds, bytes)
     }
 
-    /// One micro-batch: forward, the final unit, backward by recompute.
+    /// The gradient of unit `u` added into its sum over a layered step's micro-batches
+    /// on the compute device (`engine/layered.rs`).
+    fn sum_on_device(&mut self, u: usize, elements: usize) {
+        let add = self.costs.seconds(Cost::OnDevice(4 * elements as u64));
+        self.clocks.run(Track::Compute, "device_add", Some(u), add, 0);
+    }
+
+    /// One micro-batch, or a layered step's micro-batches unit by unit: forward, the
+    /// final unit, backward by recompute.
     fn micro_batch(&mut self) {
+        let layers = crate::plan::memory::layers(self.plan) as usize;
         let units = self.parts.len();
         let last = units - 1;
         let c = &self.plan.model.config;
@@ -294,6 +308,9 @@ impl<'a> Replay<'a> {
                 self.replica(u)
             };
             self.compute(u, Work::Forward, ready);
+            for _ in 1..layers {
+                self.compute(u, Work::Forward, None);
+            }
         }
         if self.first_micro {
             self.first_forward = self.clocks.spans()[spans..]
@@ -315,11 +332,25 @@ impl<'a> Replay<'a> {
         } else {
             self.replica(last)
         };
-        self.compute(last, Work::Head, ready);
-        self.accumulate(last, false);
-        if tied {
-            // the embedding's own gradient follows in backward
-            self.accumulate(0, true);
+        if self.plan.train.layered_accumulation {
+            // each micro-batch's head, its gradients summed; a tied embedding's share
+            // joins the embedding's own sum in backward
+            for m in 0..layers {
+                self.compute(last, Work::Head, if m == 0 { ready } else { None });
+                self.sum_on_device(last, parts[last].numel);
+                if tied {
+                    let shared = (c.vocab_size * c.hidden_size).min(parts[0].numel);
+                    self.sum_on_device(0, shared);
+                }
+            }
+            self.accumulate(last, false);
+        } else {
+            self.compute(last, Work::Head, ready);
+            self.accumulate(last, false);
+            if tied {
+                // the embedding's own gradient follows in backward
+                self.accumulate(0, true);
+            }
         }
         // the blocks' backward starts: the first unit's first sub-group of NVMe state is
         // read from here, once a step, where this rank holds some of that unit's state
@@ -334,6 +365,13 @@ impl<'a> Replay<'a> {
                 self.replica(u)
             };
             self.compute(u, Work::Backward, ready);
+            if self.plan.train.layered_accumulation {
+                self.sum_on_device(u, parts[u].numel);
+                for _ in 1..layers {
+                    self.compute(u, Work::Backward, None);
+                    self.sum_on_device(u, parts[u].numel);
+                }
+            }
             self.accumulate(u, false);
         }
         // the prefetcher's end: the lanes are drained before the next micro-batch
