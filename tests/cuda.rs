@@ -280,7 +280,7 @@ fn losses(plan: &Plan) -> Vec<f64> {
 /// parameters on the GPU or in host memory, and stage 0); parameters in host memory
 /// also pinned (`offload_param.pin_memory`: copied to the GPU in place by DMA, and from
 /// a device-tier optimizer straight into their registered buffer); parameters on the GPU
-/// with the host's optimizer (stages 2 and 3).
+/// with the host's optimizer (stages 2 and 3); and layered steps.
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it with --ignored"]
 fn tiny_llama_on_cuda_follows_the_cpu_run() {
@@ -301,14 +301,26 @@ fn tiny_llama_on_cuda_follows_the_cpu_run() {
     ];
     // and with two micro-batches a step, the GPU's sums held on it for the host or
     // NVMe optimizer, which copies each into a pinned buffer (`rules::held_gradients`)
+    // and a layered step (`train.layered_accumulation`): each unit's gradient summed
+    // over three micro-batches on the GPU in fp32, reduced once
     let layouts = layouts
         .into_iter()
-        .map(|l| (l, 1))
-        .chain([((3, "cpu", "cpu", false), 2), ((3, "nvme", "nvme", false), 2)]);
-    for ((stage, param, optimizer, pin), accumulation) in layouts {
+        .map(|l| (l, 1, false))
+        .chain([
+            ((3, "cpu", "cpu", false), 2, false),
+            ((3, "nvme", "nvme", false), 2, false),
+        ])
+        .chain([
+            ((3, "cpu", "cpu", false), 3, true),
+            ((2, "none", "cpu", false), 3, true),
+        ]);
+    for ((stage, param, optimizer, pin), accumulation, layered) in layouts {
         for (precision, tolerance) in [("fp32", 1e-3), ("bf16", 2e-2)] {
             let layout = (stage, param, optimizer);
-            let sets = [format!("gradient_accumulation_steps={accumulation}")];
+            let sets = [
+                format!("gradient_accumulation_steps={accumulation}"),
+                format!("train.layered_accumulation={layered}"),
+            ];
             let with_pin = |mut plan: Plan| {
                 plan.zero.offload_param.pin_memory = pin;
                 plan
@@ -325,7 +337,7 @@ fn tiny_llama_on_cuda_follows_the_cpu_run() {
                 .map(|(a, b)| (a - b).abs() / a.abs())
                 .fold(0.0, f64::max);
             println!(
-                "stage {stage} {param}/{optimizer} pinned {pin} {precision} accumulation {accumulation}: cpu {cpu:?}\n  cuda {gpu:?}\n  worst relative {worst:.2e}"
+                "stage {stage} {param}/{optimizer} pinned {pin} {precision} accumulation {accumulation} layered {layered}: cpu {cpu:?}\n  cuda {gpu:?}\n  worst relative {worst:.2e}"
             );
             assert!(
                 worst < tolerance,

@@ -153,16 +153,31 @@ fn a_dry_run_of_llama_70b_on_eight_gpus() {
     for t in ["compute", "collectives", "optimizer"] {
         assert!(tracks.contains(t), "{t} missing from {tracks:?}");
     }
-    // every unit's shard fits the GPUs beside the rest (`train.shards_on_device` "auto"):
-    // only the update crosses to the device, once a step, in bf16
-    assert_eq!(
-        plan.zero.offload_param.device_units,
-        plan.model.config.unit_numels().len()
+    // the config's layered step holds every micro-batch's checkpoints, which take the
+    // room of some units' shards (`train.shards_on_device` "auto"); micro-batch by
+    // micro-batch every unit's shard fits the GPUs beside the rest, and only the update
+    // crosses to the device, once a step, in bf16, but each unit is gathered for every
+    // micro-batch both ways: a slower step
+    assert!(plan.train.layered_accumulation);
+    let units = plan.model.config.unit_numels().len();
+    assert!(plan.zero.offload_param.device_units < units);
+    let major = plan_on(
+        "llama-70b-8gpu-nvme.json",
+        &["train.layered_accumulation=false"],
+        &profile,
+    );
+    assert_eq!(major.zero.offload_param.device_units, units);
+    let major_sim = simulate(&major, &profile);
+    assert!(
+        (major_sim.pcie_bytes_per_param[0] - 2.0).abs() < 0.01,
+        "{:?}",
+        major_sim.pcie_bytes_per_param
     );
     assert!(
-        (sim.pcie_bytes_per_param[0] - 2.0).abs() < 0.01,
-        "{:?}",
-        sim.pcie_bytes_per_param
+        sim.step_s < major_sim.step_s,
+        "{} against {}",
+        sim.step_s,
+        major_sim.step_s
     );
     let json: Value = serde_json::to_value(&sim).unwrap();
     assert!(json["phases"]["forward"].as_f64().unwrap() > 0.0);

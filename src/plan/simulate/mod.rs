@@ -371,7 +371,14 @@ fn floor(
         .filter_map(|(what, s)| Some((what, s?)))
         .max_by(|a, b| a.1.total_cmp(&b.1))?;
     let compute = (
-        format!("compute {compute_s:.3} s less one micro-batch's forward {one_forward:.3} s"),
+        format!(
+            "compute {compute_s:.3} s less {} {one_forward:.3} s",
+            if plan.train.layered_accumulation {
+                "the layered forward"
+            } else {
+                "one micro-batch's forward"
+            }
+        ),
         compute_s - one_forward,
     );
     let link = link(plan, profile).map(|(link_s, gather_s)| {
