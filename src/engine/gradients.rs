@@ -114,6 +114,8 @@ pub(super) struct Gradients<'a, C: Collective> {
     chunk_buffers: ChunkBuffers,
     /// What gradients travel as between ranks.
     wire: Wire,
+    /// Gradients in flight on the reduce lane at most (`rules::reduce_depth`).
+    depth: usize,
     /// Gradient sums on the device (`plan::rules::device_sums`): the fp32 partition there
     /// of each unit that has one (made at its first use, on the gradient's device),
     /// whether the step has added into it yet, and whether this micro-batch is the step's
@@ -158,7 +160,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
     pub(super) fn new(
         (stage, rank, bf16): (u8, usize, Vec<bool>),
         (summed, kept, on): (Vec<bool>, Vec<bool>, tch::Device),
-        (wire, chunk): (Wire, usize),
+        (wire, chunk, depth): (Wire, usize, usize),
         parts: Vec<Partition>,
         partitions: Vec<Range<usize>>,
         pinning: &Pinning,
@@ -250,6 +252,7 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
             overlap: false,
             chunk_buffers: ChunkBuffers::new(wire.kind(), chunk),
             wire,
+            depth,
             device,
             last_micro: true,
             squares: vec![None; stored.len()],
@@ -431,11 +434,11 @@ impl<'a, C: Collective + Clone + 'a> Gradients<'a, C> {
         let squares = to_host && self.last_micro && !more && self.stage >= 2 && !self.in_store[u];
         if self.stage >= 2 && self.reducer.is_some() {
             // a unit reduced twice in a micro-batch (the tied embedding): its accumulator
-            // comes back from the lane first; and at most REDUCE_DEPTH are in flight
+            // comes back from the lane first; and at most `depth` are in flight
             while self
                 .reducer
                 .as_ref()
-                .is_some_and(|r| r.holds(u) || r.in_flight() >= REDUCE_DEPTH)
+                .is_some_and(|r| r.holds(u) || r.in_flight() >= self.depth)
             {
                 self.take_one(true)?;
             }

@@ -156,7 +156,11 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
                 crate::plan::rules::held_gradients(plan),
                 compute,
             ),
-            (plan.communication, crate::plan::rules::chunk_elements(plan)),
+            (
+                plan.communication,
+                crate::plan::rules::chunk_elements(plan),
+                crate::plan::rules::reduce_depth(plan),
+            ),
             parts.clone(),
             partitions.clone(),
             &pinning,

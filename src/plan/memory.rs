@@ -164,22 +164,25 @@ pub fn layers(plan: &Plan) -> u64 {
     }
 }
 
-/// A layered step's own temporaries (`engine/layered.rs`): the fp32 sum over the
-/// micro-batches of the unit in backward and of a tied embedding (from the head to the
-/// embedding's backward), and every micro-batch's gradient flowing back (`checkpoint`
-/// bytes each).
+/// A layered step's own temporaries (`engine/layered.rs`): the fp32 sums over the
+/// micro-batches of the unit in backward and of the units whose reductions are in
+/// flight (`rules::reduce_depth`, one more: the reduction holds its gradient until it
+/// is done), of a tied embedding (from the head to the embedding's backward), and every
+/// micro-batch's gradient flowing back (`checkpoint` bytes each).
 fn layered_sums(plan: &Plan, checkpoint: u64) -> u64 {
     if !plan.train.layered_accumulation {
         return 0;
     }
-    let numels = plan.model.config.unit_numels();
-    let largest = numels.iter().copied().max().unwrap_or(0) as u64;
+    let mut numels = plan.model.config.unit_numels();
     let tied = if plan.model.config.tie_word_embeddings {
         numels[0] as u64
     } else {
         0
     };
-    4 * (largest + tied) + layers(plan) * checkpoint
+    numels.sort_unstable_by(|a, b| b.cmp(a));
+    let at_once = super::rules::reduce_depth(plan) + 1;
+    let summed: u64 = numels.iter().take(at_once).map(|&n| n as u64).sum();
+    4 * (summed + tied) + layers(plan) * checkpoint
 }
 
 /// Elements of the gradient reduction's bucket (`reduce.rs`): stages 2–3 with several

@@ -205,6 +205,15 @@ fn batch_rows(out: &mut String, plan: &Plan) {
             format!("{} ({})", choice.value, choice.why),
         );
     }
+    if plan.train.layered_accumulation && b.gradient_accumulation_steps > 1 {
+        row(
+            out,
+            "accumulation order",
+            "unit by unit (train.layered_accumulation): each unit fetched once each way a step, \
+             every micro-batch's checkpoints held at once"
+                .to_string(),
+        );
+    }
     row(out, "seq_len", plan.data.seq_len.to_string());
     row(out, "tokens per step", plan.tokens_per_step().to_string());
 }

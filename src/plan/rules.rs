@@ -9,6 +9,18 @@ use super::{Plan, Precision, Tier, Wire};
 /// Gradients in flight on the reduction lane at most.
 pub const REDUCE_DEPTH: usize = 2;
 
+/// Gradients in flight on the reduction lane at most in this plan's step: one in a
+/// layered step (`train.layered_accumulation`), whose unit sums are whole fp32 units held
+/// until reduced, and each reduced while the next unit runs every micro-batch's
+/// backward; else [`REDUCE_DEPTH`].
+pub fn reduce_depth(plan: &Plan) -> usize {
+    if plan.train.layered_accumulation {
+        1
+    } else {
+        REDUCE_DEPTH
+    }
+}
+
 /// Elements of one reduction chunk (all ranks' stretches together) at most: 16 MiB in
 /// fp32.
 pub const CHUNK_LIMIT: usize = 1 << 22;

@@ -6,7 +6,7 @@
 use super::super::clock::{Mark, Track};
 use super::super::costs::{Costs, Work as Cost};
 use super::{round_4k, Replay};
-use crate::plan::rules::{self, REDUCE_DEPTH};
+use crate::plan::rules;
 
 impl Replay<'_> {
     /// `accumulate(u)`: the gradient's reduction on the collectives lane (stages 2–3),
@@ -59,8 +59,8 @@ impl Replay<'_> {
             self.pcie[1] += if self.cuda() { crossing } else { 0 };
             return;
         }
-        // at most REDUCE_DEPTH reductions in flight: compute waits for the oldest
-        while self.reducing.len() >= REDUCE_DEPTH {
+        // at most `rules::reduce_depth` reductions in flight: compute waits for the oldest
+        while self.reducing.len() >= rules::reduce_depth(self.plan) {
             let oldest = self.reducing.remove(0);
             self.clocks.wait(Track::Compute, oldest);
         }
