@@ -176,6 +176,26 @@ fn auto_batch_sizes_are_decided_from_the_memory_plan() {
     let plan = all_auto(&["train.device_memory=1000"]);
     assert_eq!(plan.batch.micro_batch_per_gpu, 1);
     assert!(plan.auto[0].why.contains("even 1"), "{:?}", plan.auto);
+    // a layered step holds every micro-batch's activations: each candidate is sized with
+    // the accumulation it makes up train_batch_size with, and the choice fits
+    let layered = |extra: &str| {
+        let budget = format!("train.device_memory={}", one(8) + one(8) / 2);
+        all_auto(&[
+            "train_batch_size=64",
+            "train.layered_accumulation=true",
+            &budget,
+            extra,
+        ])
+    };
+    let plan = layered("train.keep_activations=false");
+    assert!(plan.train.layered_accumulation);
+    assert!(plan.batch.gradient_accumulation_steps > 1, "{:?}", plan.batch);
+    let budget = plan.train.device_memory.unwrap();
+    assert!(tierzero::plan::memory::predict(&plan).total <= budget);
+    // with one micro-batch a step there is nothing to layer
+    let plan = all_auto(&["train_batch_size=16", "train.layered_accumulation=true"]);
+    assert_eq!(plan.batch.gradient_accumulation_steps, 1);
+    assert!(!plan.train.layered_accumulation);
 }
 
 #[test]

@@ -339,7 +339,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     let gpu = Profile::load("h100-pcie5").unwrap();
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
-    let variants: [&[&str]; 29] = [
+    let variants: [&[&str]; 30] = [
         &[],
         &[
             "zero_optimization.stage=0",
@@ -446,6 +446,14 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
             "train.layered_accumulation=true",
             "train.accumulate_on_device=true",
             "zero_optimization.offload_optimizer.device=cpu",
+        ],
+        // one rank in bf16: the fp32 sum leaves the device as it is, 4 bytes an element
+        &[
+            "bf16.enabled=true",
+            "train.devices=1",
+            "gradient_accumulation_steps=2",
+            "train.layered_accumulation=true",
+            "zero_optimization.offload_param.device=cpu",
         ],
     ];
     let mut gaps = Vec::new();

@@ -43,6 +43,14 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
         let planned = |micro: usize| {
             let mut p = plan.clone();
             p.batch.micro_batch_per_gpu = micro;
+            if p.train.layered_accumulation {
+                // a layered step holds the activations of every micro-batch its
+                // accumulation makes up the batch with
+                p.batch.gradient_accumulation_steps = match auto.tbs_given {
+                    Some(t) => (t / (micro * world)).max(1),
+                    None => auto.accumulation_given.unwrap_or(1),
+                };
+            }
             crate::plan::memory::predict(&p).total
         };
         let (budget, budget_key) = budget(plan, facts);

@@ -145,6 +145,8 @@ impl Plan {
             .keep_activations
             .unwrap_or(!plan.train.activation_checkpointing);
         super::auto_batch::decide(&mut plan, auto, facts);
+        // one micro-batch a step is already unit by unit
+        plan.train.layered_accumulation &= plan.batch.gradient_accumulation_steps > 1;
         // the device's memory goes first to what speeds every micro-batch (gradient sums,
         // kept units, kept activations), then to optimizer state ("auto" partial offload:
         // those units need neither the CPU optimizer nor PCIe), the rest to host memory

@@ -228,7 +228,9 @@ fn nvme_param_bytes(plan: &Plan) -> (f64, f64) {
     // a use served by the gather of the unit's previous one reads nothing
     let order =
         crate::plan::fetch::Fetches::new(uses, &numels, persistent, plan.zero.max_reuse_distance).order();
-    let micro_batches = plan.batch.gradient_accumulation_steps as f64;
+    // a layered step's fetch serves every micro-batch
+    let micro_batches =
+        (plan.batch.gradient_accumulation_steps as u64 / crate::plan::memory::layers(plan)) as f64;
     let elem = plan.precision.bytes() as f64;
     let (mut read, mut written) = (0.0, 0.0);
     for (u, _) in tiers.iter().enumerate().filter(|(_, t)| **t == Tier::Nvme) {

@@ -132,6 +132,16 @@ impl<'a> Replay<'a> {
         self.plan.precision.bytes() as u64
     }
 
+    /// Bytes of an element of the gradient a unit's backward hands to its reduction: the
+    /// training precision, or a layered step's fp32 sum over the micro-batches.
+    fn gradient_bytes(&self) -> u64 {
+        if self.plan.train.layered_accumulation {
+            4
+        } else {
+            self.p()
+        }
+    }
+
     /// Elements of a chunk of the NVMe parameter store (`run/stores.rs`: the swap chunk
     /// for the largest shard).
     fn param_chunk(&self) -> u64 {

@@ -29,13 +29,19 @@ impl Replay<'_> {
         }
         if self.stage() < 2 && self.cuda() {
             // to the host accumulator, in the compute thread: stretch by stretch in the
-            // training precision through the pinned staging, widened as they are added
+            // training precision (a layered step's fp32 sum) through the pinned staging,
+            // widened as they are added
             let chunk = rules::chunk_elements(self.plan) as u64;
             let padded = part.padded as u64;
             let mut staged = None;
             for start in (0..padded).step_by(chunk.max(1) as usize) {
                 let k = chunk.min(padded - start);
-                self.stage_out(Track::Compute, ("d2h", u), (k, self.p()), &mut staged);
+                self.stage_out(
+                    Track::Compute,
+                    ("d2h", u),
+                    (k, self.gradient_bytes()),
+                    &mut staged,
+                );
             }
             self.land(Track::Compute, u, staged);
             return;
@@ -43,7 +49,7 @@ impl Replay<'_> {
         if self.stage() < 2 {
             // to the host accumulator as fp32, in the compute thread
             let bytes = part.padded as u64 * 4;
-            let (copy, crossing) = self.to_host(part.padded as u64, self.p());
+            let (copy, crossing) = self.to_host(part.padded as u64, self.gradient_bytes());
             self.clocks.run(Track::Compute, "d2h", Some(u), copy, crossing);
             self.clocks.run(
                 Track::Compute,
@@ -103,7 +109,7 @@ impl Replay<'_> {
             // `host_values`); then the add, widening 16-bit values as it reads them
             let kind = match (on_device, world) {
                 (true, _) => 4,
-                (false, 1) => self.p(),
+                (false, 1) => self.gradient_bytes(),
                 (false, _) => wire,
             };
             if self.cuda() {
