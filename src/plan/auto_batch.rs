@@ -40,16 +40,17 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
             .map(|k| 1usize << k)
             .filter(|m| share.is_none_or(|s| s.is_multiple_of(*m)))
             .collect();
+        // the accumulation that makes up the batch with a micro-batch of `micro`
+        let accumulation_for = |micro: usize| match auto.tbs_given {
+            Some(t) => t / (micro * world),
+            None => auto.accumulation_given.unwrap_or(1),
+        };
         let planned = |micro: usize| {
             let mut p = plan.clone();
             p.batch.micro_batch_per_gpu = micro;
             if p.train.layered_accumulation {
-                // a layered step holds the activations of every micro-batch its
-                // accumulation makes up the batch with
-                p.batch.gradient_accumulation_steps = match auto.tbs_given {
-                    Some(t) => (t / (micro * world)).max(1),
-                    None => auto.accumulation_given.unwrap_or(1),
-                };
+                // a layered step holds the activations of every micro-batch
+                p.batch.gradient_accumulation_steps = accumulation_for(micro).max(1);
             }
             crate::plan::memory::predict(&p).total
         };
@@ -95,10 +96,7 @@ pub(super) fn decide(plan: &mut Plan, auto: AutoBatch, facts: DeviceFacts) {
                 ),
             },
         };
-        let accumulation = match auto.tbs_given {
-            Some(t) => t / (micro * world),
-            None => auto.accumulation_given.unwrap_or(1),
-        };
+        let accumulation = accumulation_for(micro);
         plan.batch.micro_batch_per_gpu = micro;
         plan.batch.gradient_accumulation_steps = accumulation;
         plan.batch.train_batch_size = micro * accumulation * world;

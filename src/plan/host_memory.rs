@@ -173,8 +173,8 @@ pub fn predict_host(plan: &Plan) -> HostBytes {
         };
         // the pools keep what each size of unit needed at once (the device row counts
         // what is gathered at the peak moment); the activations kept for backward
-        let activations = crate::plan::memory::layers(plan)
-            * (8 * tokens + (parts.len() as u64 - 1) * elem * tokens * hidden);
+        let activations =
+            super::rules::layers(plan) * (8 * tokens + (parts.len() as u64 - 1) * elem * tokens * hidden);
         // the compute temporaries (a block's recompute and backward, or the LM head's)
         rank.working = device.working.max(gathered + activations) + device.transient;
     }

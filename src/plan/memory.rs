@@ -17,7 +17,7 @@
 
 use super::fetch::{may_request, Fetches, Limits, Purpose};
 use super::partition::Partition;
-use super::rules::{chunk_elements, device_sums, gathers_updates, keeps_activations};
+use super::rules::{chunk_elements, device_sums, gathers_updates, keeps_activations, layers, passes};
 use super::{Plan, Tier};
 use serde::Serialize;
 
@@ -154,16 +154,6 @@ pub fn transient(plan: &Plan) -> u64 {
     block.max(embedding).max(head) + in_use
 }
 
-/// The micro-batches whose activations a step holds at once: all of them in a layered
-/// step (`train.layered_accumulation`), else one.
-pub fn layers(plan: &Plan) -> u64 {
-    if plan.train.layered_accumulation {
-        plan.batch.gradient_accumulation_steps as u64
-    } else {
-        1
-    }
-}
-
 /// A layered step's own temporaries (`engine/layered.rs`): the fp32 sums over the
 /// micro-batches of the unit in backward and of the units whose reductions are in
 /// flight (`rules::reduce_depth`, one more: the reduction holds its gradient until it
@@ -291,12 +281,7 @@ fn stage3_working(plan: &Plan, parts: &[Partition], elem: u64, tokens: u64, hidd
         tokens,
         hidden,
         vec![false; parts.len()],
-        // a layered step is one pass over the units
-        if plan.train.layered_accumulation {
-            1
-        } else {
-            plan.batch.gradient_accumulation_steps.min(2)
-        },
+        passes(plan).min(2),
     );
     let later = replay(
         plan,

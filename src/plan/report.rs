@@ -205,7 +205,7 @@ fn batch_rows(out: &mut String, plan: &Plan) {
             format!("{} ({})", choice.value, choice.why),
         );
     }
-    if plan.train.layered_accumulation && b.gradient_accumulation_steps > 1 {
+    if plan.train.layered_accumulation {
         row(
             out,
             "accumulation order",

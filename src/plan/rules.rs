@@ -9,6 +9,23 @@ use super::{Plan, Precision, Tier, Wire};
 /// Gradients in flight on the reduction lane at most.
 pub const REDUCE_DEPTH: usize = 2;
 
+/// The micro-batches whose activations a step holds at once: all of them in a layered
+/// step (`train.layered_accumulation`), else one.
+pub fn layers(plan: &Plan) -> u64 {
+    if plan.train.layered_accumulation {
+        plan.batch.gradient_accumulation_steps as u64
+    } else {
+        1
+    }
+}
+
+/// The passes a step makes over its units, each fetching every unit (stage 3) and
+/// reducing every gradient once: one a micro-batch, or one for all of them in a layered
+/// step.
+pub fn passes(plan: &Plan) -> usize {
+    plan.batch.gradient_accumulation_steps / layers(plan) as usize
+}
+
 /// Gradients in flight on the reduction lane at most in this plan's step: one in a
 /// layered step (`train.layered_accumulation`), whose unit sums are whole fp32 units held
 /// until reduced, and each reduced while the next unit runs every micro-batch's

@@ -229,8 +229,7 @@ fn nvme_param_bytes(plan: &Plan) -> (f64, f64) {
     let order =
         crate::plan::fetch::Fetches::new(uses, &numels, persistent, plan.zero.max_reuse_distance).order();
     // a layered step's fetch serves every micro-batch
-    let micro_batches =
-        (plan.batch.gradient_accumulation_steps as u64 / crate::plan::memory::layers(plan)) as f64;
+    let micro_batches = crate::plan::rules::passes(plan) as f64;
     let elem = plan.precision.bytes() as f64;
     let (mut read, mut written) = (0.0, 0.0);
     for (u, _) in tiers.iter().enumerate().filter(|(_, t)| **t == Tier::Nvme) {
@@ -295,8 +294,7 @@ fn link(plan: &Plan, profile: &Profile) -> Option<(f64, f64)> {
     let w = plan.world_size as f64;
     let ring = (w - 1.0) / w * plan.model.config.num_parameters() as f64;
     // a layered step reduces each unit's sum once (`train.layered_accumulation`)
-    let micro_batches =
-        (plan.batch.gradient_accumulation_steps as u64 / crate::plan::memory::layers(plan)) as f64;
+    let micro_batches = crate::plan::rules::passes(plan) as f64;
     let wire = plan.communication.kind().elt_size_in_bytes() as f64;
     let gather = if plan.zero.stage == 3 {
         plan.precision.bytes() as f64 * ring

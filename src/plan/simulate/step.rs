@@ -159,11 +159,7 @@ impl<'a> Replay<'a> {
         let start = self.clocks.now(Track::Compute);
         self.pcie = [0, 0];
         // a layered step is one pass over the units for every micro-batch
-        let micro_batches = if self.plan.train.layered_accumulation {
-            1
-        } else {
-            self.plan.batch.gradient_accumulation_steps
-        };
+        let micro_batches = rules::passes(self.plan);
         self.ahead_bytes = 0;
         for micro in 0..micro_batches {
             self.first_micro = micro == 0;
@@ -279,7 +275,7 @@ impl<'a> Replay<'a> {
     /// One micro-batch, or a layered step's micro-batches unit by unit: forward, the
     /// final unit, backward by recompute.
     fn micro_batch(&mut self) {
-        let layers = crate::plan::memory::layers(self.plan) as usize;
+        let layers = rules::layers(self.plan) as usize;
         let units = self.parts.len();
         let last = units - 1;
         let c = &self.plan.model.config;
