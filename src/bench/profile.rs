@@ -23,7 +23,7 @@ use crate::model::Model;
 use crate::plan::report::nvme_bytes;
 use crate::plan::simulate::flops;
 use crate::plan::simulate::profile::{
-    Compute, Copies, CpuAdam, Figure, Link, Nvme, NvmeAt, Profile, Rate, Work,
+    Compute, Copies, CpuAdam, Figure, Link, Nvme, NvmeAt, NvmeLatency, Profile, Rate, Work,
 };
 use crate::plan::Plan;
 use crate::run::rank_threads;
@@ -288,6 +288,10 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
     let latency = 4096.0 / (tiny.all_gather_gbs.min(tiny.reduce_scatter_gbs) * 1e9);
     std::fs::create_dir_all(nvme_dir)?;
     let nvme = disk(plans, nvme_dir, quick)?;
+    let nvme = Nvme {
+        latency: Some(transfer_latency(&plans[0], nvme_dir, &nvme)?),
+        ..nvme
+    };
     let adam = adam_bench(&AdamBenchArgs {
         params: 20_000_000,
         threads: cores,
@@ -388,5 +392,44 @@ fn disk(plans: &[Plan], nvme_dir: &Path, quick: bool) -> anyhow::Result<Nvme> {
         read_gb_s: first.read_gb_s,
         write_gb_s: first.write_gb_s,
         by_file_size: if rows.len() > 1 { rows } else { Vec::new() },
+        latency: None,
+    })
+}
+
+/// What the engine's NVMe transfers take beyond their bytes, as `plan`'s ranks pay it
+/// (`bench::swap::transfer_latency`): a unit of 4096 elements a rank (48 KiB each way)
+/// through the NVMe AdamW on every rank at once. Each leg's time less its bytes at the
+/// disk's rates (its ranks sharing them) is a transfer's latency; the run's time less its
+/// legs, the pipeline's own. A small unit's update is that: its time is the ring threads'
+/// and the pipeline's hand-offs.
+fn transfer_latency(plan: &Plan, nvme_dir: &Path, disk: &Nvme) -> anyhow::Result<NvmeLatency> {
+    const ELEMENTS: usize = 4096;
+    const CALLS: usize = 40;
+    let ranks = plan.train.devices.max(1);
+    let engine = crate::run::engine_config(plan);
+    let m = super::swap::transfer_latency(nvme_dir, engine, ranks, ELEMENTS, CALLS)?;
+    let (read, write) = (disk.read_gb_s.value, disk.write_gb_s.value);
+    let bytes = ranks as f64 * m.leg_bytes as f64 / 1e9;
+    let how = format!(
+        "`tierzero bench profile`: {ranks} ranks at once, each {CALLS} one-sub-group NVMe AdamW steps of {ELEMENTS} elements through one store (three fp32 states read and written, {} KiB each way): a step's median {:.3} ms, its read leg's {:.3} ms, its write leg's {:.3} ms, its update's {:.3} ms",
+        m.leg_bytes >> 10,
+        m.call_s * 1e3,
+        m.read_s * 1e3,
+        m.write_s * 1e3,
+        m.update_s * 1e3,
+    );
+    Ok(NvmeLatency {
+        read_s: Figure::new(
+            (m.read_s - bytes / read).max(0.0),
+            format!("{how}; the read leg less its bytes at {read:.2} GB/s shared by the ranks"),
+        ),
+        write_s: Figure::new(
+            (m.write_s - bytes / write).max(0.0),
+            format!("{how}; the write leg less its bytes at {write:.2} GB/s shared by the ranks"),
+        ),
+        pipeline_s: Figure::new(
+            (m.call_s - m.read_s - m.write_s - m.update_s).max(0.0),
+            format!("{how}; the step less its legs"),
+        ),
     })
 }

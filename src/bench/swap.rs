@@ -168,3 +168,107 @@ impl SwapReport {
         )
     }
 }
+
+/// What one of the engine's NVMe transfers costs beyond its bytes, as a run pays it.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct TransferLatency {
+    /// Median seconds of a one-sub-group pipelined AdamW over small states, every rank
+    /// at once (its three reads, the update, its three writes; the pipeline's threads).
+    pub call_s: f64,
+    /// Its read leg's, write leg's and update's medians.
+    pub read_s: f64,
+    pub write_s: f64,
+    pub update_s: f64,
+    /// Bytes each leg moves.
+    pub leg_bytes: u64,
+}
+
+/// Times the NVMe pipeline as a run of `ranks` ranks calls it for a small unit: each
+/// rank on a thread of its own, one store and engine (`engine`) for all, `calls`
+/// one-sub-group AdamW steps of `elements` each (three fp32 states read and written).
+/// A unit this small moves its bytes in microseconds; the rest is the transfers' way
+/// through the store's ring threads and the pipeline's hand-offs.
+pub fn transfer_latency(
+    dir: &std::path::Path,
+    engine: EngineConfig,
+    ranks: usize,
+    elements: usize,
+    calls: usize,
+) -> anyhow::Result<TransferLatency> {
+    let (io, _) = open_engine(dir, engine, None, EngineChoice::Auto)?;
+    let specs: Vec<TensorSpec> = (0..ranks as u32)
+        .flat_map(|rank| {
+            State::OPTIMIZER.into_iter().map(move |state| TensorSpec {
+                key: TensorKey { unit: 0, rank, state },
+                numel: elements,
+                elem_bytes: 4,
+            })
+        })
+        .collect();
+    let name = format!(".tierzero-bench-latency-{}", std::process::id());
+    let store = SwapStore::create(dir, &name, io, &specs, elements)?;
+    let coefficients = AdamHyper::default().coefficients(1, 1.0);
+    let config = PipelineConfig {
+        sets: 2,
+        pipeline_read: true,
+        pipeline_write: true,
+    };
+    type Times = (Vec<f64>, Vec<f64>, Vec<f64>);
+    struct Legs(std::sync::Mutex<Times>);
+    impl pipeline::Observer for Legs {
+        fn leg(&self, leg: pipeline::Leg, _: u32, start: Instant, end: Instant, _: u64) {
+            let mut legs = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            let seconds = (end - start).as_secs_f64();
+            match leg {
+                pipeline::Leg::Read => legs.0.push(seconds),
+                pipeline::Leg::Write => legs.1.push(seconds),
+                pipeline::Leg::Update => legs.2.push(seconds),
+                _ => {}
+            }
+        }
+    }
+    let legs = Legs(std::sync::Mutex::new((Vec::new(), Vec::new(), Vec::new())));
+    let times = std::thread::scope(|scope| -> anyhow::Result<Vec<f64>> {
+        let (store, legs, coefficients) = (&store, &legs, &coefficients);
+        let threads: Vec<_> = (0..ranks as u32)
+            .map(|rank| {
+                scope.spawn(move || -> anyhow::Result<Vec<f64>> {
+                    let pool = pipeline::buffer_pool_for(store, config.sets, false)?;
+                    pipeline::write_only(store, &pool, &[(0, rank, 0)])?;
+                    let grad = AlignedBuf::<f32>::zeroed(elements)?;
+                    let mut low = AlignedBuf::<u16>::zeroed(elements)?;
+                    let mut times = Vec::with_capacity(calls);
+                    for _ in 0..calls {
+                        let groups = pipeline::sub_groups(
+                            0,
+                            rank,
+                            elements,
+                            pipeline::GradIn::Host(GradSlice::F32(&grad)),
+                            LowPrecisionOut::Bf16(&mut low),
+                        );
+                        let start = Instant::now();
+                        pipeline::nvme_adam_step_observed(store, &pool, groups, coefficients, config, legs)?;
+                        times.push(start.elapsed().as_secs_f64());
+                    }
+                    Ok(times)
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for t in threads {
+            all.extend(
+                t.join()
+                    .map_err(|_| anyhow::anyhow!("a latency thread panicked"))??,
+            );
+        }
+        Ok(all)
+    })?;
+    let (reads, writes, updates) = legs.0.into_inner().unwrap_or_else(|e| e.into_inner());
+    Ok(TransferLatency {
+        call_s: median(times),
+        read_s: median(reads),
+        write_s: median(writes),
+        update_s: median(updates),
+        leg_bytes: 3 * 4 * elements as u64,
+    })
+}

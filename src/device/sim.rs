@@ -162,6 +162,11 @@ impl SimStream {
         self.0.costs.seconds(work)
     }
 
+    /// What one unit's NVMe AdamW pipeline run takes beyond its legs (`Costs`).
+    pub fn pipeline_overhead(&self, how: tierzero_offload::pipeline::PipelineConfig) -> f64 {
+        self.0.costs.pipeline_overhead(how)
+    }
+
     /// Counts `work` done from `start` to `end` beside the stream's own order (a pipeline
     /// the stream's thread runs on others), and keeps the stream busy until `end`.
     pub fn overlapped(&self, work: Work, start: f64, end: f64) {

@@ -362,7 +362,7 @@ impl LegClock {
             _ => None,
         };
         let timed = disk::schedule(
-            self.start,
+            self.start + self.stream.pipeline_overhead(self.config),
             &legs,
             self.config,
             &mut disk,

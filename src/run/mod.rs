@@ -21,4 +21,5 @@ pub use options::TrainOptions;
 pub use prepare::{evaluate, initial_weights};
 pub use rank::rank_threads;
 pub use result::{StepMetrics, TrainResult};
+pub use stores::engine_config;
 pub use train::train;

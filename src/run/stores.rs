@@ -54,13 +54,7 @@ pub(super) fn open_store(
     } else {
         path
     };
-    let engine_config = EngineConfig {
-        block_size: plan.aio.block_size,
-        queue_depth: plan.aio.queue_depth,
-        parallelism: plan.aio.intra_op_parallelism,
-        single_submit: plan.aio.single_submit,
-        overlap_events: plan.aio.overlap_events,
-    };
+    let engine_config = engine_config(plan);
     let swap = |source| TrainError::Swap {
         path: path.to_path_buf(),
         source,
@@ -70,6 +64,17 @@ pub(super) fn open_store(
     let engine = tierzero_offload::nvme::fault::wrap(engine);
     let chunk = swap_chunk(plan, specs.iter().map(|s| s.numel).max().unwrap_or(1));
     SwapStore::create(path, name, engine, specs, chunk).map_err(swap)
+}
+
+/// The NVMe engine of the plan's `aio` section.
+pub fn engine_config(plan: &Plan) -> EngineConfig {
+    EngineConfig {
+        block_size: plan.aio.block_size,
+        queue_depth: plan.aio.queue_depth,
+        parallelism: plan.aio.intra_op_parallelism,
+        single_submit: plan.aio.single_submit,
+        overlap_events: plan.aio.overlap_events,
+    }
 }
 
 /// The swap stores the plan's NVMe tiers need (optimizer state, parameters).

@@ -14,6 +14,7 @@ use super::profile::{Profile, Shape, Work as Kernel};
 use crate::plan::report::nvme_bytes;
 use crate::plan::rules;
 use crate::plan::Plan;
+use tierzero_offload::pipeline::PipelineConfig;
 
 const GB: f64 = 1e9;
 
@@ -96,6 +97,9 @@ pub struct Costs {
     /// The disk's (read, write) GB/s over files the size of the machine's swap files,
     /// looked up once: every NVMe piece of work is priced at them.
     disk: (f64, f64),
+    /// Seconds an NVMe read, a write and a pipelined unit update take beyond their bytes
+    /// (`nvme.latency`).
+    nvme_latency: (f64, f64, f64),
     /// Each piece of compute's time × this: 1, or more on a CPU device where the lanes'
     /// host work takes cores from compute (`contention.rs`).
     compute_stretch: f64,
@@ -108,6 +112,9 @@ impl Costs {
             profile: profile.clone(),
             numels: plan.model.config.unit_numels(),
             disk: profile.nvme.rates_for(nvme_bytes(plan)),
+            nvme_latency: profile.nvme.latency.as_ref().map_or((0.0, 0.0, 0.0), |l| {
+                (l.read_s.value, l.write_s.value, l.pipeline_s.value)
+            }),
             compute_stretch: 1.0,
         }
     }
@@ -140,6 +147,25 @@ impl Costs {
 
     pub fn seconds_at(bytes: u64, gb_s: f64) -> f64 {
         bytes as f64 / (gb_s * GB)
+    }
+
+    /// One NVMe transfer of `bytes` at `gb_s`, with its latency (none when nothing moves:
+    /// a pipeline leg whose reads a read-ahead made).
+    fn transfer(&self, bytes: u64, gb_s: f64, latency: f64) -> f64 {
+        if bytes == 0 {
+            return 0.0;
+        }
+        latency + Self::seconds_at(bytes, gb_s)
+    }
+
+    /// What one unit's NVMe AdamW pipeline run takes beyond its legs when it runs on
+    /// threads (`how` pipelines its reads or writes; otherwise on the calling thread).
+    pub fn pipeline_overhead(&self, how: PipelineConfig) -> f64 {
+        if how.pipeline_read || how.pipeline_write {
+            self.nvme_latency.2
+        } else {
+            0.0
+        }
     }
 
     /// The machine's NVMe read and write rates (over files the size of its swap files)
@@ -271,8 +297,8 @@ impl Costs {
             Work::HostAdd(elements) => Self::seconds_at(4 * elements, self.host_add_rate(elements)),
             Work::Collective(bytes) | Work::Gather(bytes) => self.collective(bytes),
             Work::Latency => self.profile.link.latency_s.value,
-            Work::NvmeRead(bytes) => Self::seconds_at(bytes, read),
-            Work::NvmeWrite(bytes) => Self::seconds_at(bytes, write),
+            Work::NvmeRead(bytes) => self.transfer(bytes, read, self.nvme_latency.0),
+            Work::NvmeWrite(bytes) => self.transfer(bytes, write, self.nvme_latency.1),
             Work::Adam(elements) => elements as f64 / adam,
             Work::DeviceAdam(elements) => {
                 Self::seconds_at(4 * elements, self.h2d_rate(false))

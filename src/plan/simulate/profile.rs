@@ -119,6 +119,20 @@ pub struct Nvme {
     /// figures above hold for any size.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub by_file_size: Vec<NvmeAt>,
+    /// What the engine's transfers take beyond their bytes at the rates above. Absent:
+    /// nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency: Option<NvmeLatency>,
+}
+
+/// The engine's NVMe transfers beyond their bytes: a small transfer's way through the
+/// store's ring threads and the drive's own latency, and the NVMe AdamW pipeline's own
+/// time for a unit (its threads started and joined, the hand-offs between its legs).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct NvmeLatency {
+    pub read_s: Figure,
+    pub write_s: Figure,
+    pub pipeline_s: Figure,
 }
 
 /// The disk's rates over one file size.
@@ -345,6 +359,7 @@ mod tests {
             read_gb_s: figure(9.0),
             write_gb_s: figure(9.5),
             by_file_size: Vec::new(),
+            latency: None,
         };
         assert_eq!(nvme.rates_for(100 << 30), (9.0, 9.5), "no rows: any size");
         nvme.by_file_size = vec![at(24, 1.0), at(2, 3.0), at(3, 2.0)];

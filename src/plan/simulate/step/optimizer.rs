@@ -115,7 +115,7 @@ impl Replay<'_> {
                         pipeline_read: opt.pipeline_read,
                         pipeline_write: opt.pipeline_write,
                     };
-                    let start = self.clocks.now(Track::Optimizer);
+                    let start = self.clocks.now(Track::Optimizer) + self.costs.pipeline_overhead(how);
                     let ahead =
                         ahead.map(|(at, bytes)| (at, self.costs.seconds(Cost::NvmeRead(bytes)), bytes));
                     let disk = self.clocks.disk(Track::Optimizer);
