@@ -272,6 +272,14 @@ pub struct ReadAhead {
     group: (u32, u32, usize),
     submit: Instant,
     reads: Reads,
+    bytes: u64,
+}
+
+impl ReadAhead {
+    /// The bytes its reads move (each state's chunk padded as the store pads it).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
 }
 
 /// Submits the three optimizer-state reads of sub-group `group` (unit, rank, chunk)
@@ -285,6 +293,7 @@ pub fn read_ahead(
         group,
         submit: Instant::now(),
         reads: submit_reads(store, pool, group, false)?,
+        bytes: moved_bytes(store, group, false).0,
     })
 }
 
@@ -596,11 +605,33 @@ pub fn nvme_adam_step_observed(
 pub fn nvme_adam_step_from(
     store: &SwapStore,
     pool: &BufferPool,
-    (groups, mut ahead): (Vec<SubGroup<'_>>, Option<ReadAhead>),
+    (groups, ahead): (Vec<SubGroup<'_>>, Option<ReadAhead>),
     coefficients: &Coefficients,
     config: PipelineConfig,
     observer: &dyn Observer,
 ) -> Result<PipelineReport, IoError> {
+    nvme_adam_step_then(store, pool, (groups, ahead, None), coefficients, config, observer)
+        .map(|(report, _)| report)
+}
+
+/// A sub-group's (unit, rank, chunk).
+pub type Group = (u32, u32, usize);
+
+/// [`nvme_adam_step_from`], then the state of sub-group `next` (the next run's first)
+/// read ahead as soon as this run's reads are submitted and a buffer set is free, so its
+/// reads overlap this run's updates and writes: DeepSpeed's swapper reads sub-group
+/// i+1 while it writes i, across the runs of a step as within one. Returned for the next
+/// run ([`read_ahead`]'s); None where the reads do not run on threads of their own
+/// (without `pipeline_read`), after an error, or where the submission failed (the next
+/// run reads the same chunks and reports it).
+pub fn nvme_adam_step_then(
+    store: &SwapStore,
+    pool: &BufferPool,
+    (groups, mut ahead, next): (Vec<SubGroup<'_>>, Option<ReadAhead>, Option<Group>),
+    coefficients: &Coefficients,
+    config: PipelineConfig,
+    observer: &dyn Observer,
+) -> Result<(PipelineReport, Option<ReadAhead>), IoError> {
     let start = Instant::now();
     let sets = config.sets.max(1);
     let order: Vec<Planned> = groups
@@ -620,6 +651,7 @@ pub fn nvme_adam_step_from(
         ..PipelineReport::default()
     });
     let shared = (&report, &error, observer);
+    let mut next_ahead = None;
     if !config.pipeline_read && !config.pipeline_write {
         serial(store, pool, (groups, ahead), &order, coefficients, shared);
     } else {
@@ -724,6 +756,11 @@ pub fn nvme_adam_step_from(
             }
             drop(to_wait);
             drop(updated_rx);
+            // the next run's first state: its buffers come back as this run's writes
+            // complete (the completer does not wait for this thread)
+            if config.pipeline_read && !error.is_set() {
+                next_ahead = next.and_then(|group| read_ahead(store, pool, group).ok());
+            }
             let _ = read_waiter.join();
             let _ = updater.join();
             let _ = completer.join();
@@ -734,7 +771,7 @@ pub fn nvme_adam_step_from(
     }
     let mut report = report.into_inner().unwrap_or_else(|p| p.into_inner());
     report.total = start.elapsed();
-    Ok(report)
+    Ok((report, next_ahead))
 }
 
 /// Submits one batch per sub-group on this thread, at most `sets` batches ahead, and

@@ -6,8 +6,8 @@ use crate::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
 use crate::nvme::tests::{engines, test_dir};
 use crate::nvme::{BlockIo, IoError};
 use crate::pipeline::{
-    buffer_pool_for, nvme_adam_step, nvme_adam_step_from, read_ahead, sub_groups, GradIn, Leg, Observer,
-    PipelineConfig, SubGroup,
+    buffer_pool_for, nvme_adam_step, nvme_adam_step_from, nvme_adam_step_then, read_ahead, sub_groups,
+    GradIn, Leg, Observer, PipelineConfig, SubGroup,
 };
 use crate::pool::IoBuf;
 use std::io::{Seek, SeekFrom, Write};
@@ -82,7 +82,9 @@ impl Recorded {
 #[test]
 fn pipeline_equals_in_memory_adamw_bit_for_bit() {
     // the buffer_count 2 runs read their gradients from the store, beside the state; the
-    // runs without pipelining take the serial path (no stage threads)
+    // runs without pipelining take the serial path (no stage threads); the third step runs
+    // unit by unit, each run reading the next one's first state ahead (one buffer set:
+    // once its last write is in)
     let dir = test_dir();
     // three units, the last with a ragged tail; chunks of 4096 elements
     let units = [10_000usize, 4096, 9_999];
@@ -92,6 +94,7 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
             (2, false, false),
             (2, true, false),
             (4, true, true),
+            (1, true, true),
         ] {
             let store = store_with(engine.clone(), dir.path(), &units, 4096);
             let mut memory: Vec<[Vec<f32>; 3]> = Vec::new();
@@ -189,8 +192,34 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
                 let ahead_of = if step % 2 == 1 { (0, 0, 0) } else { (2, 0, 1) };
                 let ahead = read_ahead(&store, &pool, ahead_of).unwrap();
                 let legs = Recorded::default();
-                let report =
-                    nvme_adam_step_from(&store, &pool, (groups, Some(ahead)), &c, config, &legs).unwrap();
+                let report = if step < 3 {
+                    nvme_adam_step_from(&store, &pool, (groups, Some(ahead)), &c, config, &legs).unwrap()
+                } else {
+                    // a run a unit, as the engine's optimizer thread runs them, each reading
+                    // the next one's first state ahead where its reads are pipelined
+                    let mut report = crate::pipeline::PipelineReport::default();
+                    let mut ahead = Some(ahead);
+                    let mut runs: Vec<Vec<SubGroup<'_>>> = Vec::new();
+                    for g in groups {
+                        match runs.last_mut() {
+                            Some(run) if run[0].unit == g.unit => run.push(g),
+                            _ => runs.push(vec![g]),
+                        }
+                    }
+                    let count = runs.len();
+                    for (i, run) in runs.into_iter().enumerate() {
+                        let next = (i + 1 < count).then_some((i as u32 + 1, 0, 0));
+                        let (one, next) =
+                            nvme_adam_step_then(&store, &pool, (run, ahead, next), &c, config, &legs)
+                                .unwrap();
+                        assert_eq!(next.is_some(), pipeline_read && i + 1 < count);
+                        ahead = next;
+                        report.sub_groups += one.sub_groups;
+                        report.bytes_read += one.bytes_read;
+                        report.bytes_written += one.bytes_written;
+                    }
+                    report
+                };
                 assert_eq!(report.sub_groups, 3 + 1 + 3);
                 // one read, update and write a sub-group, in sub-group order (the simulated
                 // device's clock takes the i-th of a kind as sub-group i's); a used
@@ -202,7 +231,12 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
                 }
                 let early = legs.of(Leg::ReadAhead);
                 let chunk = 3 * 4 * 4096;
-                assert_eq!(early, if step % 2 == 1 { vec![(0, chunk)] } else { vec![] });
+                let expected = match step {
+                    3 if pipeline_read => vec![(0, chunk), (1, chunk), (2, chunk)],
+                    1 | 3 => vec![(0, chunk)],
+                    _ => vec![],
+                };
+                assert_eq!(early, expected);
                 if step % 2 == 1 {
                     let first = legs.0.lock().unwrap().iter().position(|l| l.0 == Leg::Read);
                     let ahead = legs.0.lock().unwrap().iter().position(|l| l.0 == Leg::ReadAhead);

@@ -29,6 +29,7 @@ use crate::plan::Plan;
 use crate::run::rank_threads;
 use std::path::Path;
 use tch::{Device, Kind, Tensor};
+use tierzero_offload::pipeline::PipelineConfig;
 
 /// The rates of one config's shapes: block forward, block backward, head, each timed on
 /// rank 0 while every rank of the config does the same, each on its device.
@@ -398,7 +399,7 @@ fn disk(plans: &[Plan], nvme_dir: &Path, quick: bool) -> anyhow::Result<Nvme> {
 
 /// What the engine's NVMe transfers take beyond their bytes, as `plan`'s ranks pay it
 /// (`bench::swap::transfer_latency`): a unit of 4096 elements a rank (48 KiB each way)
-/// through the NVMe AdamW on every rank at once. Each leg's time less its bytes at the
+/// through the NVMe AdamW on every rank at once, pipelined as the plan's optimizer is. Each leg's time less its bytes at the
 /// disk's rates (its ranks sharing them) is a transfer's latency; the run's time less its
 /// legs, the pipeline's own. A small unit's update is that: its time is the ring threads'
 /// and the pipeline's hand-offs.
@@ -406,12 +407,24 @@ fn transfer_latency(plan: &Plan, nvme_dir: &Path, disk: &Nvme) -> anyhow::Result
     const ELEMENTS: usize = 4096;
     const CALLS: usize = 40;
     let ranks = plan.train.devices.max(1);
+    let oo = &plan.zero.offload_optimizer;
+    let pipeline = PipelineConfig {
+        sets: crate::plan::rules::pipeline_sets(plan),
+        pipeline_read: oo.pipeline_read,
+        pipeline_write: oo.pipeline_write,
+    };
+    let mode = match (oo.pipeline_read, oo.pipeline_write) {
+        (false, false) => {
+            "on the calling thread, as the config runs it (no pipeline_read, no pipeline_write)"
+        }
+        _ => "on the pipeline's threads, as the config runs it",
+    };
     let engine = crate::run::engine_config(plan);
-    let m = super::swap::transfer_latency(nvme_dir, engine, ranks, ELEMENTS, CALLS)?;
+    let m = super::swap::transfer_latency(nvme_dir, (engine, pipeline), ranks, ELEMENTS, CALLS)?;
     let (read, write) = (disk.read_gb_s.value, disk.write_gb_s.value);
     let bytes = ranks as f64 * m.leg_bytes as f64 / 1e9;
     let how = format!(
-        "`tierzero bench profile`: {ranks} ranks at once, each {CALLS} one-sub-group NVMe AdamW steps of {ELEMENTS} elements through one store (three fp32 states read and written, {} KiB each way): a step's median {:.3} ms, its read leg's {:.3} ms, its write leg's {:.3} ms, its update's {:.3} ms",
+        "`tierzero bench profile`: {ranks} ranks at once, each {CALLS} one-sub-group NVMe AdamW steps of {ELEMENTS} elements through one store {mode} (three fp32 states read and written, {} KiB each way): a step's median {:.3} ms, its read leg's {:.3} ms, its write leg's {:.3} ms, its update's {:.3} ms",
         m.leg_bytes >> 10,
         m.call_s * 1e3,
         m.read_s * 1e3,

@@ -185,12 +185,14 @@ pub struct TransferLatency {
 
 /// Times the NVMe pipeline as a run of `ranks` ranks calls it for a small unit: each
 /// rank on a thread of its own, one store and engine (`engine`) for all, `calls`
-/// one-sub-group AdamW steps of `elements` each (three fp32 states read and written).
+/// one-sub-group AdamW steps of `elements` each (three fp32 states read and written),
+/// pipelined as `config` says (on the calling thread without `pipeline_read` and
+/// `pipeline_write`).
 /// A unit this small moves its bytes in microseconds; the rest is the transfers' way
 /// through the store's ring threads and the pipeline's hand-offs.
 pub fn transfer_latency(
     dir: &std::path::Path,
-    engine: EngineConfig,
+    (engine, config): (EngineConfig, PipelineConfig),
     ranks: usize,
     elements: usize,
     calls: usize,
@@ -208,11 +210,6 @@ pub fn transfer_latency(
     let name = format!(".tierzero-bench-latency-{}", std::process::id());
     let store = SwapStore::create(dir, &name, io, &specs, elements)?;
     let coefficients = AdamHyper::default().coefficients(1, 1.0);
-    let config = PipelineConfig {
-        sets: 2,
-        pipeline_read: true,
-        pipeline_write: true,
-    };
     type Times = (Vec<f64>, Vec<f64>, Vec<f64>);
     struct Legs(std::sync::Mutex<Times>);
     impl pipeline::Observer for Legs {

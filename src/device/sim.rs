@@ -162,9 +162,14 @@ impl SimStream {
         self.0.costs.seconds(work)
     }
 
+    /// An NVMe transfer's time on this stream's machine: its disk's, and beyond it.
+    pub fn transfer(&self, work: Work) -> crate::plan::simulate::costs::Transfer {
+        self.0.costs.transfer(work)
+    }
+
     /// What one unit's NVMe AdamW pipeline run takes beyond its legs (`Costs`).
-    pub fn pipeline_overhead(&self, how: tierzero_offload::pipeline::PipelineConfig) -> f64 {
-        self.0.costs.pipeline_overhead(how)
+    pub fn pipeline_overhead(&self) -> f64 {
+        self.0.costs.pipeline_overhead()
     }
 
     /// Counts `work` done from `start` to `end` beside the stream's own order (a pipeline

@@ -8,7 +8,8 @@ use super::context::Tracks;
 use super::error::{EngineError, On};
 use super::gradients::{FinalGrad, Gradients};
 use super::optimizer::{
-    AdamStep, DeviceState, Moments, NvmeTier, Optimizer, OptimizerState, ParamStaging, SharedStaging, Update,
+    AdamStep, Ahead, AheadClock, DeviceState, Moments, NvmeTier, Optimizer, OptimizerState, ParamStaging,
+    SharedStaging, Update,
 };
 use super::params::LowParams;
 use super::prefetch::DroppedWait;
@@ -163,6 +164,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             step,
             tracks: self.tracks.clone(),
             ahead: std::sync::Mutex::new(self.optimizer.ahead.take()),
+            next_nvme: std::sync::Mutex::new(None),
+            disk: std::sync::Mutex::new(disk::Disk::default()),
             held: self.optimizer.held.clone(),
             update_copies: self.optimizer.update_copies.clone(),
         };
@@ -279,9 +282,16 @@ struct OptimizerContext {
     pipeline: PipelineConfig,
     step: AdamStep,
     tracks: Tracks,
-    /// The first NVMe sub-group's state reads, submitted during the backward, for the
-    /// first unit whose state streams through the pipeline.
+    /// The next NVMe sub-group's state reads: the first unit's, submitted during the
+    /// backward, then each next unit's, submitted by the update before it.
     ahead: std::sync::Mutex<Option<super::optimizer::Ahead>>,
+    /// The unit whose update comes next, where its state streams through the pipeline
+    /// too (set by [`Self::run_before`]): the update before it reads its first state.
+    next_nvme: std::sync::Mutex<Option<usize>>,
+    /// The optimizer thread's disk in virtual time, on a simulated device: the
+    /// pipeline's legs, the read-aheads and the new parameters written to NVMe take their
+    /// turns on it as in the replay (`plan/simulate/step/optimizer.rs`).
+    disk: std::sync::Mutex<disk::Disk>,
     /// The copies of held gradient sums out of the device.
     held: super::held::SharedHeld,
     /// The copies of host updates into device parameters.
@@ -310,21 +320,23 @@ impl pipeline::Observer for Legs<'_> {
 /// sub-group order, so the i-th of a kind is sub-group i's), and timed when the run is
 /// done by `disk::schedule`, which the replay uses too: a read waits for a free buffer
 /// set and, without `pipeline_read`, for the update before it; an update for its read;
-/// a write for its update; the reads and writes one at a time on the disk. A read-ahead
-/// of the first sub-group's state takes the disk from when the backward submitted it.
+/// a write for its update; the reads and writes one at a time on the optimizer thread's
+/// disk. A read-ahead of the first sub-group's state submitted during the backward takes
+/// the disk from then; one the run before placed is done when it says; the next run's,
+/// which this run submits, takes the disk after this run's legs.
 pub(super) struct LegClock {
     stream: SimStream,
     start: f64,
     config: PipelineConfig,
-    /// When the read-ahead was submitted, in virtual time, and its reads once reported.
-    ahead: (Option<f64>, Option<Work>),
+    /// The read-ahead this run uses, in virtual time, and its reads once reported.
+    ahead: (Option<AheadClock>, Option<Work>),
     reads: Vec<Work>,
     updates: Vec<Work>,
     writes: Vec<Work>,
 }
 
 impl LegClock {
-    fn new(stream: SimStream, config: PipelineConfig, ahead: Option<f64>) -> LegClock {
+    fn new(stream: SimStream, config: PipelineConfig, ahead: Option<AheadClock>) -> LegClock {
         LegClock {
             start: stream.now(),
             stream,
@@ -346,36 +358,39 @@ impl LegClock {
         }
     }
 
-    /// Times the run's legs on the stream, once the pipeline has reported them all.
-    fn finish(self) {
+    /// Times the run's legs on the stream and `disk`, once the pipeline has reported
+    /// them all, then the next run's read-ahead of `next` bytes where it submitted one;
+    /// returns when that is done.
+    fn finish(self, disk: &mut disk::Disk, next: Option<u64>) -> Option<f64> {
         let legs: Vec<_> = (self.reads.iter().zip(&self.updates).zip(&self.writes))
             .map(|((&read, &update), &write)| disk::Legs {
-                read: self.stream.seconds(read),
+                read: self.stream.transfer(read),
                 update: self.stream.seconds(update),
-                write: self.stream.seconds(write),
+                write: self.stream.transfer(write),
             })
             .collect();
-        // the optimizer stream's own disk: nothing of it is past `start` but the read-ahead
-        let mut disk = disk::Disk::default();
         let ahead = match self.ahead {
-            (Some(at), Some(work)) => Some((work, disk.place(at, self.stream.seconds(work)))),
+            (Some(AheadClock::Submitted(at)), Some(work)) => {
+                let (start, end) = disk.take(at, self.stream.transfer(work));
+                self.stream.overlapped(work, start, end);
+                Some(end)
+            }
+            (Some(AheadClock::Done(end)), Some(_)) => Some(end),
             _ => None,
         };
-        let timed = disk::schedule(
-            self.start + self.stream.pipeline_overhead(self.config),
-            &legs,
-            self.config,
-            &mut disk,
-            ahead.map(|(_, (_, end))| end),
-        );
-        if let Some((work, (start, end))) = ahead {
-            self.stream.overlapped(work, start, end);
-        }
+        let start = self.start + self.stream.pipeline_overhead();
+        let timed = disk::schedule(start, &legs, self.config, disk, ahead);
         for (i, t) in timed.iter().enumerate() {
             self.stream.overlapped(self.reads[i], t.read.0, t.read.1);
             self.stream.overlapped(self.updates[i], t.update.0, t.update.1);
             self.stream.overlapped(self.writes[i], t.write.0, t.write.1);
         }
+        let bytes = next?;
+        let work = Work::NvmeRead(bytes);
+        let ready = disk::next_read_ready(start, &timed, self.config);
+        let (start, end) = disk.take(ready, self.stream.transfer(work));
+        self.stream.beside(work, start, end);
+        Some(end)
     }
 }
 
@@ -473,7 +488,14 @@ impl OptimizerContext {
         staging.scratch = store
             .write_tensor_ahead(key, bytes, staging.scratch)
             .map_err(self.on.io())?;
-        sim::charge(Work::NvmeWrite(bytes.len() as u64));
+        if let Some(stream) = sim::entered() {
+            // its turn on the optimizer thread's disk, after the read-ahead the update
+            // submitted
+            let work = Work::NvmeWrite(bytes.len() as u64);
+            let mut disk = self.disk.lock().unwrap_or_else(|e| e.into_inner());
+            let (start, end) = disk.take(stream.now(), stream.transfer(work));
+            stream.overlapped(work, start, end);
+        }
         self.tracks.nvme_write.record_between(
             Phase::NvmeWrite,
             false,
@@ -633,22 +655,29 @@ impl OptimizerContext {
         );
         let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner()).take();
         let (ahead, at) = ahead.map_or((None, None), |a| (Some(a.reads), a.at));
+        let next = self.next_nvme.lock().unwrap_or_else(|e| e.into_inner()).take();
         let legs = Legs {
             tracks: &self.tracks,
             simulated: sim::entered().map(|s| std::sync::Mutex::new(LegClock::new(s, self.pipeline, at))),
         };
-        pipeline::nvme_adam_step_from(
+        let (_, next) = pipeline::nvme_adam_step_then(
             tier.store,
             &tier.pool,
-            (groups, ahead),
+            (groups, ahead, next.map(|u| (u as u32, self.on.0 as u32, 0))),
             &self.step.coefficients,
             self.pipeline,
             &legs,
         )
         .map_err(self.on.io())?;
-        if let Some(clock) = legs.simulated {
-            clock.into_inner().unwrap_or_else(|e| e.into_inner()).finish();
-        }
+        let done = legs.simulated.and_then(|clock| {
+            let clock = clock.into_inner().unwrap_or_else(|e| e.into_inner());
+            let mut disk = self.disk.lock().unwrap_or_else(|e| e.into_inner());
+            clock.finish(&mut disk, next.as_ref().map(|n| n.bytes()))
+        });
+        *self.ahead.lock().unwrap_or_else(|e| e.into_inner()) = next.map(|reads| Ahead {
+            reads,
+            at: done.map(AheadClock::Done),
+        });
         Ok(())
     }
 
@@ -691,6 +720,10 @@ impl OptimizerContext {
         if let Some(next) = next.filter(|_| !matches!(job.moments, Moments::Device(_))) {
             self.queue_held(next)?;
         }
+        // an NVMe update reads the next one's first state ahead
+        *self.next_nvme.lock().unwrap_or_else(|e| e.into_inner()) = next
+            .filter(|n| matches!(n.moments, Moments::Nvme(_)) && n.grad.len() > 0)
+            .map(|n| n.unit);
         self.run(job)
     }
 }

@@ -94,11 +94,22 @@ pub(super) struct Optimizer<'a> {
     update_copy_bytes: usize,
 }
 
-/// A read-ahead of NVMe state, and on a simulated device the virtual time it was
-/// submitted at (the update's `LegClock` times its reads from then).
+/// A read-ahead of NVMe state, and on a simulated device when its reads were in
+/// virtual time.
 pub(super) struct Ahead {
     pub(super) reads: pipeline::ReadAhead,
-    pub(super) at: Option<f64>,
+    pub(super) at: Option<AheadClock>,
+}
+
+/// A read-ahead in virtual time.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum AheadClock {
+    /// Submitted at this time, during the backward: the update that uses it places its
+    /// reads on the disk from then (`optimize.rs`'s `LegClock`).
+    Submitted(f64),
+    /// On the disk already, done at this time: the update before read it ahead and
+    /// placed it.
+    Done(f64),
 }
 
 impl<'a> Optimizer<'a> {
@@ -191,7 +202,7 @@ impl<'a> Optimizer<'a> {
             return;
         };
         let group = (0, self.on.0 as u32, 0);
-        let at = crate::device::sim::entered().map(|s| s.now());
+        let at = crate::device::sim::entered().map(|s| AheadClock::Submitted(s.now()));
         self.ahead = pipeline::read_ahead(tier.store, &tier.pool, group)
             .ok()
             .map(|reads| Ahead { reads, at });

@@ -8,6 +8,7 @@
 //! runs: the clocks only add up what the schedule asks of each track, as a stream would
 //! run it (in order, one piece at a time).
 
+use super::costs::Transfer;
 use super::disk::Disk;
 use serde::Serialize;
 
@@ -145,17 +146,17 @@ impl Clocks {
         self.place(track, (what, unit), (start, start + seconds.max(0.0)), bytes)
     }
 
-    /// Queues an NVMe transfer of `seconds` on `track`: it starts once the track has
-    /// run what was queued before it and the disk has a free stretch (`Disk::place`).
+    /// Queues an NVMe transfer on `track`: it starts once the track has run what was
+    /// queued before it and the disk has a free stretch (`Disk::take`).
     pub fn run_on_disk(
         &mut self,
         track: Track,
         (what, unit): (&'static str, Option<usize>),
-        seconds: f64,
+        transfer: Transfer,
         bytes: u64,
     ) -> Mark {
         let ready = self.now(track);
-        let span = self.disk(track).place(ready, seconds);
+        let span = self.disk(track).take(ready, transfer);
         self.place(track, (what, unit), span, bytes)
     }
 
@@ -182,6 +183,20 @@ impl Clocks {
             });
         }
         Mark { at: end, track }
+    }
+
+    /// Work of `track`'s from `start` to `end` that the track does not wait for (reads
+    /// a pipeline submits for the track's next run): counted, the track's clock unmoved.
+    pub fn beside(
+        &mut self,
+        track: Track,
+        (what, unit): (&'static str, Option<usize>),
+        (start, end): (f64, f64),
+        bytes: u64,
+    ) {
+        let now = self.now(track);
+        self.place(track, (what, unit), (start, end), bytes);
+        self.now[track.index()] = now;
     }
 
     /// Later work on `track` starts no earlier than `mark`.

@@ -14,7 +14,6 @@ use super::profile::{Profile, Shape, Work as Kernel};
 use crate::plan::report::nvme_bytes;
 use crate::plan::rules;
 use crate::plan::Plan;
-use tierzero_offload::pipeline::PipelineConfig;
 
 const GB: f64 = 1e9;
 
@@ -88,6 +87,27 @@ impl Work {
     }
 }
 
+/// An NVMe transfer on the profiled machine: the disk's time for its bytes, then what
+/// the transfer takes beyond them (`nvme.latency`: its way back through the store's ring
+/// threads), while the disk serves other transfers.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Transfer {
+    pub disk: f64,
+    pub latency: f64,
+}
+
+impl Transfer {
+    pub fn seconds(self) -> f64 {
+        self.disk + self.latency
+    }
+
+    /// The same transfer without its latency: a piece of a larger one whose latency
+    /// the last piece pays.
+    pub fn bytes_only(self) -> Transfer {
+        Transfer { latency: 0.0, ..self }
+    }
+}
+
 /// The profile's rates for one plan.
 #[derive(Clone, Debug)]
 pub struct Costs {
@@ -149,23 +169,35 @@ impl Costs {
         bytes as f64 / (gb_s * GB)
     }
 
-    /// One NVMe transfer of `bytes` at `gb_s`, with its latency (none when nothing moves:
-    /// a pipeline leg whose reads a read-ahead made).
-    fn transfer(&self, bytes: u64, gb_s: f64, latency: f64) -> f64 {
+    /// An NVMe transfer's time on the disk and beyond it (none for other work, whose
+    /// time is all `disk`'s; nothing at all when no byte moves: a pipeline leg whose
+    /// reads a read-ahead made).
+    pub fn transfer(&self, work: Work) -> Transfer {
+        let (read, write, _) = self.shared();
+        let (bytes, gb_s, latency) = match work {
+            Work::NvmeRead(bytes) => (bytes, read, self.nvme_latency.0),
+            Work::NvmeWrite(bytes) => (bytes, write, self.nvme_latency.1),
+            other => {
+                return Transfer {
+                    disk: self.seconds(other),
+                    latency: 0.0,
+                }
+            }
+        };
         if bytes == 0 {
-            return 0.0;
+            return Transfer::default();
         }
-        latency + Self::seconds_at(bytes, gb_s)
+        Transfer {
+            disk: Self::seconds_at(bytes, gb_s),
+            latency,
+        }
     }
 
-    /// What one unit's NVMe AdamW pipeline run takes beyond its legs when it runs on
-    /// threads (`how` pipelines its reads or writes; otherwise on the calling thread).
-    pub fn pipeline_overhead(&self, how: PipelineConfig) -> f64 {
-        if how.pipeline_read || how.pipeline_write {
-            self.nvme_latency.2
-        } else {
-            0.0
-        }
+    /// What one unit's NVMe AdamW pipeline run takes beyond its legs (`nvme.latency`,
+    /// measured in the mode of the config the profile was made with: its threads started
+    /// and joined, or none on the calling thread).
+    pub fn pipeline_overhead(&self) -> f64 {
+        self.nvme_latency.2
     }
 
     /// The machine's NVMe read and write rates (over files the size of its swap files)
@@ -276,7 +308,7 @@ impl Costs {
     /// Seconds `work` takes on the profiled machine.
     pub fn seconds(&self, work: Work) -> f64 {
         let copies = &self.profile.copies;
-        let (read, write, adam) = self.shared();
+        let adam = self.shared().2;
         match work {
             Work::Forward(u) => self.compute(u, Kernel::Forward),
             Work::Backward(u) => self.compute(u, Kernel::Backward),
@@ -297,8 +329,7 @@ impl Costs {
             Work::HostAdd(elements) => Self::seconds_at(4 * elements, self.host_add_rate(elements)),
             Work::Collective(bytes) | Work::Gather(bytes) => self.collective(bytes),
             Work::Latency => self.profile.link.latency_s.value,
-            Work::NvmeRead(bytes) => self.transfer(bytes, read, self.nvme_latency.0),
-            Work::NvmeWrite(bytes) => self.transfer(bytes, write, self.nvme_latency.1),
+            Work::NvmeRead(_) | Work::NvmeWrite(_) => self.transfer(work).seconds(),
             Work::Adam(elements) => elements as f64 / adam,
             Work::DeviceAdam(elements) => {
                 Self::seconds_at(4 * elements, self.h2d_rate(false))

@@ -6,8 +6,12 @@
 //! A rank's share of the disk is one [`Disk`]: every NVMe transfer of the rank — the
 //! pipeline's legs, the h2d lane's parameter reads, the reduce lane's gradient chunks,
 //! the new parameters written back — takes the first stretch of the disk's time, from
-//! when it is ready, that no other transfer holds. A lane reading parameters while the
-//! optimizer streams its state waits for the disk as on the machine.
+//! when it is ready, that no other transfer holds, for its bytes; its latency (the
+//! profile's `nvme.latency`: the way back through the store's threads) follows while
+//! the disk serves the next. A lane reading parameters while the optimizer streams its
+//! state waits for the disk as on the machine. A pipelined unit's run reads the next
+//! unit's first state once its own reads are submitted and a buffer set is free
+//! ([`next_read_ready`]), after its own legs on the disk.
 //!
 //! A sub-group's read waits for a free buffer set (the write `sets` sub-groups back) and,
 //! without `pipeline_read`, for the update before it (and, without `pipeline_write`, its
@@ -18,6 +22,7 @@
 //! per cent (`fio` on this VM's disk, 1 MiB at depth 32: read alone 1.49 GB/s, write
 //! alone 4.05; together 1.46 and 0.59, 1.12 of the disk's time in all).
 
+use super::costs::Transfer;
 use tierzero_offload::pipeline::PipelineConfig;
 
 /// Transfers a disk's timeline keeps at least (a dry run's three steps of the largest
@@ -54,14 +59,21 @@ impl Disk {
         }
         (start, end)
     }
+
+    /// Places `transfer`, ready at `ready`: the disk is busy for its bytes alone, in
+    /// the first free stretch from then on; the transfer ends its latency later.
+    pub fn take(&mut self, ready: f64, transfer: Transfer) -> (f64, f64) {
+        let (start, end) = self.place(ready, transfer.disk);
+        (start, end + transfer.latency)
+    }
 }
 
 /// The seconds of one sub-group's legs on the profiled machine.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Legs {
-    pub read: f64,
+    pub read: Transfer,
     pub update: f64,
-    pub write: f64,
+    pub write: Transfer,
 }
 
 /// When one sub-group's legs ran: (start, end) of its read, update and write.
@@ -149,15 +161,25 @@ pub fn schedule(
             let after = writes
                 .checked_sub(1)
                 .map_or(ready, |j| ready.max(timed[j].write.0));
-            timed[writes].write = disk.place(after, legs[writes].write);
+            timed[writes].write = disk.take(after, legs[writes].write);
             writes += 1;
         } else {
             let after = reads.checked_sub(1).map_or(ready, |j| ready.max(timed[j].read.0));
-            timed[reads].read = disk.place(after, legs[reads].read);
+            timed[reads].read = disk.take(after, legs[reads].read);
             reads += 1;
         }
     }
     timed
+}
+
+/// When the reads of the sub-group after the `timed` ones (the next run's first, read
+/// ahead) could be submitted, their run having started at `start`: after the last of
+/// their reads was and once a buffer set is free (the write `sets` sub-groups back).
+pub fn next_read_ready(start: f64, timed: &[Timed], how: PipelineConfig) -> f64 {
+    let n = timed.len();
+    let submitted = timed.last().map_or(start, |t| t.read.0);
+    let set_free = n.checked_sub(how.sets.max(1)).map_or(start, |j| timed[j].write.1);
+    submitted.max(set_free)
 }
 
 #[cfg(test)]
@@ -165,9 +187,15 @@ mod tests {
     use super::*;
 
     const LEG: Legs = Legs {
-        read: 3.0,
+        read: Transfer {
+            disk: 3.0,
+            latency: 0.0,
+        },
         update: 1.0,
-        write: 2.0,
+        write: Transfer {
+            disk: 2.0,
+            latency: 0.0,
+        },
     };
 
     fn overlap(a: (f64, f64), b: (f64, f64)) -> bool {
@@ -275,5 +303,32 @@ mod tests {
         assert_eq!(t[2].read, (10.0, 13.0));
         // the disk busy throughout: 4 × 5 seconds
         assert_eq!(t[3].write.1, 20.0);
+    }
+
+    #[test]
+    fn a_transfer_holds_the_disk_for_its_bytes_alone() {
+        let mut disk = Disk::default();
+        let t = Transfer {
+            disk: 2.0,
+            latency: 1.0,
+        };
+        assert_eq!(disk.take(0.0, t), (0.0, 3.0));
+        // the next starts once the disk is free, before the first's latency is over
+        assert_eq!(disk.take(0.0, t), (2.0, 5.0));
+    }
+
+    #[test]
+    fn the_next_runs_state_is_read_once_a_buffer_set_is_free() {
+        let how = PipelineConfig {
+            sets: 2,
+            pipeline_read: true,
+            pipeline_write: true,
+        };
+        let t = schedule(1.0, &[LEG; 3], how, &mut Disk::default(), None);
+        // after the last read was submitted, once the second sub-group's write freed its set
+        assert_eq!(next_read_ready(1.0, &t, how), t[2].read.0.max(t[1].write.1));
+        // one sub-group of two sets: from the run's start
+        let one = schedule(1.0, &[LEG], how, &mut Disk::default(), None);
+        assert_eq!(next_read_ready(1.0, &one, how), 1.0);
     }
 }

@@ -69,6 +69,9 @@ pub(super) struct Replay<'a> {
     /// unit's), where the first unit's first sub-group of NVMe optimizer state is read
     /// ahead from (`Optimizer::read_first_ahead`).
     ahead_at: Option<f64>,
+    /// When the next unit's first sub-group of NVMe optimizer state, read ahead by the
+    /// update before it, is in.
+    done_ahead: Option<f64>,
     /// Whether the micro-batch under way is the step's first.
     first_micro: bool,
     /// The compute track's busy seconds in the forward of this step's first micro-batch
@@ -109,6 +112,7 @@ impl<'a> Replay<'a> {
             cached: false,
             last_micro: true,
             ahead_at: None,
+            done_ahead: None,
             first_micro: true,
             first_forward: 0.0,
             ahead_bytes: 0,
@@ -220,11 +224,14 @@ impl<'a> Replay<'a> {
                 if tier == Tier::Nvme {
                     // chunk by chunk, as the parameter store reads them: each chunk takes
                     // its turn on the disk beside the other tracks' transfers
+                    // (the read is one transfer the lane waits for: the last chunk
+                    // pays its latency)
                     let chunk = self.param_chunk() * self.p();
                     let mut left = shard_bytes;
                     while left > 0 {
                         let bytes = chunk.min(left);
-                        let read = self.costs.seconds(Cost::NvmeRead(bytes));
+                        let read = self.costs.transfer(Cost::NvmeRead(bytes));
+                        let read = if bytes < left { read.bytes_only() } else { read };
                         self.clocks
                             .run_on_disk(Track::H2d, ("nvme_read", Some(u)), read, bytes);
                         left -= bytes;

@@ -4,7 +4,7 @@
 
 use super::super::clock::{Mark, Track};
 use super::super::costs::Work as Cost;
-use super::super::disk::{schedule, Legs};
+use super::super::disk::{next_read_ready, schedule, Legs};
 use super::{round_4k, Replay};
 use crate::plan::rules;
 use crate::plan::Tier;
@@ -81,7 +81,9 @@ impl Replay<'_> {
                 Tier::Nvme => {
                     // the pipeline's sub-groups on one disk (`disk::schedule`, as the
                     // simulated device's `LegClock` times them); the first sub-group's
-                    // state read ahead since the backward's start
+                    // state read ahead since the backward's start (the first unit's) or
+                    // by the update before, which placed it (`done_ahead`)
+                    let done_ahead = self.done_ahead.take();
                     let ahead_at = if u == 0 { self.ahead_at.take() } else { None };
                     let mut ahead = None;
                     let mut legs = Vec::new();
@@ -96,17 +98,18 @@ impl Replay<'_> {
                         } else {
                             0
                         };
-                        let read = match ahead_at {
-                            Some(at) if i == 0 => {
+                        let read = match (ahead_at, done_ahead) {
+                            (Some(at), _) if i == 0 => {
                                 ahead = Some((at, states));
                                 grad
                             }
+                            (_, Some(_)) if i == 0 => grad,
                             _ => states + grad,
                         };
                         legs.push(Legs {
-                            read: self.costs.seconds(Cost::NvmeRead(read)),
+                            read: self.costs.transfer(Cost::NvmeRead(read)),
                             update: self.costs.seconds(Cost::Adam(elements)),
-                            write: self.costs.seconds(Cost::NvmeWrite(states)),
+                            write: self.costs.transfer(Cost::NvmeWrite(states)),
                         });
                         bytes.push((read, 16 * elements, states));
                     }
@@ -115,16 +118,40 @@ impl Replay<'_> {
                         pipeline_read: opt.pipeline_read,
                         pipeline_write: opt.pipeline_write,
                     };
-                    let start = self.clocks.now(Track::Optimizer) + self.costs.pipeline_overhead(how);
+                    let start = self.clocks.now(Track::Optimizer) + self.costs.pipeline_overhead();
                     let ahead =
-                        ahead.map(|(at, bytes)| (at, self.costs.seconds(Cost::NvmeRead(bytes)), bytes));
+                        ahead.map(|(at, bytes)| (at, self.costs.transfer(Cost::NvmeRead(bytes)), bytes));
+                    let next_len = if u + 1 < units {
+                        self.optimizer_len(u + 1)
+                    } else {
+                        0
+                    };
+                    let next_bytes =
+                        (how.pipeline_read && next_len > 0 && self.optimizer_tiers[u + 1] == Tier::Nvme)
+                            .then(|| 3 * round_4k(swap_chunk.min(next_len) * 4));
                     let disk = self.clocks.disk(Track::Optimizer);
-                    let ahead = ahead.map(|(at, seconds, bytes)| (disk.place(at, seconds), bytes));
-                    let timed = schedule(start, &legs, how, disk, ahead.map(|((_, end), _)| end));
+                    let ahead = ahead.map(|(at, transfer, bytes)| (disk.take(at, transfer), bytes));
+                    let ahead_end = ahead.map(|((_, end), _)| end).or(done_ahead);
+                    let timed = schedule(start, &legs, how, disk, ahead_end);
+                    // the next unit's first state, read ahead once this run's reads are
+                    // submitted and a buffer set is free, after this run's legs on the
+                    // disk (`pipeline::nvme_adam_step_then`)
+                    let next = next_bytes.map(|bytes| {
+                        let ready = next_read_ready(start, &timed, how);
+                        (
+                            disk.take(ready, self.costs.transfer(Cost::NvmeRead(bytes))),
+                            bytes,
+                        )
+                    });
                     if let Some((span, bytes)) = ahead {
                         self.clocks
                             .place(Track::Optimizer, ("nvme_read", Some(u)), span, bytes);
                         self.ahead_bytes = bytes;
+                    }
+                    if let Some((span, bytes)) = next {
+                        self.clocks
+                            .beside(Track::Optimizer, ("nvme_read", Some(u + 1)), span, bytes);
+                        self.done_ahead = Some(span.1);
                     }
                     for (t, (read, update, write)) in timed.into_iter().zip(bytes) {
                         for (what, span, bytes) in [
@@ -150,7 +177,7 @@ impl Replay<'_> {
                 self.clocks.run_on_disk(
                     Track::Optimizer,
                     ("nvme_write", Some(u)),
-                    self.costs.seconds(Cost::NvmeWrite(shard)),
+                    self.costs.transfer(Cost::NvmeWrite(shard)),
                     shard,
                 );
             }

@@ -127,20 +127,21 @@ impl Replay<'_> {
         }
         self.land(Track::Collectives, u, staged);
         if nvme && to_host {
-            // the gradient's swap chunks: read back (once a reduction of the step has
-            // stored some) and written, on the lane thread
+            // the gradient's swap chunks, one at a time on the lane thread: each read
+            // back (once a reduction of the step has stored some) and written
             let elements = self.optimizer_len(u);
-            let bytes = (0..elements.div_ceil(swap_chunk))
-                .map(|c| round_4k(swap_chunk.min(elements - c * swap_chunk) * accumulator))
-                .sum();
-            if std::mem::replace(&mut self.stored[u], true) {
-                let read = self.costs.seconds(Cost::NvmeRead(bytes));
+            let stored = std::mem::replace(&mut self.stored[u], true);
+            for c in 0..elements.div_ceil(swap_chunk) {
+                let bytes = round_4k(swap_chunk.min(elements - c * swap_chunk) * accumulator);
+                if stored {
+                    let read = self.costs.transfer(Cost::NvmeRead(bytes));
+                    self.clocks
+                        .run_on_disk(Track::Collectives, ("nvme_read", Some(u)), read, bytes);
+                }
+                let write = self.costs.transfer(Cost::NvmeWrite(bytes));
                 self.clocks
-                    .run_on_disk(Track::Collectives, ("nvme_read", Some(u)), read, bytes);
+                    .run_on_disk(Track::Collectives, ("nvme_write", Some(u)), write, bytes);
             }
-            let write = self.costs.seconds(Cost::NvmeWrite(bytes));
-            self.clocks
-                .run_on_disk(Track::Collectives, ("nvme_write", Some(u)), write, bytes);
         }
         let done = self.clocks.mark(Track::Collectives);
         if self.plan.zero.overlap_comm {
