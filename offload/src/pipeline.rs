@@ -756,6 +756,9 @@ pub fn nvme_adam_step_then(
             }
             drop(to_wait);
             drop(updated_rx);
+            // a read-ahead this run did not use (no sub-group of its) gives its buffers
+            // back first
+            drop(ahead.take());
             // the next run's first state: its buffers come back as this run's writes
             // complete (the completer does not wait for this thread)
             if config.pipeline_read && !error.is_set() {
