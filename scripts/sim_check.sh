@@ -9,7 +9,9 @@
 #
 #   scripts/sim_check.sh [STEPS]          (default 6; the first 2 are warm-up)
 #
-# ONLY=NAME runs one of them (tiny, m130, l1b). REUSE=1 keeps the real runs already in $WORK (runs/sim_check), measures the profiles
+# ONLY=NAME runs one of them (tiny, m130, l1b). REPRICE=1 measures and runs nothing: it
+# prices the runs in $WORK again on the profiles they were priced on (a model change,
+# on the same runs and rates). REUSE=1 keeps the real runs already in $WORK (runs/sim_check), measures the profiles
 # again and simulates again; PROFILE=FILE prices every run on that profile instead of
 # measuring (with REUSE=1: a model change priced on the same runs and rates). Each
 # run's profiles stay in $WORK: profile-NAME-before.json, -after.json and their mean,
@@ -88,20 +90,27 @@ PY
 compare() { # $1: name; the rest: config arguments
   local name=$1; shift
   local before=$work/profile-$name-before.json after=$work/profile-$name-after.json profile=$work/profile-$name.json
-  if [ -z "${PROFILE:-}" ]; then
-    measure "$before" "$@"
-  fi
-  if [ -z "${REUSE:-}" ] || [ ! -s "$work/out-$name/metrics.jsonl" ]; then
-    rm -rf "$work/out-$name"
-    # the run also times itself on the clocks of the profile measured before it (the
-    # simulated device)
-    "$bin" train "$@" --no-save --simulate "${PROFILE:-$before}" --set "train.output_dir=$work/out-$name" > "$work/train-$name.log" 2>&1
-  fi
-  if [ -n "${PROFILE:-}" ]; then
-    profile=$PROFILE
+  if [ -n "${REPRICE:-}" ]; then
+    if [ ! -s "$profile" ] || [ ! -s "$work/out-$name/metrics.jsonl" ]; then
+      echo "$name: no run and profile in $work to price again"
+      return 0
+    fi
   else
-    measure "$after" "$@"
-    mean_profile "$before" "$after" "$profile"
+    if [ -z "${PROFILE:-}" ]; then
+      measure "$before" "$@"
+    fi
+    if [ -z "${REUSE:-}" ] || [ ! -s "$work/out-$name/metrics.jsonl" ]; then
+      rm -rf "$work/out-$name"
+      # the run also times itself on the clocks of the profile measured before it (the
+      # simulated device)
+      "$bin" train "$@" --no-save --simulate "${PROFILE:-$before}" --set "train.output_dir=$work/out-$name" > "$work/train-$name.log" 2>&1
+    fi
+    if [ -n "${PROFILE:-}" ]; then
+      profile=$PROFILE
+    else
+      measure "$after" "$@"
+      mean_profile "$before" "$after" "$profile"
+    fi
   fi
   "$bin" plan "$@" --set "train.output_dir=$work/out-$name" --simulate "$profile" --json > "$work/sim-$name.json"
   python3 - "$work" "$name" <<'PY'
