@@ -29,7 +29,6 @@ use crate::plan::Plan;
 use crate::run::rank_threads;
 use std::path::Path;
 use tch::{Device, Kind, Tensor};
-use tierzero_offload::pipeline::PipelineConfig;
 
 /// The rates of one config's shapes: block forward, block backward, head, each timed on
 /// rank 0 while every rank of the config does the same, each on its device.
@@ -407,13 +406,8 @@ fn transfer_latency(plan: &Plan, nvme_dir: &Path, disk: &Nvme) -> anyhow::Result
     const ELEMENTS: usize = 4096;
     const CALLS: usize = 40;
     let ranks = plan.train.devices.max(1);
-    let oo = &plan.zero.offload_optimizer;
-    let pipeline = PipelineConfig {
-        sets: crate::plan::rules::pipeline_sets(plan),
-        pipeline_read: oo.pipeline_read,
-        pipeline_write: oo.pipeline_write,
-    };
-    let mode = match (oo.pipeline_read, oo.pipeline_write) {
+    let pipeline = crate::plan::rules::pipeline(plan);
+    let mode = match (pipeline.pipeline_read, pipeline.pipeline_write) {
         (false, false) => {
             "on the calling thread, as the config runs it (no pipeline_read, no pipeline_write)"
         }

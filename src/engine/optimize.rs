@@ -156,10 +156,14 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             on: On(self.site.rank),
             precision: self.plan.precision,
             staging: self.optimizer.staging.clone(),
-            pipeline: PipelineConfig {
-                sets: crate::plan::rules::pipeline_sets(self.plan),
-                pipeline_read: self.overlap && self.plan.zero.offload_optimizer.pipeline_read,
-                pipeline_write: self.overlap && self.plan.zero.offload_optimizer.pipeline_write,
+            pipeline: {
+                // every phase blocking: the legs in turn on the calling thread
+                let how = crate::plan::rules::pipeline(self.plan);
+                PipelineConfig {
+                    pipeline_read: self.overlap && how.pipeline_read,
+                    pipeline_write: self.overlap && how.pipeline_write,
+                    ..how
+                }
             },
             step,
             tracks: self.tracks.clone(),

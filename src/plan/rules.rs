@@ -256,6 +256,17 @@ pub fn pipeline_sets(plan: &Plan) -> usize {
     tierzero_offload::pipeline::sets_for(plan.zero.offload_optimizer.buffer_count, nvme_gradients(plan))
 }
 
+/// How the NVMe optimizer pipeline runs: its buffer sets, and whether its reads and its
+/// writes overlap the updates (`offload_optimizer.pipeline_read`, `pipeline_write`).
+pub fn pipeline(plan: &Plan) -> tierzero_offload::pipeline::PipelineConfig {
+    let oo = &plan.zero.offload_optimizer;
+    tierzero_offload::pipeline::PipelineConfig {
+        sets: pipeline_sets(plan),
+        pipeline_read: oo.pipeline_read,
+        pipeline_write: oo.pipeline_write,
+    }
+}
+
 /// Whether the optimizer's swap store keeps gradients in bf16: a bf16 run whose optimizer
 /// state is all on NVMe, at stages 2–3, without gradient accumulation (see
 /// `engine/grads.rs`); a placement over several tiers keeps fp32, the accumulators of its

@@ -8,14 +8,12 @@ use super::super::disk::{next_read_ready, schedule, Legs};
 use super::{round_4k, Replay};
 use crate::plan::rules;
 use crate::plan::Tier;
-use tierzero_offload::pipeline::PipelineConfig;
 
 impl Replay<'_> {
     /// The optimizer thread: every unit in forward order, from the end of the step.
     pub(super) fn optimizer(&mut self) {
         let start = self.clocks.mark(Track::Compute);
         self.clocks.wait(Track::Optimizer, start);
-        let opt = &self.plan.zero.offload_optimizer;
         let swap_chunk = self.swap_chunk() as u64;
         let stored_grads = rules::stored_gradients(self.plan);
         let accumulator = if rules::stored_bf16(self.plan) { 2 } else { 4 };
@@ -113,11 +111,7 @@ impl Replay<'_> {
                         });
                         bytes.push((read, 16 * elements, states));
                     }
-                    let how = PipelineConfig {
-                        sets: rules::pipeline_sets(self.plan),
-                        pipeline_read: opt.pipeline_read,
-                        pipeline_write: opt.pipeline_write,
-                    };
+                    let how = rules::pipeline(self.plan);
                     let start = self.clocks.now(Track::Optimizer) + self.costs.pipeline_overhead();
                     let ahead =
                         ahead.map(|(at, bytes)| (at, self.costs.transfer(Cost::NvmeRead(bytes)), bytes));
