@@ -247,7 +247,7 @@ impl<C: Collective> Chunks<'_, C> {
                 if let Some(device) = on_device {
                     let recorded = Some((copy_start, 4 * k as u64));
                     let acc = acc.as_deref_mut();
-                    self.add_to_device_sum(device, &view, (start, k), acc, buffers, (false, recorded))?;
+                    self.add_to_device_sum(device, &view, (start, k), acc, buffers, recorded)?;
                     start += k;
                     continue;
                 }
@@ -276,7 +276,7 @@ impl<C: Collective> Chunks<'_, C> {
                     Values::F32(&host[..])
                 };
                 track.record(Phase::D2h, Some(unit), copy_start, 4 * k as u64);
-                charge_to_host(&mut buffers.staging, k, elt, false);
+                charge_to_host(&mut buffers.staging, k, elt);
                 buffers.staging.add_now(acc, start, values, track)?;
                 start += k;
                 continue;
@@ -313,14 +313,14 @@ impl<C: Collective> Chunks<'_, C> {
             sim::charge(Work::Collective(bytes));
             if let Some(device) = on_device {
                 let acc = acc.as_deref_mut();
-                self.add_to_device_sum(device, &reduced, (start, k), acc, buffers, (true, None))?;
+                self.add_to_device_sum(device, &reduced, (start, k), acc, buffers, None)?;
                 start += k;
                 continue;
             }
             let Some(acc) = acc.as_deref_mut() else {
                 return Err(no_accumulator(rank));
             };
-            charge_to_host(&mut buffers.staging, k, wire.elt_size_in_bytes(), true);
+            charge_to_host(&mut buffers.staging, k, wire.elt_size_in_bytes());
             if reduced.device().is_cuda() {
                 buffers
                     .staging
@@ -335,8 +335,8 @@ impl<C: Collective> Chunks<'_, C> {
     }
 
     /// A stretch `src` of `k` elements added into the device sum at `start`; the flushing
-    /// contribution sends the sum's stretch on to the host accumulator (`travelled`: the
-    /// stretch crossed between ranks; `recorded` as in [`Self::flush`]).
+    /// contribution sends the sum's stretch on to the host accumulator (`recorded` as in
+    /// [`Self::flush`]).
     fn add_to_device_sum<A: Accumulate + ?Sized>(
         &self,
         device: &OnDevice,
@@ -344,7 +344,7 @@ impl<C: Collective> Chunks<'_, C> {
         (start, k): (usize, usize),
         acc: Option<&mut A>,
         buffers: &mut ChunkBuffers,
-        (travelled, recorded): (bool, Option<(Instant, u64)>),
+        recorded: Option<(Instant, u64)>,
     ) -> Result<(), EngineError> {
         let rank = self.comm.rank();
         let torch_err = |source| EngineError::Torch { rank, source };
@@ -355,7 +355,7 @@ impl<C: Collective> Chunks<'_, C> {
         device_add(&dst, src, device.first).map_err(torch_err)?;
         sim::charge(Work::OnDevice(4 * k as u64));
         if device.flush {
-            charge_to_host(&mut buffers.staging, k, 4, travelled);
+            charge_to_host(&mut buffers.staging, k, 4);
             self.flush(&dst, start, acc, buffers, recorded)?;
         }
         Ok(())
@@ -394,14 +394,10 @@ impl<C: Collective> Chunks<'_, C> {
 
 /// Charges `k` elements reaching the host accumulator on a simulated device: from a GPU
 /// one copy in their kind (`elt` bytes each) through the staging, the add once it is in;
-/// on a CPU device an fp32 copy, which only a stretch that did not travel between ranks
-/// makes, then the host's add.
-fn charge_to_host(staging: &mut Staging, k: usize, elt: usize, travelled: bool) {
+/// on a CPU device the add alone, which reads the values where they are (`in_place`).
+fn charge_to_host(staging: &mut Staging, k: usize, elt: usize) {
     if staging.charge(k as u64, elt) {
         return;
-    }
-    if !travelled {
-        sim::charge(Work::D2h(4 * k as u64));
     }
     sim::charge(Work::HostAdd(k as u64));
 }

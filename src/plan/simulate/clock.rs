@@ -171,7 +171,9 @@ impl Clocks {
     ) -> Mark {
         let i = track.index();
         self.now[i] = self.now[i].max(end);
-        if end > start {
+        // work that takes no time still counts its bytes (a CPU device's copy out, read
+        // in place)
+        if end > start || bytes > 0 {
             self.spans.push(Span {
                 track,
                 what,

@@ -405,7 +405,7 @@ impl<'a> Replay<'a> {
     fn replica(&mut self, u: usize) -> Option<Mark> {
         if self.install(u) && rules::gathers_updates(self.stage(), self.world()) {
             let bytes = self.parts[u].padded as u64 * self.p();
-            let seconds = self.costs.seconds(Cost::Collective(bytes));
+            let seconds = self.costs.seconds(Cost::Gather(bytes));
             self.clocks
                 .run(Track::Compute, "all_gather", Some(u), seconds, bytes);
         }

@@ -47,10 +47,10 @@ impl Replay<'_> {
             return;
         }
         if self.stage() < 2 {
-            // to the host accumulator as fp32, in the compute thread
+            // to the host accumulator as fp32, in the compute thread, which reads the
+            // values where they are on a CPU device (counted, no copy: engine/reduce.rs)
             let bytes = part.padded as u64 * 4;
-            let (copy, crossing) = self.to_host(part.padded as u64, self.gradient_bytes());
-            self.clocks.run(Track::Compute, "d2h", Some(u), copy, crossing);
+            self.clocks.run(Track::Compute, "d2h", Some(u), 0.0, bytes);
             self.clocks.run(
                 Track::Compute,
                 "host_add",
@@ -62,7 +62,6 @@ impl Replay<'_> {
                 ),
                 0,
             );
-            self.pcie[1] += if self.cuda() { crossing } else { 0 };
             return;
         }
         // at most `rules::reduce_depth` reductions in flight: compute waits for the oldest
@@ -117,10 +116,10 @@ impl Replay<'_> {
                 self.stage_out(Track::Collectives, (name, u), (k, kind), &mut staged);
                 continue;
             }
+            // on a CPU device the add reads the values where they are (engine/reduce.rs:
+            // with one rank counted as a copy out, which takes no time)
             if world == 1 {
-                let (copy, crossing) = self.to_host(k, kind);
-                self.clocks
-                    .run(Track::Collectives, "d2h", Some(u), copy, crossing);
+                self.clocks.run(Track::Collectives, "d2h", Some(u), 0.0, 4 * k);
             }
             let add = self.costs.seconds(Cost::HostAdd(k));
             self.clocks.run(Track::Collectives, "host_add", Some(u), add, 0);
@@ -188,14 +187,10 @@ impl Replay<'_> {
         self.clocks.run(track, "host_add", Some(u), add, 0);
     }
 
-    /// Seconds and bytes of `elements` reaching the host from a device tensor of `kind`
-    /// bytes per element: on a CPU device counted as an fp32 copy; from a GPU one DMA
-    /// copy into pinned memory in its own kind (reduce.rs, `host_values`).
+    /// Seconds and bytes of `elements` reaching the host from a GPU tensor of `kind`
+    /// bytes per element: one DMA copy into pinned memory in its own kind (reduce.rs,
+    /// `host_values`).
     fn to_host(&self, elements: u64, kind: u64) -> (f64, u64) {
-        let out = 4 * elements;
-        if !self.cuda() {
-            return (self.costs.seconds(Cost::D2h(out)), out);
-        }
         let crossing = kind * elements;
         (self.costs.seconds(Cost::D2h(crossing)), crossing)
     }
