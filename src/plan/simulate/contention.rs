@@ -1,43 +1,39 @@
-//! The host's cores on a CPU device: every thread that works shares them.
+//! The host's cores on a CPU device: the lanes' host work takes cores from compute.
 //!
 //! On a GPU the lanes' host work (copies into staging, host adds, the CPU AdamW, the
 //! NVMe checksums) runs beside kernels that need no host core. On a CPU device compute
-//! is torch's threads on the same cores as the lanes' threads, and a profile measures
-//! each rate alone: compute with every rank's compute threads running at once and
-//! nothing else, a copy or an add on one idle thread, the AdamW on every core. Where
-//! more threads work than there are cores, the kernel shares the cores out evenly, and
-//! each of them runs that much slower than its rate says. [`costs`] prices that in two
-//! passes: the schedule is replayed at the profile's rates; at each moment of the
-//! reported step, the threads working are counted (the ranks' compute threads; one for
-//! a copy, an add or a collective's memcpy; every core for the CPU AdamW; one for an
-//! NVMe transfer's crc32c, as the store computes it before a write and after a read,
-//! not for the disk's time), and each phase's work is stretched by the mean, over the
-//! moments it runs, of threads ÷ cores where above one. The pass that is reported (and
-//! the simulated device, which prices with the same [`Costs`]) runs at those stretches;
-//! an NVMe transfer's stretch is of its latency, its way back through the store's ring
-//! threads, not of the disk's time.
+//! is torch's threads on the same cores: a profile measures its rates with every rank's
+//! compute threads running at once and nothing else, so where a lane's thread works
+//! while compute runs, compute is slower than its rate says. [`costs`] prices that in
+//! two passes: the schedule is replayed at the profile's rates; at each moment of the
+//! reported step that compute runs, the cores the ranks' lanes ask for (one for a copy,
+//! an add or a collective's memcpy; a share of every core for the CPU AdamW; an NVMe
+//! transfer's crc32c, not the disk's time) beyond those compute leaves free are taken
+//! from it; that time, spread over the cores compute runs on, is what compute loses, and
+//! every piece of compute is stretched by it in the pass that is reported (and on the
+//! simulated device, which prices with the same [`Costs`]).
 
 use super::clock::{Span, Track};
-use super::costs::{Costs, Stretch};
+use super::costs::Costs;
 use super::profile::Profile;
 use super::step::Replay;
 use super::STEPS;
 use crate::plan::Plan;
 
-/// The profile's prices for `plan`, each phase stretched by the threads working beside
-/// it on a CPU device (unchanged on a GPU).
+/// The profile's prices for `plan`, with compute stretched by the lanes' host work on a
+/// CPU device (unchanged on a GPU).
 pub fn costs(plan: &Plan, profile: &Profile) -> Costs {
     let base = Costs::new(plan, profile);
     if base.cuda() {
         return base;
     }
-    let stretch = stretches(plan, &base);
-    base.with_stretch(stretch)
+    let stretch = compute_stretch(plan, &base);
+    base.with_compute_stretch(stretch)
 }
 
-/// Each phase's mean of threads ÷ cores (at least one) over the moments it runs, from
-/// a replay at the profile's rates.
-fn stretches(plan: &Plan, costs: &Costs) -> Stretch {
+/// 1 + the time compute loses to the lanes' host work ÷ compute's busy time, from a
+/// replay at the profile's rates.
+fn compute_stretch(plan: &Plan, costs: &Costs) -> f64 {
     let mut replay = Replay::new(plan, costs.clone());
     let (mut start, mut step) = (0.0, 0.0);
     for _ in 0..STEPS {
@@ -45,96 +41,76 @@ fn stretches(plan: &Plan, costs: &Costs) -> Stretch {
         step = replay.step();
     }
     let end = start + step;
-    let cores = costs.profile().host_cores.max(1) as f64;
+    let within = |s: &Span| (s.start.max(start), s.end.min(end));
+    let busy: Vec<(f64, f64)> = replay
+        .clocks
+        .spans()
+        .iter()
+        .filter(|s| s.track == Track::Compute && s.waited_for.is_none())
+        .map(within)
+        .filter(|(a, b)| b > a)
+        .collect();
+    let compute: f64 = busy.iter().map(|(a, b)| b - a).sum();
+    if compute <= 0.0 {
+        return 1.0;
+    }
+    // each lane span's host work, as cores over its stretch of the window
+    let lanes: Vec<(f64, f64, f64)> = replay
+        .clocks
+        .spans()
+        .iter()
+        .filter(|s| s.track != Track::Compute && s.waited_for.is_none() && s.end > s.start)
+        .filter_map(|s| {
+            let (a, b) = within(s);
+            (b > a).then(|| (a, b, host_core_seconds(s, costs) / (s.end - s.start)))
+        })
+        .collect();
+    let profile = costs.profile();
     let ranks = costs.ranks();
-    // the moments each span works (its phase's share of the mean) and the threads it
-    // keeps busy meanwhile, each rank running the same schedule
-    let mut events: Vec<(f64, Event)> = Vec::new();
-    for s in replay.clocks.spans().iter().filter(|s| s.waited_for.is_none()) {
-        let (a, b) = (s.start.max(start), s.end.min(end));
-        if b <= a {
-            continue;
-        }
-        events.push((a, Event::Runs(phase(s.what), 1)));
-        events.push((b, Event::Runs(phase(s.what), -1)));
-        let (from, to, threads) = threads(s, costs);
-        let (from, to) = (from.max(start), to.min(end));
-        if to > from {
-            events.push((from, Event::Threads(ranks * threads)));
-            events.push((to, Event::Threads(-ranks * threads)));
-        }
-    }
-    events.sort_by(|x, y| x.0.total_cmp(&y.0));
-    let mut running: Vec<(&'static str, i64, f64, f64)> = Vec::new(); // phase, spans, Σ stretch·dt, Σ dt
-    let mut working = 0.0f64;
-    let mut last = start;
-    for (t, event) in events {
-        let dt = t - last;
-        if dt > 0.0 {
-            let stretch = (working / cores).max(1.0);
-            for r in running.iter_mut().filter(|r| r.1 > 0) {
-                r.2 += r.1 as f64 * stretch * dt;
-                r.3 += r.1 as f64 * dt;
-            }
-            last = t;
-        }
-        match event {
-            Event::Threads(n) => working = (working + n).max(0.0),
-            Event::Runs(phase, n) => match running.iter_mut().find(|r| r.0 == phase) {
-                Some(r) => r.1 += n,
-                None => running.push((phase, n, 0.0, 0.0)),
-            },
+    let cores = profile.host_cores.max(1) as f64;
+    let compute_threads = ranks * profile.compute.threads.max(1) as f64;
+    let spare = (cores - compute_threads).max(0.0);
+    // while compute runs, whatever the ranks' lanes ask beyond the spare cores is taken
+    // from compute, moment by moment
+    let mut taken = 0.0;
+    for &(c, d) in &busy {
+        let beside: Vec<&(f64, f64, f64)> = lanes.iter().filter(|l| l.1 > c && l.0 < d).collect();
+        let mut cuts = vec![c, d];
+        cuts.extend(beside.iter().flat_map(|l| [l.0.max(c), l.1.min(d)]));
+        cuts.sort_by(f64::total_cmp);
+        cuts.dedup();
+        for w in cuts.windows(2) {
+            let mid = (w[0] + w[1]) / 2.0;
+            let demand: f64 = beside
+                .iter()
+                .filter(|l| l.0 <= mid && mid < l.1)
+                .map(|l| l.2)
+                .sum();
+            taken += (ranks * demand - spare).max(0.0) * (w[1] - w[0]);
         }
     }
-    Stretch(
-        running
-            .into_iter()
-            .filter(|r| r.3 > 0.0)
-            .map(|(phase, _, weighted, time)| (phase, weighted / time))
-            .collect(),
-    )
+    1.0 + taken / cores.min(compute_threads) / compute
 }
 
-/// The phase a span's work is priced in (`Work::phase`): the copies and adds of a
-/// gradient on its way to the host are the d2h phase's, whatever the span is called.
-fn phase(what: &'static str) -> &'static str {
-    match what {
-        "host_add" | "device_add" | "copy_out" => "d2h",
-        other => other,
-    }
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Event {
-    /// Threads start (or, negative, stop) working.
-    Threads(f64),
-    /// A span of a phase starts (or, negative, ends).
-    Runs(&'static str, i64),
-}
-
-/// When a span keeps host threads busy and how many, per rank: the compute threads for
-/// compute; every core, shared by the ranks, for the CPU AdamW; one for an NVMe
-/// transfer's crc32c, before a write's bytes go and after a read's arrive (the disk's
-/// own time needs no core); one for anything else.
-fn threads(s: &Span, costs: &Costs) -> (f64, f64, f64) {
+/// Core-seconds of host work in a lane's span: an NVMe transfer's checksum (the disk's
+/// own time needs no core), the CPU AdamW's share of every core (its rate is every
+/// core's, shared by the ranks), one core for anything else.
+fn host_core_seconds(s: &Span, costs: &Costs) -> f64 {
+    let seconds = s.end - s.start;
     let profile = costs.profile();
     match s.what {
-        _ if s.track == Track::Compute => (s.start, s.end, profile.compute.threads.max(1) as f64),
-        "nvme_read" | "nvme_write" => {
+        // a transfer's span on the disk: its crc32c (a bounce buffer's copy is a span of
+        // its own, with no bytes, one core like any copy)
+        "nvme_read" | "nvme_write" if s.bytes > 0 => {
             let copies = &profile.copies;
             let checksum = copies
                 .checksum
                 .as_ref()
                 .map_or(copies.host_memcpy.value, |f| f.value);
-            let crc = Costs::seconds_at(s.bytes, checksum).min(s.end - s.start);
-            if s.what == "nvme_write" {
-                (s.start, s.start + crc, 1.0)
-            } else {
-                (s.end - crc, s.end, 1.0)
-            }
+            Costs::seconds_at(s.bytes, checksum).min(seconds)
         }
-        "optimizer" => (s.start, s.end, profile.host_cores.max(1) as f64 / costs.ranks()),
-        _ => (s.start, s.end, 1.0),
+        "optimizer" => seconds * profile.host_cores.max(1) as f64 / costs.ranks(),
+        _ => seconds,
     }
 }
 
@@ -158,33 +134,25 @@ mod tests {
     }
 
     #[test]
-    fn threads_beyond_the_cores_stretch_each_phase_less_the_more_cores_there_are() {
-        use crate::plan::simulate::costs::Work;
+    fn lanes_working_beside_compute_stretch_it_less_the_more_cores_are_spare() {
         let gpu = Profile::load("h100-pcie5").unwrap();
         let plan = plan(&gpu);
-        // two ranks' compute fills two cores: the lanes' work beside it slows both
-        let busy = stretches(&plan, &Costs::new(&plan, &cpu(2)));
-        let phases = ["forward", "backward", "all_gather", "d2h"];
-        for phase in phases {
-            assert!(busy.of(phase) > 1.0, "{phase}: {busy:?}");
-        }
-        // with many cores to spare less (the CPU AdamW, on every core, still slows what
-        // runs beside it)
-        let spare = stretches(&plan, &Costs::new(&plan, &cpu(64)));
-        for phase in phases {
-            assert!(
-                (1.0..busy.of(phase)).contains(&spare.of(phase)),
-                "{phase}: {spare:?} against {busy:?}"
-            );
-        }
+        // two ranks' compute fills two cores: the lanes' work beside it takes from it
+        let busy = compute_stretch(&plan, &Costs::new(&plan, &cpu(2)));
+        assert!(busy > 1.0, "{busy}");
+        // with many cores to spare the lanes take less (the CPU AdamW, on every core,
+        // still takes some where it runs beside the next forward)
+        let spare = compute_stretch(&plan, &Costs::new(&plan, &cpu(64)));
+        assert!((1.0..busy).contains(&spare), "{spare} against {busy}");
         // on a GPU compute needs no host core
-        let forward = Work::Forward(1);
+        let on_gpu = costs(&plan, &gpu);
         assert_eq!(
-            costs(&plan, &gpu).seconds(forward),
-            Costs::new(&plan, &gpu).seconds(forward)
+            on_gpu.seconds(crate::plan::simulate::costs::Work::Forward(1)),
+            Costs::new(&plan, &gpu).seconds(crate::plan::simulate::costs::Work::Forward(1))
         );
         let stretched = costs(&plan, &cpu(2));
         let base = Costs::new(&plan, &cpu(2));
-        assert!((stretched.seconds(forward) / base.seconds(forward) - busy.of("forward")).abs() < 1e-12);
+        let forward = crate::plan::simulate::costs::Work::Forward(1);
+        assert!((stretched.seconds(forward) / base.seconds(forward) - busy).abs() < 1e-12);
     }
 }

@@ -120,20 +120,9 @@ pub struct Costs {
     /// Seconds an NVMe read, a write and a pipelined unit update take beyond their bytes
     /// (`nvme.latency`).
     nvme_latency: (f64, f64, f64),
-    /// Each phase's host work × its stretch: none, or more on a CPU device where the
-    /// host's cores are shared by more threads than there are (`contention.rs`).
-    stretch: Stretch,
-}
-
-/// How much longer each phase's host work takes than at its profiled rate, by phase
-/// name (`Work::phase`); a phase not named takes its rate's time.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Stretch(pub Vec<(&'static str, f64)>);
-
-impl Stretch {
-    pub fn of(&self, phase: &str) -> f64 {
-        self.0.iter().find(|(p, _)| *p == phase).map_or(1.0, |&(_, s)| s)
-    }
+    /// Each piece of compute's time × this: 1, or more on a CPU device where the lanes'
+    /// host work takes cores from compute (`contention.rs`).
+    compute_stretch: f64,
 }
 
 impl Costs {
@@ -146,14 +135,16 @@ impl Costs {
             nvme_latency: profile.nvme.latency.as_ref().map_or((0.0, 0.0, 0.0), |l| {
                 (l.read_s.value, l.write_s.value, l.pipeline_s.value)
             }),
-            stretch: Stretch::default(),
+            compute_stretch: 1.0,
         }
     }
 
-    /// These prices with each phase's host work `stretch` times as long (an NVMe
-    /// transfer's latency, not the disk's time for its bytes).
-    pub fn with_stretch(self, stretch: Stretch) -> Costs {
-        Costs { stretch, ..self }
+    /// These prices with every piece of compute `stretch` times as long.
+    pub fn with_compute_stretch(self, stretch: f64) -> Costs {
+        Costs {
+            compute_stretch: stretch,
+            ..self
+        }
     }
 
     /// The ranks of a process, which share its disk and cores.
@@ -198,7 +189,7 @@ impl Costs {
         }
         Transfer {
             disk: Self::seconds_at(bytes, gb_s),
-            latency: latency * self.stretch.of(work.phase()),
+            latency,
         }
     }
 
@@ -302,7 +293,8 @@ impl Costs {
             } else {
                 0
             };
-            return overhead + Self::seconds_at(bytes, self.profile.copies.device_to_device.value);
+            return (overhead + Self::seconds_at(bytes, self.profile.copies.device_to_device.value))
+                * self.compute_stretch;
         } else if kernel == Kernel::Forward {
             (flops::block_forward(c, numel, tokens, seq), kernel, dtype)
         } else if rules::keeps_activations(&self.plan, u) {
@@ -310,19 +302,11 @@ impl Costs {
         } else {
             (flops::block_backward(c, numel, tokens, seq), kernel, dtype)
         };
-        overhead + flops / self.profile.rate(kernel, dtype, self.shape(tokens))
+        (overhead + flops / self.profile.rate(kernel, dtype, self.shape(tokens))) * self.compute_stretch
     }
 
-    /// Seconds `work` takes on the profiled machine, its phase's stretch included.
+    /// Seconds `work` takes on the profiled machine.
     pub fn seconds(&self, work: Work) -> f64 {
-        match work {
-            Work::NvmeRead(_) | Work::NvmeWrite(_) => self.transfer(work).seconds(),
-            _ => self.at_rate(work) * self.stretch.of(work.phase()),
-        }
-    }
-
-    /// Seconds `work` takes at the profile's rates, alone on the machine.
-    fn at_rate(&self, work: Work) -> f64 {
         let copies = &self.profile.copies;
         let adam = self.shared().2;
         match work {
@@ -349,7 +333,7 @@ impl Costs {
             Work::Adam(elements) => elements as f64 / adam,
             Work::DeviceAdam(elements) => {
                 Self::seconds_at(4 * elements, self.h2d_rate(false))
-                    + self.at_rate(Work::DeviceAdamOnly(elements))
+                    + self.seconds(Work::DeviceAdamOnly(elements))
             }
             // 28 bytes of memory traffic per element on the device
             Work::DeviceAdamOnly(elements) => Self::seconds_at(28 * elements, copies.device_to_device.value),
