@@ -398,10 +398,10 @@ fn disk(plans: &[Plan], nvme_dir: &Path, quick: bool) -> anyhow::Result<Nvme> {
 
 /// What the engine's NVMe transfers take beyond their bytes, as `plan`'s ranks pay it
 /// (`bench::swap::transfer_latency`): a unit of 4096 elements a rank (48 KiB each way)
-/// through the NVMe AdamW on every rank at once, pipelined as the plan's optimizer is. Each leg's time less its bytes at the
-/// disk's rates (its ranks sharing them) is a transfer's latency; the run's time less its
-/// legs, the pipeline's own. A small unit's update is that: its time is the ring threads'
-/// and the pipeline's hand-offs.
+/// through the NVMe AdamW on every rank at once, pipelined as the plan's optimizer is.
+/// Each leg's time less its bytes at the disk's rates (its ranks sharing them) is a
+/// transfer's latency; the run's time less its legs, the pipeline's own. A small unit's
+/// update is that: its time is the ring threads' and the pipeline's hand-offs.
 fn transfer_latency(plan: &Plan, nvme_dir: &Path, disk: &Nvme) -> anyhow::Result<NvmeLatency> {
     const ELEMENTS: usize = 4096;
     const CALLS: usize = 40;
