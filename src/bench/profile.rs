@@ -145,6 +145,59 @@ fn one_rank_rates(
     ])
 }
 
+/// On the CPU, the share of compute's rate lost while another thread keeps a core busy:
+/// the first config's block forward, with every core its ranks' torch threads use in
+/// one process, timed alone and beside a thread checksumming 32 MiB buffers (what an
+/// NVMe lane does most), the two interleaved. None on a GPU.
+fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Figure>> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    if device.is_cuda() {
+        return Ok(None);
+    }
+    let threads = rank_threads(plan) * plan.train.devices.max(1);
+    tch::set_num_threads(threads as i32);
+    let kind = crate::torch::compute_kind(&plan.precision);
+    let model = Model::new(plan.model.config.clone(), kind);
+    let (rows, seq) = (plan.batch.micro_batch_per_gpu as i64, plan.data.seq_len as i64);
+    let h = plan.model.config.hidden_size as i64;
+    let params = Tensor::f_randn([model.units[1].numel as i64], (kind, device))?.f_mul_scalar(0.02)?;
+    let x = Tensor::f_randn([rows, seq, h], (kind, device))?;
+    let forward = || -> anyhow::Result<f64> {
+        timed(|| {
+            let _ = model.forward_unit(1, &params, &x, None)?;
+            Ok(())
+        })
+    };
+    let (mut alone, mut beside) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        alone.push(forward()?);
+        let stop = AtomicBool::new(false);
+        let t = std::thread::scope(|s| {
+            let stop = &stop;
+            s.spawn(move || {
+                let buf = vec![1u8; 32 << 20];
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::black_box(crc32c::crc32c(&buf));
+                }
+            });
+            let t = forward();
+            stop.store(true, Ordering::Relaxed);
+            t
+        })?;
+        beside.push(t);
+    }
+    let (alone, beside) = (super::median(alone), super::median(beside));
+    Ok(Some(Figure::new(
+        (1.0 - alone / beside).clamp(0.0, 0.95),
+        format!(
+            "1 − a block's forward of {} alone ({:.3} ms) ÷ beside a thread checksumming ({:.3} ms), {threads} torch threads, medians, `tierzero bench profile`",
+            plan.model.source,
+            alone * 1e3,
+            beside * 1e3
+        ),
+    )))
+}
+
 /// GB/s of `f` moving `bytes`.
 fn gb_s(bytes: usize, f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
     Ok(bytes as f64 / timed(f)? / 1e9)
@@ -251,6 +304,7 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
     for plan in plans {
         rates.extend(compute_rates(plan, overhead)?);
     }
+    let lost_beside_a_thread = lost_beside_a_thread(&plans[0], device)?;
     tch::set_num_threads(threads as i32);
     // a GPU's matmul peak needs a product that fills it
     let side = if device.is_cuda() { 8192 } else { 1024 };
@@ -311,6 +365,7 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
             peak_flops_bf16: Figure::new(peak_bf16, format!("a {side}³ bf16 matmul, {threads} threads, `tierzero bench profile`")),
             peak_flops_fp32: Figure::new(peak_fp32, format!("a {side}³ fp32 matmul, {threads} threads, `tierzero bench profile`")),
             rates,
+            lost_beside_a_thread,
         },
         copies,
         link: Link {

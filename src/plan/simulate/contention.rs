@@ -8,10 +8,13 @@
 //! two passes: the schedule is replayed at the profile's rates; at each moment of the
 //! reported step that compute runs, the cores the ranks' lanes ask for (one for a copy,
 //! an add or a collective's memcpy; a share of every core for the CPU AdamW; an NVMe
-//! transfer's crc32c, not the disk's time) beyond those compute leaves free are taken
-//! from it; that time, spread over the cores compute runs on, is what compute loses, and
-//! every piece of compute is stretched by it in the pass that is reported (and on the
-//! simulated device, which prices with the same [`Costs`]).
+//! transfer's crc32c, not the disk's time) beyond those compute leaves free slow it.
+//! Torch's threads work in step, so one core taken holds them all back: compute runs at
+//! 1 − `compute.lost_beside_a_thread` of its rate while the lanes take a core or more
+//! (`bench profile` measures it: a block's forward beside a busy thread), in proportion
+//! while they take part of one. Each unit's forward and backward is stretched by what
+//! ran beside it in the pass that is reported (and on the simulated device, which
+//! prices with the same [`Costs`]).
 
 use super::clock::{Span, Track};
 use super::costs::Costs;
@@ -31,9 +34,9 @@ pub fn costs(plan: &Plan, profile: &Profile) -> Costs {
     base.with_compute_stretch(stretch)
 }
 
-/// 1 + the time compute loses to the lanes' host work ÷ compute's busy time, from a
-/// replay at the profile's rates.
-fn compute_stretch(plan: &Plan, costs: &Costs) -> f64 {
+/// Per unit, how much longer its forward and its backward (the final unit's: the head)
+/// take for the lanes' host work beside them, from a replay at the profile's rates.
+fn compute_stretch(plan: &Plan, costs: &Costs) -> Vec<[f64; 2]> {
     let mut replay = Replay::new(plan, costs.clone());
     let (mut start, mut step) = (0.0, 0.0);
     for _ in 0..STEPS {
@@ -42,27 +45,20 @@ fn compute_stretch(plan: &Plan, costs: &Costs) -> f64 {
     }
     let end = start + step;
     let within = |s: &Span| (s.start.max(start), s.end.min(end));
-    let busy: Vec<(f64, f64)> = replay
+    // the pieces of compute a stretch applies to: (unit, slot, start, end)
+    let pieces: Vec<(usize, usize, f64, f64)> = replay
         .clocks
         .spans()
         .iter()
         .filter(|s| s.track == Track::Compute && s.waited_for.is_none())
-        .map(within)
-        .filter(|(a, b)| b > a)
-        .collect();
-    let compute: f64 = busy.iter().map(|(a, b)| b - a).sum();
-    if compute <= 0.0 {
-        return 1.0;
-    }
-    // each lane span's host work, as cores over its stretch of the window
-    let lanes: Vec<(f64, f64, f64)> = replay
-        .clocks
-        .spans()
-        .iter()
-        .filter(|s| s.track != Track::Compute && s.waited_for.is_none() && s.end > s.start)
         .filter_map(|s| {
+            let slot = match s.what {
+                "forward" => 0,
+                "backward" => 1,
+                _ => return None,
+            };
             let (a, b) = within(s);
-            (b > a).then(|| (a, b, host_core_seconds(s, costs) / (s.end - s.start)))
+            (b > a).then_some((s.unit?, slot, a, b))
         })
         .collect();
     let profile = costs.profile();
@@ -70,26 +66,79 @@ fn compute_stretch(plan: &Plan, costs: &Costs) -> f64 {
     let cores = profile.host_cores.max(1) as f64;
     let compute_threads = ranks * profile.compute.threads.max(1) as f64;
     let spare = (cores - compute_threads).max(0.0);
-    // while compute runs, whatever the ranks' lanes ask beyond the spare cores is taken
-    // from compute, moment by moment
-    let mut taken = 0.0;
-    for &(c, d) in &busy {
-        let beside: Vec<&(f64, f64, f64)> = lanes.iter().filter(|l| l.1 > c && l.0 < d).collect();
-        let mut cuts = vec![c, d];
-        cuts.extend(beside.iter().flat_map(|l| [l.0.max(c), l.1.min(d)]));
-        cuts.sort_by(f64::total_cmp);
-        cuts.dedup();
-        for w in cuts.windows(2) {
-            let mid = (w[0] + w[1]) / 2.0;
-            let demand: f64 = beside
-                .iter()
-                .filter(|l| l.0 <= mid && mid < l.1)
-                .map(|l| l.2)
-                .sum();
-            taken += (ranks * demand - spare).max(0.0) * (w[1] - w[0]);
-        }
+    let lost = profile
+        .compute
+        .lost_beside_a_thread
+        .as_ref()
+        .map_or(1.0 / cores.min(compute_threads), |f| f.value)
+        .clamp(0.0, 0.95);
+    // compute's rate over the window, piece by piece of time: the lanes' host work of
+    // every rank, beyond the cores compute leaves free, holds it back
+    let rates = Rates::new(
+        replay
+            .clocks
+            .spans()
+            .iter()
+            .filter(|s| s.track != Track::Compute && s.waited_for.is_none() && s.end > s.start)
+            .map(|s| (s.start, s.end, host_core_seconds(s, costs) / (s.end - s.start))),
+        |demand| 1.0 - lost * (ranks * demand - spare).clamp(0.0, 1.0),
+    );
+    let units = pieces.iter().map(|p| p.0 + 1).max().unwrap_or(0);
+    // (time taken, time at the profile's rate) per unit and slot
+    let mut sums = vec![[(0.0, 0.0); 2]; units];
+    for &(u, slot, c, d) in &pieces {
+        let sum = &mut sums[u][slot];
+        *sum = (sum.0 + rates.finish(c, d - c) - c, sum.1 + (d - c));
     }
-    1.0 + taken / cores.min(compute_threads) / compute
+    sums.iter()
+        .map(|s| s.map(|(taken, alone)| if alone > 0.0 { taken / alone } else { 1.0 }))
+        .collect()
+}
+
+/// Compute's rate through time (1: the profile's), piecewise constant between the lanes'
+/// spans' ends.
+struct Rates {
+    /// (from, rate) in time order; the rate holds until the next `from`, and 1 before
+    /// the first and after the last.
+    steps: Vec<(f64, f64)>,
+}
+
+impl Rates {
+    /// From the lanes' spans (start, end, cores asked) and what compute's rate is while
+    /// they ask for so many cores.
+    fn new(lanes: impl Iterator<Item = (f64, f64, f64)>, rate: impl Fn(f64) -> f64) -> Rates {
+        let mut events: Vec<(f64, f64)> = lanes
+            .flat_map(|(a, b, cores)| [(a, cores), (b, -cores)])
+            .collect();
+        events.sort_by(|x, y| x.0.total_cmp(&y.0));
+        let mut steps: Vec<(f64, f64)> = Vec::with_capacity(events.len() + 1);
+        let mut demand = 0.0;
+        for (i, &(t, change)) in events.iter().enumerate() {
+            demand += change;
+            if events.get(i + 1).is_some_and(|next| next.0 == t) {
+                continue;
+            }
+            // sums of many changes leave dust where nothing is asked
+            let r = if demand > 1e-9 { rate(demand) } else { 1.0 };
+            steps.push((t, r));
+        }
+        Rates { steps }
+    }
+
+    /// When `work` seconds of compute at the profile's rate, started at `from`, end.
+    fn finish(&self, from: f64, work: f64) -> f64 {
+        let first = self.steps.partition_point(|s| s.0 <= from);
+        let (mut t, mut left) = (from, work);
+        let mut rate = if first == 0 { 1.0 } else { self.steps[first - 1].1 };
+        for &(next, next_rate) in &self.steps[first..] {
+            if rate * (next - t) >= left {
+                break;
+            }
+            left -= rate * (next - t);
+            (t, rate) = (next, next_rate);
+        }
+        t + left / rate
+    }
 }
 
 /// Core-seconds of host work in a lane's span: an NVMe transfer's checksum (the disk's
@@ -138,11 +187,15 @@ mod tests {
         let gpu = Profile::load("h100-pcie5").unwrap();
         let plan = plan(&gpu);
         // two ranks' compute fills two cores: the lanes' work beside it takes from it
-        let busy = compute_stretch(&plan, &Costs::new(&plan, &cpu(2)));
+        let stretch = |cores| {
+            let s = compute_stretch(&plan, &Costs::new(&plan, &cpu(cores)));
+            s.iter().flatten().copied().fold(0.0, f64::max)
+        };
+        let busy = stretch(2);
         assert!(busy > 1.0, "{busy}");
         // with many cores to spare the lanes take less (the CPU AdamW, on every core,
         // still takes some where it runs beside the next forward)
-        let spare = compute_stretch(&plan, &Costs::new(&plan, &cpu(64)));
+        let spare = stretch(64);
         assert!((1.0..busy).contains(&spare), "{spare} against {busy}");
         // on a GPU compute needs no host core
         let on_gpu = costs(&plan, &gpu);
@@ -153,6 +206,7 @@ mod tests {
         let stretched = costs(&plan, &cpu(2));
         let base = Costs::new(&plan, &cpu(2));
         let forward = crate::plan::simulate::costs::Work::Forward(1);
-        assert!((stretched.seconds(forward) / base.seconds(forward) - busy).abs() < 1e-12);
+        let unit_1 = compute_stretch(&plan, &base)[1][0];
+        assert!((stretched.seconds(forward) / base.seconds(forward) - unit_1).abs() < 1e-12);
     }
 }

@@ -120,9 +120,10 @@ pub struct Costs {
     /// Seconds an NVMe read, a write and a pipelined unit update take beyond their bytes
     /// (`nvme.latency`).
     nvme_latency: (f64, f64, f64),
-    /// Each piece of compute's time × this: 1, or more on a CPU device where the lanes'
-    /// host work takes cores from compute (`contention.rs`).
-    compute_stretch: f64,
+    /// Each unit's forward and backward (the final unit's: the head) time × these: 1
+    /// (empty), or more on a CPU device where the lanes' host work takes cores from that
+    /// piece of compute (`contention.rs`).
+    compute_stretch: Vec<[f64; 2]>,
 }
 
 impl Costs {
@@ -135,12 +136,13 @@ impl Costs {
             nvme_latency: profile.nvme.latency.as_ref().map_or((0.0, 0.0, 0.0), |l| {
                 (l.read_s.value, l.write_s.value, l.pipeline_s.value)
             }),
-            compute_stretch: 1.0,
+            compute_stretch: Vec::new(),
         }
     }
 
-    /// These prices with every piece of compute `stretch` times as long.
-    pub fn with_compute_stretch(self, stretch: f64) -> Costs {
+    /// These prices with unit u's forward `stretch[u][0]` times as long and its backward
+    /// (the final unit's: the head) `stretch[u][1]` times.
+    pub fn with_compute_stretch(self, stretch: Vec<[f64; 2]>) -> Costs {
         Costs {
             compute_stretch: stretch,
             ..self
@@ -294,7 +296,7 @@ impl Costs {
                 0
             };
             return (overhead + Self::seconds_at(bytes, self.profile.copies.device_to_device.value))
-                * self.compute_stretch;
+                * self.stretch(u, kernel);
         } else if kernel == Kernel::Forward {
             (flops::block_forward(c, numel, tokens, seq), kernel, dtype)
         } else if rules::keeps_activations(&self.plan, u) {
@@ -302,7 +304,13 @@ impl Costs {
         } else {
             (flops::block_backward(c, numel, tokens, seq), kernel, dtype)
         };
-        (overhead + flops / self.profile.rate(kernel, dtype, self.shape(tokens))) * self.compute_stretch
+        (overhead + flops / self.profile.rate(kernel, dtype, self.shape(tokens))) * self.stretch(u, kernel)
+    }
+
+    /// How much longer unit `u`'s `kernel` takes for the lanes' host work beside it.
+    fn stretch(&self, u: usize, kernel: Kernel) -> f64 {
+        let slot = usize::from(kernel != Kernel::Forward);
+        self.compute_stretch.get(u).map_or(1.0, |s| s[slot])
     }
 
     /// Seconds `work` takes on the profiled machine.

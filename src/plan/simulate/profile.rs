@@ -71,6 +71,12 @@ pub struct Compute {
     pub peak_flops_bf16: Figure,
     pub peak_flops_fp32: Figure,
     pub rates: Vec<Rate>,
+    /// On a CPU device, the share of compute's rate lost while another thread keeps a
+    /// core busy beside it (torch's threads work in step, so the one that shares its
+    /// core holds the others back; a second busy thread takes little more). None in a
+    /// profile that predates it: one core's share of compute's cores.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost_beside_a_thread: Option<Figure>,
 }
 
 /// Bandwidths of every kind of copy, GB/s (10⁹ bytes per second).
