@@ -146,31 +146,20 @@ fn one_rank_rates(
 }
 
 /// On the CPU, the share of compute's rate lost while another thread keeps a core busy:
-/// the first config's block forward, with every core its ranks' torch threads use in
-/// one process, timed alone and beside a thread checksumming 32 MiB buffers (what an
-/// NVMe lane does most), the two interleaved. None on a GPU.
+/// the first config's block forward on every rank at once (each with its torch threads,
+/// as the run has them), the slowest rank's mean, timed alone and beside a thread
+/// checksumming 32 MiB buffers (what an NVMe lane does most), three rounds interleaved.
+/// None on a GPU.
 fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Figure>> {
     use std::sync::atomic::{AtomicBool, Ordering};
     if device.is_cuda() {
         return Ok(None);
     }
-    let threads = rank_threads(plan) * plan.train.devices.max(1);
-    tch::set_num_threads(threads as i32);
-    let kind = crate::torch::compute_kind(&plan.precision);
-    let model = Model::new(plan.model.config.clone(), kind);
-    let (rows, seq) = (plan.batch.micro_batch_per_gpu as i64, plan.data.seq_len as i64);
-    let h = plan.model.config.hidden_size as i64;
-    let params = Tensor::f_randn([model.units[1].numel as i64], (kind, device))?.f_mul_scalar(0.02)?;
-    let x = Tensor::f_randn([rows, seq, h], (kind, device))?;
-    let forward = || -> anyhow::Result<f64> {
-        timed(|| {
-            let _ = model.forward_unit(1, &params, &x, None)?;
-            Ok(())
-        })
-    };
+    let threads = rank_threads(plan);
+    let ranks = plan.train.devices.max(1);
     let (mut alone, mut beside) = (Vec::new(), Vec::new());
     for _ in 0..3 {
-        alone.push(forward()?);
+        alone.push(slowest_forward(plan, device, ranks)?);
         let stop = AtomicBool::new(false);
         let t = std::thread::scope(|s| {
             let stop = &stop;
@@ -180,7 +169,7 @@ fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Fi
                     std::hint::black_box(crc32c::crc32c(&buf));
                 }
             });
-            let t = forward();
+            let t = slowest_forward(plan, device, ranks);
             stop.store(true, Ordering::Relaxed);
             t
         })?;
@@ -190,12 +179,54 @@ fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Fi
     Ok(Some(Figure::new(
         (1.0 - alone / beside).clamp(0.0, 0.95),
         format!(
-            "1 − a block's forward of {} alone ({:.3} ms) ÷ beside a thread checksumming ({:.3} ms), {threads} torch threads, medians, `tierzero bench profile`",
+            "1 − a block's forward of {} alone ({:.3} ms) ÷ beside a thread checksumming ({:.3} ms), the slowest of {ranks} ranks at once, {threads} torch threads each, means over 0.5 s, medians of three rounds, `tierzero bench profile`",
             plan.model.source,
             alone * 1e3,
             beside * 1e3
         ),
     )))
+}
+
+/// The slowest rank's mean seconds of block 1's forward, `ranks` ranks at once.
+fn slowest_forward(plan: &Plan, device: Device, ranks: usize) -> anyhow::Result<f64> {
+    tch::set_num_threads(rank_threads(plan) as i32);
+    let barrier = std::sync::Barrier::new(ranks);
+    let times: Vec<anyhow::Result<f64>> = std::thread::scope(|s| {
+        let barrier = &barrier;
+        let handles: Vec<_> = (0..ranks)
+            .map(|_| {
+                s.spawn(move || -> anyhow::Result<f64> {
+                    let kind = crate::torch::compute_kind(&plan.precision);
+                    let model = Model::new(plan.model.config.clone(), kind);
+                    let (rows, seq) = (plan.batch.micro_batch_per_gpu as i64, plan.data.seq_len as i64);
+                    let h = plan.model.config.hidden_size as i64;
+                    let params =
+                        Tensor::f_randn([model.units[1].numel as i64], (kind, device))?.f_mul_scalar(0.02)?;
+                    let x = Tensor::f_randn([rows, seq, h], (kind, device))?;
+                    let _ = model.forward_unit(1, &params, &x, None)?;
+                    barrier.wait();
+                    // the mean over half a second, not a median: a median of pieces
+                    // shorter than the scheduler's slice keeps the ones it did not cut
+                    let (start, mut runs) = (std::time::Instant::now(), 0);
+                    while runs < 3 || start.elapsed().as_secs_f64() < 0.5 {
+                        let _ = model.forward_unit(1, &params, &x, None)?;
+                        runs += 1;
+                    }
+                    Ok(start.elapsed().as_secs_f64() / runs as f64)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a measuring thread panicked")))
+            })
+            .collect()
+    });
+    times
+        .into_iter()
+        .try_fold(0.0_f64, |slowest, t| Ok(slowest.max(t?)))
 }
 
 /// GB/s of `f` moving `bytes`.
