@@ -147,9 +147,9 @@ fn one_rank_rates(
 
 /// On the CPU, the share of compute's rate lost while another thread keeps a core busy:
 /// the first config's block forward on every rank at once (each with its torch threads,
-/// as the run has them), the slowest rank's mean, timed alone and beside a thread
-/// checksumming 32 MiB buffers (what an NVMe lane does most), three rounds interleaved.
-/// None on a GPU.
+/// as the run has them, the ranks meeting after each forward), timed alone and beside a
+/// thread checksumming 32 MiB buffers (what an NVMe lane does most), three rounds
+/// interleaved. None on a GPU.
 fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Figure>> {
     use std::sync::atomic::{AtomicBool, Ordering};
     if device.is_cuda() {
@@ -157,9 +157,12 @@ fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Fi
     }
     let threads = rank_threads(plan);
     let ranks = plan.train.devices.max(1);
+    // runs enough for half a second
+    let once = ranks_forward(plan, device, (ranks, 3))?;
+    let runs = ((0.5 / once.max(1e-6)).ceil() as usize).clamp(3, 1000);
     let (mut alone, mut beside) = (Vec::new(), Vec::new());
     for _ in 0..3 {
-        alone.push(slowest_forward(plan, device, ranks)?);
+        alone.push(ranks_forward(plan, device, (ranks, runs))?);
         let stop = AtomicBool::new(false);
         let t = std::thread::scope(|s| {
             let stop = &stop;
@@ -169,7 +172,7 @@ fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Fi
                     std::hint::black_box(crc32c::crc32c(&buf));
                 }
             });
-            let t = slowest_forward(plan, device, ranks);
+            let t = ranks_forward(plan, device, (ranks, runs));
             stop.store(true, Ordering::Relaxed);
             t
         })?;
@@ -179,7 +182,7 @@ fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Fi
     Ok(Some(Figure::new(
         (1.0 - alone / beside).clamp(0.0, 0.95),
         format!(
-            "1 − a block's forward of {} alone ({:.3} ms) ÷ beside a thread checksumming ({:.3} ms), the slowest of {ranks} ranks at once, {threads} torch threads each, means over 0.5 s, medians of three rounds, `tierzero bench profile`",
+            "1 − a block's forward of {} alone ({:.3} ms) ÷ beside a thread checksumming ({:.3} ms), {ranks} ranks at once meeting after each forward, {threads} torch threads each, means of {runs} forwards, medians of three rounds, `tierzero bench profile`",
             plan.model.source,
             alone * 1e3,
             beside * 1e3
@@ -187,8 +190,10 @@ fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Fi
     )))
 }
 
-/// The slowest rank's mean seconds of block 1's forward, `ranks` ranks at once.
-fn slowest_forward(plan: &Plan, device: Device, ranks: usize) -> anyhow::Result<f64> {
+/// The mean seconds of block 1's forward, `ranks` ranks at once meeting after each of
+/// their `runs`: a mean, not a median, since a median of pieces shorter than the
+/// scheduler's slice keeps the ones it did not cut.
+fn ranks_forward(plan: &Plan, device: Device, (ranks, runs): (usize, usize)) -> anyhow::Result<f64> {
     tch::set_num_threads(rank_threads(plan) as i32);
     let barrier = std::sync::Barrier::new(ranks);
     let times: Vec<anyhow::Result<f64>> = std::thread::scope(|s| {
@@ -204,13 +209,13 @@ fn slowest_forward(plan: &Plan, device: Device, ranks: usize) -> anyhow::Result<
                         Tensor::f_randn([model.units[1].numel as i64], (kind, device))?.f_mul_scalar(0.02)?;
                     let x = Tensor::f_randn([rows, seq, h], (kind, device))?;
                     let _ = model.forward_unit(1, &params, &x, None)?;
+                    // the ranks meet before every forward, as a run's meet at every
+                    // unit's collectives: the slowest sets the pace
                     barrier.wait();
-                    // the mean over half a second, not a median: a median of pieces
-                    // shorter than the scheduler's slice keeps the ones it did not cut
-                    let (start, mut runs) = (std::time::Instant::now(), 0);
-                    while runs < 3 || start.elapsed().as_secs_f64() < 0.5 {
+                    let start = std::time::Instant::now();
+                    for _ in 0..runs {
                         let _ = model.forward_unit(1, &params, &x, None)?;
-                        runs += 1;
+                        barrier.wait();
                     }
                     Ok(start.elapsed().as_secs_f64() / runs as f64)
                 })
@@ -525,4 +530,25 @@ fn transfer_latency(plan: &Plan, nvme_dir: &Path, disk: &Nvme) -> anyhow::Result
             format!("{how}; the step less its legs"),
         ),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compute_beside_a_busy_thread_is_measured_on_the_cpu() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/default.json");
+        let sets = ["train.accelerator=cpu".to_string()];
+        let plan = crate::plan::load(&path, &sets, crate::plan::DeviceFacts::default())
+            .unwrap()
+            .plan;
+        let lost = lost_beside_a_thread(&plan, Device::Cpu).unwrap().unwrap();
+        assert!((0.0..=0.95).contains(&lost.value), "{lost:?}");
+        assert!(
+            lost.source.contains("beside a thread checksumming"),
+            "{}",
+            lost.source
+        );
+    }
 }
