@@ -36,22 +36,9 @@ fn compute_rates(plan: &Plan, overhead: f64) -> anyhow::Result<Vec<Rate>> {
     let threads = rank_threads(plan);
     tch::set_num_threads(threads as i32);
     let ranks = plan.train.devices.max(1);
-    let barrier = std::sync::Barrier::new(ranks);
-    let results: Vec<anyhow::Result<Vec<Rate>>> = std::thread::scope(|s| {
-        let barrier = &barrier;
-        let handles: Vec<_> = (0..ranks)
-            .map(|r| {
-                let device = plan.train.compute_device(plan.train.local_ranks().start + r);
-                s.spawn(move || one_rank_rates(plan, (threads, device), overhead, barrier))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a measuring thread panicked")))
-            })
-            .collect()
+    let results = on_every_rank(ranks, |r, barrier| {
+        let device = plan.train.compute_device(plan.train.local_ranks().start + r);
+        one_rank_rates(plan, (threads, device), overhead, barrier)
     });
     results.into_iter().next().unwrap_or_else(|| Ok(Vec::new()))
 }
@@ -195,32 +182,39 @@ fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Fi
 /// scheduler's slice keeps the ones it did not cut.
 fn ranks_forward(plan: &Plan, device: Device, (ranks, runs): (usize, usize)) -> anyhow::Result<f64> {
     tch::set_num_threads(rank_threads(plan) as i32);
+    let times = on_every_rank(ranks, |_, barrier| -> anyhow::Result<f64> {
+        let kind = crate::torch::compute_kind(&plan.precision);
+        let model = Model::new(plan.model.config.clone(), kind);
+        let (rows, seq) = (plan.batch.micro_batch_per_gpu as i64, plan.data.seq_len as i64);
+        let h = plan.model.config.hidden_size as i64;
+        let params = Tensor::f_randn([model.units[1].numel as i64], (kind, device))?.f_mul_scalar(0.02)?;
+        let x = Tensor::f_randn([rows, seq, h], (kind, device))?;
+        let _ = model.forward_unit(1, &params, &x, None)?;
+        // the ranks meet before every forward, as a run's meet at every unit's
+        // collectives: the slowest sets the pace
+        barrier.wait();
+        let start = std::time::Instant::now();
+        for _ in 0..runs {
+            let _ = model.forward_unit(1, &params, &x, None)?;
+            barrier.wait();
+        }
+        Ok(start.elapsed().as_secs_f64() / runs as f64)
+    });
+    times
+        .into_iter()
+        .try_fold(0.0_f64, |slowest, t| Ok(slowest.max(t?)))
+}
+
+/// `f(rank, barrier)` on a thread of its own for each of `ranks` ranks, the barrier
+/// theirs to meet at; each rank's result, in rank order.
+fn on_every_rank<T: Send>(
+    ranks: usize,
+    f: impl Fn(usize, &std::sync::Barrier) -> anyhow::Result<T> + Sync,
+) -> Vec<anyhow::Result<T>> {
     let barrier = std::sync::Barrier::new(ranks);
-    let times: Vec<anyhow::Result<f64>> = std::thread::scope(|s| {
-        let barrier = &barrier;
-        let handles: Vec<_> = (0..ranks)
-            .map(|_| {
-                s.spawn(move || -> anyhow::Result<f64> {
-                    let kind = crate::torch::compute_kind(&plan.precision);
-                    let model = Model::new(plan.model.config.clone(), kind);
-                    let (rows, seq) = (plan.batch.micro_batch_per_gpu as i64, plan.data.seq_len as i64);
-                    let h = plan.model.config.hidden_size as i64;
-                    let params =
-                        Tensor::f_randn([model.units[1].numel as i64], (kind, device))?.f_mul_scalar(0.02)?;
-                    let x = Tensor::f_randn([rows, seq, h], (kind, device))?;
-                    let _ = model.forward_unit(1, &params, &x, None)?;
-                    // the ranks meet before every forward, as a run's meet at every
-                    // unit's collectives: the slowest sets the pace
-                    barrier.wait();
-                    let start = std::time::Instant::now();
-                    for _ in 0..runs {
-                        let _ = model.forward_unit(1, &params, &x, None)?;
-                        barrier.wait();
-                    }
-                    Ok(start.elapsed().as_secs_f64() / runs as f64)
-                })
-            })
-            .collect();
+    std::thread::scope(|s| {
+        let (barrier, f) = (&barrier, &f);
+        let handles: Vec<_> = (0..ranks).map(|r| s.spawn(move || f(r, barrier))).collect();
         handles
             .into_iter()
             .map(|h| {
@@ -228,10 +222,7 @@ fn ranks_forward(plan: &Plan, device: Device, (ranks, runs): (usize, usize)) -> 
                     .unwrap_or_else(|_| Err(anyhow::anyhow!("a measuring thread panicked")))
             })
             .collect()
-    });
-    times
-        .into_iter()
-        .try_fold(0.0_f64, |slowest, t| Ok(slowest.max(t?)))
+    })
 }
 
 /// GB/s of `f` moving `bytes`.
