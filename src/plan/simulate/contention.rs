@@ -183,6 +183,34 @@ mod tests {
     }
 
     #[test]
+    fn compute_runs_at_the_rate_of_each_stretch_of_time_it_meets() {
+        // one lane asks a core over [1, 2), another half a core over [1.5, 3)
+        let rates = Rates::new([(1.0, 2.0, 1.0), (1.5, 3.0, 0.5)].into_iter(), |cores| {
+            1.0 - 0.5 * cores.min(1.0)
+        });
+        // 2 s of work from 0: 1 s done by 1 at full rate, 0.5 s more over [1, 2) at half
+        // (one core asked, then one and a half), the last 0.5 s at 0.75 from 2
+        let end = rates.finish(0.0, 2.0);
+        assert!((end - (2.0 + 0.5 / 0.75)).abs() < 1e-12, "{end}");
+        // the same, stepped in small pieces of time: the reference
+        let rate_at = |t: f64| match t {
+            t if (1.0..1.5).contains(&t) => 0.5,
+            t if (1.5..2.0).contains(&t) => 0.5,
+            t if (2.0..3.0).contains(&t) => 0.75,
+            _ => 1.0,
+        };
+        let (mut t, mut done, dt) = (0.0, 0.0, 1e-6);
+        while done < 2.0 {
+            done += rate_at(t) * dt;
+            t += dt;
+        }
+        assert!((end - t).abs() < 1e-5, "{end} against {t}");
+        // work that ends before any lane, and work that starts after every lane
+        assert_eq!(rates.finish(0.0, 0.5), 0.5);
+        assert_eq!(rates.finish(4.0, 1.0), 5.0);
+    }
+
+    #[test]
     fn lanes_working_beside_compute_stretch_it_less_the_more_cores_are_spare() {
         let gpu = Profile::load("h100-pcie5").unwrap();
         let plan = plan(&gpu);
