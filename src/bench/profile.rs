@@ -144,6 +144,10 @@ fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Fi
     }
     let threads = rank_threads(plan);
     let ranks = plan.train.devices.max(1);
+    // the cores compute leaves free get a busy thread each first, as the simulation
+    // takes them before compute's (`plan/simulate/contention.rs`): the last one measured
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let busy = cores.saturating_sub(ranks * threads) + 1;
     // runs enough for half a second
     let once = ranks_forward(plan, device, (ranks, 3))?;
     let runs = ((0.5 / once.max(1e-6)).ceil() as usize).clamp(3, 1000);
@@ -153,12 +157,14 @@ fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Fi
         let stop = AtomicBool::new(false);
         let t = std::thread::scope(|s| {
             let stop = &stop;
-            s.spawn(move || {
-                let buf = vec![1u8; 32 << 20];
-                while !stop.load(Ordering::Relaxed) {
-                    std::hint::black_box(crc32c::crc32c(&buf));
-                }
-            });
+            for _ in 0..busy {
+                s.spawn(move || {
+                    let buf = vec![1u8; 32 << 20];
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::black_box(crc32c::crc32c(&buf));
+                    }
+                });
+            }
             let t = ranks_forward(plan, device, (ranks, runs));
             stop.store(true, Ordering::Relaxed);
             t
@@ -169,7 +175,7 @@ fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Fi
     Ok(Some(Figure::new(
         (1.0 - alone / beside).clamp(0.0, 0.95),
         format!(
-            "1 − a block's forward of {} alone ({:.3} ms) ÷ beside a thread checksumming ({:.3} ms), {ranks} ranks at once meeting after each forward, {threads} torch threads each, means of {runs} forwards, medians of three rounds, `tierzero bench profile`",
+            "1 − a block's forward of {} alone ({:.3} ms) ÷ beside a thread checksumming ({:.3} ms; {busy} such threads on {cores} cores, one past the cores compute leaves free), {ranks} ranks at once meeting after each forward, {threads} torch threads each, means of {runs} forwards, medians of three rounds, `tierzero bench profile`",
             plan.model.source,
             alone * 1e3,
             beside * 1e3
@@ -187,18 +193,28 @@ fn ranks_forward(plan: &Plan, device: Device, (ranks, runs): (usize, usize)) -> 
         let model = Model::new(plan.model.config.clone(), kind);
         let (rows, seq) = (plan.batch.micro_batch_per_gpu as i64, plan.data.seq_len as i64);
         let h = plan.model.config.hidden_size as i64;
-        let params = Tensor::f_randn([model.units[1].numel as i64], (kind, device))?.f_mul_scalar(0.02)?;
-        let x = Tensor::f_randn([rows, seq, h], (kind, device))?;
-        let _ = model.forward_unit(1, &params, &x, None)?;
+        let set_up = || -> anyhow::Result<(Tensor, Tensor)> {
+            let params =
+                Tensor::f_randn([model.units[1].numel as i64], (kind, device))?.f_mul_scalar(0.02)?;
+            let x = Tensor::f_randn([rows, seq, h], (kind, device))?;
+            let _ = model.forward_unit(1, &params, &x, None)?;
+            Ok((params, x))
+        };
         // the ranks meet before every forward, as a run's meet at every unit's
-        // collectives: the slowest sets the pace
+        // collectives: the slowest sets the pace. A rank that fails still meets the
+        // others at every wait, so none waits for it forever, and reports after
+        let mut inputs = set_up();
         barrier.wait();
         let start = std::time::Instant::now();
         for _ in 0..runs {
-            let _ = model.forward_unit(1, &params, &x, None)?;
+            if let Ok((params, x)) = &inputs {
+                if let Err(e) = model.forward_unit(1, params, x, None) {
+                    inputs = Err(e.into());
+                }
+            }
             barrier.wait();
         }
-        Ok(start.elapsed().as_secs_f64() / runs as f64)
+        inputs.map(|_| start.elapsed().as_secs_f64() / runs as f64)
     });
     times
         .into_iter()

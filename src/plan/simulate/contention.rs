@@ -66,12 +66,15 @@ fn compute_stretch(plan: &Plan, costs: &Costs) -> Vec<[f64; 2]> {
     let cores = profile.host_cores.max(1) as f64;
     let compute_threads = ranks * profile.compute.threads.max(1) as f64;
     let spare = (cores - compute_threads).max(0.0);
-    let lost = profile
+    // measured: lost while a core or more is taken; else the assumption that came
+    // before, a core's share of compute's cores for each core taken
+    let (lost, most) = profile
         .compute
         .lost_beside_a_thread
         .as_ref()
-        .map_or(1.0 / cores.min(compute_threads), |f| f.value)
-        .clamp(0.0, 0.95);
+        .map_or((1.0 / cores.min(compute_threads), f64::INFINITY), |f| {
+            (f.value.clamp(0.0, 0.95), 1.0)
+        });
     // compute's rate over the window, piece by piece of time: the lanes' host work of
     // every rank, beyond the cores compute leaves free, holds it back
     let rates = Rates::new(
@@ -81,7 +84,7 @@ fn compute_stretch(plan: &Plan, costs: &Costs) -> Vec<[f64; 2]> {
             .iter()
             .filter(|s| s.track != Track::Compute && s.waited_for.is_none() && s.end > s.start)
             .map(|s| (s.start, s.end, host_core_seconds(s, costs) / (s.end - s.start))),
-        |demand| 1.0 - lost * (ranks * demand - spare).clamp(0.0, 1.0),
+        |demand| (1.0 - lost * (ranks * demand - spare).clamp(0.0, most)).max(0.05),
     );
     let units = pieces.iter().map(|p| p.0 + 1).max().unwrap_or(0);
     // (time taken, time at the profile's rate) per unit and slot
