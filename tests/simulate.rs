@@ -339,7 +339,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     let gpu = Profile::load("h100-pcie5").unwrap();
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
-    let variants: [&[&str]; 30] = [
+    let variants: [&[&str]; 31] = [
         &[],
         &[
             "zero_optimization.stage=0",
@@ -356,6 +356,13 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
         &[
             "zero_optimization.offload_optimizer.pipeline_read=true",
             "zero_optimization.offload_optimizer.pipeline_write=true",
+        ],
+        // ten buffer sets: the backward reads the first ten sub-groups ahead, across
+        // units, kept through the runs before theirs
+        &[
+            "zero_optimization.offload_optimizer.pipeline_read=true",
+            "zero_optimization.offload_optimizer.pipeline_write=true",
+            "zero_optimization.offload_optimizer.buffer_count=30",
         ],
         &[
             "zero_optimization.offload_optimizer.pipeline_write=true",

@@ -26,6 +26,7 @@ use crate::adam::{self, Coefficients, GradSlice, LowPrecisionOut, Sweep};
 use crate::nvme::swap::{State, StoreRead, StoreWrite, SwapStore, TensorKey};
 use crate::nvme::IoError;
 use crate::pool::{BufferPool, IoBuf};
+use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -262,11 +263,11 @@ fn wait_all_writes(writes: Writes<'_>) -> Result<(), IoError> {
     first.map_or(Ok(()), Err)
 }
 
-/// The optimizer-state reads of a step's first sub-group, submitted before the step's
-/// update can start ([`read_ahead`]): they do not depend on the gradient norm, and the
-/// pipeline's buffers are idle while the backward runs. With its gradient read, submitted
-/// when the step starts, they serve that sub-group in place of its reads
-/// ([`nvme_adam_step_from`]); dropped unused, their buffers return to the pool once the
+/// The optimizer-state reads of one of a step's first sub-groups, submitted before the
+/// step's update can start ([`read_ahead`]): they do not depend on the gradient norm,
+/// and the pipeline's buffers are idle while the backward runs. With its gradient read,
+/// submitted when the update starts, they serve that sub-group in place of its reads
+/// ([`nvme_adam_step_then`]); dropped unused, their buffers return to the pool once the
 /// reads complete.
 pub struct ReadAhead {
     group: (u32, u32, usize),
@@ -279,6 +280,11 @@ impl ReadAhead {
     /// The bytes its reads move (each state's chunk padded as the store pads it).
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// The sub-group it reads.
+    pub fn group(&self) -> Group {
+        self.group
     }
 }
 
@@ -309,22 +315,23 @@ struct Submitted {
     bytes: u64,
 }
 
-/// The reads of sub-group `planned`: its state's from `ahead` when it read this
-/// sub-group (only its gradient's read submitted now), else all submitted now.
+/// The reads of sub-group `planned`: its state's from the first of `ahead` when that
+/// read this sub-group (only its gradient's read submitted now), else all submitted now.
 fn reads_for(
     store: &SwapStore,
     pool: &BufferPool,
     planned: &Planned,
-    ahead: &mut Option<ReadAhead>,
+    ahead: &mut VecDeque<ReadAhead>,
 ) -> Result<Submitted, IoError> {
     let (unit, rank, chunk) = planned.group;
     let (states, grad) = planned.moved;
-    let early = match ahead.take() {
+    let early = match ahead.pop_front() {
         Some(early) if early.group == planned.group => early,
         other => {
-            // a read-ahead of another sub-group goes first: its buffers return to the
-            // pool as its reads complete, and these reads may need them
+            // read-aheads of other sub-groups go first: their buffers return to the
+            // pool as their reads complete, and these reads may need them
             drop(other);
+            ahead.clear();
             return Ok(Submitted {
                 unit,
                 ahead: None,
@@ -350,6 +357,30 @@ fn reads_for(
         reads,
         bytes: grad,
     })
+}
+
+/// Splits the read-aheads a run is given into those it uses, the leading ones that read
+/// its first sub-groups in order, and those it keeps for the runs after it: kept only
+/// where this run reads no state of its own (every sub-group of it was read ahead, so
+/// its buffers come back as its writes complete, whatever the others hold) and they go
+/// on from the next run's first sub-group `next`. Any other is dropped here, before the
+/// run leases buffers, so that its buffers come back to the pool.
+fn split_aheads(
+    aheads: Vec<ReadAhead>,
+    order: &[Planned],
+    next: Option<Group>,
+) -> (VecDeque<ReadAhead>, Vec<ReadAhead>) {
+    let mut aheads = aheads.into_iter().peekable();
+    let mut mine = VecDeque::new();
+    for planned in order {
+        match aheads.next_if(|a| a.group == planned.group) {
+            Some(a) => mine.push_back(a),
+            None => break,
+        }
+    }
+    let later: Vec<ReadAhead> = aheads.collect();
+    let keep = mine.len() == order.len() && later.first().map(|a| a.group) == next && next.is_some();
+    (mine, if keep { later } else { Vec::new() })
 }
 
 /// Waits for a sub-group's reads, every one of them (so every buffer returns to the
@@ -507,7 +538,7 @@ fn wait_writes_here(
 fn serial(
     store: &SwapStore,
     pool: &BufferPool,
-    (groups, mut ahead): (Vec<SubGroup<'_>>, Option<ReadAhead>),
+    (groups, mut ahead): (Vec<SubGroup<'_>>, VecDeque<ReadAhead>),
     order: &[Planned],
     coefficients: &Coefficients,
     shared: Shared<'_>,
@@ -546,9 +577,8 @@ pub enum Leg {
     /// previous read done) to completion: the three of its state and its gradient's, or
     /// the gradient's alone after a read-ahead (its bytes: 0 without a stored gradient).
     Read,
-    /// The first sub-group's state reads of a [`ReadAhead`], from their submission to
-    /// when the disk had the last of them; reported with that sub-group's `Read`, before
-    /// it.
+    /// A sub-group's state reads of a [`ReadAhead`], from their submission to when the
+    /// disk had the last of them; reported with that sub-group's `Read`, before it.
     ReadAhead,
     /// AdamW on a sub-group (its bytes: 16 per element, master and moments read and
     /// written).
@@ -610,6 +640,7 @@ pub fn nvme_adam_step_from(
     config: PipelineConfig,
     observer: &dyn Observer,
 ) -> Result<PipelineReport, IoError> {
+    let ahead = ahead.into_iter().collect();
     nvme_adam_step_then(store, pool, (groups, ahead, None), coefficients, config, observer)
         .map(|(report, _)| report)
 }
@@ -617,21 +648,23 @@ pub fn nvme_adam_step_from(
 /// A sub-group's (unit, rank, chunk).
 pub type Group = (u32, u32, usize);
 
-/// [`nvme_adam_step_from`], then the state of sub-group `next` (the next run's first)
-/// read ahead as soon as this run's reads are submitted and a buffer set is free, so its
-/// reads overlap this run's updates and writes: DeepSpeed's swapper reads sub-group
-/// i+1 while it writes i, across the runs of a step as within one. Returned for the next
-/// run ([`read_ahead`]'s); None where the reads do not run on threads of their own
-/// (without `pipeline_read`), after an error, or where the submission failed (the next
-/// run reads the same chunks and reports it).
+/// [`nvme_adam_step_from`] with read-aheads in sub-group order (those of this run's
+/// first sub-groups used, those of the runs after it kept: [`split_aheads`]), then the
+/// state of sub-group `next` (the next run's first) read ahead as soon as this run's
+/// reads are submitted and a buffer set is free, so its reads overlap this run's updates
+/// and writes: DeepSpeed's swapper reads sub-group i+1 while it writes i, across the
+/// runs of a step as within one. Returns, for the next run, the read-aheads kept, or
+/// else that one ([`read_ahead`]'s); none where the reads do not run on threads of their
+/// own (without `pipeline_read`), after an error, or where the submission failed (the
+/// next run reads the same chunks and reports it).
 pub fn nvme_adam_step_then(
     store: &SwapStore,
     pool: &BufferPool,
-    (groups, mut ahead, next): (Vec<SubGroup<'_>>, Option<ReadAhead>, Option<Group>),
+    (groups, ahead, next): (Vec<SubGroup<'_>>, Vec<ReadAhead>, Option<Group>),
     coefficients: &Coefficients,
     config: PipelineConfig,
     observer: &dyn Observer,
-) -> Result<(PipelineReport, Option<ReadAhead>), IoError> {
+) -> Result<(PipelineReport, Vec<ReadAhead>), IoError> {
     let start = Instant::now();
     let sets = config.sets.max(1);
     let order: Vec<Planned> = groups
@@ -651,7 +684,8 @@ pub fn nvme_adam_step_then(
         ..PipelineReport::default()
     });
     let shared = (&report, &error, observer);
-    let mut next_ahead = None;
+    let (mut ahead, later) = split_aheads(ahead, &order, next);
+    let mut next_ahead = Vec::new();
     if !config.pipeline_read && !config.pipeline_write {
         serial(store, pool, (groups, ahead), &order, coefficients, shared);
     } else {
@@ -756,13 +790,13 @@ pub fn nvme_adam_step_then(
             }
             drop(to_wait);
             drop(updated_rx);
-            // a read-ahead this run did not use (no sub-group of its) gives its buffers
-            // back first
-            drop(ahead.take());
-            // the next run's first state: its buffers come back as this run's writes
-            // complete (the completer does not wait for this thread)
-            if config.pipeline_read && !error.is_set() {
-                next_ahead = next.and_then(|group| read_ahead(store, pool, group).ok());
+            // a read-ahead this run did not use gives its buffers back first
+            ahead.clear();
+            // the next run's first state, unless read ahead already: its buffers come
+            // back as this run's writes complete (the completer does not wait for
+            // this thread)
+            if config.pipeline_read && !error.is_set() && later.is_empty() {
+                next_ahead.extend(next.and_then(|group| read_ahead(store, pool, group).ok()));
             }
             let _ = read_waiter.join();
             let _ = updater.join();
@@ -774,7 +808,7 @@ pub fn nvme_adam_step_then(
     }
     let mut report = report.into_inner().unwrap_or_else(|p| p.into_inner());
     report.total = start.elapsed();
-    Ok((report, next_ahead))
+    Ok((report, if later.is_empty() { next_ahead } else { later }))
 }
 
 /// Submits one batch per sub-group on this thread, at most `sets` batches ahead, and

@@ -354,7 +354,8 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             kept,
         } = forward;
         if self.overlap {
-            self.optimizer.read_first_ahead();
+            self.optimizer
+                .read_first_ahead(crate::plan::rules::pipeline_sets(self.plan));
         }
         for u in (0..graphs.len()).rev() {
             let graph = graphs[u].take();

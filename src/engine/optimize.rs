@@ -167,7 +167,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             },
             step,
             tracks: self.tracks.clone(),
-            ahead: std::sync::Mutex::new(self.optimizer.ahead.take()),
+            ahead: std::sync::Mutex::new(std::mem::take(&mut self.optimizer.ahead)),
             next_nvme: std::sync::Mutex::new(None),
             disk: std::sync::Mutex::new(disk::Disk::default()),
             held: self.optimizer.held.clone(),
@@ -286,9 +286,9 @@ struct OptimizerContext {
     pipeline: PipelineConfig,
     step: AdamStep,
     tracks: Tracks,
-    /// The next NVMe sub-group's state reads: the first unit's, submitted during the
-    /// backward, then each next unit's, submitted by the update before it.
-    ahead: std::sync::Mutex<Option<super::optimizer::Ahead>>,
+    /// The next NVMe sub-groups' state reads: the first ones, submitted during the
+    /// backward, then each next unit's first, submitted by the update before it.
+    ahead: std::sync::Mutex<Vec<super::optimizer::Ahead>>,
     /// The unit whose update comes next, where its state streams through the pipeline
     /// too (set by [`Self::run_before`]): the update before it reads its first state.
     next_nvme: std::sync::Mutex<Option<usize>>,
@@ -325,27 +325,29 @@ impl pipeline::Observer for Legs<'_> {
 /// done by `disk::schedule`, which the replay uses too: a read waits for a free buffer
 /// set and, without `pipeline_read`, for the update before it; an update for its read;
 /// a write for its update; the reads and writes one at a time on the optimizer thread's
-/// disk. A read-ahead of the first sub-group's state submitted during the backward takes
-/// the disk from then; one the run before placed is done when it says; the next run's,
-/// which this run submits, takes the disk after this run's legs.
+/// disk. The read-aheads submitted during the backward take the disk from then, in order,
+/// when the first run that is given them is timed ([`place_aheads`]); one the run before
+/// placed is done when it says; the next run's, which this run submits, takes the disk
+/// after this run's legs.
 pub(super) struct LegClock {
     stream: SimStream,
     start: f64,
     config: PipelineConfig,
-    /// The read-ahead this run uses, in virtual time, and its reads once reported.
-    ahead: (Option<AheadClock>, Option<Work>),
-    reads: Vec<Work>,
+    /// Whether a read-ahead's leg came before the next read reported.
+    ahead: bool,
+    /// Each sub-group's read, and whether a read-ahead read its state.
+    reads: Vec<(Work, bool)>,
     updates: Vec<Work>,
     writes: Vec<Work>,
 }
 
 impl LegClock {
-    fn new(stream: SimStream, config: PipelineConfig, ahead: Option<AheadClock>) -> LegClock {
+    fn new(stream: SimStream, config: PipelineConfig) -> LegClock {
         LegClock {
             start: stream.now(),
             stream,
             config,
-            ahead: (ahead, None),
+            ahead: false,
             reads: Vec::new(),
             updates: Vec::new(),
             writes: Vec::new(),
@@ -354,8 +356,10 @@ impl LegClock {
 
     fn leg(&mut self, leg: pipeline::Leg, bytes: u64) {
         match leg {
-            pipeline::Leg::ReadAhead => self.ahead.1 = Some(Work::NvmeRead(bytes)),
-            pipeline::Leg::Read => self.reads.push(Work::NvmeRead(bytes)),
+            pipeline::Leg::ReadAhead => self.ahead = true,
+            pipeline::Leg::Read => self
+                .reads
+                .push((Work::NvmeRead(bytes), std::mem::take(&mut self.ahead))),
             pipeline::Leg::Update => self.updates.push(Work::Adam(bytes / 16)),
             pipeline::Leg::Write => self.writes.push(Work::NvmeWrite(bytes)),
             pipeline::Leg::ReadWait | pipeline::Leg::WriteWait => {}
@@ -363,29 +367,23 @@ impl LegClock {
     }
 
     /// Times the run's legs on the stream and `disk`, once the pipeline has reported
-    /// them all, then the next run's read-ahead of `next` bytes where it submitted one;
+    /// them all (a sub-group read ahead waits for the next of `ahead`, when those reads
+    /// are in), then the next run's read-ahead of `next` bytes where it submitted one;
     /// returns when that is done.
-    fn finish(self, disk: &mut disk::Disk, next: Option<u64>) -> Option<f64> {
+    fn finish(self, disk: &mut disk::Disk, ahead: &[f64], next: Option<u64>) -> Option<f64> {
         let legs: Vec<_> = (self.reads.iter().zip(&self.updates).zip(&self.writes))
-            .map(|((&read, &update), &write)| disk::Legs {
+            .map(|((&(read, _), &update), &write)| disk::Legs {
                 read: self.stream.transfer(read),
                 update: self.stream.seconds(update),
                 write: self.stream.transfer(write),
             })
             .collect();
-        let ahead = match self.ahead {
-            (Some(AheadClock::Submitted(at)), Some(work)) => {
-                let (start, end) = disk.take(at, self.stream.transfer(work));
-                self.stream.overlapped(work, start, end);
-                Some(end)
-            }
-            (Some(AheadClock::Done(end)), Some(_)) => Some(end),
-            _ => None,
-        };
+        // the pipeline uses the read-aheads of its first sub-groups, in order
+        let used = self.reads.iter().take_while(|r| r.1).count();
         let start = self.start + self.stream.pipeline_overhead();
-        let timed = disk::schedule(start, &legs, self.config, disk, ahead);
+        let timed = disk::schedule(start, &legs, self.config, disk, &ahead[..used.min(ahead.len())]);
         for (i, t) in timed.iter().enumerate() {
-            self.stream.overlapped(self.reads[i], t.read.0, t.read.1);
+            self.stream.overlapped(self.reads[i].0, t.read.0, t.read.1);
             self.stream.overlapped(self.updates[i], t.update.0, t.update.1);
             self.stream.overlapped(self.writes[i], t.write.0, t.write.1);
         }
@@ -396,6 +394,29 @@ impl LegClock {
         self.stream.beside(work, start, end);
         Some(end)
     }
+}
+
+/// The read-aheads a run is given, each with when its reads are in: those submitted
+/// during the backward take `disk` from then, in order (on a simulated device the first
+/// run given them places them all, those kept for the runs after it too), and count on
+/// `stream` beside its own order; one placed already is done when it says.
+fn place_aheads(
+    stream: &SimStream,
+    disk: &mut disk::Disk,
+    aheads: Vec<((pipeline::Group, u64), Option<AheadClock>)>,
+) -> Vec<(pipeline::Group, f64)> {
+    aheads
+        .into_iter()
+        .filter_map(|((group, bytes), at)| match at? {
+            AheadClock::Submitted(at) => {
+                let work = Work::NvmeRead(bytes);
+                let (start, end) = disk.take(at, stream.transfer(work));
+                stream.overlapped(work, start, end);
+                Some((group, end))
+            }
+            AheadClock::Done(end) => Some((group, end)),
+        })
+        .collect()
 }
 
 impl pipeline::Observer for Tracks {
@@ -657,12 +678,13 @@ impl OptimizerContext {
             grad,
             fresh.out_as(&self.precision),
         );
-        let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let (ahead, at) = ahead.map_or((None, None), |a| (Some(a.reads), a.at));
+        let ahead = std::mem::take(&mut *self.ahead.lock().unwrap_or_else(|e| e.into_inner()));
+        let (ahead, at): (Vec<_>, Vec<_>) = ahead.into_iter().map(|a| (a.reads, a.at)).unzip();
+        let placed: Vec<_> = ahead.iter().map(|r| (r.group(), r.bytes())).zip(at).collect();
         let next = self.next_nvme.lock().unwrap_or_else(|e| e.into_inner()).take();
         let legs = Legs {
             tracks: &self.tracks,
-            simulated: sim::entered().map(|s| std::sync::Mutex::new(LegClock::new(s, self.pipeline, at))),
+            simulated: sim::entered().map(|s| std::sync::Mutex::new(LegClock::new(s, self.pipeline))),
         };
         let (_, next) = pipeline::nvme_adam_step_then(
             tier.store,
@@ -673,15 +695,32 @@ impl OptimizerContext {
             &legs,
         )
         .map_err(self.on.io())?;
-        let done = legs.simulated.and_then(|clock| {
-            let clock = clock.into_inner().unwrap_or_else(|e| e.into_inner());
-            let mut disk = self.disk.lock().unwrap_or_else(|e| e.into_inner());
-            clock.finish(&mut disk, next.as_ref().map(|n| n.bytes()))
-        });
-        *self.ahead.lock().unwrap_or_else(|e| e.into_inner()) = next.map(|reads| Ahead {
-            reads,
-            at: done.map(AheadClock::Done),
-        });
+        let (placed, done) = match legs.simulated {
+            Some(clock) => {
+                let clock = clock.into_inner().unwrap_or_else(|e| e.into_inner());
+                let mut disk = self.disk.lock().unwrap_or_else(|e| e.into_inner());
+                let placed = place_aheads(&clock.stream, &mut disk, placed);
+                let ends: Vec<f64> = placed.iter().map(|p| p.1).collect();
+                // a run given read-aheads submits none
+                let submitted = next.iter().find(|n| !placed.iter().any(|p| p.0 == n.group()));
+                let done = clock.finish(&mut disk, &ends, submitted.map(|n| n.bytes()));
+                (placed, done)
+            }
+            None => (Vec::new(), None),
+        };
+        // a read-ahead kept for a later run keeps its time; the one this run submitted
+        // is done when the disk had it
+        let at = |group| {
+            let kept = placed.iter().find(|p| p.0 == group).map(|p| p.1);
+            kept.or(done).map(AheadClock::Done)
+        };
+        *self.ahead.lock().unwrap_or_else(|e| e.into_inner()) = next
+            .into_iter()
+            .map(|reads| Ahead {
+                at: at(reads.group()),
+                reads,
+            })
+            .collect();
         Ok(())
     }
 

@@ -83,9 +83,9 @@ pub(super) struct Optimizer<'a> {
     pub(super) scaler: LossScaler,
     /// The optimizer lane's buffers for writing parameters to NVMe, kept between steps.
     pub(super) staging: SharedStaging,
-    /// The first unit's first sub-group of NVMe state, read during the backward
-    /// ([`Self::read_first_ahead`]) for the next update.
-    pub(super) ahead: Option<Ahead>,
+    /// The first sub-groups of NVMe state, in the updates' order, read during the
+    /// backward ([`Self::read_first_ahead`]) for the next update.
+    pub(super) ahead: Vec<Ahead>,
     /// The copies of held gradient sums out of the device (`held.rs`).
     pub(super) held: super::held::SharedHeld,
     held_bytes: usize,
@@ -182,7 +182,7 @@ impl<'a> Optimizer<'a> {
             adam_steps,
             scaler,
             staging: SharedStaging::default(),
-            ahead: None,
+            ahead: Vec::new(),
             held_bytes: held.bytes(),
             held: Arc::new(std::sync::Mutex::new(held)),
             update_copy_bytes: update_copies.bytes(),
@@ -190,22 +190,45 @@ impl<'a> Optimizer<'a> {
         })
     }
 
-    /// Submits the reads of the first unit's first sub-group of optimizer state, where it
-    /// is on NVMe and back from its last update: the next update reads it first, and
-    /// only after the backward and the gradient norm, while the pipeline's buffers and
-    /// the disk are idle until then (`pipeline::read_ahead`).
-    /// A failed submission is left to the update, which reads the same chunk and
-    /// reports it.
-    pub(super) fn read_first_ahead(&mut self) {
-        let held = self.partitions.first().is_some_and(|p| !p.is_empty());
-        let (None, Some(Moments::Nvme(tier)), true) = (&self.ahead, self.moments.first(), held) else {
+    /// Submits the reads of the first `sets` sub-groups of optimizer state in the
+    /// updates' order (the leading units' whose state is on NVMe, back from their last
+    /// update): the next update reads them first, and only after the backward and the
+    /// gradient norm, while the pipeline's buffers (`sets` sets) and the disk are idle
+    /// until then (`pipeline::read_ahead`). A failed submission is left to the update,
+    /// which reads the same chunks and reports it.
+    pub(super) fn read_first_ahead(&mut self, sets: usize) {
+        if !self.ahead.is_empty() {
             return;
-        };
-        let group = (0, self.on.0 as u32, 0);
+        }
         let at = crate::device::sim::entered().map(|s| AheadClock::Submitted(s.now()));
-        self.ahead = pipeline::read_ahead(tier.store, &tier.pool, group)
-            .ok()
-            .map(|reads| Ahead { reads, at });
+        for group in self.first_groups(sets) {
+            let Some(Moments::Nvme(tier)) = self.moments.get(group.0 as usize) else {
+                return;
+            };
+            match pipeline::read_ahead(tier.store, &tier.pool, group) {
+                Ok(reads) => self.ahead.push(Ahead { reads, at }),
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// The first `sets` (unit, rank, chunk) sub-groups the next update reads, at most as
+    /// many as the pipeline's pool holds sets of state: the chunks of the leading units
+    /// whose state is on NVMe, up to the first unit that is not (or holds nothing).
+    fn first_groups(&self, sets: usize) -> Vec<pipeline::Group> {
+        let Some(tier) = self.nvme.as_ref() else {
+            return Vec::new();
+        };
+        let (chunk, most) = (tier.store.chunk_elems().max(1), sets.min(tier.pool.count() / 3));
+        let rank = self.on.0 as u32;
+        self.moments
+            .iter()
+            .zip(&self.partitions)
+            .enumerate()
+            .take_while(|(_, (m, p))| matches!(m, Moments::Nvme(_)) && !p.is_empty())
+            .flat_map(|(u, (_, p))| (0..p.len().div_ceil(chunk)).map(move |c| (u as u32, rank, c)))
+            .take(most)
+            .collect()
     }
 
     /// Unit `u`'s initial state (each slice its partition's length): copied into its

@@ -311,7 +311,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         };
         let Some(adam_step) = self.optimizer.next_update(plan, grad_norm, lr) else {
             // no update reads the state read ahead: its buffers go back to the pool
-            self.optimizer.ahead = None;
+            self.optimizer.ahead.clear();
             report.skipped = true;
             return Ok(report);
         };

@@ -101,14 +101,15 @@ fn ended(
 }
 
 /// Times every sub-group's legs from `start`, the rank's `disk` serving the reads and
-/// writes. `ahead`: when the first sub-group's state, read ahead, was in (its update
-/// waits for that too; its `read` leg is then its gradient's alone).
+/// writes. `ahead`: when the first sub-groups' state, read ahead, was in, one entry a
+/// sub-group from the first (each one's update waits for that too; its `read` leg is
+/// then its gradient's alone).
 pub fn schedule(
     start: f64,
     legs: &[Legs],
     how: PipelineConfig,
     disk: &mut Disk,
-    ahead: Option<f64>,
+    ahead: &[f64],
 ) -> Vec<Timed> {
     let n = legs.len();
     let sets = how.sets.max(1);
@@ -119,9 +120,11 @@ pub fn schedule(
         while updates < reads {
             let i = updates;
             let mut ready = timed[i].read.1;
-            match i.checked_sub(1) {
-                Some(j) => ready = ready.max(timed[j].update.1),
-                None => ready = ready.max(ahead.unwrap_or(ready)),
+            if let Some(j) = i.checked_sub(1) {
+                ready = ready.max(timed[j].update.1);
+            }
+            if let Some(&at) = ahead.get(i) {
+                ready = ready.max(at);
             }
             if !how.pipeline_write {
                 match ended(&timed, writes, i, 1, |t| t.write, start) {
@@ -226,7 +229,7 @@ mod tests {
                 pipeline_write: true,
             },
         ] {
-            let t = schedule(10.0, &[LEG; 6], how, &mut Disk::default(), None);
+            let t = schedule(10.0, &[LEG; 6], how, &mut Disk::default(), &[]);
             let disk: Vec<_> = t.iter().flat_map(|t| [t.read, t.write]).collect();
             for (i, a) in disk.iter().enumerate() {
                 assert!(a.0 >= 10.0);
@@ -277,7 +280,7 @@ mod tests {
             pipeline_read: false,
             pipeline_write: false,
         };
-        let t = schedule(0.0, &[LEG; 3], how, &mut Disk::default(), None);
+        let t = schedule(0.0, &[LEG; 3], how, &mut Disk::default(), &[]);
         let expect = |i: f64| Timed {
             read: (6.0 * i, 6.0 * i + 3.0),
             update: (6.0 * i + 3.0, 6.0 * i + 4.0),
@@ -293,7 +296,7 @@ mod tests {
             pipeline_read: true,
             pipeline_write: true,
         };
-        let t = schedule(0.0, &[LEG; 4], how, &mut Disk::default(), None);
+        let t = schedule(0.0, &[LEG; 4], how, &mut Disk::default(), &[]);
         // read 0, read 1 (a second set), then write 0 (read 2 waits for its set), then
         // write 1 (ready at 7, before read 2 at 8)
         assert_eq!(t[0].read, (0.0, 3.0));
@@ -324,11 +327,11 @@ mod tests {
             pipeline_read: true,
             pipeline_write: true,
         };
-        let t = schedule(1.0, &[LEG; 3], how, &mut Disk::default(), None);
+        let t = schedule(1.0, &[LEG; 3], how, &mut Disk::default(), &[]);
         // after the last read was submitted, once the second sub-group's write freed its set
         assert_eq!(next_read_ready(1.0, &t, how), t[2].read.0.max(t[1].write.1));
         // one sub-group of two sets: from the run's start
-        let one = schedule(1.0, &[LEG], how, &mut Disk::default(), None);
+        let one = schedule(1.0, &[LEG], how, &mut Disk::default(), &[]);
         assert_eq!(next_read_ready(1.0, &one, how), 1.0);
     }
 }

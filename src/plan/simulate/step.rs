@@ -66,9 +66,12 @@ pub(super) struct Replay<'a> {
     /// Whether the micro-batch under way is the step's last.
     last_micro: bool,
     /// When this step's first backward through the blocks started (after the final
-    /// unit's), where the first unit's first sub-group of NVMe optimizer state is read
-    /// ahead from (`Optimizer::read_first_ahead`).
+    /// unit's), where the first sub-groups of NVMe optimizer state are read ahead from
+    /// (`Optimizer::read_first_ahead`).
     ahead_at: Option<f64>,
+    /// Those sub-groups once placed on the disk, for the runs that use them: (unit,
+    /// chunk, when the reads are in).
+    aheads: std::collections::VecDeque<(usize, usize, f64)>,
     /// When the next unit's first sub-group of NVMe optimizer state, read ahead by the
     /// update before it, is in.
     done_ahead: Option<f64>,
@@ -112,6 +115,7 @@ impl<'a> Replay<'a> {
             cached: false,
             last_micro: true,
             ahead_at: None,
+            aheads: std::collections::VecDeque::new(),
             done_ahead: None,
             first_micro: true,
             first_forward: 0.0,
@@ -165,6 +169,7 @@ impl<'a> Replay<'a> {
         // a layered step is one pass over the units for every micro-batch
         let micro_batches = rules::passes(self.plan);
         self.ahead_bytes = 0;
+        self.aheads.clear();
         for micro in 0..micro_batches {
             self.first_micro = micro == 0;
             self.last_micro = micro + 1 == micro_batches;
@@ -365,8 +370,8 @@ impl<'a> Replay<'a> {
                 self.accumulate(0, true);
             }
         }
-        // the blocks' backward starts: the first unit's first sub-group of NVMe state is
-        // read from here, once a step, where this rank holds some of that unit's state
+        // the blocks' backward starts: the first sub-groups of NVMe state are read from
+        // here, once a step, where this rank holds some of that unit's state
         if self.ahead_at.is_none() && self.optimizer_tiers[0] == Tier::Nvme && self.optimizer_len(0) > 0 {
             self.ahead_at = Some(self.clocks.now(Track::Compute));
         }

@@ -78,12 +78,16 @@ impl Replay<'_> {
                 }
                 Tier::Nvme => {
                     // the pipeline's sub-groups on one disk (`disk::schedule`, as the
-                    // simulated device's `LegClock` times them); the first sub-group's
-                    // state read ahead since the backward's start (the first unit's) or
-                    // by the update before, which placed it (`done_ahead`)
+                    // simulated device's `LegClock` times them); the first sub-groups'
+                    // state read ahead since the backward's start, as many as the
+                    // pipeline has buffer sets (placed on the disk by the first run, those
+                    // of later units kept for theirs), or the first one's by the update
+                    // before, which placed it (`done_ahead`)
+                    let start = self.clocks.now(Track::Optimizer) + self.costs.pipeline_overhead();
+                    let how = rules::pipeline(self.plan);
+                    let placed = self.place_aheads(how.sets);
                     let done_ahead = self.done_ahead.take();
-                    let ahead_at = if u == 0 { self.ahead_at.take() } else { None };
-                    let mut ahead = None;
+                    let mut ends = Vec::new();
                     let mut legs = Vec::new();
                     let mut bytes = Vec::new();
                     for i in 0..len.div_ceil(swap_chunk) {
@@ -96,13 +100,20 @@ impl Replay<'_> {
                         } else {
                             0
                         };
-                        let read = match (ahead_at, done_ahead) {
-                            (Some(at), _) if i == 0 => {
-                                ahead = Some((at, states));
+                        let early = match self.aheads.front() {
+                            Some(&(unit, chunk, end)) if (unit, chunk as u64) == (u, i) => {
+                                self.aheads.pop_front();
+                                Some(end)
+                            }
+                            _ if i == 0 => done_ahead,
+                            _ => None,
+                        };
+                        let read = match early.filter(|_| ends.len() == i as usize) {
+                            Some(end) => {
+                                ends.push(end);
                                 grad
                             }
-                            (_, Some(_)) if i == 0 => grad,
-                            _ => states + grad,
+                            None => states + grad,
                         };
                         legs.push(Legs {
                             read: self.costs.transfer(Cost::NvmeRead(read)),
@@ -111,22 +122,19 @@ impl Replay<'_> {
                         });
                         bytes.push((read, 16 * elements, states));
                     }
-                    let how = rules::pipeline(self.plan);
-                    let start = self.clocks.now(Track::Optimizer) + self.costs.pipeline_overhead();
-                    let ahead =
-                        ahead.map(|(at, bytes)| (at, self.costs.transfer(Cost::NvmeRead(bytes)), bytes));
                     let next_len = if u + 1 < units {
                         self.optimizer_len(u + 1)
                     } else {
                         0
                     };
-                    let next_bytes =
-                        (how.pipeline_read && next_len > 0 && self.optimizer_tiers[u + 1] == Tier::Nvme)
-                            .then(|| 3 * round_4k(swap_chunk.min(next_len) * 4));
+                    // none where the next unit's state was read ahead with this one's
+                    let next_bytes = (how.pipeline_read
+                        && next_len > 0
+                        && self.optimizer_tiers[u + 1] == Tier::Nvme
+                        && self.aheads.is_empty())
+                    .then(|| 3 * round_4k(swap_chunk.min(next_len) * 4));
                     let disk = self.clocks.disk(Track::Optimizer);
-                    let ahead = ahead.map(|(at, transfer, bytes)| (disk.take(at, transfer), bytes));
-                    let ahead_end = ahead.map(|((_, end), _)| end).or(done_ahead);
-                    let timed = schedule(start, &legs, how, disk, ahead_end);
+                    let timed = schedule(start, &legs, how, disk, &ends);
                     // the next unit's first state, read ahead once this run's reads are
                     // submitted and a buffer set is free, after this run's legs on the
                     // disk (`pipeline::nvme_adam_step_then`)
@@ -137,10 +145,10 @@ impl Replay<'_> {
                             bytes,
                         )
                     });
-                    if let Some((span, bytes)) = ahead {
+                    for (unit, span, bytes) in placed {
                         self.clocks
-                            .place(Track::Optimizer, ("nvme_read", Some(u)), span, bytes);
-                        self.ahead_bytes = bytes;
+                            .place(Track::Optimizer, ("nvme_read", Some(unit)), span, bytes);
+                        self.ahead_bytes += bytes;
                     }
                     if let Some((span, bytes)) = next {
                         self.clocks
@@ -178,6 +186,37 @@ impl Replay<'_> {
             self.updated[u] = self.clocks.mark(Track::Optimizer);
             self.fresh[u] = true;
         }
+    }
+}
+
+impl Replay<'_> {
+    /// The reads of the first `sets` sub-groups of NVMe state in the updates' order (the
+    /// leading units' whose state is on NVMe, up to the first that is not or holds
+    /// nothing: `Optimizer::read_first_ahead`), submitted when the backward started: on
+    /// the disk from then, one after another, the first run's to place them. Queues each
+    /// (unit, chunk, end) for the run that uses it and returns (unit, span, bytes).
+    fn place_aheads(&mut self, sets: usize) -> Vec<(usize, (f64, f64), u64)> {
+        let Some(at) = self.ahead_at.take() else {
+            return Vec::new();
+        };
+        let chunk = self.swap_chunk() as u64;
+        let groups: Vec<(usize, usize, u64)> = (0..self.parts.len())
+            .take_while(|&u| self.optimizer_tiers[u] == Tier::Nvme && self.optimizer_len(u) > 0)
+            .flat_map(|u| {
+                let len = self.optimizer_len(u);
+                (0..len.div_ceil(chunk))
+                    .map(move |i| (u, i as usize, 3 * round_4k(chunk.min(len - i * chunk) * 4)))
+            })
+            .take(sets.max(1))
+            .collect();
+        let disk = self.clocks.disk(Track::Optimizer);
+        let mut placed = Vec::new();
+        for (u, i, bytes) in groups {
+            let span = disk.take(at, self.costs.transfer(Cost::NvmeRead(bytes)));
+            self.aheads.push_back((u, i, span.1));
+            placed.push((u, span, bytes));
+        }
+        placed
     }
 }
 
