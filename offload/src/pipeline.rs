@@ -274,7 +274,13 @@ pub struct ReadAhead {
     submit: Instant,
     reads: Reads,
     bytes: u64,
+    /// When the disk had the last read-ahead submitted with this one before it, once
+    /// waited for ([`read_ahead_after`]): this one's leg starts no earlier.
+    chain: Chain,
 }
+
+/// When the disk had the read-aheads of one batch waited for so far.
+type Chain = std::sync::Arc<Mutex<Option<Instant>>>;
 
 impl ReadAhead {
     /// The bytes its reads move (each state's chunk padded as the store pads it).
@@ -295,11 +301,32 @@ pub fn read_ahead(
     pool: &BufferPool,
     group: (u32, u32, usize),
 ) -> Result<ReadAhead, IoError> {
+    read_ahead_chained(store, pool, group, Chain::default())
+}
+
+/// [`read_ahead`] of the sub-group after `previous`'s, submitted with it: the disk serves
+/// them in turn, so its leg starts once `previous`'s reads are in.
+pub fn read_ahead_after(
+    store: &SwapStore,
+    pool: &BufferPool,
+    group: (u32, u32, usize),
+    previous: &ReadAhead,
+) -> Result<ReadAhead, IoError> {
+    read_ahead_chained(store, pool, group, previous.chain.clone())
+}
+
+fn read_ahead_chained(
+    store: &SwapStore,
+    pool: &BufferPool,
+    group: (u32, u32, usize),
+    chain: Chain,
+) -> Result<ReadAhead, IoError> {
     Ok(ReadAhead {
         group,
         submit: Instant::now(),
         reads: submit_reads(store, pool, group, false)?,
         bytes: moved_bytes(store, group, false).0,
+        chain,
     })
 }
 
@@ -307,8 +334,8 @@ pub fn read_ahead(
 /// then the rest.
 struct Submitted {
     unit: u32,
-    /// The read-ahead's: when it was submitted, its reads and their bytes.
-    ahead: Option<(Instant, Reads, u64)>,
+    /// The read-ahead's: when it was submitted, its reads and their bytes, and its chain.
+    ahead: Option<(Instant, Reads, u64, Chain)>,
     /// When the rest were submitted, and their bytes.
     submit: Instant,
     reads: Reads,
@@ -352,7 +379,7 @@ fn reads_for(
     }
     Ok(Submitted {
         unit,
-        ahead: Some((early.submit, early.reads, states)),
+        ahead: Some((early.submit, early.reads, states, early.chain)),
         submit: Instant::now(),
         reads,
         bytes: grad,
@@ -400,15 +427,15 @@ fn wait_submitted(
         bytes,
     } = submitted;
     let mut buffers = Ok(Vec::new());
-    if let Some((early, reads, bytes)) = ahead {
+    if let Some((early, reads, bytes, chain)) = ahead {
         let (result, done) = wait_all_reads(reads);
-        observer.leg(
-            Leg::ReadAhead,
-            unit,
-            early,
-            done.map_or(early, |d| d.max(early)),
-            bytes,
-        );
+        // from its submission, or the one before it in its batch being in
+        let mut before = chain.lock().unwrap_or_else(|p| p.into_inner());
+        let from = before.map_or(early, |b| b.max(early));
+        let end = done.map_or(from, |d| d.max(from));
+        *before = Some(end);
+        drop(before);
+        observer.leg(Leg::ReadAhead, unit, from, end, bytes);
         buffers = result;
     }
     let (rest, _) = wait_all_reads(reads);
@@ -577,8 +604,9 @@ pub enum Leg {
     /// previous read done) to completion: the three of its state and its gradient's, or
     /// the gradient's alone after a read-ahead (its bytes: 0 without a stored gradient).
     Read,
-    /// A sub-group's state reads of a [`ReadAhead`], from their submission to when the
-    /// disk had the last of them; reported with that sub-group's `Read`, before it.
+    /// A sub-group's state reads of a [`ReadAhead`], from their submission (or the one
+    /// before it in its batch being in) to when the disk had the last of them; reported
+    /// with that sub-group's `Read`, before it.
     ReadAhead,
     /// AdamW on a sub-group (its bytes: 16 per element, master and moments read and
     /// written).

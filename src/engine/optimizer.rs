@@ -205,7 +205,11 @@ impl<'a> Optimizer<'a> {
             let Some(Moments::Nvme(tier)) = self.moments.get(group.0 as usize) else {
                 return;
             };
-            match pipeline::read_ahead(tier.store, &tier.pool, group) {
+            let read = match self.ahead.last() {
+                Some(previous) => pipeline::read_ahead_after(tier.store, &tier.pool, group, &previous.reads),
+                None => pipeline::read_ahead(tier.store, &tier.pool, group),
+            };
+            match read {
                 Ok(reads) => self.ahead.push(Ahead { reads, at }),
                 Err(_) => return,
             }
