@@ -893,6 +893,42 @@ fn pipelining_with_one_buffer_set_is_said() {
     assert!(warned(on_host).is_empty());
 }
 
+/// The backward reads ahead as many sub-groups of NVMe state as the pipeline has buffer
+/// sets only where it moves nothing of its own on the disk: with gradients in the swap
+/// store or parameters on NVMe, one, so that its own transfers never queue behind more.
+#[test]
+fn the_backward_reads_ahead_deeply_only_where_it_leaves_the_disk_alone() {
+    use tierzero::plan::rules::{pipeline_sets, read_ahead_sets};
+    let nvme = std::env::temp_dir();
+    let optimizer = format!("zero_optimization.offload_optimizer.nvme_path={}", nvme.display());
+    let param = format!("zero_optimization.offload_param.nvme_path={}", nvme.display());
+    let sets_of = |extra: &[&str]| -> (usize, usize) {
+        let mut all = vec![
+            "zero_optimization.stage=3",
+            "zero_optimization.offload_optimizer.device=nvme",
+            "zero_optimization.offload_optimizer.buffer_count=12",
+            optimizer.as_str(),
+        ];
+        all.extend(extra);
+        let plan = with(base(), &all).unwrap().plan;
+        (pipeline_sets(&plan), read_ahead_sets(&plan))
+    };
+    let held = ["gradient_accumulation_steps=2", "train.accumulate_on_device=true"];
+    // the step's sums held on the device: nothing of the backward's on the disk
+    assert_eq!(sets_of(&held), (4, 4));
+    // one micro-batch: the gradients go through the swap store during the backward
+    assert_eq!(sets_of(&[]), (3, 1));
+    // parameters read from NVMe during the backward
+    let mut on_nvme = held.to_vec();
+    on_nvme.extend([
+        "zero_optimization.offload_param.device=nvme",
+        "zero_optimization.offload_param.max_in_cpu=0",
+        "zero_optimization.stage3_param_persistence_threshold=0",
+        param.as_str(),
+    ]);
+    assert_eq!(sets_of(&on_nvme), (4, 1));
+}
+
 /// Swap files over `train.nvme_space` are said at plan time, with what would fit them.
 #[test]
 fn swap_files_over_the_nvme_space_are_said() {

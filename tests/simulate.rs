@@ -357,12 +357,15 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
             "zero_optimization.offload_optimizer.pipeline_read=true",
             "zero_optimization.offload_optimizer.pipeline_write=true",
         ],
-        // ten buffer sets: the backward reads the first ten sub-groups ahead, across
-        // units, kept through the runs before theirs
+        // ten buffer sets, the gradients' sums held on the device (none in the swap
+        // store): the backward reads the first ten sub-groups ahead, across units, kept
+        // through the runs before theirs (`rules::read_ahead_sets`)
         &[
             "zero_optimization.offload_optimizer.pipeline_read=true",
             "zero_optimization.offload_optimizer.pipeline_write=true",
             "zero_optimization.offload_optimizer.buffer_count=30",
+            "gradient_accumulation_steps=2",
+            "train.accumulate_on_device=true",
         ],
         &[
             "zero_optimization.offload_optimizer.pipeline_write=true",

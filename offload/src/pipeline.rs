@@ -274,12 +274,12 @@ pub struct ReadAhead {
     submit: Instant,
     reads: Reads,
     bytes: u64,
-    /// When the disk had the last read-ahead submitted with this one before it, once
-    /// waited for ([`read_ahead_after`]): this one's leg starts no earlier.
+    /// When the span of the last sub-group of its batch waited for ended (its read-ahead's
+    /// and the rest of its reads', [`read_ahead_after`]): this one's leg starts no earlier.
     chain: Chain,
 }
 
-/// When the disk had the read-aheads of one batch waited for so far.
+/// When the spans of the sub-groups of one batch of read-aheads waited for so far ended.
 type Chain = std::sync::Arc<Mutex<Option<Instant>>>;
 
 impl ReadAhead {
@@ -427,20 +427,27 @@ fn wait_submitted(
         bytes,
     } = submitted;
     let mut buffers = Ok(Vec::new());
+    let mut from = submit.max(last_end);
+    let mut chained = None;
     if let Some((early, reads, bytes, chain)) = ahead {
         let (result, done) = wait_all_reads(reads);
-        // from its submission, or the one before it in its batch being in
-        let mut before = chain.lock().unwrap_or_else(|p| p.into_inner());
-        let from = before.map_or(early, |b| b.max(early));
-        let end = done.map_or(from, |d| d.max(from));
-        *before = Some(end);
-        drop(before);
-        observer.leg(Leg::ReadAhead, unit, from, end, bytes);
+        // from its submission, or the span before it in its batch ending
+        let before = *chain.lock().unwrap_or_else(|p| p.into_inner());
+        let start = before.map_or(early, |b| b.max(early));
+        let end = done.map_or(start, |d| d.max(start));
+        observer.leg(Leg::ReadAhead, unit, start, end, bytes);
         buffers = result;
+        // the rest's span follows it, and the batch's next read-ahead's follows both: one
+        // lane's spans in turn, however late the read-aheads come in
+        from = from.max(end);
+        chained = Some(chain);
     }
     let (rest, _) = wait_all_reads(reads);
-    let end = Instant::now();
-    observer.leg(Leg::Read, unit, submit.max(last_end), end, bytes);
+    let end = Instant::now().max(from);
+    observer.leg(Leg::Read, unit, from, end, bytes);
+    if let Some(chain) = chained {
+        *chain.lock().unwrap_or_else(|p| p.into_inner()) = Some(end);
+    }
     let result = buffers.and_then(|mut buffers| {
         buffers.extend(rest?);
         Ok(buffers)

@@ -119,7 +119,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         self.accumulate_sum(last, head)?;
         if self.overlap {
             self.optimizer
-                .read_first_ahead(crate::plan::rules::pipeline_sets(self.plan));
+                .read_first_ahead(crate::plan::rules::read_ahead_sets(self.plan));
         }
         // backward in reverse by recompute, each unit's checkpoints dropped after it
         for u in (0..last).rev() {

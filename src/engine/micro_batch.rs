@@ -355,7 +355,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         } = forward;
         if self.overlap {
             self.optimizer
-                .read_first_ahead(crate::plan::rules::pipeline_sets(self.plan));
+                .read_first_ahead(crate::plan::rules::read_ahead_sets(self.plan));
         }
         for u in (0..graphs.len()).rev() {
             let graph = graphs[u].take();

@@ -256,6 +256,23 @@ pub fn pipeline_sets(plan: &Plan) -> usize {
     tierzero_offload::pipeline::sets_for(plan.zero.offload_optimizer.buffer_count, nvme_gradients(plan))
 }
 
+/// Sub-groups of NVMe optimizer state the backward reads ahead for the next update
+/// (`Optimizer::read_first_ahead`, and the replay's): as many as the pipeline has buffer
+/// sets where the backward moves nothing of its own on the disk, one where it does
+/// (gradients stored in the swap store, parameters read from NVMe). The store's rings
+/// serve their jobs in order, so a batch of read-aheads submitted at the backward's start
+/// would hold the backward's own transfers behind gigabytes of state; one sub-group
+/// holds them at most that long.
+pub fn read_ahead_sets(plan: &Plan) -> usize {
+    let sets = pipeline_sets(plan);
+    let backward_uses_disk = nvme_gradients(plan) || param_tiers(plan).contains(&Tier::Nvme);
+    if backward_uses_disk {
+        sets.min(1)
+    } else {
+        sets
+    }
+}
+
 /// How the NVMe optimizer pipeline runs: its buffer sets, and whether its reads and its
 /// writes overlap the updates (`offload_optimizer.pipeline_read`, `pipeline_write`).
 pub fn pipeline(plan: &Plan) -> tierzero_offload::pipeline::PipelineConfig {

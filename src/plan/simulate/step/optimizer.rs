@@ -80,12 +80,13 @@ impl Replay<'_> {
                     // the pipeline's sub-groups on one disk (`disk::schedule`, as the
                     // simulated device's `LegClock` times them); the first sub-groups'
                     // state read ahead since the backward's start, as many as the
-                    // pipeline has buffer sets (placed on the disk by the first run, those
-                    // of later units kept for theirs), or the first one's by the update
-                    // before, which placed it (`done_ahead`)
+                    // pipeline has buffer sets where the backward moves nothing on the
+                    // disk, else one (`rules::read_ahead_sets`; placed on the disk by the
+                    // first run, those of later units kept for theirs), or the first
+                    // one's by the update before, which placed it (`done_ahead`)
                     let start = self.clocks.now(Track::Optimizer) + self.costs.pipeline_overhead();
                     let how = rules::pipeline(self.plan);
-                    let placed = self.place_aheads(how.sets);
+                    let placed = self.place_aheads(rules::read_ahead_sets(self.plan));
                     let done_ahead = self.done_ahead.take();
                     let mut ends = Vec::new();
                     let mut legs = Vec::new();
