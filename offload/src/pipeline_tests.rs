@@ -570,3 +570,125 @@ fn no_space_is_a_clear_error_naming_the_path() {
     assert!(matches!(e, IoError::NoSpace { .. }), "{e}");
     assert!(e.to_string().contains("small/swap/r0."), "{e}");
 }
+
+/// Read-aheads across units with the gradients stored beside the state (four buffers a
+/// set): kept through the runs before theirs when they go on from the next run's first
+/// sub-group, dropped before the run leases where they skip a unit; either way the
+/// state is in-memory AdamW's bit for bit and every buffer comes back to the pool.
+#[test]
+fn read_aheads_kept_across_units_or_dropped_equal_in_memory_adamw() {
+    let dir = test_dir();
+    let units = [4096usize, 4096, 4096];
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for engine in engines(dir.path(), None) {
+        for (pipeline_read, pipeline_write) in [(true, true), (false, false), (true, false)] {
+            let store = store_with(engine.clone(), dir.path(), &units, 4096);
+            let mut scratch = IoBuf::new(store.chunk_bytes(4)).unwrap();
+            let mut memory: Vec<[Vec<f32>; 3]> = Vec::new();
+            for (unit, &n) in units.iter().enumerate() {
+                let state = [
+                    values(n, 30 + unit as u32, 2.0),
+                    values(n, 40 + unit as u32, 0.01),
+                    values(n, 50 + unit as u32, 0.001)
+                        .iter()
+                        .map(|v| v.abs())
+                        .collect(),
+                ];
+                for (s, data) in State::OPTIMIZER.iter().zip(&state) {
+                    let key = TensorKey {
+                        unit: unit as u32,
+                        rank: 0,
+                        state: *s,
+                    };
+                    scratch = store.write_tensor(key, as_bytes(data), scratch).unwrap();
+                }
+                memory.push(state);
+            }
+            let sets = 3;
+            let pool = buffer_pool_for(&store, sets, true).unwrap();
+            let config = PipelineConfig {
+                sets,
+                pipeline_read,
+                pipeline_write,
+            };
+            let c = AdamHyper::default().coefficients(1, 1.0);
+            // step 1: every unit's read ahead, each kept through the runs before it;
+            // step 2: units 0 and 2, the latter dropped by unit 0's run (it skips unit 1)
+            for (step, first) in [(1u32, vec![0u32, 1, 2]), (2, vec![0, 2])] {
+                let grads: Vec<Vec<f32>> = units.iter().map(|&n| values(n, 60 + step, 0.1)).collect();
+                let mut low_nvme: Vec<Vec<u16>> = units.iter().map(|&n| vec![0; n]).collect();
+                let mut low_memory = low_nvme.clone();
+                for (u, [master, exp_avg, exp_avg_sq]) in memory.iter_mut().enumerate() {
+                    let grad = GradSlice::F32(&grads[u]);
+                    let low = LowPrecisionOut::Bf16(&mut low_memory[u]);
+                    adam::step(
+                        &c,
+                        Sweep {
+                            master,
+                            exp_avg,
+                            exp_avg_sq,
+                            grad,
+                            low,
+                        },
+                    )
+                    .unwrap();
+                }
+                for (u, grad) in grads.iter().enumerate() {
+                    let key = TensorKey {
+                        unit: u as u32,
+                        rank: 0,
+                        state: State::Grad,
+                    };
+                    scratch = store.write_tensor(key, as_bytes(grad), scratch).unwrap();
+                }
+                let mut ahead: Vec<_> = first
+                    .iter()
+                    .map(|&u| read_ahead(&store, &pool, (u, 0, 0)).unwrap())
+                    .collect();
+                let legs = Recorded::default();
+                for (u, low) in low_nvme.iter_mut().enumerate() {
+                    let grad = GradIn::Stored {
+                        len: units[u],
+                        bf16: false,
+                    };
+                    let run = sub_groups(u as u32, 0, store.chunk_elems(), grad, LowPrecisionOut::Bf16(low));
+                    let next = (u + 1 < units.len()).then_some((u as u32 + 1, 0, 0));
+                    let (_, later) =
+                        nvme_adam_step_then(&store, &pool, (run, ahead, next), &c, config, &legs).unwrap();
+                    ahead = later;
+                }
+                assert!(ahead.is_empty());
+                let used: Vec<u32> = legs.of(Leg::ReadAhead).iter().map(|l| l.0).collect();
+                let expected = match (step, pipeline_read) {
+                    // unit 2's dropped; each pipelined run reads the next one's ahead
+                    (2, false) => vec![0],
+                    _ => vec![0, 1, 2],
+                };
+                assert_eq!(used, expected, "{} step {step} {config:?}", engine.name());
+                assert_eq!(low_nvme, low_memory, "{} step {step} {config:?}", engine.name());
+                // a dropped read-ahead's buffers come back once its reads complete
+                let since = std::time::Instant::now();
+                while pool.available() < pool.count() && since.elapsed().as_secs() < 30 {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                assert_eq!(
+                    pool.available(),
+                    pool.count(),
+                    "every buffer back after step {step}"
+                );
+            }
+            for (unit, state) in memory.iter().enumerate() {
+                for (s, expected) in State::OPTIMIZER.iter().zip(state) {
+                    let mut got = vec![0f32; expected.len()];
+                    let key = TensorKey {
+                        unit: unit as u32,
+                        rank: 0,
+                        state: *s,
+                    };
+                    scratch = store.read_tensor(key, as_bytes_mut(&mut got), scratch).unwrap();
+                    assert_eq!(bits(&got), bits(expected), "{} {s:?} unit {unit}", engine.name());
+                }
+            }
+        }
+    }
+}

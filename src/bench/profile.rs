@@ -60,17 +60,22 @@ fn one_rank_rates(
     let last = model.units.len() - 1;
     let numel = |u: usize| model.units[u].numel as i64;
     let options = (kind, device);
-    let params = Tensor::f_randn([numel(1)], options)?.f_mul_scalar(0.02)?;
-    let x = Tensor::f_randn([rows, seq, h], options)?;
-    let dy = Tensor::f_randn([rows, seq, h], options)?.f_mul_scalar(1e-3)?;
-    let final_params = Tensor::f_randn([numel(last)], options)?.f_mul_scalar(0.02)?;
-    let embedding = if config.tie_word_embeddings {
-        Some(Tensor::f_randn([numel(0)], options)?.f_mul_scalar(0.02)?)
-    } else {
-        None
-    };
-    let targets = Tensor::f_randint(config.vocab_size as i64, [rows, seq], (Kind::Int64, device))?;
+    let inputs = (|| -> Result<_, tch::TchError> {
+        let params = Tensor::f_randn([numel(1)], options)?.f_mul_scalar(0.02)?;
+        let x = Tensor::f_randn([rows, seq, h], options)?;
+        let dy = Tensor::f_randn([rows, seq, h], options)?.f_mul_scalar(1e-3)?;
+        let final_params = Tensor::f_randn([numel(last)], options)?.f_mul_scalar(0.02)?;
+        let embedding = if config.tie_word_embeddings {
+            Some(Tensor::f_randn([numel(0)], options)?.f_mul_scalar(0.02)?)
+        } else {
+            None
+        };
+        let targets = Tensor::f_randint(config.vocab_size as i64, [rows, seq], (Kind::Int64, device))?;
+        Ok((params, x, dy, final_params, embedding, targets))
+    })();
+    // every rank meets here, one whose inputs failed too: the others would wait for it
     barrier.wait();
+    let (params, x, dy, final_params, embedding, targets) = inputs?;
     let forward = timed(|| {
         let _ = model.forward_unit(1, &params, &x, None)?;
         sync(device)
