@@ -1,7 +1,7 @@
 //! Swap store and pipeline tests: checksums, stale files, ENOSPC, and the pipelined
 //! NVMe AdamW equal to in-memory AdamW bit for bit.
 
-use crate::adam::{self, AdamHyper, GradSlice, LowPrecisionOut, Sweep};
+use crate::adam::{self, AdamHyper, Coefficients, GradSlice, LowPrecisionOut, Sweep};
 use crate::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
 use crate::nvme::tests::{engines, test_dir};
 use crate::nvme::{BlockIo, IoError};
@@ -60,6 +60,71 @@ fn store_with(engine: Arc<dyn BlockIo>, dir: &std::path::Path, units: &[usize], 
     SwapStore::create(dir, "swap", engine, &specs(units, 0), chunk).unwrap()
 }
 
+/// Each unit's starting master, exp_avg and exp_avg_sq (non-negative), from `seed`,
+/// written to `store`: returned, with the scratch buffer back.
+fn initial_state(
+    store: &SwapStore,
+    units: &[usize],
+    seed: u32,
+    mut scratch: IoBuf,
+) -> (Vec<[Vec<f32>; 3]>, IoBuf) {
+    let mut memory = Vec::new();
+    for (unit, &n) in units.iter().enumerate() {
+        let u = seed + unit as u32;
+        let sq: Vec<f32> = values(n, 20 + u, 0.001).iter().map(|v| v.abs()).collect();
+        let state = [values(n, u, 2.0), values(n, 10 + u, 0.01), sq];
+        for (s, data) in State::OPTIMIZER.iter().zip(&state) {
+            let key = TensorKey {
+                unit: unit as u32,
+                rank: 0,
+                state: *s,
+            };
+            scratch = store.write_tensor(key, as_bytes(data), scratch).unwrap();
+        }
+        memory.push(state);
+    }
+    (memory, scratch)
+}
+
+/// The reference: AdamW on each unit's state in memory, its bf16 output into `low`.
+fn in_memory_step(c: &Coefficients, memory: &mut [[Vec<f32>; 3]], grads: &[Vec<f32>], low: &mut [Vec<u16>]) {
+    for (((master, exp_avg, exp_avg_sq), grad), low) in
+        memory.iter_mut().map(|[m, a, s]| (m, a, s)).zip(grads).zip(low)
+    {
+        let grad = GradSlice::F32(grad);
+        let low = LowPrecisionOut::Bf16(low);
+        adam::step(
+            c,
+            Sweep {
+                master,
+                exp_avg,
+                exp_avg_sq,
+                grad,
+                low,
+            },
+        )
+        .unwrap();
+    }
+}
+
+/// Asserts that the state in `store` is `memory`'s bit for bit; the scratch buffer back.
+fn assert_stored_state(store: &SwapStore, memory: &[[Vec<f32>; 3]], mut scratch: IoBuf, what: &str) -> IoBuf {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (unit, state) in memory.iter().enumerate() {
+        for (s, expected) in State::OPTIMIZER.iter().zip(state) {
+            let mut got = vec![0f32; expected.len()];
+            let key = TensorKey {
+                unit: unit as u32,
+                rank: 0,
+                state: *s,
+            };
+            scratch = store.read_tensor(key, as_bytes_mut(&mut got), scratch).unwrap();
+            assert_eq!(bits(&got), bits(expected), "{what}: {s:?} unit {unit}");
+        }
+    }
+    scratch
+}
+
 /// Every leg reported, in order: its kind, unit and bytes.
 #[derive(Default)]
 struct Recorded(std::sync::Mutex<Vec<(Leg, u32, u64)>>);
@@ -97,29 +162,8 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
             (1, true, true),
         ] {
             let store = store_with(engine.clone(), dir.path(), &units, 4096);
-            let mut memory: Vec<[Vec<f32>; 3]> = Vec::new();
-            let mut scratch = IoBuf::new(store.chunk_bytes(4)).unwrap();
-            for (unit, &n) in units.iter().enumerate() {
-                let state = [
-                    values(n, unit as u32, 2.0),
-                    values(n, 10 + unit as u32, 0.01),
-                    values(n, 20 + unit as u32, 0.001),
-                ];
-                let state = [
-                    state[0].clone(),
-                    state[1].clone(),
-                    state[2].iter().map(|v| v.abs()).collect(),
-                ];
-                for (s, data) in State::OPTIMIZER.iter().zip(&state) {
-                    let key = TensorKey {
-                        unit: unit as u32,
-                        rank: 0,
-                        state: *s,
-                    };
-                    scratch = store.write_tensor(key, as_bytes(data), scratch).unwrap();
-                }
-                memory.push(state);
-            }
+            let scratch = IoBuf::new(store.chunk_bytes(4)).unwrap();
+            let (mut memory, mut scratch) = initial_state(&store, &units, 0, scratch);
             let stored = buffer_count == 2;
             let pool = buffer_pool_for(&store, buffer_count, stored).unwrap();
             let hyper = AdamHyper {
@@ -136,21 +180,7 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
                     .collect();
                 let mut low_nvme: Vec<Vec<u16>> = units.iter().map(|&n| vec![0; n]).collect();
                 let mut low_memory = low_nvme.clone();
-                // in memory
-                for (u, state) in memory.iter_mut().enumerate() {
-                    let [master, exp_avg, exp_avg_sq] = state;
-                    adam::step(
-                        &c,
-                        Sweep {
-                            master,
-                            exp_avg,
-                            exp_avg_sq,
-                            grad: GradSlice::F32(&grads[u]),
-                            low: LowPrecisionOut::Bf16(&mut low_memory[u]),
-                        },
-                    )
-                    .unwrap();
-                }
+                in_memory_step(&c, &mut memory, &grads, &mut low_memory);
                 // on nvme, sub-group by sub-group
                 let mut groups = Vec::new();
                 for (u, (grad, low)) in grads.iter().zip(low_nvme.iter_mut()).enumerate() {
@@ -273,24 +303,8 @@ fn pipeline_equals_in_memory_adamw_bit_for_bit() {
                 assert_eq!(report.bytes_read, if stored { 4 } else { 3 } * moved);
                 assert_eq!(low_nvme, low_memory, "{} step {step}", engine.name());
             }
-            for (unit, state) in memory.iter().enumerate() {
-                for (s, expected) in State::OPTIMIZER.iter().zip(state) {
-                    let mut got = vec![0f32; expected.len()];
-                    let key = TensorKey {
-                        unit: unit as u32,
-                        rank: 0,
-                        state: *s,
-                    };
-                    scratch = store.read_tensor(key, as_bytes_mut(&mut got), scratch).unwrap();
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(
-                        bits(&got),
-                        bits(expected),
-                        "{} {s:?} unit {unit} buffers {buffer_count}",
-                        engine.name()
-                    );
-                }
-            }
+            let what = format!("{} buffers {buffer_count}", engine.name());
+            assert_stored_state(&store, &memory, scratch, &what);
             assert_eq!(pool.available(), pool.count());
         }
     }
@@ -579,31 +593,11 @@ fn no_space_is_a_clear_error_naming_the_path() {
 fn read_aheads_kept_across_units_or_dropped_equal_in_memory_adamw() {
     let dir = test_dir();
     let units = [4096usize, 4096, 4096];
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for engine in engines(dir.path(), None) {
         for (pipeline_read, pipeline_write) in [(true, true), (false, false), (true, false)] {
             let store = store_with(engine.clone(), dir.path(), &units, 4096);
-            let mut scratch = IoBuf::new(store.chunk_bytes(4)).unwrap();
-            let mut memory: Vec<[Vec<f32>; 3]> = Vec::new();
-            for (unit, &n) in units.iter().enumerate() {
-                let state = [
-                    values(n, 30 + unit as u32, 2.0),
-                    values(n, 40 + unit as u32, 0.01),
-                    values(n, 50 + unit as u32, 0.001)
-                        .iter()
-                        .map(|v| v.abs())
-                        .collect(),
-                ];
-                for (s, data) in State::OPTIMIZER.iter().zip(&state) {
-                    let key = TensorKey {
-                        unit: unit as u32,
-                        rank: 0,
-                        state: *s,
-                    };
-                    scratch = store.write_tensor(key, as_bytes(data), scratch).unwrap();
-                }
-                memory.push(state);
-            }
+            let scratch = IoBuf::new(store.chunk_bytes(4)).unwrap();
+            let (mut memory, mut scratch) = initial_state(&store, &units, 30, scratch);
             let sets = 3;
             let pool = buffer_pool_for(&store, sets, true).unwrap();
             let config = PipelineConfig {
@@ -618,21 +612,7 @@ fn read_aheads_kept_across_units_or_dropped_equal_in_memory_adamw() {
                 let grads: Vec<Vec<f32>> = units.iter().map(|&n| values(n, 60 + step, 0.1)).collect();
                 let mut low_nvme: Vec<Vec<u16>> = units.iter().map(|&n| vec![0; n]).collect();
                 let mut low_memory = low_nvme.clone();
-                for (u, [master, exp_avg, exp_avg_sq]) in memory.iter_mut().enumerate() {
-                    let grad = GradSlice::F32(&grads[u]);
-                    let low = LowPrecisionOut::Bf16(&mut low_memory[u]);
-                    adam::step(
-                        &c,
-                        Sweep {
-                            master,
-                            exp_avg,
-                            exp_avg_sq,
-                            grad,
-                            low,
-                        },
-                    )
-                    .unwrap();
-                }
+                in_memory_step(&c, &mut memory, &grads, &mut low_memory);
                 for (u, grad) in grads.iter().enumerate() {
                     let key = TensorKey {
                         unit: u as u32,
@@ -677,18 +657,7 @@ fn read_aheads_kept_across_units_or_dropped_equal_in_memory_adamw() {
                     "every buffer back after step {step}"
                 );
             }
-            for (unit, state) in memory.iter().enumerate() {
-                for (s, expected) in State::OPTIMIZER.iter().zip(state) {
-                    let mut got = vec![0f32; expected.len()];
-                    let key = TensorKey {
-                        unit: unit as u32,
-                        rank: 0,
-                        state: *s,
-                    };
-                    scratch = store.read_tensor(key, as_bytes_mut(&mut got), scratch).unwrap();
-                    assert_eq!(bits(&got), bits(expected), "{} {s:?} unit {unit}", engine.name());
-                }
-            }
+            assert_stored_state(&store, &memory, scratch, engine.name());
         }
     }
 }
