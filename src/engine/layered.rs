@@ -118,8 +118,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
         drop((params, gathered, tied));
         self.accumulate_sum(last, head)?;
         if self.overlap {
-            self.optimizer
-                .read_first_ahead(crate::plan::rules::read_ahead_sets(self.plan));
+            self.optimizer.read_first_ahead();
         }
         // backward in reverse by recompute, each unit's checkpoints dropped after it
         for u in (0..last).rev() {

@@ -354,8 +354,7 @@ impl<'a, C: Collective + Clone> RankEngine<'a, C> {
             kept,
         } = forward;
         if self.overlap {
-            self.optimizer
-                .read_first_ahead(crate::plan::rules::read_ahead_sets(self.plan));
+            self.optimizer.read_first_ahead();
         }
         for u in (0..graphs.len()).rev() {
             let graph = graphs[u].take();

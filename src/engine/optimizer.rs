@@ -40,11 +40,13 @@ pub(super) struct DeviceState {
     pub(super) exp_avg_sq: Tensor,
 }
 
-/// The NVMe tier of optimizer state: the swap store and the pipeline's buffers.
+/// The NVMe tier of optimizer state: the swap store, the pipeline's buffers, and how many
+/// sub-groups the backward reads ahead (`rules::read_ahead_sets`).
 #[derive(Clone)]
 pub(super) struct NvmeTier<'a> {
     pub(super) store: &'a SwapStore,
     pub(super) pool: BufferPool,
+    pub(super) read_ahead: usize,
 }
 
 /// Where a unit's optimizer state is.
@@ -190,18 +192,18 @@ impl<'a> Optimizer<'a> {
         })
     }
 
-    /// Submits the reads of the first `sets` sub-groups of optimizer state in the
-    /// updates' order (the leading units' whose state is on NVMe, back from their last
+    /// Submits the reads of the tier's first `read_ahead` sub-groups of optimizer state in
+    /// the updates' order (the leading units' whose state is on NVMe, back from their last
     /// update): the next update reads them first, and only after the backward and the
-    /// gradient norm, while the pipeline's buffers (`sets` sets) and the disk are idle
-    /// until then (`pipeline::read_ahead`). A failed submission is left to the update,
-    /// which reads the same chunks and reports it.
-    pub(super) fn read_first_ahead(&mut self, sets: usize) {
+    /// gradient norm, while the pipeline's buffers and the disk are idle until then
+    /// (`pipeline::read_ahead`). A failed submission is left to the update, which reads
+    /// the same chunks and reports it.
+    pub(super) fn read_first_ahead(&mut self) {
         if !self.ahead.is_empty() {
             return;
         }
         let at = crate::device::sim::entered().map(|s| AheadClock::Submitted(s.now()));
-        for group in self.first_groups(sets) {
+        for group in self.first_groups() {
             let Some(Moments::Nvme(tier)) = self.moments.get(group.0 as usize) else {
                 return;
             };
@@ -216,14 +218,15 @@ impl<'a> Optimizer<'a> {
         }
     }
 
-    /// The first `sets` (unit, rank, chunk) sub-groups the next update reads, at most as
-    /// many as the pipeline's pool holds sets of state: the chunks of the leading units
-    /// whose state is on NVMe, up to the first unit that is not (or holds nothing).
-    fn first_groups(&self, sets: usize) -> Vec<pipeline::Group> {
+    /// The first `read_ahead` (unit, rank, chunk) sub-groups the next update reads, at
+    /// most as many as the pipeline's pool holds sets of state: the chunks of the leading
+    /// units whose state is on NVMe, up to the first unit that is not (or holds nothing).
+    fn first_groups(&self) -> Vec<pipeline::Group> {
         let Some(tier) = self.nvme.as_ref() else {
             return Vec::new();
         };
-        let (chunk, most) = (tier.store.chunk_elems().max(1), sets.min(tier.pool.count() / 3));
+        let chunk = tier.store.chunk_elems().max(1);
+        let most = tier.read_ahead.min(tier.pool.count() / 3);
         let rank = self.on.0 as u32;
         self.moments
             .iter()

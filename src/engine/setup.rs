@@ -12,7 +12,7 @@ use crate::device::cpu::{CpuDevice, Reservation};
 use crate::device::cuda::{Cuda, CudaStreams};
 use crate::device::lanes::Streams;
 use crate::plan::partition::Partition;
-use crate::plan::rules::{nvme_gradients, nvme_optimizer, param_tiers, pipeline_sets};
+use crate::plan::rules::{nvme_gradients, nvme_optimizer, param_tiers, pipeline_sets, read_ahead_sets};
 use crate::plan::schedule::LossScaler;
 use crate::plan::{Plan, Precision, Tier};
 use std::sync::Arc;
@@ -35,6 +35,7 @@ pub(super) fn homes<'a>(
             store,
             pool: pipeline::buffer_pool_for(store, pipeline_sets(plan), nvme_gradients(plan))
                 .map_err(On(rank).io())?,
+            read_ahead: read_ahead_sets(plan),
         }),
         (true, None) => return Err(missing("optimizer on nvme without a swap store")),
         (false, _) => None,
