@@ -75,28 +75,22 @@ fn check_torch_version(lib_dir: &Path) {
     }
 }
 
+/// Both bridges in one C++17 build against libtorch's headers, with torch's C++ ABI,
+/// compiled at once (cc's `parallel`: the build waits for this script).
 fn compile_shim(lib_dir: &Path) {
-    libtorch_cpp(lib_dir, "src/torch/shim.cpp").compile("tierzero_shim");
-    // c10d (TCPStore, ProcessGroupGloo): the wheel ships c10d's headers but not gloo's
-    libtorch_cpp(lib_dir, "src/torch/c10d.cpp")
-        .include("src/torch/gloo_stub")
-        .compile("tierzero_c10d");
-}
-
-/// A C++17 build of `file` against libtorch's headers, with torch's C++ ABI.
-fn libtorch_cpp(lib_dir: &Path, file: &str) -> cc::Build {
     let include = lib_dir.join("../include");
-    let mut build = cc::Build::new();
-    build
+    cc::Build::new()
         .cpp(true)
-        .file(file)
+        .files(["src/torch/shim.cpp", "src/torch/c10d.cpp"])
+        // c10d (TCPStore, ProcessGroupGloo): the wheel ships c10d's headers but not gloo's
+        .include("src/torch/gloo_stub")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
         .flag_if_supported("-Wno-unused-parameter")
-        .warnings(false);
-    build
+        .warnings(false)
+        .compile("tierzero_bridges");
 }
 
 /// `target/<profile>/nccl/libnccl.so` → the wheel's `libnccl.so.2`, and `$ORIGIN/nccl`
