@@ -29,6 +29,27 @@ const REPEATS: usize = 3;
 const MIN_SECONDS: f64 = 0.3;
 const MAX_REPEATS: usize = 1000;
 
+/// `f` while `threads` threads keep a core each busy checksumming a 32 MiB buffer (what
+/// an NVMe lane does most), stopped once `f` returns.
+fn beside_busy_threads<T>(threads: usize, f: impl FnOnce() -> T) -> T {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let stop = &stop;
+        for _ in 0..threads {
+            s.spawn(move || {
+                let buf = vec![1u8; 32 << 20];
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::black_box(crc32c::crc32c(&buf));
+                }
+            });
+        }
+        let out = f();
+        stop.store(true, Ordering::Relaxed);
+        out
+    })
+}
+
 /// Median seconds of `f` after one warm-up: [`REPEATS`] runs, more for short work.
 fn timed(mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
     f()?;

@@ -4,9 +4,10 @@
 //! Compute is measured on the model code itself at each given config's shapes: a block's
 //! forward and its backward by recompute, and the final unit with the LM head, with the
 //! torch threads a rank of that config gets and its ranks running at once (as the
-//! trainer's ranks share the cores); rates are FLOPs as `plan::simulate::flops` counts
-//! them over the median time. Beside them: memcpy (one thread and every core), a
-//! one-thread fp32 add, a device-memory copy, the collectives (`bench comm`'s Local
+//! trainer's ranks share the cores), meeting after each run as they meet at a run's
+//! collectives; rates are FLOPs as `plan::simulate::flops` counts them over the mean
+//! time between meetings. Beside them: memcpy (one thread and every core), a one-thread
+//! fp32 add, a device-memory copy, the collectives (`bench comm`'s Local
 //! ranks), NVMe (`bench nvme`'s io_uring rows) and the CPU AdamW (`bench adam`). Every
 //! number records the measurement that gave it. Where the configs compute on a GPU, the
 //! compute, the matmul peaks, the device's copies and its memory are the GPU's
@@ -36,18 +37,22 @@ fn compute_rates(plan: &Plan, overhead: f64) -> anyhow::Result<Vec<Rate>> {
     let threads = rank_threads(plan);
     tch::set_num_threads(threads as i32);
     let ranks = plan.train.devices.max(1);
-    let results = on_every_rank(ranks, |r, barrier| {
+    let results = on_every_rank(ranks, |r, meeting| {
         let device = plan.train.compute_device(plan.train.local_ranks().start + r);
-        one_rank_rates(plan, (threads, device), overhead, barrier)
+        one_rank_rates(plan, (threads, device), overhead, meeting)
     });
     results.into_iter().next().unwrap_or_else(|| Ok(Vec::new()))
 }
+
+/// A rank's inputs to its measured pieces: block 1's parameters, an input and an output
+/// gradient of its shape, the final unit's parameters, the tied embedding, the targets.
+type Inputs = (Tensor, Tensor, Tensor, Tensor, Option<Tensor>, Tensor);
 
 fn one_rank_rates(
     plan: &Plan,
     (threads, device): (usize, Device),
     overhead: f64,
-    barrier: &std::sync::Barrier,
+    meeting: &Meeting,
 ) -> anyhow::Result<Vec<Rate>> {
     let config = plan.model.config.clone();
     let kind = crate::torch::compute_kind(&plan.precision);
@@ -73,26 +78,29 @@ fn one_rank_rates(
         let targets = Tensor::f_randint(config.vocab_size as i64, [rows, seq], (Kind::Int64, device))?;
         Ok((params, x, dy, final_params, embedding, targets))
     })();
-    // every rank meets here, one whose inputs failed too: the others would wait for it
-    barrier.wait();
-    let (params, x, dy, final_params, embedding, targets) = inputs?;
-    let forward = timed(|| {
-        let _ = model.forward_unit(1, &params, &x, None)?;
-        sync(device)
-    })?;
-    let backward = timed(|| {
-        let _ = model.backward_unit(1, &params, &x, &dy, None)?;
-        sync(device)
-    })?;
-    let head = timed(|| {
-        model.backward_final(&final_params, embedding.as_ref(), &x, &targets, Weight::Mean(1.0))?;
-        sync(device)
+    // a rank whose inputs failed still meets the others at every wait, then reports
+    let inputs = inputs.map_err(anyhow::Error::from);
+    let piece = |f: &dyn Fn(&Inputs) -> Result<(), tch::TchError>| {
+        meeting.mean_seconds(|| match &inputs {
+            Ok(inputs) => {
+                f(inputs)?;
+                sync(device)
+            }
+            Err(e) => Err(anyhow::anyhow!("{e:#}")),
+        })
+    };
+    let forward = piece(&|(params, x, ..)| model.forward_unit(1, params, x, None).map(drop))?;
+    let backward = piece(&|(params, x, dy, ..)| model.backward_unit(1, params, x, dy, None).map(drop))?;
+    let head = piece(&|(_, x, _, final_params, embedding, targets)| {
+        model
+            .backward_final(final_params, embedding.as_ref(), x, targets, Weight::Mean(1.0))
+            .map(drop)
     })?;
     let block = model.units[1].numel;
     let seq_len = seq as usize;
     let source = |what: &str| {
         format!(
-            "{what} of {} ({} tokens = {rows} × {seq}, hidden {h}) timed by `tierzero bench profile` on {}, {threads} torch threads per rank, {} ranks at once, median of at least {REPEATS} runs and 0.3 s",
+            "{what} of {} ({} tokens = {rows} × {seq}, hidden {h}) timed by `tierzero bench profile` on {}, {threads} torch threads per rank, {} ranks at once meeting after each run (the slowest sets the pace, as at a run's collectives), the mean of at least {REPEATS} runs and 0.3 s",
             plan.model.source,
             tokens,
             if device.is_cuda() { "the GPU" } else { "the CPU" },
@@ -143,7 +151,6 @@ fn one_rank_rates(
 /// thread checksumming 32 MiB buffers (what an NVMe lane does most), three rounds
 /// interleaved. None on a GPU.
 fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Figure>> {
-    use std::sync::atomic::{AtomicBool, Ordering};
     if device.is_cuda() {
         return Ok(None);
     }
@@ -159,22 +166,9 @@ fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Fi
     let (mut alone, mut beside) = (Vec::new(), Vec::new());
     for _ in 0..3 {
         alone.push(ranks_forward(plan, device, (ranks, runs))?);
-        let stop = AtomicBool::new(false);
-        let t = std::thread::scope(|s| {
-            let stop = &stop;
-            for _ in 0..busy {
-                s.spawn(move || {
-                    let buf = vec![1u8; 32 << 20];
-                    while !stop.load(Ordering::Relaxed) {
-                        std::hint::black_box(crc32c::crc32c(&buf));
-                    }
-                });
-            }
-            let t = ranks_forward(plan, device, (ranks, runs));
-            stop.store(true, Ordering::Relaxed);
-            t
-        })?;
-        beside.push(t);
+        beside.push(super::beside_busy_threads(busy, || {
+            ranks_forward(plan, device, (ranks, runs))
+        })?);
     }
     let (alone, beside) = (super::median(alone), super::median(beside));
     Ok(Some(Figure::new(
@@ -189,11 +183,10 @@ fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Fi
 }
 
 /// The mean seconds of block 1's forward, `ranks` ranks at once meeting after each of
-/// their `runs`: a mean, not a median, since a median of pieces shorter than the
-/// scheduler's slice keeps the ones it did not cut.
+/// their `runs` ([`Meeting::mean_of`]).
 fn ranks_forward(plan: &Plan, device: Device, (ranks, runs): (usize, usize)) -> anyhow::Result<f64> {
     tch::set_num_threads(rank_threads(plan) as i32);
-    let times = on_every_rank(ranks, |_, barrier| -> anyhow::Result<f64> {
+    let times = on_every_rank(ranks, |_, meeting| -> anyhow::Result<f64> {
         let kind = crate::torch::compute_kind(&plan.precision);
         let model = Model::new(plan.model.config.clone(), kind);
         let (rows, seq) = (plan.batch.micro_batch_per_gpu as i64, plan.data.seq_len as i64);
@@ -205,37 +198,90 @@ fn ranks_forward(plan: &Plan, device: Device, (ranks, runs): (usize, usize)) -> 
             let _ = model.forward_unit(1, &params, &x, None)?;
             Ok((params, x))
         };
-        // the ranks meet before every forward, as a run's meet at every unit's
-        // collectives: the slowest sets the pace. A rank that fails still meets the
-        // others at every wait, so none waits for it forever, and reports after
-        let mut inputs = set_up();
-        barrier.wait();
-        let start = std::time::Instant::now();
-        for _ in 0..runs {
-            if let Ok((params, x)) = &inputs {
-                if let Err(e) = model.forward_unit(1, params, x, None) {
-                    inputs = Err(e.into());
-                }
+        let inputs = set_up();
+        meeting.mean_of(runs, || match &inputs {
+            Ok((params, x)) => {
+                let _ = model.forward_unit(1, params, x, None)?;
+                Ok(())
             }
-            barrier.wait();
-        }
-        inputs.map(|_| start.elapsed().as_secs_f64() / runs as f64)
+            Err(e) => Err(anyhow::anyhow!("{e:#}")),
+        })
     });
     times
         .into_iter()
         .try_fold(0.0_f64, |slowest, t| Ok(slowest.max(t?)))
 }
 
-/// `f(rank, barrier)` on a thread of its own for each of `ranks` ranks, the barrier
-/// theirs to meet at; each rank's result, in rank order.
+/// Where the measuring ranks' threads meet: a barrier, and a slot to agree on how many
+/// runs each measurement takes (every rank must wait as often as the others).
+struct Meeting {
+    barrier: std::sync::Barrier,
+    slot: std::sync::atomic::AtomicUsize,
+}
+
+impl Meeting {
+    fn wait(&self) -> std::sync::BarrierWaitResult {
+        self.barrier.wait()
+    }
+
+    /// The largest of the ranks' proposals, every rank calling it once.
+    fn agree(&self, proposal: usize) -> usize {
+        use std::sync::atomic::Ordering::Relaxed;
+        // every rank has read the previous agreement before the slot is cleared, and the
+        // slot is cleared before any rank proposes
+        if self.wait().is_leader() {
+            self.slot.store(0, Relaxed);
+        }
+        self.wait();
+        self.slot.fetch_max(proposal, Relaxed);
+        self.wait();
+        self.slot.load(Relaxed)
+    }
+
+    /// The mean seconds of `f` between meetings: every rank runs it `runs` times, meeting
+    /// the others after each, as a run's ranks meet at every unit's collectives, so the
+    /// slowest sets the pace. A mean, not a median: a step sums its pieces, the ones the
+    /// scheduler cut included. A rank whose `f` fails still meets the others at every
+    /// wait, so none waits for it forever, and reports after.
+    fn mean_of(&self, runs: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+        let mut failed = None;
+        self.wait();
+        let start = std::time::Instant::now();
+        for _ in 0..runs {
+            if failed.is_none() {
+                failed = f().err();
+            }
+            self.wait();
+        }
+        failed.map_or(Ok(start.elapsed().as_secs_f64() / runs.max(1) as f64), Err)
+    }
+
+    /// [`Self::mean_of`] after a warm-up, with runs enough for [`super::MIN_SECONDS`]
+    /// (at least [`REPEATS`], at most [`super::MAX_REPEATS`]).
+    fn mean_seconds(&self, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+        let once = self.mean_of(1, &mut f);
+        let runs = once
+            .as_ref()
+            .map_or(REPEATS, |&t| (super::MIN_SECONDS / t.max(1e-9)).ceil() as usize);
+        let runs = self.agree(runs.clamp(REPEATS, super::MAX_REPEATS));
+        let mean = self.mean_of(runs, &mut f);
+        once.and(mean)
+    }
+}
+
+/// `f(rank, meeting)` on a thread of its own for each of `ranks` ranks, the meeting
+/// theirs; each rank's result, in rank order.
 fn on_every_rank<T: Send>(
     ranks: usize,
-    f: impl Fn(usize, &std::sync::Barrier) -> anyhow::Result<T> + Sync,
+    f: impl Fn(usize, &Meeting) -> anyhow::Result<T> + Sync,
 ) -> Vec<anyhow::Result<T>> {
-    let barrier = std::sync::Barrier::new(ranks);
+    let meeting = Meeting {
+        barrier: std::sync::Barrier::new(ranks),
+        slot: Default::default(),
+    };
     std::thread::scope(|s| {
-        let (barrier, f) = (&barrier, &f);
-        let handles: Vec<_> = (0..ranks).map(|r| s.spawn(move || f(r, barrier))).collect();
+        let (meeting, f) = (&meeting, &f);
+        let handles: Vec<_> = (0..ranks).map(|r| s.spawn(move || f(r, meeting))).collect();
         handles
             .into_iter()
             .map(|h| {
@@ -437,11 +483,13 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
 /// 2 GiB file (256 MiB when `quick`) and, for each plan whose machine's swap files are
 /// larger, over a file of their size (whole GiB, at most 90% of the free space): a
 /// virtual machine's disk whose host caches a few GB moves a small file several times
-/// faster than a run's swap files.
+/// faster than a run's swap files, and over a file of their size where they are far
+/// smaller (whole 64 MiB).
 fn disk(plans: &[Plan], nvme_dir: &Path, quick: bool) -> anyhow::Result<Nvme> {
     const GIB: u64 = 1 << 30;
     let base = if quick { 256 << 20 } else { 2 * GIB };
     let free = crate::plan::disk::file_system(nvme_dir).map_or(u64::MAX, |(_, free)| free / 10 * 9);
+    const SMALL: u64 = 64 << 20;
     let mut sizes = vec![base];
     if !quick {
         sizes.extend(
@@ -452,6 +500,15 @@ fn disk(plans: &[Plan], nvme_dir: &Path, quick: bool) -> anyhow::Result<Nvme> {
                 .map(|b| (b.div_ceil(GIB) * GIB).min(free / GIB * GIB)),
         );
     }
+    // swap files far smaller than the base file: their own size too (whole 64 MiB), which
+    // such a disk may serve faster still
+    sizes.extend(
+        plans
+            .iter()
+            .map(nvme_bytes)
+            .filter(|&b| b > 0 && b.div_ceil(SMALL) * SMALL < base)
+            .map(|b| b.div_ceil(SMALL) * SMALL),
+    );
     sizes.sort_unstable();
     sizes.dedup();
     let mut rows = Vec::new();
@@ -488,7 +545,8 @@ fn disk(plans: &[Plan], nvme_dir: &Path, quick: bool) -> anyhow::Result<Nvme> {
         });
     }
     let first = rows
-        .first()
+        .iter()
+        .find(|r| r.file_bytes == base)
         .cloned()
         .ok_or_else(|| anyhow::anyhow!("no disk measured"))?;
     Ok(Nvme {
@@ -504,7 +562,9 @@ fn disk(plans: &[Plan], nvme_dir: &Path, quick: bool) -> anyhow::Result<Nvme> {
 /// through the NVMe AdamW on every rank at once, pipelined as the plan's optimizer is.
 /// Each leg's time less its bytes at the disk's rates (its ranks sharing them) is a
 /// transfer's latency; the run's time less its legs, the pipeline's own. A small unit's
-/// update is that: its time is the ring threads' and the pipeline's hand-offs.
+/// update is that: its time is the ring threads' and the pipeline's hand-offs. On a CPU
+/// device the legs again beside threads busy on the cores compute takes: the store's
+/// threads then wake into cores compute holds.
 fn transfer_latency(plan: &Plan, nvme_dir: &Path, disk: &Nvme) -> anyhow::Result<NvmeLatency> {
     const ELEMENTS: usize = 4096;
     const CALLS: usize = 40;
@@ -517,30 +577,57 @@ fn transfer_latency(plan: &Plan, nvme_dir: &Path, disk: &Nvme) -> anyhow::Result
         _ => "on the pipeline's threads, as the config runs it",
     };
     let engine = crate::run::engine_config(plan);
-    let m = super::swap::transfer_latency(nvme_dir, (engine, pipeline), ranks, ELEMENTS, CALLS)?;
+    let measure = || super::swap::transfer_latency(nvme_dir, (engine, pipeline), ranks, ELEMENTS, CALLS);
+    let m = measure()?;
     let (read, write) = (disk.read_gb_s.value, disk.write_gb_s.value);
     let bytes = ranks as f64 * m.leg_bytes as f64 / 1e9;
-    let how = format!(
-        "`tierzero bench profile`: {ranks} ranks at once, each {CALLS} one-sub-group NVMe AdamW steps of {ELEMENTS} elements through one store {mode} (three fp32 states read and written, {} KiB each way): a step's median {:.3} ms, its read leg's {:.3} ms, its write leg's {:.3} ms, its update's {:.3} ms",
-        m.leg_bytes >> 10,
-        m.call_s * 1e3,
-        m.read_s * 1e3,
-        m.write_s * 1e3,
-        m.update_s * 1e3,
-    );
+    let how = |m: &super::swap::TransferLatency, beside: &str| {
+        format!(
+            "`tierzero bench profile`: {ranks} ranks at once, each {CALLS} one-sub-group NVMe AdamW steps of {ELEMENTS} elements through one store {mode}{beside} (three fp32 states read and written, {} KiB each way): a step's median {:.3} ms, its read leg's {:.3} ms, its write leg's {:.3} ms, its update's {:.3} ms",
+            m.leg_bytes >> 10,
+            m.call_s * 1e3,
+            m.read_s * 1e3,
+            m.write_s * 1e3,
+            m.update_s * 1e3,
+        )
+    };
+    let legs = |m: &super::swap::TransferLatency, how: &str| {
+        (
+            Figure::new(
+                (m.read_s - bytes / read).max(0.0),
+                format!("{how}; the read leg less its bytes at {read:.2} GB/s shared by the ranks"),
+            ),
+            Figure::new(
+                (m.write_s - bytes / write).max(0.0),
+                format!("{how}; the write leg less its bytes at {write:.2} GB/s shared by the ranks"),
+            ),
+        )
+    };
+    let idle = how(&m, "");
+    let (read_s, write_s) = legs(&m, &idle);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let on_cpu = !plan
+        .train
+        .compute_device(plan.train.local_ranks().start)
+        .is_cuda();
+    let beside_compute = if on_cpu {
+        let busy = (ranks * rank_threads(plan)).min(cores);
+        let b = super::beside_busy_threads(busy, measure)?;
+        let beside = format!(", beside {busy} threads checksumming on {cores} cores (compute's)");
+        Some(legs(&b, &how(&b, &beside)))
+    } else {
+        None
+    };
+    let (read_beside_compute_s, write_beside_compute_s) = beside_compute.unzip();
     Ok(NvmeLatency {
-        read_s: Figure::new(
-            (m.read_s - bytes / read).max(0.0),
-            format!("{how}; the read leg less its bytes at {read:.2} GB/s shared by the ranks"),
-        ),
-        write_s: Figure::new(
-            (m.write_s - bytes / write).max(0.0),
-            format!("{how}; the write leg less its bytes at {write:.2} GB/s shared by the ranks"),
-        ),
+        read_s,
+        write_s,
         pipeline_s: Figure::new(
             (m.call_s - m.read_s - m.write_s - m.update_s).max(0.0),
-            format!("{how}; the step less its legs"),
+            format!("{idle}; the step less its legs"),
         ),
+        read_beside_compute_s,
+        write_beside_compute_s,
     })
 }
 
@@ -562,5 +649,27 @@ mod tests {
             "{}",
             lost.source
         );
+    }
+
+    #[test]
+    fn ranks_meet_as_often_as_each_other_and_a_failing_rank_reports_after() {
+        let results = on_every_rank(3, |r, meeting| {
+            assert_eq!(meeting.agree(r + 5), 7);
+            assert_eq!(meeting.agree(10 - r), 10);
+            let mut calls = 0;
+            let mean = meeting.mean_seconds(|| {
+                calls += 1;
+                anyhow::ensure!(r != 1 || calls < 3, "rank {r} failed at its run {calls}");
+                Ok(())
+            });
+            Ok((mean, calls))
+        });
+        let results: Vec<_> = results.into_iter().map(Result::unwrap).collect();
+        assert!(results[0].0.is_ok() && results[2].0.is_ok());
+        assert_eq!(results[0].1, results[2].1);
+        assert!(results[0].1 > REPEATS, "a warm-up and at least {REPEATS} runs");
+        let failed = results[1].0.as_ref().unwrap_err().to_string();
+        assert_eq!(failed, "rank 1 failed at its run 3");
+        assert_eq!(results[1].1, 3, "no run after the failure");
     }
 }

@@ -14,7 +14,11 @@
 //! (`bench profile` measures it: a block's forward beside a busy thread), in proportion
 //! while they take part of one. Each unit's forward and backward is stretched by what
 //! ran beside it in the pass that is reported (and on the simulated device, which
-//! prices with the same [`Costs`]).
+//! prices with the same [`Costs`]). The other way round, an NVMe transfer handed to the
+//! store's threads while compute holds every core waits for one until that stretch of
+//! compute ends, at most what `bench profile` measured (`nvme.latency.*_beside_compute_s`:
+//! the transfers beside threads busy on compute's cores, a scheduler's slice here):
+//! every read and write pays the step's average wait on top of its latency.
 
 use super::clock::{Span, Track};
 use super::costs::Costs;
@@ -24,78 +28,149 @@ use super::STEPS;
 use crate::plan::Plan;
 
 /// The profile's prices for `plan`, with compute stretched by the lanes' host work on a
-/// CPU device (unchanged on a GPU).
+/// CPU device and NVMe transfers beside compute paying their latency there (unchanged on
+/// a GPU).
 pub fn costs(plan: &Plan, profile: &Profile) -> Costs {
     let base = Costs::new(plan, profile);
     if base.cuda() {
         return base;
     }
-    let stretch = compute_stretch(plan, &base);
-    base.with_compute_stretch(stretch)
+    let pass = FirstPass::new(plan, &base);
+    let stretch = pass.compute_stretch(&base);
+    let waits = pass.waits_beside_compute(base.nvme_latency_beside_compute());
+    base.with_compute_stretch(stretch).with_nvme_latency_added(waits)
 }
 
-/// Per unit, how much longer its forward and its backward (the final unit's: the head)
-/// take for the lanes' host work beside them, from a replay at the profile's rates.
-fn compute_stretch(plan: &Plan, costs: &Costs) -> Vec<[f64; 2]> {
-    let mut replay = Replay::new(plan, costs.clone());
-    let (mut start, mut step) = (0.0, 0.0);
-    for _ in 0..STEPS {
-        start = replay.clocks.now(Track::Compute);
-        step = replay.step();
-    }
-    let end = start + step;
-    let within = |s: &Span| (s.start.max(start), s.end.min(end));
-    // the pieces of compute a stretch applies to: (unit, slot, start, end)
-    let pieces: Vec<(usize, usize, f64, f64)> = replay
-        .clocks
-        .spans()
-        .iter()
-        .filter(|s| s.track == Track::Compute && s.waited_for.is_none())
-        .filter_map(|s| {
-            let slot = match s.what {
-                "forward" => 0,
-                "backward" => 1,
-                _ => return None,
-            };
-            let (a, b) = within(s);
-            (b > a).then_some((s.unit?, slot, a, b))
-        })
-        .collect();
-    let profile = costs.profile();
-    let ranks = costs.ranks();
-    let cores = profile.host_cores.max(1) as f64;
-    let compute_threads = ranks * profile.compute.threads.max(1) as f64;
-    let spare = (cores - compute_threads).max(0.0);
-    // measured: lost while a core or more is taken; else the assumption that came
-    // before, a core's share of compute's cores for each core taken
-    let (lost, most) = profile
-        .compute
-        .lost_beside_a_thread
-        .as_ref()
-        .map_or((1.0 / cores.min(compute_threads), f64::INFINITY), |f| {
-            (f.value.clamp(0.0, 0.95), 1.0)
-        });
-    // compute's rate over the window, piece by piece of time: the lanes' host work of
-    // every rank, beyond the cores compute leaves free, holds it back
-    let rates = Rates::new(
-        replay
+/// A replay at the profile's rates: its work's spans, and the window of its reported
+/// step (the last of [`STEPS`]).
+struct FirstPass {
+    spans: Vec<Span>,
+    window: (f64, f64),
+}
+
+impl FirstPass {
+    fn new(plan: &Plan, costs: &Costs) -> FirstPass {
+        let mut replay = Replay::new(plan, costs.clone());
+        let (mut start, mut step) = (0.0, 0.0);
+        for _ in 0..STEPS {
+            start = replay.clocks.now(Track::Compute);
+            step = replay.step();
+        }
+        let spans = replay
             .clocks
             .spans()
             .iter()
-            .filter(|s| s.track != Track::Compute && s.waited_for.is_none() && s.end > s.start)
-            .map(|s| (s.start, s.end, host_core_seconds(s, costs) / (s.end - s.start))),
-        |demand| (1.0 - lost * (ranks * demand - spare).clamp(0.0, most)).max(0.05),
-    );
-    let units = pieces.iter().map(|p| p.0 + 1).max().unwrap_or(0);
-    // (time taken, time at the profile's rate) per unit and slot
-    let mut sums = vec![[(0.0, 0.0); 2]; units];
-    for &(u, slot, c, d) in &pieces {
-        let sum = &mut sums[u][slot];
-        *sum = (sum.0 + rates.finish(c, d - c) - c, sum.1 + (d - c));
+            .filter(|s| s.waited_for.is_none() && s.end > s.start)
+            .cloned()
+            .collect();
+        FirstPass {
+            spans,
+            window: (start, start + step),
+        }
     }
-    sums.iter()
-        .map(|s| s.map(|(taken, alone)| if alone > 0.0 { taken / alone } else { 1.0 }))
-        .collect()
+
+    /// The spans of `track` (or of every other track) cut to the reported step, those
+    /// left.
+    fn within(&self, track: Track, on: bool) -> impl Iterator<Item = Span> + '_ {
+        let (start, end) = self.window;
+        self.spans
+            .iter()
+            .filter(move |s| (s.track == track) == on)
+            .map(move |s| Span {
+                start: s.start.max(start),
+                end: s.end.min(end),
+                ..s.clone()
+            })
+            .filter(|s| s.end > s.start)
+    }
+
+    /// Per unit, how much longer its forward and its backward (the final unit's: the
+    /// head) take for the lanes' host work beside them.
+    fn compute_stretch(&self, costs: &Costs) -> Vec<[f64; 2]> {
+        // the pieces of compute a stretch applies to: (unit, slot, start, end)
+        let pieces: Vec<(usize, usize, f64, f64)> = self
+            .within(Track::Compute, true)
+            .filter_map(|s| {
+                let slot = match s.what {
+                    "forward" => 0,
+                    "backward" => 1,
+                    _ => return None,
+                };
+                Some((s.unit?, slot, s.start, s.end))
+            })
+            .collect();
+        let profile = costs.profile();
+        let ranks = costs.ranks();
+        let cores = profile.host_cores.max(1) as f64;
+        let compute_threads = ranks * profile.compute.threads.max(1) as f64;
+        let spare = (cores - compute_threads).max(0.0);
+        // measured: lost while a core or more is taken; else the assumption that came
+        // before, a core's share of compute's cores for each core taken
+        let (lost, most) = profile
+            .compute
+            .lost_beside_a_thread
+            .as_ref()
+            .map_or((1.0 / cores.min(compute_threads), f64::INFINITY), |f| {
+                (f.value.clamp(0.0, 0.95), 1.0)
+            });
+        // compute's rate over the window, piece by piece of time: the lanes' host work
+        // of every rank, beyond the cores compute leaves free, holds it back
+        let rates = Rates::new(
+            self.spans
+                .iter()
+                .filter(|s| s.track != Track::Compute)
+                .map(|s| (s.start, s.end, host_core_seconds(s, costs) / (s.end - s.start))),
+            |demand| (1.0 - lost * (ranks * demand - spare).clamp(0.0, most)).max(0.05),
+        );
+        let units = pieces.iter().map(|p| p.0 + 1).max().unwrap_or(0);
+        // (time taken, time at the profile's rate) per unit and slot
+        let mut sums = vec![[(0.0, 0.0); 2]; units];
+        for &(u, slot, c, d) in &pieces {
+            let sum = &mut sums[u][slot];
+            *sum = (sum.0 + rates.finish(c, d - c) - c, sum.1 + (d - c));
+        }
+        sums.iter()
+            .map(|s| s.map(|(taken, alone)| if alone > 0.0 { taken / alone } else { 1.0 }))
+            .collect()
+    }
+
+    /// What the step's NVMe reads and its writes wait for a core, on average (read,
+    /// write): a transfer handed to the store's threads while compute holds the cores
+    /// waits until that stretch of compute ends, at most `extra` (what the profile
+    /// measured beside compute beyond the latency on idle cores).
+    fn waits_beside_compute(&self, extra: (f64, f64)) -> (f64, f64) {
+        let mut busy: Vec<(f64, f64)> = self
+            .within(Track::Compute, true)
+            .map(|s| (s.start, s.end))
+            .collect();
+        busy.sort_by(|x, y| x.0.total_cmp(&y.0));
+        let merged = busy.into_iter().fold(Vec::<(f64, f64)>::new(), |mut m, (a, b)| {
+            match m.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => m.push((a, b)),
+            }
+            m
+        });
+        // what is left of the stretch of compute a transfer starts in
+        let left = |t: f64| {
+            let i = merged.partition_point(|&(a, _)| a <= t);
+            i.checked_sub(1).map_or(0.0, |i| (merged[i].1 - t).max(0.0))
+        };
+        let share = |what: &str, extra: f64| {
+            let (sum, n) = self
+                .within(Track::Compute, false)
+                .filter(|s| s.what == what && s.bytes > 0)
+                .fold((0.0, 0usize), |(sum, n), s| {
+                    (sum + left(s.start).min(extra), n + 1)
+                });
+            if n == 0 {
+                0.0
+            } else {
+                sum / n as f64
+            }
+        };
+        (share("nvme_read", extra.0), share("nvme_write", extra.1))
+    }
 }
 
 /// Compute's rate through time (1: the profile's), piecewise constant between the lanes'
@@ -219,7 +294,8 @@ mod tests {
         let plan = plan(&gpu);
         // two ranks' compute fills two cores: the lanes' work beside it takes from it
         let stretch = |cores| {
-            let s = compute_stretch(&plan, &Costs::new(&plan, &cpu(cores)));
+            let c = Costs::new(&plan, &cpu(cores));
+            let s = FirstPass::new(&plan, &c).compute_stretch(&c);
             s.iter().flatten().copied().fold(0.0, f64::max)
         };
         let busy = stretch(2);
@@ -237,7 +313,41 @@ mod tests {
         let stretched = costs(&plan, &cpu(2));
         let base = Costs::new(&plan, &cpu(2));
         let forward = crate::plan::simulate::costs::Work::Forward(1);
-        let unit_1 = compute_stretch(&plan, &base)[1][0];
+        let unit_1 = FirstPass::new(&plan, &base).compute_stretch(&base)[1][0];
         assert!((stretched.seconds(forward) / base.seconds(forward) - unit_1).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_transfer_beside_compute_waits_until_that_stretch_of_compute_ends() {
+        let span = |track, what, start, end| Span {
+            track,
+            what,
+            unit: Some(0),
+            start,
+            end,
+            bytes: if track == Track::Compute { 0 } else { 1 << 20 },
+            waited_for: None,
+        };
+        let pass = FirstPass {
+            spans: vec![
+                // compute over [0, 3) in two pieces, and [5, 6); its window ends at 8
+                span(Track::Compute, "forward", 0.0, 1.0),
+                span(Track::Compute, "forward", 1.0, 3.0),
+                span(Track::Compute, "backward", 5.0, 6.0),
+                // reads: 2.5 s of compute left (more than the extra, 1 s), none, 0.1 s
+                span(Track::Nvme, "nvme_read", 0.5, 0.7),
+                span(Track::Nvme, "nvme_read", 4.0, 4.5),
+                span(Track::Nvme, "nvme_read", 5.9, 6.5),
+                // a write 0.5 s before compute ends; one after the window, not counted
+                span(Track::Nvme, "nvme_write", 2.5, 2.6),
+                span(Track::Nvme, "nvme_write", 9.0, 9.5),
+            ],
+            window: (0.0, 8.0),
+        };
+        let (read, write) = pass.waits_beside_compute((1.0, 1.0));
+        assert!((read - (1.0 + 0.0 + 0.1) / 3.0).abs() < 1e-12, "{read}");
+        assert!((write - 0.5).abs() < 1e-12, "{write}");
+        // nothing measured beside compute: no wait
+        assert_eq!(pass.waits_beside_compute((0.0, 0.0)), (0.0, 0.0));
     }
 }

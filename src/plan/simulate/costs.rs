@@ -10,7 +10,7 @@
 //! ranks of a process, all running the same schedule.
 
 use super::flops;
-use super::profile::{Profile, Shape, Work as Kernel};
+use super::profile::{Figure, Profile, Shape, Work as Kernel};
 use crate::plan::report::nvme_bytes;
 use crate::plan::rules;
 use crate::plan::Plan;
@@ -137,6 +137,30 @@ impl Costs {
                 (l.read_s.value, l.write_s.value, l.pipeline_s.value)
             }),
             compute_stretch: Vec::new(),
+        }
+    }
+
+    /// How much longer an NVMe read's and a write's latency is beside compute that holds
+    /// the cores than on idle ones (`nvme.latency`; none where not measured).
+    pub fn nvme_latency_beside_compute(&self) -> (f64, f64) {
+        self.profile.nvme.latency.as_ref().map_or((0.0, 0.0), |l| {
+            let extra = |idle: &Figure, beside: &Option<Figure>| {
+                beside.as_ref().map_or(0.0, |b| (b.value - idle.value).max(0.0))
+            };
+            (
+                extra(&l.read_s, &l.read_beside_compute_s),
+                extra(&l.write_s, &l.write_beside_compute_s),
+            )
+        })
+    }
+
+    /// These prices with `extra` (read, write) seconds added to an NVMe read's latency
+    /// and a write's: what those beside compute wait for a core, on average.
+    pub fn with_nvme_latency_added(self, extra: (f64, f64)) -> Costs {
+        let (read, write, pipeline) = self.nvme_latency;
+        Costs {
+            nvme_latency: (read + extra.0, write + extra.1, pipeline),
+            ..self
         }
     }
 

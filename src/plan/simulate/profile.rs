@@ -139,6 +139,14 @@ pub struct NvmeLatency {
     pub read_s: Figure,
     pub write_s: Figure,
     pub pipeline_s: Figure,
+    /// A read and a write beside compute that holds the cores (a CPU device's torch
+    /// threads): the store's threads wake into cores compute holds and wait for the
+    /// scheduler to give them one. Absent (a GPU's compute needs no host core): as
+    /// `read_s` and `write_s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_beside_compute_s: Option<Figure>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_beside_compute_s: Option<Figure>,
 }
 
 /// The disk's rates over one file size.
