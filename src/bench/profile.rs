@@ -505,9 +505,8 @@ fn disk(plans: &[Plan], nvme_dir: &Path, quick: bool) -> anyhow::Result<Nvme> {
     sizes.extend(
         plans
             .iter()
-            .map(nvme_bytes)
-            .filter(|&b| b > 0 && b.div_ceil(SMALL) * SMALL < base)
-            .map(|b| b.div_ceil(SMALL) * SMALL),
+            .map(|p| nvme_bytes(p).div_ceil(SMALL) * SMALL)
+            .filter(|&size| size > 0 && size < base),
     );
     sizes.sort_unstable();
     sizes.dedup();

@@ -69,13 +69,12 @@ impl FirstPass {
         }
     }
 
-    /// The spans of `track` (or of every other track) cut to the reported step, those
-    /// left.
-    fn within(&self, track: Track, on: bool) -> impl Iterator<Item = Span> + '_ {
+    /// The spans `keep` keeps, cut to the reported step: those left of them.
+    fn within<'a>(&'a self, keep: impl Fn(&Span) -> bool + 'a) -> impl Iterator<Item = Span> + 'a {
         let (start, end) = self.window;
         self.spans
             .iter()
-            .filter(move |s| (s.track == track) == on)
+            .filter(move |s| keep(s))
             .map(move |s| Span {
                 start: s.start.max(start),
                 end: s.end.min(end),
@@ -89,7 +88,7 @@ impl FirstPass {
     fn compute_stretch(&self, costs: &Costs) -> Vec<[f64; 2]> {
         // the pieces of compute a stretch applies to: (unit, slot, start, end)
         let pieces: Vec<(usize, usize, f64, f64)> = self
-            .within(Track::Compute, true)
+            .within(|s| s.track == Track::Compute)
             .filter_map(|s| {
                 let slot = match s.what {
                     "forward" => 0,
@@ -140,7 +139,7 @@ impl FirstPass {
     /// measured beside compute beyond the latency on idle cores).
     fn waits_beside_compute(&self, extra: (f64, f64)) -> (f64, f64) {
         let mut busy: Vec<(f64, f64)> = self
-            .within(Track::Compute, true)
+            .within(|s| s.track == Track::Compute)
             .map(|s| (s.start, s.end))
             .collect();
         busy.sort_by(|x, y| x.0.total_cmp(&y.0));
@@ -158,8 +157,7 @@ impl FirstPass {
         };
         let share = |what: &str, extra: f64| {
             let (sum, n) = self
-                .within(Track::Compute, false)
-                .filter(|s| s.what == what && s.bytes > 0)
+                .within(|s| s.what == what && s.bytes > 0)
                 .fold((0.0, 0usize), |(sum, n), s| {
                     (sum + left(s.start).min(extra), n + 1)
                 });
