@@ -583,3 +583,40 @@ fn every_nvme_transfer_of_a_rank_takes_its_turn_on_one_disk() {
         own.step_s
     );
 }
+
+/// The optimizer thread's updates of one step and the next forward's parameter reads
+/// take the rank's disk in the order they are submitted: the forward's read of a unit
+/// follows that unit's update, and the updates of the units after it follow the read,
+/// so the forward runs beside the optimizer, as it does on the machine (where all the
+/// updates went first, the forward waited for the last of them).
+#[test]
+fn the_next_forward_reads_its_parameters_between_the_updates() {
+    let profile = Profile::load("h100-pcie5").unwrap();
+    let plan = plan_on(
+        "llama-8b-1gpu-nvme.json",
+        &["train.accumulate_on_device=false", "train.shards_on_device=false"],
+        &profile,
+    );
+    let sim = simulate(&plan, &profile);
+    let window = sim.step_start..sim.step_start + sim.step_s;
+    let last = plan.model.config.unit_numels().len() - 1;
+    let in_window = |s: &&tierzero::plan::simulate::clock::Span| window.contains(&s.start);
+    let spans = sim.clocks.spans();
+    // the last unit's update of the step before, which ends in this step's forward
+    let last_update = spans
+        .iter()
+        .filter(in_window)
+        .filter(|s| s.track == Track::Optimizer && s.what == "optimizer" && s.unit == Some(last))
+        .map(|s| s.end)
+        .fold(f64::NAN, f64::max);
+    let first_read = spans
+        .iter()
+        .filter(in_window)
+        .filter(|s| s.track == Track::H2d && s.what == "nvme_read" && s.unit == Some(1))
+        .map(|s| s.start)
+        .fold(f64::NAN, f64::min);
+    assert!(
+        first_read < last_update,
+        "unit 1's parameters read at {first_read} s, the last update ends at {last_update} s"
+    );
+}

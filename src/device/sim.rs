@@ -167,6 +167,11 @@ impl SimStream {
         self.0.costs.transfer(work)
     }
 
+    /// A read of NVMe optimizer state submitted ahead of its update (`Costs::read_ahead`).
+    pub fn read_ahead(&self, bytes: u64) -> crate::plan::simulate::costs::Transfer {
+        self.0.costs.read_ahead(bytes)
+    }
+
     /// What one unit's NVMe AdamW pipeline run takes beyond its legs (`Costs`).
     pub fn pipeline_overhead(&self) -> f64 {
         self.0.costs.pipeline_overhead()

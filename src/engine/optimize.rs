@@ -390,7 +390,7 @@ impl LegClock {
         let bytes = next?;
         let work = Work::NvmeRead(bytes);
         let ready = disk::next_read_ready(start, &timed, self.config);
-        let (start, end) = disk.take(ready, self.stream.transfer(work));
+        let (start, end) = disk.take(ready, self.stream.read_ahead(bytes));
         self.stream.beside(work, start, end);
         Some(end)
     }
@@ -410,7 +410,7 @@ fn place_aheads(
         .filter_map(|((group, bytes), at)| match at? {
             AheadClock::Submitted(at) => {
                 let work = Work::NvmeRead(bytes);
-                let (start, end) = disk.take(at, stream.transfer(work));
+                let (start, end) = disk.take(at, stream.read_ahead(bytes));
                 stream.overlapped(work, start, end);
                 Some((group, end))
             }

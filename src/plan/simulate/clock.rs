@@ -81,6 +81,8 @@ pub struct Span {
     pub bytes: u64,
     /// The track this span waited for (None: work).
     pub waited_for: Option<Track>,
+    /// Work the track does not wait for ([`Clocks::beside`]: reads submitted ahead).
+    pub ahead: bool,
 }
 
 /// Every track's clock and what was queued on it, and the rank's disk.
@@ -182,6 +184,7 @@ impl Clocks {
                 end,
                 bytes,
                 waited_for: None,
+                ahead: false,
             });
         }
         Mark { at: end, track }
@@ -199,6 +202,9 @@ impl Clocks {
         let now = self.now(track);
         self.place(track, (what, unit), (start, end), bytes);
         self.now[track.index()] = now;
+        if let Some(span) = self.spans.last_mut().filter(|_| end > start || bytes > 0) {
+            span.ahead = true;
+        }
     }
 
     /// Later work on `track` starts no earlier than `mark`.
@@ -213,6 +219,7 @@ impl Clocks {
                 end: mark.at,
                 bytes: 0,
                 waited_for: Some(mark.track),
+                ahead: false,
             });
             self.now[i] = mark.at;
         }

@@ -18,7 +18,9 @@
 //! store's threads while compute holds every core waits for one until that stretch of
 //! compute ends, at most what `bench profile` measured (`nvme.latency.*_beside_compute_s`:
 //! the transfers beside threads busy on compute's cores, a scheduler's slice here):
-//! every read and write pays the step's average wait on top of its latency.
+//! every read and write pays the step's average wait on top of its latency, except a
+//! read submitted ahead of its update, which no thread waits for as it completes
+//! (`Costs::read_ahead`; left out of the average too).
 
 use super::clock::{Span, Track};
 use super::costs::Costs;
@@ -38,7 +40,7 @@ pub fn costs(plan: &Plan, profile: &Profile) -> Costs {
     let pass = FirstPass::new(plan, &base);
     let stretch = pass.compute_stretch(&base);
     let waits = pass.waits_beside_compute(base.nvme_latency_beside_compute());
-    base.with_compute_stretch(stretch).with_nvme_latency_added(waits)
+    base.with_compute_stretch(stretch).with_nvme_waits(waits)
 }
 
 /// A replay at the profile's rates: its work's spans, and the window of its reported
@@ -157,7 +159,7 @@ impl FirstPass {
         };
         let share = |what: &str, extra: f64| {
             let (sum, n) = self
-                .within(|s| s.what == what && s.bytes > 0)
+                .within(|s| s.what == what && s.bytes > 0 && !s.ahead)
                 .fold((0.0, 0usize), |(sum, n), s| {
                     (sum + left(s.start).min(extra), n + 1)
                 });
@@ -242,6 +244,7 @@ fn host_core_seconds(s: &Span, costs: &Costs) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::simulate::costs::Transfer;
     use crate::plan::simulate::profile::Profile;
 
     fn plan(profile: &Profile) -> Plan {
@@ -325,6 +328,7 @@ mod tests {
             end,
             bytes: if track == Track::Compute { 0 } else { 1 << 20 },
             waited_for: None,
+            ahead: false,
         };
         let pass = FirstPass {
             spans: vec![
@@ -336,6 +340,11 @@ mod tests {
                 span(Track::Nvme, "nvme_read", 0.5, 0.7),
                 span(Track::Nvme, "nvme_read", 4.0, 4.5),
                 span(Track::Nvme, "nvme_read", 5.9, 6.5),
+                // a read submitted ahead, which no thread waits for: not counted
+                Span {
+                    ahead: true,
+                    ..span(Track::Optimizer, "nvme_read", 0.2, 0.3)
+                },
                 // a write 0.5 s before compute ends; one after the window, not counted
                 span(Track::Nvme, "nvme_write", 2.5, 2.6),
                 span(Track::Nvme, "nvme_write", 9.0, 9.5),
@@ -347,5 +356,14 @@ mod tests {
         assert!((write - 0.5).abs() < 1e-12, "{write}");
         // nothing measured beside compute: no wait
         assert_eq!(pass.waits_beside_compute((0.0, 0.0)), (0.0, 0.0));
+        // the prices: every transfer pays the wait but a read submitted ahead
+        let profile = cpu(2);
+        let costs = Costs::new(&plan(&profile), &profile);
+        let waited = costs.clone().with_nvme_waits((read, write));
+        let mib = 1 << 20;
+        let read_of = |c: &Costs| c.transfer(crate::plan::simulate::costs::Work::NvmeRead(mib));
+        assert!((read_of(&waited).latency - read_of(&costs).latency - read).abs() < 1e-12);
+        assert_eq!(waited.read_ahead(mib), read_of(&costs));
+        assert_eq!(waited.read_ahead(0), Transfer::default());
     }
 }

@@ -120,6 +120,10 @@ pub struct Costs {
     /// Seconds an NVMe read, a write and a pipelined unit update take beyond their bytes
     /// (`nvme.latency`).
     nvme_latency: (f64, f64, f64),
+    /// What an NVMe read and a write beside compute wait for a core, on average
+    /// (`contention.rs`; none on a GPU): on top of their latency, except a read submitted
+    /// ahead ([`Costs::read_ahead`]).
+    nvme_wait: (f64, f64),
     /// Each unit's forward and backward (the final unit's: the head) time × these: 1
     /// (empty), or more on a CPU device where the lanes' host work takes cores from that
     /// piece of compute (`contention.rs`).
@@ -136,6 +140,7 @@ impl Costs {
             nvme_latency: profile.nvme.latency.as_ref().map_or((0.0, 0.0, 0.0), |l| {
                 (l.read_s.value, l.write_s.value, l.pipeline_s.value)
             }),
+            nvme_wait: (0.0, 0.0),
             compute_stretch: Vec::new(),
         }
     }
@@ -154,12 +159,11 @@ impl Costs {
         })
     }
 
-    /// These prices with `extra` (read, write) seconds added to an NVMe read's latency
+    /// These prices with `wait` (read, write) seconds added to an NVMe read's latency
     /// and a write's: what those beside compute wait for a core, on average.
-    pub fn with_nvme_latency_added(self, extra: (f64, f64)) -> Costs {
-        let (read, write, pipeline) = self.nvme_latency;
+    pub fn with_nvme_waits(self, wait: (f64, f64)) -> Costs {
         Costs {
-            nvme_latency: (read + extra.0, write + extra.1, pipeline),
+            nvme_wait: wait,
             ..self
         }
     }
@@ -199,10 +203,24 @@ impl Costs {
     /// time is all `disk`'s; nothing at all when no byte moves: a pipeline leg whose
     /// reads a read-ahead made).
     pub fn transfer(&self, work: Work) -> Transfer {
+        self.nvme(work, self.nvme_wait)
+    }
+
+    /// A read of `bytes` of NVMe optimizer state submitted ahead of the update that takes
+    /// it (`pipeline::read_ahead`, and a run's read of the next unit's first sub-group):
+    /// no thread waits for it as it completes, so beside compute it waits for no core
+    /// (measured: such a read of the default config during the backward takes its idle
+    /// time, where the reduce lane's writes there wait a time slice).
+    pub fn read_ahead(&self, bytes: u64) -> Transfer {
+        self.nvme(Work::NvmeRead(bytes), (0.0, 0.0))
+    }
+
+    /// [`Costs::transfer`] with `wait` (read, write) beyond the latency on idle cores.
+    fn nvme(&self, work: Work, wait: (f64, f64)) -> Transfer {
         let (read, write, _) = self.shared();
         let (bytes, gb_s, latency) = match work {
-            Work::NvmeRead(bytes) => (bytes, read, self.nvme_latency.0),
-            Work::NvmeWrite(bytes) => (bytes, write, self.nvme_latency.1),
+            Work::NvmeRead(bytes) => (bytes, read, self.nvme_latency.0 + wait.0),
+            Work::NvmeWrite(bytes) => (bytes, write, self.nvme_latency.1 + wait.1),
             other => {
                 return Transfer {
                     disk: self.seconds(other),

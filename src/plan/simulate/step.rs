@@ -10,7 +10,9 @@
 //! and copy to the host, a one-thread host add, the NVMe read-modify-write where
 //! gradients live there), the lanes drained at the micro-batch's end; then the
 //! step's all-reduces and serial `sum_squares`, and the optimizer thread over the units
-//! in forward order, which the next step's fetch of each unit waits for. The issuing
+//! in forward order, which the next step's fetch of each unit waits for (each unit's
+//! update placed as the next step meets it, so the disk serves its transfers and the
+//! next forward's parameter reads in the order they are submitted). The issuing
 //! thread and the compute stream are one track (`clock::Track::Compute`).
 //!
 //! The gradient path is `step/reduce.rs`, the optimizer thread `step/optimizer.rs`.
@@ -82,6 +84,8 @@ pub(super) struct Replay<'a> {
     pub first_forward: f64,
     /// The bytes of NVMe optimizer state read ahead this step, during the backward.
     pub ahead_bytes: u64,
+    /// The last step's updates not placed yet (`step/optimizer.rs`).
+    updates: Option<optimizer::Updates>,
 }
 
 impl<'a> Replay<'a> {
@@ -120,6 +124,7 @@ impl<'a> Replay<'a> {
             first_micro: true,
             first_forward: 0.0,
             ahead_bytes: 0,
+            updates: None,
         }
     }
 
@@ -169,7 +174,6 @@ impl<'a> Replay<'a> {
         // a layered step is one pass over the units for every micro-batch
         let micro_batches = rules::passes(self.plan);
         self.ahead_bytes = 0;
-        self.aheads.clear();
         for micro in 0..micro_batches {
             self.first_micro = micro == 0;
             self.last_micro = micro + 1 == micro_batches;
@@ -205,6 +209,7 @@ impl<'a> Replay<'a> {
         if !self.fresh[u] {
             return false;
         }
+        self.update_through(u);
         self.fresh[u] = false;
         let m = self.updated[u];
         self.clocks.wait(Track::Compute, m);
@@ -227,6 +232,8 @@ impl<'a> Replay<'a> {
                 // none for a pinned host shard, copied in place) and the copy
                 self.clocks.wait(Track::H2d, issued);
                 if tier == Tier::Nvme {
+                    // after the updates the optimizer thread started before it
+                    self.update_until(self.clocks.now(Track::H2d));
                     // chunk by chunk, as the parameter store reads them: each chunk takes
                     // its turn on the disk beside the other tracks' transfers
                     // (the read is one transfer the lane waits for: the last chunk
