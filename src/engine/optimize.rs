@@ -399,7 +399,8 @@ impl LegClock {
 /// The read-aheads a run is given, each with when its reads are in: those submitted
 /// during the backward take `disk` from then, in order (on a simulated device the first
 /// run given them places them all, those kept for the runs after it too), and count on
-/// `stream` beside its own order; one placed already is done when it says.
+/// `stream` beside its own order without moving its clock (the thread does not wait for
+/// them; its update of each does); one placed already is done when it says.
 fn place_aheads(
     stream: &SimStream,
     disk: &mut disk::Disk,
@@ -411,7 +412,7 @@ fn place_aheads(
             AheadClock::Submitted(at) => {
                 let work = Work::NvmeRead(bytes);
                 let (start, end) = disk.take(at, stream.read_ahead(bytes));
-                stream.overlapped(work, start, end);
+                stream.beside(work, start, end);
                 Some((group, end))
             }
             AheadClock::Done(end) => Some((group, end)),

@@ -160,7 +160,8 @@ impl Costs {
     }
 
     /// These prices with `wait` (read, write) seconds added to an NVMe read's latency
-    /// and a write's: what those beside compute wait for a core, on average.
+    /// and a write's: what those beside compute wait for a core, on average (not to a
+    /// read submitted ahead, [`Costs::read_ahead`]).
     pub fn with_nvme_waits(self, wait: (f64, f64)) -> Costs {
         Costs {
             nvme_wait: wait,

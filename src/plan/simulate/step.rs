@@ -12,7 +12,7 @@
 //! step's all-reduces and serial `sum_squares`, and the optimizer thread over the units
 //! in forward order, which the next step's fetch of each unit waits for (each unit's
 //! update placed as the next step meets it, so the disk serves its transfers and the
-//! next forward's parameter reads in the order they are submitted). The issuing
+//! next forward's parameter reads unit by unit in the order they are submitted). The issuing
 //! thread and the compute stream are one track (`clock::Track::Compute`).
 //!
 //! The gradient path is `step/reduce.rs`, the optimizer thread `step/optimizer.rs`.

@@ -25,9 +25,11 @@ impl Replay<'_> {
     /// The optimizer thread: every unit in forward order, from the end of the step. Its
     /// units are placed as the next step meets them: a unit before compute waits for its
     /// update, and each unit that started before another track submits an NVMe transfer
-    /// before that transfer, so the rank's one disk serves the two in the order the
-    /// machine's queue receives them (the next forward's parameter reads between the
-    /// updates, not after all of them).
+    /// before that transfer, so the rank's one disk serves the two unit by unit in the
+    /// order the machine's queue receives them (the next forward's parameter reads
+    /// between the updates, not after all of them; a run that started before a read
+    /// takes the disk whole before it, where the machine would queue the read behind
+    /// the run's next sub-group).
     pub(super) fn optimizer(&mut self) {
         self.update_through(usize::MAX);
         let start = self.clocks.mark(Track::Compute);
@@ -240,7 +242,7 @@ impl Replay<'_> {
     /// The reads of the first `sets` sub-groups of NVMe state in the updates' order (the
     /// leading units' whose state is on NVMe, up to the first that is not or holds
     /// nothing: `Optimizer::read_first_ahead`), submitted when the backward started: on
-    /// the disk from then, one after another, the first run's to place them. Queues each
+    /// the disk from then, one after another, placed as the thread starts. Queues each
     /// (unit, chunk, end) for the run that uses it. The thread does not wait for them
     /// (its update of each does).
     fn place_aheads(&mut self, sets: usize) {
