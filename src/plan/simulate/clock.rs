@@ -167,9 +167,21 @@ impl Clocks {
     pub fn place(
         &mut self,
         track: Track,
+        what: (&'static str, Option<usize>),
+        span: (f64, f64),
+        bytes: u64,
+    ) -> Mark {
+        self.push(track, what, span, bytes, false)
+    }
+
+    /// [`Clocks::place`], the span marked as work the track does not wait for or not.
+    fn push(
+        &mut self,
+        track: Track,
         (what, unit): (&'static str, Option<usize>),
         (start, end): (f64, f64),
         bytes: u64,
+        ahead: bool,
     ) -> Mark {
         let i = track.index();
         self.now[i] = self.now[i].max(end);
@@ -184,7 +196,7 @@ impl Clocks {
                 end,
                 bytes,
                 waited_for: None,
-                ahead: false,
+                ahead,
             });
         }
         Mark { at: end, track }
@@ -195,16 +207,13 @@ impl Clocks {
     pub fn beside(
         &mut self,
         track: Track,
-        (what, unit): (&'static str, Option<usize>),
-        (start, end): (f64, f64),
+        what: (&'static str, Option<usize>),
+        span: (f64, f64),
         bytes: u64,
     ) {
         let now = self.now(track);
-        self.place(track, (what, unit), (start, end), bytes);
+        self.push(track, what, span, bytes, true);
         self.now[track.index()] = now;
-        if let Some(span) = self.spans.last_mut().filter(|_| end > start || bytes > 0) {
-            span.ahead = true;
-        }
     }
 
     /// Later work on `track` starts no earlier than `mark`.

@@ -52,6 +52,9 @@ pub(super) struct Replay<'a> {
     /// Which units' sums stay there until the optimizer reads them
     /// (`rules::held_gradients`).
     kept: Vec<bool>,
+    /// Which units' gradients are summed in their NVMe swap chunks
+    /// (`rules::stored_gradients`).
+    stored_gradients: Vec<bool>,
     /// When each unit's update of the previous step is installed (the optimizer thread).
     updated: Vec<Mark>,
     /// Reductions in flight on the collectives lane (their end marks).
@@ -111,6 +114,7 @@ impl<'a> Replay<'a> {
             optimizer_tiers: rules::optimizer_tiers(plan),
             device_sums: rules::device_sums(plan),
             kept: rules::held_gradients(plan),
+            stored_gradients: rules::stored_gradients(plan),
             updated,
             reducing: Vec::new(),
             pcie: [0, 0],
@@ -152,6 +156,15 @@ impl<'a> Replay<'a> {
             4
         } else {
             self.p()
+        }
+    }
+
+    /// Bytes of an element of a gradient summed in NVMe swap chunks.
+    fn stored_element(&self) -> u64 {
+        if rules::stored_bf16(self.plan) {
+            2
+        } else {
+            4
         }
     }
 

@@ -14,10 +14,6 @@ use crate::plan::Tier;
 pub(super) struct Updates {
     /// The next unit to update.
     next: usize,
-    /// Whether each unit's gradient is in its NVMe swap chunks (`rules::stored_gradients`).
-    stored: Vec<bool>,
-    /// Bytes of an element of such a stored gradient.
-    accumulator: u64,
     held: HeldCopies,
 }
 
@@ -41,8 +37,6 @@ impl Replay<'_> {
         self.place_aheads(rules::read_ahead_sets(self.plan));
         self.updates = Some(Updates {
             next: 0,
-            stored: rules::stored_gradients(self.plan),
-            accumulator: if rules::stored_bf16(self.plan) { 2 } else { 4 },
             held: HeldCopies::default(),
         });
     }
@@ -78,7 +72,7 @@ impl Replay<'_> {
     /// Unit `u`'s update on the optimizer thread.
     fn update(&mut self, u: usize, run: &mut Updates) {
         let swap_chunk = self.swap_chunk() as u64;
-        let (stored, accumulator) = (run.stored[u], run.accumulator);
+        let (stored, accumulator) = (self.stored_gradients[u], self.stored_element());
         let held = &mut run.held;
         let units = self.parts.len();
         let len = self.optimizer_len(u);

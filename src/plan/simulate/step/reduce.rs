@@ -75,9 +75,9 @@ impl Replay<'_> {
         let stretch = (rules::chunk_elements(self.plan) as u64 / world).max(1);
         let shard = part.shard as u64;
         let chunks = shard.div_ceil(stretch);
-        let nvme = rules::stored_gradients(self.plan)[u];
+        let nvme = self.stored_gradients[u];
         let swap_chunk = self.swap_chunk() as u64;
-        let accumulator = if rules::stored_bf16(self.plan) { 2 } else { 4 };
+        let accumulator = self.stored_element();
         // gradient accumulation on the device: each stretch is added there, and only the
         // step's last contribution leaves for the host (`rules::device_sums`), none of a
         // gradient that stays there (`rules::gradients_on_device`)
@@ -216,7 +216,7 @@ impl Replay<'_> {
             let calls = if self.stage() >= 1 { 2.0 } else { 1.0 };
             seconds += calls * self.costs.seconds(Cost::Latency);
         }
-        let stored = rules::stored_gradients(self.plan);
+        let stored = &self.stored_gradients;
         let shards: Vec<usize> = self.parts.iter().map(|p| p.shard).collect();
         let squared = rules::squares_as_added(self.plan, &shards);
         let kept = &self.kept;
