@@ -3,6 +3,7 @@
 //! - [`adam`]: the CPU AdamW step (scalar reference, portable, AVX2, AVX-512 kernels;
 //!   rayon across cores) that updates fp32 master weights and moments in host memory.
 //! - [`convert`]: fp32 ↔ bf16/fp16 conversions shared by the kernels.
+//! - [`crc`]: crc32c summed in pieces and joined, for checksums taken where the bytes pass.
 //! - [`host`]: page-aligned host buffers (O_DIRECT- and DMA-ready).
 //! - [`pool`]: I/O buffers that move into an operation and back, and their bounded pool.
 //! - [`nvme`]: block I/O (io_uring with O_DIRECT and fixed buffers; a pread fallback)
@@ -14,6 +15,7 @@
 pub mod adam;
 pub mod arena;
 pub mod convert;
+pub mod crc;
 pub mod host;
 pub mod nvme;
 pub mod pipeline;

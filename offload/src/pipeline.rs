@@ -6,9 +6,11 @@
 //! 1. the reader leases a buffer set (master, exp_avg, exp_avg_sq, and the gradient when
 //!    it is stored beside them, as DeepSpeed's optimizer swapper keeps it) and submits
 //!    the chunk reads of the next sub-group;
-//! 2. the updater waits for them (checksums verified), runs the SIMD AdamW on the
-//!    sub-group with its gradient (from host memory or the store) and low-precision
-//!    output in host memory, and submits the three state writes (a gradient is read
+//! 2. the updater waits for them, runs the SIMD AdamW on the sub-group with its
+//!    gradient (from host memory or the store) and low-precision output in host memory,
+//!    summing the state and a stored gradient as the sweep passes them in cache (the
+//!    reads' checksums verified from those sums, the writes' taken from them: no pass
+//!    of its own over memory), and submits the three state writes (a gradient is read
 //!    only);
 //! 3. the completer waits for the writes (checksums recorded) and returns the set.
 //!
@@ -23,7 +25,7 @@
 //! exactly the same inputs.
 
 use crate::adam::{self, Coefficients, GradSlice, LowPrecisionOut, Sweep};
-use crate::nvme::swap::{State, StoreRead, StoreWrite, SwapStore, TensorKey};
+use crate::nvme::swap::{State, StoreRead, StoreWrite, SwapStore, TensorKey, Unverified};
 use crate::nvme::IoError;
 use crate::pool::{BufferPool, IoBuf};
 use std::collections::VecDeque;
@@ -196,6 +198,8 @@ pub fn buffer_pool_for(
 }
 
 type Reads = Vec<StoreRead>;
+/// A chunk read in, its checksum verified where the update passes its bytes.
+type Arrived = (IoBuf, Unverified);
 type Writes<'s> = Vec<StoreWrite<'s>>;
 
 /// Records the first error; later ones are consequences of it.
@@ -234,15 +238,15 @@ fn submit_reads(
 }
 
 /// Waits for every read (so every buffer returns to the pool after an error): their
-/// buffers in order or the first error, and when the engine had the last of those that
-/// completed.
-fn wait_all_reads(reads: Reads) -> (Result<Vec<IoBuf>, IoError>, Option<Instant>) {
+/// buffers in order, each with its checksum still to verify, or the first error, and when
+/// the engine had the last of those that completed.
+fn wait_all_reads(reads: Reads) -> (Result<Vec<Arrived>, IoError>, Option<Instant>) {
     let mut buffers = Vec::with_capacity(reads.len());
     let (mut first, mut done) = (None, None);
     for read in reads {
-        match read.wait_timed() {
-            Ok((buf, at)) => {
-                buffers.push(buf);
+        match read.wait_unverified() {
+            Ok((buf, at, check)) => {
+                buffers.push((buf, check));
                 done = done.max(Some(at));
             }
             Err(e) => {
@@ -418,7 +422,7 @@ fn wait_submitted(
     submitted: Submitted,
     last_end: Instant,
     observer: &dyn Observer,
-) -> (Result<Vec<IoBuf>, IoError>, Instant) {
+) -> (Result<Vec<Arrived>, IoError>, Instant) {
     let Submitted {
         unit,
         ahead,
@@ -459,26 +463,30 @@ fn wait_submitted(
 type Shared<'r> = (&'r Mutex<PipelineReport>, &'r FirstError, &'r dyn Observer);
 
 /// The updater's work on one sub-group whose reads are in (`buffers`: master, exp_avg,
-/// exp_avg_sq, then a stored gradient's): AdamW, then its three state writes submitted.
-/// Returns when they were submitted and the writes, or None once an error is recorded.
+/// exp_avg_sq, then a stored gradient's): AdamW, summing the state and a stored gradient
+/// as it passes them, their reads verified from those sums, then its three state writes
+/// submitted with the sums of what it wrote. A chunk that fails its checksum is an error
+/// before anything computed from it is written. Returns when the writes were submitted
+/// and the writes, or None once an error is recorded.
 fn update_and_submit<'s>(
     store: &'s SwapStore,
     coefficients: &Coefficients,
     (group, (state_bytes, grad_bytes)): (SubGroup<'_>, (u64, u64)),
-    (buffers, read_wait): (Vec<IoBuf>, Duration),
+    (buffers, read_wait): (Vec<Arrived>, Duration),
     (report, error, observer): Shared<'_>,
 ) -> Option<(Instant, Writes<'s>)> {
     let t = Instant::now();
     let n = group.grad.len();
     let (keys, chunk) = (State::OPTIMIZER.map(|state| group.key(state)), group.chunk);
-    let mut buffers = buffers.into_iter();
-    let (Some(mut master), Some(mut exp_avg), Some(mut exp_avg_sq)) =
-        (buffers.next(), buffers.next(), buffers.next())
-    else {
+    let (mut buffers, checks): (Vec<IoBuf>, Vec<Unverified>) = buffers.into_iter().unzip();
+    if buffers.len() < 3 {
+        return None;
+    }
+    // a stored gradient's buffer goes back to the pool after the update
+    let stored = (buffers.len() > 3).then(|| buffers.remove(3));
+    let Ok([mut master, mut exp_avg, mut exp_avg_sq]) = <[IoBuf; 3]>::try_from(buffers) else {
         return None;
     };
-    // a stored gradient's buffer goes back to the pool after the update
-    let stored = buffers.next();
     let grad = match (group.grad, &stored) {
         (GradIn::Host(g), _) => g,
         (GradIn::Stored { bf16: true, .. }, Some(b)) => GradSlice::Bf16(b.typed::<u16>(n)),
@@ -498,8 +506,8 @@ fn update_and_submit<'s>(
         grad,
         low: group.low,
     };
-    let found = match adam::step(coefficients, sweep) {
-        Ok(r) => r.found_non_finite,
+    let (found, sums) = match adam::step_summed(coefficients, sweep, stored.is_some()) {
+        Ok((r, sums)) => (r.found_non_finite, sums),
         Err(e) => {
             error.set(IoError::Store {
                 path: store.dir().to_path_buf(),
@@ -508,13 +516,26 @@ fn update_and_submit<'s>(
             return None;
         }
     };
+    // one check per buffer read, in the order of the sums
+    let read: [&IoBuf; 3] = [&master, &exp_avg, &exp_avg_sq];
+    let verified = read
+        .into_iter()
+        .chain(stored.as_ref())
+        .zip(sums.read)
+        .zip(checks)
+        .try_for_each(|((buf, sum), check)| check.verify(buf, sum));
+    if let Err(e) = verified {
+        error.set(e);
+        return None;
+    }
     let update = t.elapsed();
     // the bytes of state it reads and writes, as an in-memory update counts them
     observer.leg(Leg::Update, group.unit, t, Instant::now(), 16 * n as u64);
     let submit = Instant::now();
     let mut writes = Vec::with_capacity(3);
-    for (key, buf) in keys.into_iter().zip([master, exp_avg, exp_avg_sq]) {
-        match store.write_async(key, chunk, buf) {
+    let written = [master, exp_avg, exp_avg_sq];
+    for ((key, buf), sum) in keys.into_iter().zip(written).zip(sums.written) {
+        match store.write_async_summed(key, chunk, buf, sum) {
             Ok(w) => writes.push(w),
             Err((e, _)) => error.set(e),
         }
@@ -532,9 +553,9 @@ fn update_and_submit<'s>(
 /// took (the `ReadWait` leg), or None once the error is recorded.
 fn reads_in(
     unit: u32,
-    reads: Result<Vec<IoBuf>, IoError>,
+    reads: Result<Vec<Arrived>, IoError>,
     (_, error, observer): Shared<'_>,
-) -> Option<(Vec<IoBuf>, Duration)> {
+) -> Option<(Vec<Arrived>, Duration)> {
     let t = Instant::now();
     let buffers = reads.map_err(|e| error.set(e)).ok()?;
     let read_wait = t.elapsed();
@@ -725,7 +746,7 @@ pub fn nvme_adam_step_then(
         serial(store, pool, (groups, ahead), &order, coefficients, shared);
     } else {
         let (to_wait, submitted) = crossbeam_channel::bounded::<Submitted>(sets);
-        let (to_update, updates) = crossbeam_channel::bounded::<Result<Vec<IoBuf>, IoError>>(sets);
+        let (to_update, updates) = crossbeam_channel::bounded::<Result<Vec<Arrived>, IoError>>(sets);
         let (to_complete, completions) = crossbeam_channel::bounded::<(u32, Instant, Writes<'_>, u64)>(sets);
         // without pipeline_read the reader waits for this after each sub-group
         let (updated, updated_rx) = crossbeam_channel::bounded::<()>(sets);
@@ -897,7 +918,12 @@ pub fn read_only(
         pool.count() / 3,
         groups,
         |group| submit_reads(store, pool, group, false),
-        |reads| wait_all_reads(reads).0.map(drop),
+        |reads| {
+            let arrived = wait_all_reads(reads).0?;
+            arrived
+                .into_iter()
+                .try_for_each(|(buf, check)| check.verify_here(&buf))
+        },
     )
 }
 

@@ -47,8 +47,7 @@ fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
 }
 
 fn as_bytes(x: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding; u8 has no alignment requirement.
-    unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), std::mem::size_of_val(x)) }
+    crate::crc::bytes_of(x)
 }
 
 fn as_bytes_mut(x: &mut [f32]) -> &mut [u8] {
@@ -493,6 +492,73 @@ fn pipeline_stops_with_the_error_instead_of_hanging() {
             pool.count(),
             "pipelined {pipelined}: every buffer returned after the error"
         );
+        // the update of the corrupted sub-group wrote nothing: its moments are as before
+        let key = |state| TensorKey {
+            unit: 0,
+            rank: 0,
+            state,
+        };
+        let read = store.read_async(key(State::ExpAvg), 5, IoBuf::new(16384).unwrap());
+        let buf = read.unwrap().wait().unwrap();
+        assert!(
+            buf.typed::<f32>(4096).iter().all(|&x| x == 0.0),
+            "pipelined {pipelined}"
+        );
+    }
+    // a stored gradient's chunk is verified too, where the update passes its bytes
+    scratch = store
+        .write_tensor(
+            TensorKey {
+                unit: 0,
+                rank: 0,
+                state: State::Master,
+            },
+            as_bytes(&zeros),
+            scratch,
+        )
+        .unwrap();
+    store
+        .write_tensor(
+            TensorKey {
+                unit: 0,
+                rank: 0,
+                state: State::Grad,
+            },
+            as_bytes(&grad),
+            scratch,
+        )
+        .unwrap();
+    let path = store.dir().join("r0.grad.swp");
+    let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.seek(SeekFrom::Start(3 * 16384 + 100)).unwrap();
+    f.write_all(&[7]).unwrap();
+    let pool = buffer_pool_for(&store, 2, true).unwrap();
+    let stored = || {
+        (0..8)
+            .map(|chunk| SubGroup {
+                unit: 0,
+                rank: 0,
+                chunk,
+                grad: GradIn::Stored {
+                    len: 4096,
+                    bf16: false,
+                },
+                low: LowPrecisionOut::None,
+            })
+            .collect()
+    };
+    for pipelined in [true, false] {
+        let config = PipelineConfig {
+            sets: 2,
+            pipeline_read: pipelined,
+            pipeline_write: pipelined,
+        };
+        let e = nvme_adam_step(&store, &pool, stored(), &c, config).unwrap_err();
+        assert!(
+            matches!(&e, IoError::Checksum { offset: 49152, path, .. } if path.ends_with("r0.grad.swp")),
+            "{e}"
+        );
+        assert_eq!(pool.available(), pool.count(), "pipelined {pipelined}");
     }
 }
 

@@ -473,6 +473,13 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
                 adam.params_per_s,
                 format!("`tierzero bench adam --params 20M --threads {cores}`, kernel {}", adam.kernel),
             ),
+            summed_params_per_s: Some(Figure::new(
+                adam.params as f64 / adam.summed_seconds,
+                format!(
+                    "`tierzero bench adam --params 20M --threads {cores}`, kernel {}: the sweep summing its state (the NVMe pipeline's)",
+                    adam.kernel
+                ),
+            )),
         },
     })
 }

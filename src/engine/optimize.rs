@@ -360,7 +360,7 @@ impl LegClock {
             pipeline::Leg::Read => self
                 .reads
                 .push((Work::NvmeRead(bytes), std::mem::take(&mut self.ahead))),
-            pipeline::Leg::Update => self.updates.push(Work::Adam(bytes / 16)),
+            pipeline::Leg::Update => self.updates.push(Work::AdamSummed(bytes / 16)),
             pipeline::Leg::Write => self.writes.push(Work::NvmeWrite(bytes)),
             pipeline::Leg::ReadWait | pipeline::Leg::WriteWait => {}
         }

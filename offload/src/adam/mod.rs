@@ -27,6 +27,7 @@ mod sweep;
 pub use roofline::roofline_sweep;
 pub use sweep::{GradSlice, LowPrecisionOut, Sweep};
 
+use crate::crc::Running;
 use std::fmt;
 
 /// How weight decay enters the update.
@@ -212,6 +213,86 @@ pub fn step_with(kernel: Kernel, c: &Coefficients, sweep: Sweep<'_>) -> Result<S
     sweep.check()?;
     let found_non_finite = sweep.par_fold(TASK_ELEMENTS, &|piece| kernel.run_serial(c, piece));
     Ok(SweepReport { found_non_finite })
+}
+
+/// Elements of each stretch a summed sweep checksums, updates and checksums again while
+/// it is in the core's cache (8 KiB of each fp32 array).
+const SUMMED_BLOCK: usize = 8192;
+
+/// The crc32c of what a summed sweep read and wrote, each array's bytes in element order:
+/// master, exp_avg and exp_avg_sq before the update (and the gradient, where asked for),
+/// then the three after it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sums {
+    /// Master, exp_avg, exp_avg_sq and the gradient as the sweep read them (the
+    /// gradient's zero-length where it was not asked for).
+    pub read: [Running; 4],
+    /// Master, exp_avg and exp_avg_sq as it wrote them.
+    pub written: [Running; 3],
+}
+
+impl Sums {
+    /// These sums followed by those of the next stretch of elements.
+    fn then(self, next: Sums) -> Sums {
+        Sums {
+            read: std::array::from_fn(|i| self.read[i].then(next.read[i])),
+            written: std::array::from_fn(|i| self.written[i].then(next.written[i])),
+        }
+    }
+}
+
+/// [`step`], checksumming the state as it passes through the cores: each stretch of
+/// [`SUMMED_BLOCK`] elements is summed, updated and summed again while it is in cache,
+/// the stretches' sums joined in order ([`crate::crc`]). The same update to the bit; the
+/// sums equal crc32c passes over the arrays before and after a plain [`step`] (the
+/// gradient's only where `grad`), without those passes' trips through memory: how the
+/// NVMe pipeline verifies the state it read and sums what it writes.
+pub fn step_summed(c: &Coefficients, sweep: Sweep<'_>, grad: bool) -> Result<(SweepReport, Sums), AdamError> {
+    step_summed_with(Kernel::detect(), c, sweep, grad)
+}
+
+/// [`step_summed`] with a chosen kernel.
+pub fn step_summed_with(
+    kernel: Kernel,
+    c: &Coefficients,
+    sweep: Sweep<'_>,
+    grad: bool,
+) -> Result<(SweepReport, Sums), AdamError> {
+    if !kernel.is_supported() {
+        return Err(AdamError::Unsupported(kernel));
+    }
+    sweep.check()?;
+    let (found_non_finite, sums) = sweep.par_reduce(
+        TASK_ELEMENTS,
+        &|piece| kernel.run_summed(c, piece, grad),
+        &|(a, left), (b, right)| (a | b, left.then(right)),
+    );
+    Ok((SweepReport { found_non_finite }, sums))
+}
+
+impl Kernel {
+    /// [`Kernel::run_serial`] over `sweep` a block at a time, each block's state summed
+    /// before and after its update.
+    fn run_summed(self, c: &Coefficients, mut sweep: Sweep<'_>, grad: bool) -> (bool, Sums) {
+        let mut sums = Sums::default();
+        let mut found = false;
+        while !sweep.is_empty() {
+            let len = sweep.len();
+            let (mut block, rest) = sweep.split_at(SUMMED_BLOCK.min(len));
+            for (sum, bytes) in sums.read.iter_mut().zip(block.state_bytes()) {
+                *sum = sum.append(bytes);
+            }
+            if grad {
+                sums.read[3] = sums.read[3].append(block.grad.bytes());
+            }
+            found |= self.run_serial(c, block.reborrow());
+            for (sum, bytes) in sums.written.iter_mut().zip(block.state_bytes()) {
+                *sum = sum.append(bytes);
+            }
+            sweep = rest;
+        }
+        (found, sums)
+    }
 }
 
 #[cfg(test)]

@@ -47,6 +47,14 @@ impl<'a> GradSlice<'a> {
         }
     }
 
+    /// Its bytes, as the swap store holds them.
+    pub fn bytes(&self) -> &'a [u8] {
+        match self {
+            GradSlice::F32(g) => crate::crc::bytes_of(g),
+            GradSlice::Bf16(g) => crate::crc::bytes_of(g),
+        }
+    }
+
     pub fn dtype_name(&self) -> &'static str {
         match self {
             GradSlice::F32(_) => "fp32",
@@ -71,6 +79,16 @@ impl<'a> LowPrecisionOut<'a> {
             LowPrecisionOut::None => None,
             LowPrecisionOut::Bf16(o) | LowPrecisionOut::F16(o) => Some(o.len()),
             LowPrecisionOut::F32(o) => Some(o.len()),
+        }
+    }
+
+    /// The same output, borrowed again.
+    pub fn reborrow(&mut self) -> LowPrecisionOut<'_> {
+        match self {
+            LowPrecisionOut::None => LowPrecisionOut::None,
+            LowPrecisionOut::Bf16(o) => LowPrecisionOut::Bf16(o),
+            LowPrecisionOut::F16(o) => LowPrecisionOut::F16(o),
+            LowPrecisionOut::F32(o) => LowPrecisionOut::F32(o),
         }
     }
 
@@ -160,13 +178,44 @@ impl<'a> Sweep<'a> {
     /// Splits in halves (at multiples of `task`) until pieces are at most `task`
     /// elements, runs `work` on each piece in the current rayon pool, and ORs the flags.
     pub fn par_fold(self, task: usize, work: &(dyn Fn(Sweep<'_>) -> bool + Sync)) -> bool {
+        self.par_reduce(task, work, &|a, b| a | b)
+    }
+
+    /// Splits as [`Self::par_fold`] does, runs `work` on each piece, and joins the
+    /// results of adjacent pieces in element order (`join(left, right)`).
+    pub fn par_reduce<T: Send>(
+        self,
+        task: usize,
+        work: &(dyn Fn(Sweep<'_>) -> T + Sync),
+        join: &(dyn Fn(T, T) -> T + Sync),
+    ) -> T {
         let len = self.len();
         if len <= task {
             return work(self);
         }
         let mid = (len / task).div_ceil(2) * task;
         let (left, right) = self.split_at(mid);
-        let (a, b) = rayon::join(|| left.par_fold(task, work), || right.par_fold(task, work));
-        a | b
+        let (a, b) = rayon::join(
+            || left.par_reduce(task, work, join),
+            || right.par_reduce(task, work, join),
+        );
+        join(a, b)
+    }
+
+    /// The bytes of master, exp_avg and exp_avg_sq, as the swap store holds them.
+    pub fn state_bytes(&self) -> [&[u8]; 3] {
+        let bytes = crate::crc::bytes_of::<f32>;
+        [bytes(self.master), bytes(self.exp_avg), bytes(self.exp_avg_sq)]
+    }
+
+    /// The same arrays, borrowed again for a kernel that takes a sweep by value.
+    pub fn reborrow(&mut self) -> Sweep<'_> {
+        Sweep {
+            master: self.master,
+            exp_avg: self.exp_avg,
+            exp_avg_sq: self.exp_avg_sq,
+            grad: self.grad,
+            low: self.low.reborrow(),
+        }
     }
 }

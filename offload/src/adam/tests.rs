@@ -233,3 +233,36 @@ fn roofline_runs_on_every_supported_kernel() {
         assert!(!poisoned, "{kernel}");
     }
 }
+
+#[test]
+fn a_summed_sweep_updates_as_a_plain_one_and_sums_what_it_read_and_wrote() {
+    let bytes = |x: &[f32]| crate::crc::bytes_of(x).to_vec();
+    let crc = |x: &[u8]| crate::crc::Running::default().append(x);
+    for kernel in kernels_here() {
+        for &n in &[1usize, 2047, 2048, 2049, TASK_ELEMENTS * 3 + 5] {
+            for grad_bf16 in [false, true] {
+                let c = hypers()[0].coefficients(2, 0.5);
+                let mut plain = State::random(n, 11 + n as u64);
+                let mut summed = plain.clone();
+                let before = [&plain.master, &plain.exp_avg, &plain.exp_avg_sq].map(|x| crc(&bytes(x)));
+                let grad = if grad_bf16 {
+                    crc(crate::crc::bytes_of(&plain.grad_bf16))
+                } else {
+                    crc(&bytes(&plain.grad))
+                };
+                step_with(kernel, &c, plain.sweep(grad_bf16, "bf16")).unwrap();
+                let (_, sums) = step_summed_with(kernel, &c, summed.sweep(grad_bf16, "bf16"), true).unwrap();
+                let what = format!("{kernel} n={n} bf16_grad={grad_bf16}");
+                assert_eq!(summed, plain, "{what}");
+                let after = [&plain.master, &plain.exp_avg, &plain.exp_avg_sq].map(|x| crc(&bytes(x)));
+                assert_eq!(sums.read[..3], before, "{what}");
+                assert_eq!(sums.read[3], grad, "{what}");
+                assert_eq!(sums.written, after, "{what}");
+                let (_, without) =
+                    step_summed_with(kernel, &c, summed.sweep(grad_bf16, "none"), false).unwrap();
+                assert_eq!(without.read[3], crate::crc::Running::default(), "{what}");
+                assert_eq!(without.read[..3], after, "{what}");
+            }
+        }
+    }
+}

@@ -4,7 +4,9 @@
 //! extent of it, cut into chunks of `chunk_elems` elements (the optimizer's sub-groups),
 //! each padded to the O_DIRECT alignment. Every chunk write records a crc32c of the bytes
 //! written; every read verifies it, so a corrupted or truncated file is an error naming
-//! the file and offset, never silent garbage. A chunk that was never written cannot be
+//! the file and offset, never silent garbage. The optimizer pipeline sums what it reads
+//! and writes as its AdamW passes the bytes (`write_async_summed`,
+//! `StoreRead::wait_unverified`): the same checksums without a pass of their own. A chunk that was never written cannot be
 //! read.
 //!
 //! Files live in `<nvme_path>/<name>/`, next to an `OWNER` marker that this process holds
@@ -14,6 +16,7 @@
 //! removes its files when dropped.
 
 use super::{BlockFile, BlockIo, IoError, Op, Pending, DIRECT_ALIGN};
+use crate::crc::Running;
 use crate::pool::IoBuf;
 use std::collections::HashMap;
 use std::fs::File;
@@ -286,7 +289,30 @@ impl SwapStore {
         chunk: usize,
         buf: IoBuf,
     ) -> Result<StoreWrite<'_>, (IoError, IoBuf)> {
-        let (extent, offset, padded, _) = match self.locate(key, chunk) {
+        self.write_summed(key, chunk, buf, None)
+    }
+
+    /// [`Self::write_async`] of a buffer whose valid bytes the caller summed as it wrote
+    /// them (`valid`: their crc32c, [`crate::adam::step_summed`]): the store sums only the
+    /// padding after them. Debug builds check the sum against a pass over the buffer.
+    pub fn write_async_summed(
+        &self,
+        key: TensorKey,
+        chunk: usize,
+        buf: IoBuf,
+        valid: Running,
+    ) -> Result<StoreWrite<'_>, (IoError, IoBuf)> {
+        self.write_summed(key, chunk, buf, Some(valid))
+    }
+
+    fn write_summed(
+        &self,
+        key: TensorKey,
+        chunk: usize,
+        buf: IoBuf,
+        summed: Option<Running>,
+    ) -> Result<StoreWrite<'_>, (IoError, IoBuf)> {
+        let (extent, offset, padded, valid) = match self.locate(key, chunk) {
             Ok(found) => found,
             Err(e) => return Err((e, buf)),
         };
@@ -299,7 +325,26 @@ impl SwapStore {
             };
             return Err((error, buf));
         }
-        let checksum = crc32c::crc32c(&buf.as_bytes()[..padded]);
+        let bytes = &buf.as_bytes()[..padded];
+        let checksum = match summed {
+            None => crc32c::crc32c(bytes),
+            Some(sum) if sum.len == valid => {
+                let checksum = crc32c::crc32c_append(sum.crc, &bytes[valid..]);
+                debug_assert_eq!(
+                    checksum,
+                    crc32c::crc32c(bytes),
+                    "{key:?} chunk {chunk}: a wrong sum"
+                );
+                checksum
+            }
+            Some(sum) => {
+                let message = format!(
+                    "chunk {chunk} of {key:?} at offset {offset}: {} bytes were summed for its {valid}",
+                    sum.len
+                );
+                return Err((io_at(extent.file.path(), message), buf));
+            }
+        };
         let pending = self.engine.submit(Op::write(&extent.file, offset, padded, buf));
         Ok(StoreWrite {
             pending,
@@ -316,7 +361,7 @@ impl SwapStore {
         chunk: usize,
         buf: IoBuf,
     ) -> Result<StoreRead, (IoError, IoBuf)> {
-        let (extent, offset, padded, _) = match self.locate(key, chunk) {
+        let (extent, offset, padded, valid) = match self.locate(key, chunk) {
             Ok(found) => found,
             Err(e) => return Err((e, buf)),
         };
@@ -331,10 +376,13 @@ impl SwapStore {
         let pending = self.engine.submit(Op::read(&extent.file, offset, padded, buf));
         Ok(StoreRead {
             pending,
-            path: extent.file.path().to_path_buf(),
-            offset,
-            padded,
-            expected,
+            check: Unverified {
+                path: extent.file.path().to_path_buf(),
+                offset,
+                valid,
+                padded,
+                expected,
+            },
         })
     }
 
@@ -650,10 +698,7 @@ impl StoreWrite<'_> {
 #[must_use = "wait() returns the buffer and verifies the checksum"]
 pub struct StoreRead {
     pending: Pending,
-    path: PathBuf,
-    offset: u64,
-    padded: usize,
-    expected: u32,
+    check: Unverified,
 }
 
 impl StoreRead {
@@ -663,10 +708,47 @@ impl StoreRead {
 
     /// [`Self::wait`], with when the engine had the chunk (before its checksum here).
     pub fn wait_timed(self) -> Result<(IoBuf, std::time::Instant), IoError> {
+        let (buf, at, check) = self.wait_unverified()?;
+        check.verify_here(&buf)?;
+        Ok((buf, at))
+    }
+
+    /// The chunk as the disk gave it, with when the engine had it and what its checksum
+    /// must be: the caller verifies it as it passes the bytes anyway, before anything
+    /// computed from them leaves the process ([`Unverified::verify`]).
+    pub fn wait_unverified(self) -> Result<(IoBuf, std::time::Instant, Unverified), IoError> {
         let done = self.pending.wait()?;
         let at = done.at;
-        let buf = done.into_result()?;
-        let got = crc32c::crc32c(&buf.as_bytes()[..self.padded]);
+        Ok((done.into_result()?, at, self.check))
+    }
+}
+
+/// A chunk read whose checksum is still to be verified.
+#[must_use = "verify() reports a corrupted chunk"]
+#[derive(Debug)]
+pub struct Unverified {
+    path: PathBuf,
+    offset: u64,
+    /// The chunk's elements' bytes, then its padding up to `padded`.
+    valid: usize,
+    padded: usize,
+    expected: u32,
+}
+
+impl Unverified {
+    /// Verifies the chunk in `buf` from the crc32c of its valid bytes, `summed` by the
+    /// caller as it read them: the padding after them is summed here.
+    pub fn verify(self, buf: &IoBuf, summed: Running) -> Result<(), IoError> {
+        if summed.len != self.valid {
+            return Err(io_at(
+                &self.path,
+                format!(
+                    "chunk at offset {}: {} bytes were summed for its {}",
+                    self.offset, summed.len, self.valid
+                ),
+            ));
+        }
+        let got = crc32c::crc32c_append(summed.crc, &buf.as_bytes()[self.valid..self.padded]);
         if got != self.expected {
             return Err(IoError::Checksum {
                 path: self.path,
@@ -676,6 +758,12 @@ impl StoreRead {
                 got,
             });
         }
-        Ok((buf, at))
+        Ok(())
+    }
+
+    /// Verifies the chunk in `buf` with a pass over it.
+    pub fn verify_here(self, buf: &IoBuf) -> Result<(), IoError> {
+        let summed = Running::default().append(&buf.as_bytes()[..self.valid]);
+        self.verify(buf, summed)
     }
 }

@@ -220,12 +220,15 @@ impl Rates {
 }
 
 /// Core-seconds of host work in a lane's span: an NVMe transfer's checksum (the disk's
-/// own time needs no core), the CPU AdamW's share of every core (its rate is every
+/// own time needs no core; the NVMe optimizer's are in its sweep), the CPU AdamW's share of every core (its rate is every
 /// core's, shared by the ranks), one core for anything else.
 fn host_core_seconds(s: &Span, costs: &Costs) -> f64 {
     let seconds = s.end - s.start;
     let profile = costs.profile();
     match s.what {
+        // the optimizer's transfers of its state: summed in its sweep (the parameter
+        // shard's write after a unit's update, summed apart, is left uncounted)
+        "nvme_read" | "nvme_write" if s.track == Track::Optimizer => 0.0,
         // a transfer's span on the disk: its crc32c (a bounce buffer's copy is a span of
         // its own, with no bytes, one core like any copy)
         "nvme_read" | "nvme_write" if s.bytes > 0 => {
@@ -365,5 +368,36 @@ mod tests {
         assert!((read_of(&waited).latency - read_of(&costs).latency - read).abs() < 1e-12);
         assert_eq!(waited.read_ahead(mib), read_of(&costs));
         assert_eq!(waited.read_ahead(0), Transfer::default());
+    }
+
+    #[test]
+    fn the_nvme_optimizer_sums_its_state_in_its_sweep_not_on_its_transfers() {
+        use crate::plan::simulate::costs::Work;
+        use crate::plan::simulate::profile::Figure;
+        let mut profile = cpu(2);
+        let costs = |p: &Profile| Costs::new(&plan(p), p);
+        let elements = 1 << 20;
+        let plain = costs(&profile).seconds(Work::Adam(elements));
+        // no summed rate in the profile: the plain one
+        assert_eq!(costs(&profile).seconds(Work::AdamSummed(elements)), plain);
+        let rate = profile.cpu_adam.params_per_s.value / 2.0;
+        profile.cpu_adam.summed_params_per_s = Some(Figure::new(rate, "test"));
+        let summed = costs(&profile).seconds(Work::AdamSummed(elements));
+        assert!((summed / plain - 2.0).abs() < 1e-12, "{summed} against {plain}");
+        // a span of the optimizer's state transfers asks no core for its checksum; the
+        // other tracks' transfers sum theirs apart
+        let c = costs(&profile);
+        let span = |track| Span {
+            track,
+            what: "nvme_read",
+            unit: Some(0),
+            start: 0.0,
+            end: 1.0,
+            bytes: 1 << 30,
+            waited_for: None,
+            ahead: false,
+        };
+        assert_eq!(host_core_seconds(&span(Track::Optimizer), &c), 0.0);
+        assert!(host_core_seconds(&span(Track::H2d), &c) > 0.0);
     }
 }

@@ -54,6 +54,9 @@ pub enum Work {
     NvmeWrite(u64),
     /// The CPU AdamW over `elements`.
     Adam(u64),
+    /// The NVMe pipeline's CPU AdamW over `elements`, summing the state it reads and
+    /// writes as it passes it (those transfers' checksums).
+    AdamSummed(u64),
     /// The host accumulator of `elements` to the device and torch's fused AdamW there.
     DeviceAdam(u64),
     /// Torch's fused AdamW over `elements` whose gradient is already on the device.
@@ -82,7 +85,9 @@ impl Work {
             Work::Gather(_) => "all_gather",
             Work::NvmeRead(_) => "nvme_read",
             Work::NvmeWrite(_) => "nvme_write",
-            Work::Adam(_) | Work::DeviceAdam(_) | Work::DeviceAdamOnly(_) => "optimizer",
+            Work::Adam(_) | Work::AdamSummed(_) | Work::DeviceAdam(_) | Work::DeviceAdamOnly(_) => {
+                "optimizer"
+            }
         }
     }
 }
@@ -382,6 +387,10 @@ impl Costs {
             Work::Latency => self.profile.link.latency_s.value,
             Work::NvmeRead(_) | Work::NvmeWrite(_) => self.transfer(work).seconds(),
             Work::Adam(elements) => elements as f64 / adam,
+            Work::AdamSummed(elements) => {
+                let summed = self.profile.cpu_adam.summed_params_per_s.as_ref();
+                elements as f64 / summed.map_or(adam, |f| f.value / self.ranks())
+            }
             Work::DeviceAdam(elements) => {
                 Self::seconds_at(4 * elements, self.h2d_rate(false))
                     + self.seconds(Work::DeviceAdamOnly(elements))

@@ -170,7 +170,7 @@ impl Replay<'_> {
                     };
                     legs.push(Legs {
                         read: self.costs.transfer(Cost::NvmeRead(read)),
-                        update: self.costs.seconds(Cost::Adam(elements)),
+                        update: self.costs.seconds(Cost::AdamSummed(elements)),
                         write: self.costs.transfer(Cost::NvmeWrite(states)),
                     });
                     bytes.push((read, 16 * elements, states));
