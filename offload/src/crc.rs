@@ -69,6 +69,21 @@ pub fn bytes_of<T: Pod>(elements: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(elements.as_ptr().cast::<u8>(), std::mem::size_of_val(elements)) }
 }
 
+/// Bytes a copy moves before it sums them, while they are in cache.
+const COPY_STRETCH: usize = 32 << 10;
+
+/// Copies `from` into `to` (of the same length) a stretch at a time, summing each stretch
+/// as it lands: the crc32c of the bytes without a pass of its own over memory.
+pub fn copy_summed(to: &mut [u8], from: &[u8]) -> Running {
+    assert_eq!(to.len(), from.len(), "copy_summed: lengths differ");
+    let mut sum = Running::default();
+    for (to, from) in to.chunks_mut(COPY_STRETCH).zip(from.chunks(COPY_STRETCH)) {
+        to.copy_from_slice(from);
+        sum = sum.append(to);
+    }
+    sum
+}
+
 /// A checksum under way over consecutive bytes: appended piece by piece, or two running
 /// sums of adjacent stretches joined.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -161,6 +176,9 @@ mod tests {
         let joined = pieces.into_iter().reduce(Running::then).unwrap_or_default();
         assert_eq!(joined, Running::default().append(&data));
         assert_eq!(joined.crc, crc32c::crc32c(&data));
+        let mut copy = vec![0u8; data.len()];
+        assert_eq!(copy_summed(&mut copy, &data), joined);
+        assert_eq!(copy, data);
         let floats = [1.5f32, -2.0, 3.25];
         assert_eq!(bytes_of(&floats).len(), 12);
         assert_eq!(&bytes_of(&floats)[..4], &1.5f32.to_ne_bytes());

@@ -391,16 +391,17 @@ impl SwapStore {
     pub fn write_tensor(&self, key: TensorKey, data: &[u8], scratch: IoBuf) -> Result<IoBuf, IoError> {
         let mut buf = scratch;
         for chunk in 0..self.chunks(key)? {
-            self.fill_chunk(key, chunk, data, &mut buf)?;
+            self.fill_chunk(key, chunk, data, &mut buf, false)?;
             buf = self.write_async(key, chunk, buf).map_err(|(e, _)| e)?.wait()?;
         }
         Ok(buf)
     }
 
     /// Writes a whole tensor as [`Self::write_tensor`] does, two chunks in flight: the
-    /// next chunk is copied into its buffer while the one before is on its way to the disk
-    /// (the optimizer's parameter writes, initialisation). The same bytes and checksums;
-    /// on an error the writes in flight are waited for before it is returned.
+    /// next chunk is copied into its buffer, summed as it lands ([`crate::crc::copy_summed`]),
+    /// while the one before is on its way to the disk (the optimizer's parameter writes,
+    /// initialisation). The same bytes and checksums; on an error the writes in flight are
+    /// waited for before it is returned.
     pub fn write_tensor_ahead(
         &self,
         key: TensorKey,
@@ -421,8 +422,8 @@ impl SwapStore {
                 },
             };
             let written = buf.and_then(|mut buf| {
-                self.fill_chunk(key, chunk, data, &mut buf)?;
-                self.write_async(key, chunk, buf).map_err(|(e, _)| e)
+                let sum = self.fill_chunk(key, chunk, data, &mut buf, true)?;
+                self.write_async_summed(key, chunk, buf, sum).map_err(|(e, _)| e)
             });
             match written {
                 Ok(write) => in_flight.push_back(write),
@@ -454,16 +455,30 @@ impl SwapStore {
     }
 
     /// Chunk `chunk` of `data` (the whole tensor `key`'s bytes) into `buf`, its padding
-    /// up to the alignment zeroed.
-    fn fill_chunk(&self, key: TensorKey, chunk: usize, data: &[u8], buf: &mut IoBuf) -> Result<(), IoError> {
+    /// up to the alignment zeroed; where `summed`, the crc32c of its valid bytes taken as
+    /// they land (else an empty sum).
+    fn fill_chunk(
+        &self,
+        key: TensorKey,
+        chunk: usize,
+        data: &[u8],
+        buf: &mut IoBuf,
+        summed: bool,
+    ) -> Result<Running, IoError> {
         let (start, valid, padded) = self.span(key, chunk)?;
         let bytes = buf.as_bytes_mut();
         if bytes.len() < padded {
             return Err(io_at(&self.dir, "scratch buffer smaller than one chunk"));
         }
-        bytes[..valid].copy_from_slice(&data[start..start + valid]);
+        let (to, from) = (&mut bytes[..valid], &data[start..start + valid]);
+        let sum = if summed {
+            crate::crc::copy_summed(to, from)
+        } else {
+            to.copy_from_slice(from);
+            Running::default()
+        };
         bytes[valid..padded].fill(0);
-        Ok(())
+        Ok(sum)
     }
 
     /// Where chunk `chunk` of `key` lies in the whole tensor's bytes: its first byte, its
@@ -486,10 +501,11 @@ impl SwapStore {
     }
 
     /// Reads a whole tensor into `out` as [`Self::read_tensor`] does, two chunks in
-    /// flight: the next chunk is on the disk while this one's checksum is verified and its
-    /// bytes copied out (the h2d lane's parameter fetches; one chunk at a time left the
-    /// disk idle for every copy). The same bytes as `read_tensor`; on an error the reads
-    /// in flight are waited for before it is returned.
+    /// flight: the next chunk is on the disk while this one's bytes are copied out, its
+    /// checksum verified from their sum as they land ([`crate::crc::copy_summed`]; the h2d
+    /// lane's parameter fetches; one chunk at a time left the disk idle for every copy).
+    /// The same bytes as `read_tensor`; on an error the reads in flight are waited for
+    /// before it is returned, and `out` holds nothing to use.
     pub fn read_tensor_ahead(
         &self,
         key: TensorKey,
@@ -519,10 +535,12 @@ impl SwapStore {
             let Some(((start, valid, _), read)) = in_flight.pop_front() else {
                 break;
             };
-            match read.wait() {
-                Ok(buf) => {
+            match read.wait_unverified() {
+                Ok((buf, _, check)) => {
                     if failed.is_none() {
-                        out[start..start + valid].copy_from_slice(&buf.as_bytes()[..valid]);
+                        let sum =
+                            crate::crc::copy_summed(&mut out[start..start + valid], &buf.as_bytes()[..valid]);
+                        failed = check.verify(&buf, sum).err();
                     }
                     free.push(buf);
                 }
