@@ -440,6 +440,36 @@ fn corruption_and_truncation_are_detected_with_file_and_offset() {
     }
 }
 
+/// Overwrites the byte at `offset` of the file at `path`.
+fn corrupt(path: &std::path::Path, offset: u64, byte: u8) {
+    let mut f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    f.write_all(&[byte]).unwrap();
+}
+
+/// Unit 0's eight sub-groups of 4096 elements, chunk i's gradient `grad(i)`.
+fn eight_groups<'a>(grad: impl Fn(usize) -> GradIn<'a>) -> Vec<SubGroup<'a>> {
+    (0..8)
+        .map(|chunk| SubGroup {
+            unit: 0,
+            rank: 0,
+            chunk,
+            grad: grad(chunk),
+            low: LowPrecisionOut::None,
+        })
+        .collect()
+}
+
+/// Two buffer sets through the three stages, or the serial path they become without
+/// pipelining.
+fn two_sets(pipelined: bool) -> PipelineConfig {
+    PipelineConfig {
+        sets: 2,
+        pipeline_read: pipelined,
+        pipeline_write: pipelined,
+    }
+}
+
 #[test]
 fn pipeline_stops_with_the_error_instead_of_hanging() {
     let dir = test_dir();
@@ -460,31 +490,13 @@ fn pipeline_stops_with_the_error_instead_of_hanging() {
             )
             .unwrap();
     }
-    let path = store.dir().join("r0.master.swp");
-    let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-    f.seek(SeekFrom::Start(5 * 16384)).unwrap();
-    f.write_all(&[1]).unwrap();
+    corrupt(&store.dir().join("r0.master.swp"), 5 * 16384, 1);
     let pool = buffer_pool_for(&store, 2, false).unwrap();
     let grad = vec![0.1f32; 8 * 4096];
-    let groups = || {
-        (0..8)
-            .map(|chunk| SubGroup {
-                unit: 0,
-                rank: 0,
-                chunk,
-                grad: GradIn::Host(GradSlice::F32(&grad[chunk * 4096..][..4096])),
-                low: LowPrecisionOut::None,
-            })
-            .collect()
-    };
+    let groups = || eight_groups(|chunk| GradIn::Host(GradSlice::F32(&grad[chunk * 4096..][..4096])));
     let c = AdamHyper::default().coefficients(1, 1.0);
-    // the three stages, and the serial path they become without pipelining
     for pipelined in [true, false] {
-        let config = PipelineConfig {
-            sets: 2,
-            pipeline_read: pipelined,
-            pipeline_write: pipelined,
-        };
+        let config = two_sets(pipelined);
         let e = nvme_adam_step(&store, &pool, groups(), &c, config).unwrap_err();
         assert!(matches!(e, IoError::Checksum { offset: 81920, .. }), "{e}");
         assert_eq!(
@@ -528,31 +540,16 @@ fn pipeline_stops_with_the_error_instead_of_hanging() {
             scratch,
         )
         .unwrap();
-    let path = store.dir().join("r0.grad.swp");
-    let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-    f.seek(SeekFrom::Start(3 * 16384 + 100)).unwrap();
-    f.write_all(&[7]).unwrap();
+    corrupt(&store.dir().join("r0.grad.swp"), 3 * 16384 + 100, 7);
     let pool = buffer_pool_for(&store, 2, true).unwrap();
     let stored = || {
-        (0..8)
-            .map(|chunk| SubGroup {
-                unit: 0,
-                rank: 0,
-                chunk,
-                grad: GradIn::Stored {
-                    len: 4096,
-                    bf16: false,
-                },
-                low: LowPrecisionOut::None,
-            })
-            .collect()
+        eight_groups(|_| GradIn::Stored {
+            len: 4096,
+            bf16: false,
+        })
     };
     for pipelined in [true, false] {
-        let config = PipelineConfig {
-            sets: 2,
-            pipeline_read: pipelined,
-            pipeline_write: pipelined,
-        };
+        let config = two_sets(pipelined);
         let e = nvme_adam_step(&store, &pool, stored(), &c, config).unwrap_err();
         assert!(
             matches!(&e, IoError::Checksum { offset: 49152, path, .. } if path.ends_with("r0.grad.swp")),
