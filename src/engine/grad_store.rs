@@ -13,11 +13,12 @@
 //! the state it updates (`pipeline::GradIn::Stored`).
 
 use super::error::{EngineError, On};
-use super::grads::{add_values_bf16, add_values_f32, sum_squares_bf16, sum_squares_f32, Grads, Values};
+use super::grads::{add_values_bf16, add_values_f32, sum_squares_summed, Grads, Values};
 use crate::device::sim;
 use crate::metrics::timeline::{Phase, Track};
 use crate::plan::simulate::costs::Work;
 use std::time::Instant;
+use tierzero_offload::adam::GradSlice;
 use tierzero_offload::nvme::swap::{SwapStore, TensorKey};
 use tierzero_offload::pool::IoBuf;
 
@@ -167,14 +168,19 @@ impl<'s> GradStream<'s> {
         let Some(buf) = self.buf.take() else {
             return self.buffer().map(drop);
         };
-        self.sum_squares = if self.bf16 {
-            sum_squares_bf16(self.sum_squares, buf.typed::<u16>(n))
+        // Σ g² and the chunk's checksum in one pass over it
+        let g = if self.bf16 {
+            GradSlice::Bf16(buf.typed::<u16>(n))
         } else {
-            sum_squares_f32(self.sum_squares, buf.typed::<f32>(n))
+            GradSlice::F32(buf.typed::<f32>(n))
         };
+        let (sum_squares, summed) = sum_squares_summed(self.sum_squares, g);
+        self.sum_squares = sum_squares;
         let bytes = store.chunk_io_bytes(key, c).map_err(&io)? as u64;
         let start = Instant::now();
-        let write = store.write_async(key, c, buf).map_err(|(e, _)| io(e))?;
+        let write = store
+            .write_async_summed(key, c, buf, summed)
+            .map_err(|(e, _)| io(e))?;
         let buf = write.wait().map_err(&io)?;
         track.record(Phase::NvmeWrite, self.unit(), start, bytes);
         sim::charge(Work::NvmeWrite(bytes));

@@ -14,7 +14,8 @@
 use tierzero_offload::adam::GradSlice;
 use tierzero_offload::arena::{self, CarveError, Pinning, Slab};
 use tierzero_offload::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16};
-use tierzero_offload::host::AllocError;
+use tierzero_offload::crc::{self, Running};
+use tierzero_offload::host::{AllocError, Pod};
 
 #[derive(Debug)]
 pub enum Grads {
@@ -332,6 +333,16 @@ pub fn sum_squares_bf16(from: f64, g: &[u16]) -> f64 {
     blocked(from, g, square_bf16)
 }
 
+/// [`sum_squares_f32`] (or its bf16 twin), with the crc32c of `g`'s bytes taken block by
+/// block as the squares pass them in cache: a gradient chunk on its way to the swap
+/// store, its checksum without a pass of its own (`SwapStore::write_async_summed`).
+pub fn sum_squares_summed(from: f64, g: GradSlice<'_>) -> (f64, Running) {
+    match g {
+        GradSlice::F32(g) => blocked_summing(from, g, square_f32, true),
+        GradSlice::Bf16(g) => blocked_summing(from, g, square_bf16, true),
+    }
+}
+
 /// Lanes of Σ g² in a block: element i of the block goes to lane i mod [`NORM_LANES`],
 /// each lane folded in element order, then the lanes added in order. Independent lanes
 /// keep the f64 adds in vector registers (one chain in element order ran at a fifth of
@@ -400,23 +411,64 @@ unsafe fn add_then_square_avx2<T: Copy>(
 /// Lanes of a block's Σ g² ([`block_squares`]).
 const NORM_LANES: usize = 32;
 
-fn blocked<T: Copy + Sync>(from: f64, g: &[T], square: impl Fn(T) -> f64 + Sync) -> f64 {
+fn blocked<T: Pod>(from: f64, g: &[T], square: impl Fn(T) -> f64 + Sync) -> f64 {
+    blocked_summing(from, g, square, false).0
+}
+
+/// [`blocked`], and where `summed` the crc32c of `g`'s bytes, each block summed after
+/// its squares (an empty sum otherwise): the same squares in the same order either way.
+fn blocked_summing<T: Pod>(
+    from: f64,
+    g: &[T],
+    square: impl Fn(T) -> f64 + Sync,
+    summed: bool,
+) -> (f64, Running) {
     use rayon::prelude::*;
-    let block = |b: &[T]| block_squares(b, &square);
-    if g.len() <= PARALLEL_CHUNK {
-        return g.chunks(NORM_BLOCK).fold(from, |s, b| s + block(b));
-    }
+    // a piece of whole blocks: its blocks' squares in order, and its bytes' sum
+    let piece = |p: &[T]| {
+        let mut sum = Running::default();
+        let squares: Vec<f64> = p
+            .chunks(NORM_BLOCK)
+            .map(|b| {
+                let s = block_squares(b, &square);
+                if summed {
+                    sum = sum.append(crc::bytes_of(b));
+                }
+                s
+            })
+            .collect();
+        (squares, sum)
+    };
     // each core takes a piece of whole blocks (a task per block costs more than it)
-    let pieces: Vec<Vec<f64>> = g
-        .par_chunks(PARALLEL_CHUNK)
-        .map(|piece| piece.chunks(NORM_BLOCK).map(block).collect())
-        .collect();
-    pieces.into_iter().flatten().fold(from, |s, b| s + b)
+    let pieces: Vec<(Vec<f64>, Running)> = if g.len() <= PARALLEL_CHUNK {
+        vec![piece(g)]
+    } else {
+        g.par_chunks(PARALLEL_CHUNK).map(piece).collect()
+    };
+    pieces
+        .into_iter()
+        .fold((from, Running::default()), |(s, sum), (squares, piece_sum)| {
+            (squares.into_iter().fold(s, |s, b| s + b), sum.then(piece_sum))
+        })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn squares_summed_are_the_squares_and_the_crc32c_of_the_bytes() {
+        for n in [1, NORM_BLOCK + 3, 3 * PARALLEL_CHUNK + 17] {
+            let g: Vec<f32> = (0..n).map(|i| (i % 101) as f32 * 1e-3 - 0.05).collect();
+            let h: Vec<u16> = g.iter().map(|&x| f32_to_bf16(x)).collect();
+            let (squares, sum) = sum_squares_summed(0.5, GradSlice::F32(&g));
+            assert_eq!(squares.to_bits(), sum_squares_f32(0.5, &g).to_bits(), "{n}");
+            assert_eq!(sum, Running::default().append(crc::bytes_of(&g)), "{n}");
+            let (squares, sum) = sum_squares_summed(0.0, GradSlice::Bf16(&h));
+            assert_eq!(squares.to_bits(), sum_squares_bf16(0.0, &h).to_bits(), "{n}");
+            assert_eq!(sum.crc, crc32c::crc32c(crc::bytes_of(&h)), "{n}");
+        }
+    }
 
     #[test]
     fn bf16_accumulation_rounds_each_addition_once() {
