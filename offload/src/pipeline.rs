@@ -479,9 +479,6 @@ fn update_and_submit<'s>(
     let n = group.grad.len();
     let (keys, chunk) = (State::OPTIMIZER.map(|state| group.key(state)), group.chunk);
     let (mut buffers, checks): (Vec<IoBuf>, Vec<Unverified>) = buffers.into_iter().unzip();
-    if buffers.len() < 3 {
-        return None;
-    }
     // a stored gradient's buffer goes back to the pool after the update
     let stored = (buffers.len() > 3).then(|| buffers.remove(3));
     let Ok([mut master, mut exp_avg, mut exp_avg_sq]) = <[IoBuf; 3]>::try_from(buffers) else {

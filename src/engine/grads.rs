@@ -415,8 +415,8 @@ fn blocked<T: Pod>(from: f64, g: &[T], square: impl Fn(T) -> f64 + Sync) -> f64 
     blocked_summing(from, g, square, false).0
 }
 
-/// [`blocked`], and where `summed` the crc32c of `g`'s bytes, each block summed after
-/// its squares (an empty sum otherwise): the same squares in the same order either way.
+/// [`blocked`], and where `summed` the crc32c of `g`'s bytes, each block summed as its
+/// squares pass it (an empty sum otherwise): the same squares in the same order either way.
 fn blocked_summing<T: Pod>(
     from: f64,
     g: &[T],
@@ -424,27 +424,27 @@ fn blocked_summing<T: Pod>(
     summed: bool,
 ) -> (f64, Running) {
     use rayon::prelude::*;
-    // a piece of whole blocks: its blocks' squares in order, and its bytes' sum
-    let piece = |p: &[T]| {
+    // a block's squares, its bytes appended to `sum` where summed
+    let block = |b: &[T], sum: &mut Running| {
+        if summed {
+            *sum = sum.append(crc::bytes_of(b));
+        }
+        block_squares(b, &square)
+    };
+    if g.len() <= PARALLEL_CHUNK {
         let mut sum = Running::default();
-        let squares: Vec<f64> = p
-            .chunks(NORM_BLOCK)
-            .map(|b| {
-                let s = block_squares(b, &square);
-                if summed {
-                    sum = sum.append(crc::bytes_of(b));
-                }
-                s
-            })
-            .collect();
-        (squares, sum)
-    };
-    // each core takes a piece of whole blocks (a task per block costs more than it)
-    let pieces: Vec<(Vec<f64>, Running)> = if g.len() <= PARALLEL_CHUNK {
-        vec![piece(g)]
-    } else {
-        g.par_chunks(PARALLEL_CHUNK).map(piece).collect()
-    };
+        let squares = g.chunks(NORM_BLOCK).fold(from, |s, b| s + block(b, &mut sum));
+        return (squares, sum);
+    }
+    // each core takes a piece of whole blocks (a task per block costs more than it): its
+    // blocks' squares in order, and its bytes' sum
+    let pieces: Vec<(Vec<f64>, Running)> = g
+        .par_chunks(PARALLEL_CHUNK)
+        .map(|p| {
+            let mut sum = Running::default();
+            (p.chunks(NORM_BLOCK).map(|b| block(b, &mut sum)).collect(), sum)
+        })
+        .collect();
     pieces
         .into_iter()
         .fold((from, Running::default()), |(s, sum), (squares, piece_sum)| {

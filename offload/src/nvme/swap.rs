@@ -4,10 +4,11 @@
 //! extent of it, cut into chunks of `chunk_elems` elements (the optimizer's sub-groups),
 //! each padded to the O_DIRECT alignment. Every chunk write records a crc32c of the bytes
 //! written; every read verifies it, so a corrupted or truncated file is an error naming
-//! the file and offset, never silent garbage. The optimizer pipeline sums what it reads
-//! and writes as its AdamW passes the bytes (`write_async_summed`,
-//! `StoreRead::wait_unverified`): the same checksums without a pass of their own. A chunk that was never written cannot be
-//! read.
+//! the file and offset, never silent garbage. A chunk that was never written cannot be
+//! read. Where the caller passes the bytes anyway (the optimizer pipeline's AdamW, the
+//! copies of [`SwapStore::read_tensor_ahead`] and [`SwapStore::write_tensor_ahead`], a
+//! gradient chunk's Σ g²), it sums them there (`write_async_summed`,
+//! `StoreRead::wait_unverified`): the same checksums without a pass of their own.
 //!
 //! Files live in `<nvme_path>/<name>/`, next to an `OWNER` marker that this process holds
 //! an exclusive `flock` on. A restart that finds the directory with a marker nobody holds
