@@ -3,6 +3,7 @@
 
 pub mod adam;
 pub mod comm;
+mod disk_cores;
 pub mod gpu;
 pub mod memory;
 pub mod nvme;

@@ -116,7 +116,7 @@ fn engine_pass(
 /// Seconds for `engine` to run operations of the pool's buffer size (the last cut at
 /// `size`) at `ops`' offsets, writes or reads, in that order, every buffer of `pool` in
 /// flight.
-fn operations(
+pub(super) fn operations(
     engine: &dyn BlockIo,
     file: &Arc<BlockFile>,
     pool: &BufferPool,
@@ -201,7 +201,7 @@ fn as_a_run_uses_it(
 }
 
 /// One ring (or one pool of threads) of `depth` requests of `block` bytes.
-fn engine_config(block: usize, depth: usize) -> EngineConfig {
+pub(super) fn engine_config(block: usize, depth: usize) -> EngineConfig {
     EngineConfig {
         block_size: block,
         queue_depth: depth,
@@ -212,7 +212,7 @@ fn engine_config(block: usize, depth: usize) -> EngineConfig {
 
 /// The buffers io_uring is driven with: operations of at least 8 MiB, enough to keep
 /// `depth` blocks in flight plus one being refilled.
-fn uring_pool(block: usize, depth: usize) -> anyhow::Result<BufferPool> {
+pub(super) fn uring_pool(block: usize, depth: usize) -> anyhow::Result<BufferPool> {
     let op_bytes = block.max(OPERATION_BYTES);
     Ok(BufferPool::new((depth * block).div_ceil(op_bytes) + 1, op_bytes)?)
 }

@@ -438,6 +438,10 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
     let nvme = disk(plans, nvme_dir, quick)?;
     let nvme = Nvme {
         latency: Some(transfer_latency(&plans[0], nvme_dir, &nvme)?),
+        cores: Some(super::disk_cores::core_seconds_per_gb(
+            nvme_dir,
+            if quick { 256 << 20 } else { 1 << 30 },
+        )?),
         ..nvme
     };
     let adam = adam_bench(&AdamBenchArgs {
@@ -560,6 +564,7 @@ fn disk(plans: &[Plan], nvme_dir: &Path, quick: bool) -> anyhow::Result<Nvme> {
         write_gb_s: first.write_gb_s,
         by_file_size: if rows.len() > 1 { rows } else { Vec::new() },
         latency: None,
+        cores: None,
     })
 }
 

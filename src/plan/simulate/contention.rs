@@ -1,26 +1,34 @@
-//! The host's cores on a CPU device: the lanes' host work takes cores from compute.
+//! The host's cores: the lanes' host work takes cores from compute on a CPU device, and
+//! from the CPU AdamW.
 //!
 //! On a GPU the lanes' host work (copies into staging, host adds, the CPU AdamW, the
 //! NVMe checksums) runs beside kernels that need no host core. On a CPU device compute
 //! is torch's threads on the same cores: a profile measures its rates with every rank's
 //! compute threads running at once and nothing else, so where a lane's thread works
-//! while compute runs, compute is slower than its rate says. [`costs`] prices that in
-//! two passes: the schedule is replayed at the profile's rates; at each moment of the
-//! reported step that compute runs, the cores the ranks' lanes ask for (one for a copy,
-//! an add or a collective's memcpy; a share of every core for the CPU AdamW; an NVMe
-//! transfer's crc32c, not the disk's time) beyond those compute leaves free slow it.
+//! while compute runs, compute is slower than its rate says. [`costs`] prices that from
+//! replays of the schedule, the first at the profile's rates, the next at the prices the
+//! first gave ([`PASSES`]: a stretched forward meets lanes' work it ended before at the
+//! profile's rates). At each moment of the reported step that compute runs, the cores
+//! the ranks' lanes ask for beyond those compute leaves free slow it: one for a copy, an
+//! add or a collective's memcpy; a share of every core for the CPU AdamW; for an NVMe
+//! transfer, its crc32c and what the disk's own work takes from the host's cores for its
+//! bytes (`nvme.cores`, which `bench profile` measures: the kernel's submissions and
+//! completions, and a virtual machine's hypervisor's, which its guest sees as steal).
 //! Torch's threads work in step, so one core taken holds them all back: compute runs at
 //! 1 − `compute.lost_beside_a_thread` of its rate while the lanes take a core or more
 //! (`bench profile` measures it: a block's forward beside a busy thread), in proportion
 //! while they take part of one. Each unit's forward and backward is stretched by what
 //! ran beside it in the pass that is reported (and on the simulated device, which
-//! prices with the same [`Costs`]). The other way round, an NVMe transfer handed to the
-//! store's threads while compute holds every core waits for one until that stretch of
-//! compute ends, at most what `bench profile` measured (`nvme.latency.*_beside_compute_s`:
-//! the transfers beside threads busy on compute's cores, a scheduler's slice here):
-//! every read and write pays the step's average wait on top of its latency, except a
-//! read submitted ahead of its update, which no thread waits for as it completes
-//! (`Costs::read_ahead`; left out of the average too).
+//! prices with the same [`Costs`]). The CPU AdamW runs a thread on every core: what is
+//! runnable beside its sweeps (the lanes' host work, compute's threads on a CPU device)
+//! shares the cores with it, and its sweeps are stretched by that, on a GPU too where
+//! the profile measured the disk's cost. The other way round, an NVMe transfer handed to
+//! the store's threads while compute holds every core waits for one until that stretch
+//! of compute ends, at most what `bench profile` measured
+//! (`nvme.latency.*_beside_compute_s`: the transfers beside threads busy on compute's
+//! cores, a scheduler's slice here): every read and write pays the step's average wait
+//! on top of its latency, except a read submitted ahead of its update, which no thread
+//! waits for as it completes (`Costs::read_ahead`; left out of the average too).
 
 use super::clock::{Span, Track};
 use super::costs::Costs;
@@ -30,28 +38,47 @@ use super::STEPS;
 use crate::plan::Plan;
 
 /// The profile's prices for `plan`, with compute stretched by the lanes' host work on a
-/// CPU device and NVMe transfers beside compute paying their latency there (unchanged on
-/// a GPU).
+/// CPU device, NVMe transfers beside compute paying their latency there, and the CPU
+/// AdamW stretched by the work beside it where the profile measured the disk's cost
+/// (unchanged on a GPU otherwise).
 pub fn costs(plan: &Plan, profile: &Profile) -> Costs {
     let base = Costs::new(plan, profile);
-    if base.cuda() {
+    if base.cuda() && profile.nvme.cores.is_none() {
         return base;
     }
-    let pass = FirstPass::new(plan, &base);
-    let stretch = pass.compute_stretch(&base);
-    let waits = pass.waits_beside_compute(base.nvme_latency_beside_compute());
-    base.with_compute_stretch(stretch).with_nvme_waits(waits)
+    // a replay at the profile's rates, then one at the prices it gave: stretched compute
+    // meets lanes' work that it ended before at the profile's rates (a forward beside
+    // the optimizer's first sweep of the next unit)
+    let mut costs = base.clone();
+    for _ in 0..PASSES {
+        let pass = Pass::new(plan, &costs);
+        let optimizer = pass.optimizer_stretch(&costs);
+        costs = if base.cuda() {
+            base.clone().with_optimizer_stretch(optimizer)
+        } else {
+            let waits = pass.waits_beside_compute(base.nvme_latency_beside_compute());
+            base.clone()
+                .with_compute_stretch(pass.compute_stretch(&costs))
+                .with_nvme_waits(waits)
+                .with_optimizer_stretch(optimizer)
+        };
+    }
+    costs
 }
 
-/// A replay at the profile's rates: its work's spans, and the window of its reported
-/// step (the last of [`STEPS`]).
-struct FirstPass {
+/// Replays that price the step: the first at the profile's rates, each next at the
+/// prices the one before gave.
+const PASSES: usize = 2;
+
+/// A replay at some prices: its work's spans, and the window of its reported step (the
+/// last of [`STEPS`]).
+struct Pass {
     spans: Vec<Span>,
     window: (f64, f64),
 }
 
-impl FirstPass {
-    fn new(plan: &Plan, costs: &Costs) -> FirstPass {
+impl Pass {
+    fn new(plan: &Plan, costs: &Costs) -> Pass {
         let mut replay = Replay::new(plan, costs.clone());
         let (mut start, mut step) = (0.0, 0.0);
         for _ in 0..STEPS {
@@ -65,7 +92,7 @@ impl FirstPass {
             .filter(|s| s.waited_for.is_none() && s.end > s.start)
             .cloned()
             .collect();
-        FirstPass {
+        Pass {
             spans,
             window: (start, start + step),
         }
@@ -127,12 +154,53 @@ impl FirstPass {
         // (time taken, time at the profile's rate) per unit and slot
         let mut sums = vec![[(0.0, 0.0); 2]; units];
         for &(u, slot, c, d) in &pieces {
+            // the piece's work at the profile's rate: its span less the stretch this
+            // pass priced it at
+            let work = (d - c) / costs.compute_stretch_of(u, slot);
             let sum = &mut sums[u][slot];
-            *sum = (sum.0 + rates.finish(c, d - c) - c, sum.1 + (d - c));
+            *sum = (sum.0 + rates.finish(c, work) - c, sum.1 + work);
         }
         sums.iter()
             .map(|s| s.map(|(taken, alone)| if alone > 0.0 { taken / alone } else { 1.0 }))
             .collect()
+    }
+
+    /// How much longer the CPU AdamW's sweeps take for the work beside them. The sweep
+    /// runs a thread on every core; whatever else is runnable beside it (the disk's own
+    /// work, the transfers' checksums, copies and adds, compute's torch threads on a CPU
+    /// device, of every rank) shares the cores with its threads, which keep
+    /// cores ÷ (cores + the others' demand) of them.
+    fn optimizer_stretch(&self, costs: &Costs) -> f64 {
+        let profile = costs.profile();
+        let cores = profile.host_cores.max(1) as f64;
+        let ranks = costs.ranks();
+        let compute_cores = if costs.cuda() {
+            0.0
+        } else {
+            profile.compute.threads.max(1) as f64
+        };
+        let rates = Rates::new(
+            self.spans.iter().filter(|s| s.what != "optimizer").map(|s| {
+                let asked = if s.track == Track::Compute {
+                    compute_cores * (s.end - s.start)
+                } else {
+                    host_core_seconds(s, costs)
+                };
+                (s.start, s.end, asked / (s.end - s.start))
+            }),
+            |demand| cores / (cores + ranks * demand),
+        );
+        let (taken, alone) = self
+            .within(|s| s.what == "optimizer")
+            .fold((0.0, 0.0), |(taken, alone), s| {
+                let work = (s.end - s.start) / costs.optimizer_stretch();
+                (taken + rates.finish(s.start, work) - s.start, alone + work)
+            });
+        if alone > 0.0 {
+            taken / alone
+        } else {
+            1.0
+        }
     }
 
     /// What the step's NVMe reads and its writes wait for a core, on average (read,
@@ -219,27 +287,43 @@ impl Rates {
     }
 }
 
-/// Core-seconds of host work in a lane's span: an NVMe transfer's checksum (the disk's
-/// own time needs no core; the NVMe optimizer's are in its sweep), the CPU AdamW's share of every core (its rate is every
-/// core's, shared by the ranks), one core for anything else.
+/// Core-seconds of host work in a lane's span: an NVMe transfer's checksum (the NVMe
+/// optimizer's are in its sweep) and what the disk's own work takes from the host's
+/// cores for its bytes (`nvme.cores`: the kernel's, and a virtual machine's hypervisor's),
+/// the CPU AdamW's share of every core (its rate is every core's, shared by the ranks),
+/// one core for anything else.
 fn host_core_seconds(s: &Span, costs: &Costs) -> f64 {
     let seconds = s.end - s.start;
     let profile = costs.profile();
     match s.what {
-        // the optimizer's transfers of its state: summed in its sweep (the parameter
-        // shard's write after a unit's update, summed apart, is left uncounted)
-        "nvme_read" | "nvme_write" if s.track == Track::Optimizer => 0.0,
-        // a transfer's span on the disk: its crc32c (a bounce buffer's copy is a span of
-        // its own, with no bytes, one core like any copy)
-        "nvme_read" | "nvme_write" if s.bytes > 0 => {
-            let copies = &profile.copies;
-            let checksum = copies
-                .checksum
-                .as_ref()
-                .map_or(copies.host_memcpy.value, |f| f.value);
-            Costs::seconds_at(s.bytes, checksum).min(seconds)
+        "nvme_read" | "nvme_write" if s.bytes > 0 || s.track == Track::Optimizer => {
+            let write = s.what == "nvme_write";
+            let disk = profile.nvme.cores.as_ref().map_or(0.0, |c| {
+                let per_gb = if write {
+                    &c.write_core_s_per_gb
+                } else {
+                    &c.read_core_s_per_gb
+                };
+                s.bytes as f64 / 1e9 * per_gb.value
+            });
+            // the optimizer's transfers of its state are summed in its sweep (the
+            // parameter shard's write after a unit's update, summed apart, is left
+            // uncounted); any other transfer's crc32c takes a core while it runs (a bounce
+            // buffer's copy is a span of its own, with no bytes, one core like any copy)
+            let checksum = if s.track == Track::Optimizer {
+                0.0
+            } else {
+                let copies = &profile.copies;
+                let rate = copies
+                    .checksum
+                    .as_ref()
+                    .map_or(copies.host_memcpy.value, |f| f.value);
+                Costs::seconds_at(s.bytes, rate).min(seconds)
+            };
+            disk + checksum
         }
-        "optimizer" => seconds * profile.host_cores.max(1) as f64 / costs.ranks(),
+        // its work at the profile's rate, wherever a pass stretched its span
+        "optimizer" => seconds / costs.optimizer_stretch() * profile.host_cores.max(1) as f64 / costs.ranks(),
         _ => seconds,
     }
 }
@@ -299,7 +383,7 @@ mod tests {
         // two ranks' compute fills two cores: the lanes' work beside it takes from it
         let stretch = |cores| {
             let c = Costs::new(&plan, &cpu(cores));
-            let s = FirstPass::new(&plan, &c).compute_stretch(&c);
+            let s = Pass::new(&plan, &c).compute_stretch(&c);
             s.iter().flatten().copied().fold(0.0, f64::max)
         };
         let busy = stretch(2);
@@ -317,7 +401,8 @@ mod tests {
         let stretched = costs(&plan, &cpu(2));
         let base = Costs::new(&plan, &cpu(2));
         let forward = crate::plan::simulate::costs::Work::Forward(1);
-        let unit_1 = FirstPass::new(&plan, &base).compute_stretch(&base)[1][0];
+        let unit_1 = stretched.compute_stretch_of(1, 0);
+        assert!(unit_1 >= 1.0, "{unit_1}");
         assert!((stretched.seconds(forward) / base.seconds(forward) - unit_1).abs() < 1e-12);
     }
 
@@ -333,7 +418,7 @@ mod tests {
             waited_for: None,
             ahead: false,
         };
-        let pass = FirstPass {
+        let pass = Pass {
             spans: vec![
                 // compute over [0, 3) in two pieces, and [5, 6); its window ends at 8
                 span(Track::Compute, "forward", 0.0, 1.0),
@@ -399,5 +484,79 @@ mod tests {
         };
         assert_eq!(host_core_seconds(&span(Track::Optimizer), &c), 0.0);
         assert!(host_core_seconds(&span(Track::H2d), &c) > 0.0);
+    }
+
+    #[test]
+    fn the_disk_asks_the_cores_its_bytes_cost_beside_their_checksums() {
+        use crate::plan::simulate::profile::{Figure, NvmeCores};
+        let span = |track, what| Span {
+            track,
+            what,
+            unit: Some(0),
+            start: 0.0,
+            end: 1.0,
+            bytes: 500_000_000,
+            waited_for: None,
+            ahead: false,
+        };
+        let mut profile = cpu(2);
+        let asked =
+            |p: &Profile, track, what| host_core_seconds(&span(track, what), &Costs::new(&plan(p), p));
+        let (read, write) = (
+            asked(&profile, Track::H2d, "nvme_read"),
+            asked(&profile, Track::H2d, "nvme_write"),
+        );
+        // not measured: the checksums alone, none for the optimizer's state
+        assert!(read > 0.0 && write > 0.0);
+        assert_eq!(asked(&profile, Track::Optimizer, "nvme_read"), 0.0);
+        profile.nvme.cores = Some(NvmeCores {
+            read_core_s_per_gb: Figure::new(0.4, "test"),
+            write_core_s_per_gb: Figure::new(0.2, "test"),
+        });
+        // half a GB: 0.2 core-seconds read, 0.1 written, on every track
+        let close = |x: f64, y: f64| (x - y).abs() < 1e-12;
+        assert!(close(asked(&profile, Track::H2d, "nvme_read"), read + 0.2));
+        assert!(close(asked(&profile, Track::H2d, "nvme_write"), write + 0.1));
+        assert!(close(asked(&profile, Track::Optimizer, "nvme_read"), 0.2));
+        assert!(close(asked(&profile, Track::Optimizer, "nvme_write"), 0.1));
+    }
+
+    #[test]
+    fn the_cpu_adamw_shares_the_cores_with_what_runs_beside_it() {
+        let span = |track, what, start, end| Span {
+            track,
+            what,
+            unit: Some(0),
+            start,
+            end,
+            bytes: 0,
+            waited_for: None,
+            ahead: false,
+        };
+        // two ranks of one torch thread on two cores: while compute runs, the AdamW's
+        // threads keep 2 ÷ (2 + 2) of the cores
+        let profile = cpu(2);
+        let base = Costs::new(&plan(&profile), &profile);
+        let pass = |sweep: (f64, f64)| Pass {
+            spans: vec![
+                span(Track::Compute, "forward", 0.0, 0.5),
+                span(Track::Optimizer, "optimizer", sweep.0, sweep.1),
+            ],
+            window: (0.0, 10.0),
+        };
+        // 1 s of sweep from 0: 0.25 s of it done beside compute's 0.5 s, the rest after
+        let stretch = pass((0.0, 1.0)).optimizer_stretch(&base);
+        assert!((stretch - 1.25).abs() < 1e-12, "{stretch}");
+        // a pass at prices that stretched the sweep 2×: the same work, the same stretch
+        let priced = base.clone().with_optimizer_stretch(2.0);
+        let again = pass((0.0, 2.0)).optimizer_stretch(&priced);
+        assert!((again - 1.25).abs() < 1e-12, "{again}");
+        // nothing beside it: none
+        assert_eq!(pass((1.0, 2.0)).optimizer_stretch(&base), 1.0);
+        // the prices take it: the CPU AdamW's sweeps, plain and summed
+        use crate::plan::simulate::costs::Work;
+        for work in [Work::Adam(1 << 20), Work::AdamSummed(1 << 20)] {
+            assert!((priced.seconds(work) / base.seconds(work) - 2.0).abs() < 1e-12);
+        }
     }
 }

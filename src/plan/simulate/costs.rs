@@ -133,6 +133,9 @@ pub struct Costs {
     /// (empty), or more on a CPU device where the lanes' host work takes cores from that
     /// piece of compute (`contention.rs`).
     compute_stretch: Vec<[f64; 2]>,
+    /// The CPU AdamW's time × this: 1, or more where the lanes' host work beside its
+    /// sweeps (the disk's own, first) takes cores from it (`contention.rs`).
+    optimizer_stretch: f64,
 }
 
 impl Costs {
@@ -147,6 +150,7 @@ impl Costs {
             }),
             nvme_wait: (0.0, 0.0),
             compute_stretch: Vec::new(),
+            optimizer_stretch: 1.0,
         }
     }
 
@@ -181,6 +185,25 @@ impl Costs {
             compute_stretch: stretch,
             ..self
         }
+    }
+
+    /// These prices with the CPU AdamW's sweeps `stretch` times as long.
+    pub fn with_optimizer_stretch(self, stretch: f64) -> Costs {
+        Costs {
+            optimizer_stretch: stretch,
+            ..self
+        }
+    }
+
+    /// How many times its time at the profile's rate unit u's forward (`slot` 0) or
+    /// backward (1; the final unit's: the head) is priced.
+    pub fn compute_stretch_of(&self, u: usize, slot: usize) -> f64 {
+        self.compute_stretch.get(u).map_or(1.0, |s| s[slot])
+    }
+
+    /// How many times its time at the profile's rate the CPU AdamW is priced.
+    pub fn optimizer_stretch(&self) -> f64 {
+        self.optimizer_stretch
     }
 
     /// The ranks of a process, which share its disk and cores.
@@ -357,8 +380,7 @@ impl Costs {
 
     /// How much longer unit `u`'s `kernel` takes for the lanes' host work beside it.
     fn stretch(&self, u: usize, kernel: Kernel) -> f64 {
-        let slot = usize::from(kernel != Kernel::Forward);
-        self.compute_stretch.get(u).map_or(1.0, |s| s[slot])
+        self.compute_stretch_of(u, usize::from(kernel != Kernel::Forward))
     }
 
     /// Seconds `work` takes on the profiled machine.
@@ -386,10 +408,10 @@ impl Costs {
             Work::Collective(bytes) | Work::Gather(bytes) => self.collective(bytes),
             Work::Latency => self.profile.link.latency_s.value,
             Work::NvmeRead(_) | Work::NvmeWrite(_) => self.transfer(work).seconds(),
-            Work::Adam(elements) => elements as f64 / adam,
+            Work::Adam(elements) => elements as f64 / adam * self.optimizer_stretch,
             Work::AdamSummed(elements) => {
                 let summed = self.profile.cpu_adam.summed_params_per_s.as_ref();
-                elements as f64 / summed.map_or(adam, |f| f.value / self.ranks())
+                elements as f64 / summed.map_or(adam, |f| f.value / self.ranks()) * self.optimizer_stretch
             }
             Work::DeviceAdam(elements) => {
                 Self::seconds_at(4 * elements, self.h2d_rate(false))

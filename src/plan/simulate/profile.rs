@@ -129,6 +129,19 @@ pub struct Nvme {
     /// nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub latency: Option<NvmeLatency>,
+    /// What the disk's transfers take from the host's cores beside their checksums.
+    /// Absent: nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cores: Option<NvmeCores>,
+}
+
+/// The host's core-seconds a GB read and a GB written take while every core works: the
+/// kernel's submissions and completions, and on a virtual machine the hypervisor's work
+/// for its disk, taken from the guest's cores (`bench/disk_cores.rs`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct NvmeCores {
+    pub read_core_s_per_gb: Figure,
+    pub write_core_s_per_gb: Figure,
 }
 
 /// The engine's NVMe transfers beyond their bytes: a small transfer's way through the
@@ -378,6 +391,7 @@ mod tests {
             write_gb_s: figure(9.5),
             by_file_size: Vec::new(),
             latency: None,
+            cores: None,
         };
         assert_eq!(nvme.rates_for(100 << 30), (9.0, 9.5), "no rows: any size");
         nvme.by_file_size = vec![at(24, 1.0), at(2, 3.0), at(3, 2.0)];
