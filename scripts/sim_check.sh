@@ -64,8 +64,8 @@ mean_profile() { # $1, $2: the profiles; $3: output file
 import json, sys
 a, b = (json.load(open(f)) for f in sys.argv[1:3])
 def is_time(key):
-    # a time, or a cost in core-seconds per GB (the disk's from the host's cores)
-    return (key.endswith("_s") and not key.endswith("_gb_s") and not key.endswith("per_s")) or key.endswith("_s_per_gb")
+    # a time, or the cores the disk takes while it streams (nvme.cores): averaged as they are
+    return (key.endswith("_s") and not key.endswith("_gb_s") and not key.endswith("per_s")) or key.startswith("while_")
 def average(x, y, time):
     return (x + y) / 2 if time else 2 / (1 / x + 1 / y) if x > 0 and y > 0 else (x + y) / 2
 def mean(x, y, key=""):

@@ -438,7 +438,7 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
     let nvme = disk(plans, nvme_dir, quick)?;
     let nvme = Nvme {
         latency: Some(transfer_latency(&plans[0], nvme_dir, &nvme)?),
-        cores: Some(super::disk_cores::core_seconds_per_gb(
+        cores: Some(super::disk_cores::cores_while_streaming(
             nvme_dir,
             if quick { 256 << 20 } else { 1 << 30 },
         )?),

@@ -289,7 +289,8 @@ impl Rates {
 
 /// Core-seconds of host work in a lane's span: an NVMe transfer's checksum (the NVMe
 /// optimizer's are in its sweep) and what the disk's own work takes from the host's
-/// cores for its bytes (`nvme.cores`: the kernel's, and a virtual machine's hypervisor's),
+/// cores while it moves the transfer's bytes (`nvme.cores`: the kernel's, and a virtual
+/// machine's hypervisor's),
 /// the CPU AdamW's share of every core (its rate is every core's, shared by the ranks),
 /// one core for anything else.
 fn host_core_seconds(s: &Span, costs: &Costs) -> f64 {
@@ -298,13 +299,15 @@ fn host_core_seconds(s: &Span, costs: &Costs) -> f64 {
     match s.what {
         "nvme_read" | "nvme_write" if s.bytes > 0 || s.track == Track::Optimizer => {
             let write = s.what == "nvme_write";
+            // the cores the disk takes while it moves these bytes, at the machine's rate
             let disk = profile.nvme.cores.as_ref().map_or(0.0, |c| {
-                let per_gb = if write {
-                    &c.write_core_s_per_gb
+                let (read, written) = costs.disk_rates();
+                let (cores, rate) = if write {
+                    (&c.while_writing, written)
                 } else {
-                    &c.read_core_s_per_gb
+                    (&c.while_reading, read)
                 };
-                s.bytes as f64 / 1e9 * per_gb.value
+                cores.value * Costs::seconds_at(s.bytes, rate)
             });
             // the optimizer's transfers of its state are summed in its sweep (the
             // parameter shard's write after a unit's update, summed apart, is left
@@ -510,15 +513,28 @@ mod tests {
         assert!(read > 0.0 && write > 0.0);
         assert_eq!(asked(&profile, Track::Optimizer, "nvme_read"), 0.0);
         profile.nvme.cores = Some(NvmeCores {
-            read_core_s_per_gb: Figure::new(0.4, "test"),
-            write_core_s_per_gb: Figure::new(0.2, "test"),
+            while_reading: Figure::new(0.8, "test"),
+            while_writing: Figure::new(0.4, "test"),
         });
-        // half a GB: 0.2 core-seconds read, 0.1 written, on every track
+        // half a GB: 0.8 and 0.4 cores for its time on the machine's disk, on every track
+        let (r, w) = Costs::new(&plan(&profile), &profile).disk_rates();
         let close = |x: f64, y: f64| (x - y).abs() < 1e-12;
-        assert!(close(asked(&profile, Track::H2d, "nvme_read"), read + 0.2));
-        assert!(close(asked(&profile, Track::H2d, "nvme_write"), write + 0.1));
-        assert!(close(asked(&profile, Track::Optimizer, "nvme_read"), 0.2));
-        assert!(close(asked(&profile, Track::Optimizer, "nvme_write"), 0.1));
+        assert!(close(
+            asked(&profile, Track::H2d, "nvme_read"),
+            read + 0.8 * 0.5 / r
+        ));
+        assert!(close(
+            asked(&profile, Track::H2d, "nvme_write"),
+            write + 0.4 * 0.5 / w
+        ));
+        assert!(close(
+            asked(&profile, Track::Optimizer, "nvme_read"),
+            0.8 * 0.5 / r
+        ));
+        assert!(close(
+            asked(&profile, Track::Optimizer, "nvme_write"),
+            0.4 * 0.5 / w
+        ));
     }
 
     #[test]

@@ -195,6 +195,12 @@ impl Costs {
         }
     }
 
+    /// The machine's disk's (read, write) GB/s for its swap files, every rank's
+    /// transfers together.
+    pub fn disk_rates(&self) -> (f64, f64) {
+        self.disk
+    }
+
     /// How many times its time at the profile's rate unit u's forward (`slot` 0) or
     /// backward (1; the final unit's: the head) is priced.
     pub fn compute_stretch_of(&self, u: usize, slot: usize) -> f64 {

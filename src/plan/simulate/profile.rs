@@ -135,13 +135,14 @@ pub struct Nvme {
     pub cores: Option<NvmeCores>,
 }
 
-/// The host's core-seconds a GB read and a GB written take while every core works: the
-/// kernel's submissions and completions, and on a virtual machine the hypervisor's work
-/// for its disk, taken from the guest's cores (`bench/disk_cores.rs`).
+/// The host's cores the disk takes while it reads and while it writes, every core busy:
+/// the kernel's submissions and completions, and on a virtual machine the hypervisor's
+/// work for its disk, taken from the guest's cores (`bench/disk_cores.rs`). The
+/// simulation asks them for each transfer's time on the disk at the rates above.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct NvmeCores {
-    pub read_core_s_per_gb: Figure,
-    pub write_core_s_per_gb: Figure,
+    pub while_reading: Figure,
+    pub while_writing: Figure,
 }
 
 /// The engine's NVMe transfers beyond their bytes: a small transfer's way through the
