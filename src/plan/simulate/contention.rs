@@ -351,6 +351,21 @@ mod tests {
         p
     }
 
+    /// Unit 0's work of `bytes` named `what` on `track` over [start, end), not waited
+    /// for, not submitted ahead.
+    fn span(track: Track, what: &'static str, start: f64, end: f64, bytes: u64) -> Span {
+        Span {
+            track,
+            what,
+            unit: Some(0),
+            start,
+            end,
+            bytes,
+            waited_for: None,
+            ahead: false,
+        }
+    }
+
     #[test]
     fn compute_runs_at_the_rate_of_each_stretch_of_time_it_meets() {
         // one lane asks a core over [1, 2), another half a core over [1.5, 3)
@@ -411,15 +426,9 @@ mod tests {
 
     #[test]
     fn a_transfer_beside_compute_waits_until_that_stretch_of_compute_ends() {
-        let span = |track, what, start, end| Span {
-            track,
-            what,
-            unit: Some(0),
-            start,
-            end,
-            bytes: if track == Track::Compute { 0 } else { 1 << 20 },
-            waited_for: None,
-            ahead: false,
+        let span = |track, what, start, end| {
+            let bytes = if track == Track::Compute { 0 } else { 1 << 20 };
+            span(track, what, start, end, bytes)
         };
         let pass = Pass {
             spans: vec![
@@ -475,16 +484,7 @@ mod tests {
         // a span of the optimizer's state transfers asks no core for its checksum; the
         // other tracks' transfers sum theirs apart
         let c = costs(&profile);
-        let span = |track| Span {
-            track,
-            what: "nvme_read",
-            unit: Some(0),
-            start: 0.0,
-            end: 1.0,
-            bytes: 1 << 30,
-            waited_for: None,
-            ahead: false,
-        };
+        let span = |track| span(track, "nvme_read", 0.0, 1.0, 1 << 30);
         assert_eq!(host_core_seconds(&span(Track::Optimizer), &c), 0.0);
         assert!(host_core_seconds(&span(Track::H2d), &c) > 0.0);
     }
@@ -492,16 +492,7 @@ mod tests {
     #[test]
     fn the_disk_asks_the_cores_its_bytes_cost_beside_their_checksums() {
         use crate::plan::simulate::profile::{Figure, NvmeCores};
-        let span = |track, what| Span {
-            track,
-            what,
-            unit: Some(0),
-            start: 0.0,
-            end: 1.0,
-            bytes: 500_000_000,
-            waited_for: None,
-            ahead: false,
-        };
+        let span = |track, what| span(track, what, 0.0, 1.0, 500_000_000);
         let mut profile = cpu(2);
         let asked =
             |p: &Profile, track, what| host_core_seconds(&span(track, what), &Costs::new(&plan(p), p));
@@ -539,16 +530,7 @@ mod tests {
 
     #[test]
     fn the_cpu_adamw_shares_the_cores_with_what_runs_beside_it() {
-        let span = |track, what, start, end| Span {
-            track,
-            what,
-            unit: Some(0),
-            start,
-            end,
-            bytes: 0,
-            waited_for: None,
-            ahead: false,
-        };
+        let span = |track, what, start, end| span(track, what, start, end, 0);
         // two ranks of one torch thread on two cores: while compute runs, the AdamW's
         // threads keep 2 ÷ (2 + 2) of the cores
         let profile = cpu(2);
