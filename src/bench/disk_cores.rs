@@ -18,7 +18,7 @@ use super::nvme::{engine_config, operations, uring_pool};
 use crate::plan::simulate::profile::{Figure, NvmeCores};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::Barrier;
 use std::time::{Duration, Instant};
 use tierzero_offload::nvme::{pread::Pread, uring::Uring, BlockFile, BlockIo};
 
@@ -54,7 +54,7 @@ fn measure(path: &Path, size: u64, uring_ok: bool) -> anyhow::Result<NvmeCores> 
     let pool = uring_pool(block, depth)?;
     let op = pool.buffer_bytes() as u64;
     let size = size.div_ceil(op).max(1) * op;
-    let file = Arc::new(BlockFile::open(path, true, true)?);
+    let file = BlockFile::open(path, true, true)?;
     file.preallocate(size)?;
     let engine: Box<dyn BlockIo> = if uring_ok {
         Box::new(Uring::new(config, true, Some(&pool))?)
@@ -113,6 +113,15 @@ fn measure(path: &Path, size: u64, uring_ok: bool) -> anyhow::Result<NvmeCores> 
     })
 }
 
+/// Sets its flag when dropped.
+struct Stop<'a>(&'a AtomicBool);
+
+impl Drop for Stop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 /// The busy threads' progress (checksums a second, all threads together) while `during`
 /// runs, with what it returns and its seconds.
 fn busy_progress<T>(
@@ -137,6 +146,8 @@ fn busy_progress<T>(
                 })
             })
             .collect();
+        // the workers stop however `during` ends, a panic included
+        let _stop = Stop(&stop);
         start.wait();
         let t0 = Instant::now();
         let out = during();

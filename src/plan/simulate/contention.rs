@@ -75,6 +75,9 @@ const PASSES: usize = 2;
 struct Pass {
     spans: Vec<Span>,
     window: (f64, f64),
+    /// Per unit, whether its AdamW is the CPU's (its state off the device), whose
+    /// sweeps the prices stretch.
+    host_adam: Vec<bool>,
 }
 
 impl Pass {
@@ -95,7 +98,29 @@ impl Pass {
         Pass {
             spans,
             window: (start, start + step),
+            host_adam: crate::plan::rules::optimizer_tiers(plan)
+                .into_iter()
+                .map(|t| t != crate::plan::Tier::Device)
+                .collect(),
         }
+    }
+
+    /// Whether `s` is a sweep of the CPU AdamW.
+    fn host_sweep(&self, s: &Span) -> bool {
+        s.what == "optimizer"
+            && s.unit
+                .is_some_and(|u| self.host_adam.get(u).copied().unwrap_or(true))
+    }
+
+    /// [`host_core_seconds`] of `s` in this pass: a CPU AdamW's sweep at the stretch
+    /// `costs` priced it at, a device's at its own time.
+    fn host_core_seconds(&self, s: &Span, costs: &Costs) -> f64 {
+        let stretch = if self.host_sweep(s) {
+            costs.optimizer_stretch()
+        } else {
+            1.0
+        };
+        host_core_seconds(s, costs, stretch)
     }
 
     /// The spans `keep` keeps, cut to the reported step: those left of them.
@@ -144,10 +169,13 @@ impl Pass {
         // compute's rate over the window, piece by piece of time: the lanes' host work
         // of every rank, beyond the cores compute leaves free, holds it back
         let rates = Rates::new(
-            self.spans
-                .iter()
-                .filter(|s| s.track != Track::Compute)
-                .map(|s| (s.start, s.end, host_core_seconds(s, costs) / (s.end - s.start))),
+            self.spans.iter().filter(|s| s.track != Track::Compute).map(|s| {
+                (
+                    s.start,
+                    s.end,
+                    self.host_core_seconds(s, costs) / (s.end - s.start),
+                )
+            }),
             |demand| (1.0 - lost * (ranks * demand - spare).clamp(0.0, most)).max(0.05),
         );
         let units = pieces.iter().map(|p| p.0 + 1).max().unwrap_or(0);
@@ -168,30 +196,31 @@ impl Pass {
     /// How much longer the CPU AdamW's sweeps take for the work beside them. The sweep
     /// runs a thread on every core; whatever else is runnable beside it (the disk's own
     /// work, the transfers' checksums, copies and adds, compute's torch threads on a CPU
-    /// device, of every rank) shares the cores with its threads, which keep
-    /// cores ÷ (cores + the others' demand) of them.
+    /// device, of every rank; on a GPU only the NVMe transfers and the host's adds)
+    /// shares the cores with its threads, which keep cores ÷ (cores + the others'
+    /// demand) of them. A device-tier unit's AdamW is not the CPU's: not stretched.
     fn optimizer_stretch(&self, costs: &Costs) -> f64 {
         let profile = costs.profile();
         let cores = profile.host_cores.max(1) as f64;
         let ranks = costs.ranks();
-        let compute_cores = if costs.cuda() {
-            0.0
-        } else {
-            profile.compute.threads.max(1) as f64
+        let threads = profile.compute.threads.max(1) as f64;
+        // on a GPU the kernels, the collectives and the copies' DMA take no host core:
+        // only the host's own work beside the sweeps counts there
+        let asked = |s: &Span| match (costs.cuda(), s.track, s.what) {
+            (true, _, "nvme_read" | "nvme_write" | "host_add") => self.host_core_seconds(s, costs),
+            (true, _, _) => 0.0,
+            (false, Track::Compute, _) => threads * (s.end - s.start),
+            (false, _, _) => self.host_core_seconds(s, costs),
         };
         let rates = Rates::new(
-            self.spans.iter().filter(|s| s.what != "optimizer").map(|s| {
-                let asked = if s.track == Track::Compute {
-                    compute_cores * (s.end - s.start)
-                } else {
-                    host_core_seconds(s, costs)
-                };
-                (s.start, s.end, asked / (s.end - s.start))
-            }),
+            self.spans
+                .iter()
+                .filter(|s| !self.host_sweep(s))
+                .map(|s| (s.start, s.end, asked(s) / (s.end - s.start))),
             |demand| cores / (cores + ranks * demand),
         );
         let (taken, alone) = self
-            .within(|s| s.what == "optimizer")
+            .within(|s| self.host_sweep(s))
             .fold((0.0, 0.0), |(taken, alone), s| {
                 let work = (s.end - s.start) / costs.optimizer_stretch();
                 (taken + rates.finish(s.start, work) - s.start, alone + work)
@@ -291,9 +320,10 @@ impl Rates {
 /// optimizer's are in its sweep) and what the disk's own work takes from the host's
 /// cores while it moves the transfer's bytes (`nvme.cores`: the kernel's, and a virtual
 /// machine's hypervisor's),
-/// the CPU AdamW's share of every core (its rate is every core's, shared by the ranks),
-/// one core for anything else.
-fn host_core_seconds(s: &Span, costs: &Costs) -> f64 {
+/// the CPU AdamW's share of every core (its rate is every core's, shared by the ranks;
+/// its work at the profile's rate, its span priced `adam_stretch` times that), one core
+/// for anything else.
+fn host_core_seconds(s: &Span, costs: &Costs, adam_stretch: f64) -> f64 {
     let seconds = s.end - s.start;
     let profile = costs.profile();
     match s.what {
@@ -326,7 +356,7 @@ fn host_core_seconds(s: &Span, costs: &Costs) -> f64 {
             disk + checksum
         }
         // its work at the profile's rate, wherever a pass stretched its span
-        "optimizer" => seconds / costs.optimizer_stretch() * profile.host_cores.max(1) as f64 / costs.ranks(),
+        "optimizer" => seconds / adam_stretch * profile.host_cores.max(1) as f64 / costs.ranks(),
         _ => seconds,
     }
 }
@@ -450,6 +480,7 @@ mod tests {
                 span(Track::Nvme, "nvme_write", 9.0, 9.5),
             ],
             window: (0.0, 8.0),
+            host_adam: vec![true],
         };
         let (read, write) = pass.waits_beside_compute((1.0, 1.0));
         assert!((read - (1.0 + 0.0 + 0.1) / 3.0).abs() < 1e-12, "{read}");
@@ -485,8 +516,8 @@ mod tests {
         // other tracks' transfers sum theirs apart
         let c = costs(&profile);
         let span = |track| span(track, "nvme_read", 0.0, 1.0, 1 << 30);
-        assert_eq!(host_core_seconds(&span(Track::Optimizer), &c), 0.0);
-        assert!(host_core_seconds(&span(Track::H2d), &c) > 0.0);
+        assert_eq!(host_core_seconds(&span(Track::Optimizer), &c, 1.0), 0.0);
+        assert!(host_core_seconds(&span(Track::H2d), &c, 1.0) > 0.0);
     }
 
     #[test]
@@ -495,7 +526,7 @@ mod tests {
         let span = |track, what| span(track, what, 0.0, 1.0, 500_000_000);
         let mut profile = cpu(2);
         let asked =
-            |p: &Profile, track, what| host_core_seconds(&span(track, what), &Costs::new(&plan(p), p));
+            |p: &Profile, track, what| host_core_seconds(&span(track, what), &Costs::new(&plan(p), p), 1.0);
         let (read, write) = (
             asked(&profile, Track::H2d, "nvme_read"),
             asked(&profile, Track::H2d, "nvme_write"),
@@ -541,6 +572,7 @@ mod tests {
                 span(Track::Optimizer, "optimizer", sweep.0, sweep.1),
             ],
             window: (0.0, 10.0),
+            host_adam: vec![true],
         };
         // 1 s of sweep from 0: 0.25 s of it done beside compute's 0.5 s, the rest after
         let stretch = pass((0.0, 1.0)).optimizer_stretch(&base);
@@ -551,6 +583,16 @@ mod tests {
         assert!((again - 1.25).abs() < 1e-12, "{again}");
         // nothing beside it: none
         assert_eq!(pass((1.0, 2.0)).optimizer_stretch(&base), 1.0);
+        // a device-tier unit's AdamW is not the CPU's: nothing to stretch
+        let device = Pass {
+            host_adam: vec![false],
+            ..pass((0.0, 1.0))
+        };
+        assert_eq!(device.optimizer_stretch(&base), 1.0);
+        // on a GPU compute's kernels take no host core from it
+        let gpu = Profile::load("h100-pcie5").unwrap();
+        let on_gpu = Costs::new(&plan(&gpu), &gpu);
+        assert_eq!(pass((0.0, 1.0)).optimizer_stretch(&on_gpu), 1.0);
         // the prices take it: the CPU AdamW's sweeps, plain and summed
         use crate::plan::simulate::costs::Work;
         for work in [Work::Adam(1 << 20), Work::AdamSummed(1 << 20)] {
