@@ -146,12 +146,12 @@ fn busy_progress<T>(
                 })
             })
             .collect();
-        // the workers stop however `during` ends, a panic included
-        let _stop = Stop(&stop);
+        // the workers stop once `during` ends, however it ends (a panic included)
+        let stopping = Stop(&stop);
         start.wait();
         let t0 = Instant::now();
         let out = during();
-        stop.store(true, Ordering::Relaxed);
+        drop(stopping);
         let seconds = t0.elapsed().as_secs_f64();
         let done: u64 = workers.into_iter().map(|w| w.join().unwrap_or(0)).sum();
         Ok((done as f64 / seconds, (out?, seconds)))

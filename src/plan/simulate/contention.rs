@@ -11,9 +11,10 @@
 //! profile's rates). At each moment of the reported step that compute runs, the cores
 //! the ranks' lanes ask for beyond those compute leaves free slow it: one for a copy, an
 //! add or a collective's memcpy; a share of every core for the CPU AdamW; for an NVMe
-//! transfer, its crc32c and what the disk's own work takes from the host's cores for its
-//! bytes (`nvme.cores`, which `bench profile` measures: the kernel's submissions and
-//! completions, and a virtual machine's hypervisor's, which its guest sees as steal).
+//! transfer, its crc32c and the cores the disk's own work takes while it moves the
+//! transfer's bytes (`nvme.cores`, which `bench profile` measures: the kernel's
+//! submissions and completions, and a virtual machine's hypervisor's, which its guest
+//! sees as steal).
 //! Torch's threads work in step, so one core taken holds them all back: compute runs at
 //! 1 − `compute.lost_beside_a_thread` of its rate while the lanes take a core or more
 //! (`bench profile` measures it: a block's forward beside a busy thread), in proportion
@@ -319,10 +320,9 @@ impl Rates {
 /// Core-seconds of host work in a lane's span: an NVMe transfer's checksum (the NVMe
 /// optimizer's are in its sweep) and what the disk's own work takes from the host's
 /// cores while it moves the transfer's bytes (`nvme.cores`: the kernel's, and a virtual
-/// machine's hypervisor's),
-/// the CPU AdamW's share of every core (its rate is every core's, shared by the ranks;
-/// its work at the profile's rate, its span priced `adam_stretch` times that), one core
-/// for anything else.
+/// machine's hypervisor's); the CPU AdamW's share of every core (its rate is every
+/// core's, shared by the ranks; its work at the profile's rate, its span priced
+/// `adam_stretch` times that); one core for anything else.
 fn host_core_seconds(s: &Span, costs: &Costs, adam_stretch: f64) -> f64 {
     let seconds = s.end - s.start;
     let profile = costs.profile();
