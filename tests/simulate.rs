@@ -531,13 +531,14 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     }
 }
 
-/// The dry run's tracks share the rank's disk (`disk::Disk`): no two NVMe transfers of
-/// the step overlap, the h2d lane's parameter reads among them, and sharing it makes the
-/// step of `llama-8b-1gpu-nvme` (parameters and optimizer state on NVMe) longer than
-/// with a disk per track, as the simulated device keeps them. The sums accumulate on the
-/// host here, so the last micro-batch's gradients go to the disk during the backward,
-/// beside the parameter reads (held on the device, they would not touch it; nor would
-/// the parameters, with their shards kept on the device).
+/// The dry run's tracks share the rank's disk (`disk::Disk`): a track's NVMe transfers go
+/// one at a time, the h2d lane's parameter reads meet the optimizer's transfers and share
+/// the disk with them, each slower than alone, and sharing it makes the step of
+/// `llama-8b-1gpu-nvme` (parameters and optimizer state on NVMe) longer than with a disk
+/// per track, as the simulated device keeps them. The sums accumulate on the host here,
+/// so the last micro-batch's gradients go to the disk during the backward, beside the
+/// parameter reads (held on the device, they would not touch it; nor would the
+/// parameters, with their shards kept on the device).
 #[test]
 fn every_nvme_transfer_of_a_rank_takes_its_turn_on_one_disk() {
     // without latencies a transfer's span is its time on the disk (with them, the disk
@@ -552,28 +553,50 @@ fn every_nvme_transfer_of_a_rank_takes_its_turn_on_one_disk() {
     assert!(tierzero::plan::rules::stored_gradients(&plan).contains(&true));
     let shared = simulate(&plan, &profile);
     let own = simulate_as_the_device(&plan, &profile);
-    let transfers = |sim: &Simulation| -> Vec<(f64, f64, Track)> {
+    let transfers = |sim: &Simulation| -> Vec<(f64, f64, Track, u64, &'static str)> {
         let mut spans: Vec<_> = sim
             .clocks
             .spans()
             .iter()
             .filter(|s| s.waited_for.is_none() && s.bytes > 0)
             .filter(|s| s.what == "nvme_read" || s.what == "nvme_write")
-            .map(|s| (s.start, s.end, s.track))
+            .map(|s| (s.start, s.end, s.track, s.bytes, s.what))
             .collect();
         spans.sort_by(|a, b| a.0.total_cmp(&b.0));
         spans
     };
     let disk = transfers(&shared);
     assert!(disk.iter().any(|t| t.2 == Track::H2d) && disk.iter().any(|t| t.2 == Track::Optimizer));
-    for w in disk.windows(2) {
-        assert!(
-            w[0].1 <= w[1].0 + 1e-9,
-            "two transfers at once: {:?} and {:?}",
-            w[0],
-            w[1]
-        );
+    for track in [Track::H2d, Track::Collectives, Track::Optimizer] {
+        let own: Vec<_> = disk.iter().filter(|t| t.2 == track).collect();
+        for w in own.windows(2) {
+            assert!(
+                w[0].1 <= w[1].0 + 1e-9,
+                "{track:?}: {:?} and {:?} at once",
+                w[0],
+                w[1]
+            );
+        }
     }
+    // where a parameter read and the optimizer's transfers meet, one of them moves at
+    // part of the disk's rate: whichever came second shares the disk with the other
+    let (read, write) = (profile.nvme.read_gb_s.value, profile.nvme.write_gb_s.value);
+    let slower = |t: &(f64, f64, Track, u64, &str)| {
+        let alone = if t.4 == "nvme_read" { read } else { write };
+        (t.3 as f64 / (t.1 - t.0) / 1e9) < alone * (1.0 - 1e-6)
+    };
+    let met: Vec<_> = disk
+        .iter()
+        .filter(|r| r.2 == Track::H2d)
+        .flat_map(|r| {
+            disk.iter()
+                .filter(move |o| o.2 == Track::Optimizer && o.0 < r.1 && r.0 < o.1)
+                .map(move |o| (r, o))
+        })
+        .collect();
+    assert!(!met.is_empty());
+    let apart = met.iter().filter(|(r, o)| !slower(r) && !slower(o)).count();
+    assert_eq!(apart, 0, "of {} meetings", met.len());
     // a disk per track lets the h2d lane read beside the optimizer's transfers
     assert!(transfers(&own).windows(2).any(|w| w[0].1 > w[1].0 + 1e-9));
     assert!(

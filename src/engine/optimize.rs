@@ -381,7 +381,13 @@ impl LegClock {
         // the pipeline uses the read-aheads of its first sub-groups, in order
         let used = self.reads.iter().take_while(|r| r.1).count();
         let start = self.start + self.stream.pipeline_overhead();
-        let timed = disk::schedule(start, &legs, self.config, disk, &ahead[..used.min(ahead.len())]);
+        let timed = disk::schedule(
+            start,
+            &legs,
+            self.config,
+            (&mut *disk, 0),
+            &ahead[..used.min(ahead.len())],
+        );
         for (i, t) in timed.iter().enumerate() {
             self.stream.overlapped(self.reads[i].0, t.read.0, t.read.1);
             self.stream.overlapped(self.updates[i], t.update.0, t.update.1);
@@ -390,7 +396,7 @@ impl LegClock {
         let bytes = next?;
         let work = Work::NvmeRead(bytes);
         let ready = disk::next_read_ready(start, &timed, self.config);
-        let (start, end) = disk.take(ready, self.stream.read_ahead(bytes));
+        let (start, end) = disk.take(ready, self.stream.read_ahead(bytes), 0);
         self.stream.beside(work, start, end);
         Some(end)
     }
@@ -411,7 +417,7 @@ fn place_aheads(
         .filter_map(|((group, bytes), at)| match at? {
             AheadClock::Submitted(at) => {
                 let work = Work::NvmeRead(bytes);
-                let (start, end) = disk.take(at, stream.read_ahead(bytes));
+                let (start, end) = disk.take(at, stream.read_ahead(bytes), 0);
                 stream.beside(work, start, end);
                 Some((group, end))
             }
@@ -519,7 +525,7 @@ impl OptimizerContext {
             // submitted
             let work = Work::NvmeWrite(bytes.len() as u64);
             let mut disk = self.disk.lock().unwrap_or_else(|e| e.into_inner());
-            let (start, end) = disk.take(stream.now(), stream.transfer(work));
+            let (start, end) = disk.take(stream.now(), stream.transfer(work), 0);
             stream.overlapped(work, start, end);
         }
         self.tracks.nvme_write.record_between(

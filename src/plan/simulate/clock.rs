@@ -58,7 +58,7 @@ impl Track {
         }
     }
 
-    fn index(self) -> usize {
+    pub(super) fn index(self) -> usize {
         Track::ALL.iter().position(|&t| t == self).unwrap_or(0)
     }
 }
@@ -90,7 +90,8 @@ pub struct Span {
 pub struct Clocks {
     now: [f64; 7],
     spans: Vec<Span>,
-    /// The disk every track's NVMe transfers share, one at a time (`disk::Disk`); or,
+    /// The disk every track's NVMe transfers share, each track's one at a time
+    /// (`disk::Disk`, the track its lane); or,
     /// as the simulated device times them, one per track (see [`Clocks::disk_per_track`]).
     disks: Vec<Disk>,
 }
@@ -149,7 +150,7 @@ impl Clocks {
     }
 
     /// Queues an NVMe transfer on `track`: it starts once the track has run what was
-    /// queued before it and the disk has a free stretch (`Disk::take`).
+    /// queued before it, sharing the disk with other tracks' transfers (`Disk::take`).
     pub fn run_on_disk(
         &mut self,
         track: Track,
@@ -158,7 +159,7 @@ impl Clocks {
         bytes: u64,
     ) -> Mark {
         let ready = self.now(track);
-        let span = self.disk(track).take(ready, transfer);
+        let span = self.disk(track).take(ready, transfer, track.index());
         self.place(track, (what, unit), span, bytes)
     }
 

@@ -8,9 +8,13 @@
 //! the new parameters written back — takes the first stretch of the disk's time, from
 //! when it is ready, that no other transfer holds, for its bytes; its latency (the
 //! profile's `nvme.latency`: the way back through the store's threads) follows while
-//! the disk serves the next. A lane reading parameters while the optimizer streams its
-//! state waits for the disk as on the machine. A pipelined unit's run reads the next
-//! unit's first state once its own reads are submitted and a buffer set is free
+//! the disk serves the next. A lane's own transfers go one after another. Where lanes
+//! meet, the drive serves their queues together, as it does on the machine: a lane
+//! reading parameters while the optimizer streams its state shares the disk with it
+//! rather than waiting for it (`Disk::take`; in a `llama-1b` run on this VM's disk the
+//! parameter reads overlapped the optimizer's transfers most of their time, and every
+//! transfer in flight counts its whole time in its phase). A pipelined unit's run reads
+//! the next unit's first state once its own reads are submitted and a buffer set is free
 //! ([`next_read_ready`]), after its own legs on the disk.
 //!
 //! A sub-group's read waits for a free buffer set (the write `sets` sub-groups back) and,
@@ -30,29 +34,76 @@ use tierzero_offload::pipeline::PipelineConfig;
 /// stretches long past for every track of a run on the simulated device.
 const KEPT: usize = 1 << 16;
 
-/// The stretches of virtual time a rank's disk is busy, in order, none overlapping.
+/// What holds the disk at a time: a transfer of a lane in flight, or the disk's time a
+/// transfer that shared it still owes ([`OWED`]).
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    start: f64,
+    end: f64,
+    lane: usize,
+}
+
+/// The lane of the disk's time a transfer that shared it owes: whoever meets it shares
+/// the disk with it.
+const OWED: usize = usize::MAX;
+
+/// A rank's disk in virtual time: the stretches its time is taken for each transfer's
+/// bytes, in order, none overlapping, and when each transfer's data was in flight.
 #[derive(Clone, Debug, Default)]
 pub struct Disk {
     busy: Vec<(f64, f64)>,
+    /// Sorted by start; `longest` is the longest of them.
+    held: Vec<Held>,
+    longest: f64,
 }
 
 impl Disk {
+    /// The first stretch of `seconds` from `ready` on that the disk has free and, for
+    /// `lane` (when given), that none of the lane's own transfers is in flight.
+    fn free(&self, ready: f64, seconds: f64, lane: Option<usize>) -> f64 {
+        let near = self.near(ready);
+        let own = |from: f64, to: f64| {
+            let lane = lane?;
+            near.iter()
+                .filter(|h| h.lane == lane && h.start < to && h.end > from)
+                .map(|h| h.end)
+                .reduce(f64::max)
+        };
+        let mut start = ready;
+        let mut at = self.busy.partition_point(|&(_, end)| end <= ready);
+        loop {
+            while let Some(&(a, b)) = self.busy.get(at) {
+                if start + seconds <= a {
+                    break;
+                }
+                start = start.max(b);
+                at += 1;
+            }
+            match own(start, start + seconds) {
+                Some(end) => start = end,
+                None => return start,
+            }
+        }
+    }
+
+    /// What holds the disk from `from` on (and a little before).
+    fn near(&self, from: f64) -> &[Held] {
+        &self.held[self.held.partition_point(|h| h.start < from - self.longest)..]
+    }
+
     /// Places a transfer of `seconds` that is ready at `ready` in the first stretch from
     /// then on that the disk has free; returns its (start, end).
     pub fn place(&mut self, ready: f64, seconds: f64) -> (f64, f64) {
         if seconds <= 0.0 {
             return (ready, ready);
         }
-        let mut start = ready;
-        let mut at = self.busy.partition_point(|&(_, end)| end <= ready);
-        while let Some(&(a, b)) = self.busy.get(at) {
-            if start + seconds <= a {
-                break;
-            }
-            start = start.max(b);
-            at += 1;
-        }
+        let start = self.free(ready, seconds, None);
+        self.occupy(start, seconds)
+    }
+
+    fn occupy(&mut self, start: f64, seconds: f64) -> (f64, f64) {
         let end = start + seconds;
+        let at = self.busy.partition_point(|&(a, _)| a < start);
         self.busy.insert(at, (start, end));
         if self.busy.len() > 2 * KEPT {
             self.busy.drain(..KEPT);
@@ -60,11 +111,101 @@ impl Disk {
         (start, end)
     }
 
-    /// Places `transfer`, ready at `ready`: the disk is busy for its bytes alone, in
-    /// the first free stretch from then on; the transfer ends its latency later.
-    pub fn take(&mut self, ready: f64, transfer: Transfer) -> (f64, f64) {
-        let (start, end) = self.place(ready, transfer.disk);
-        (start, end + transfer.latency)
+    /// Places `transfer` of `lane`, ready at `ready`; returns when its data was in
+    /// flight, its latency included. Its bytes take the disk's first free stretch from
+    /// then on, as [`Disk::place`]. Where that stretch is later than the data would be in
+    /// by sharing the disk with other lanes' transfers, as a drive serves several queues
+    /// at once, the data comes in as shared: an equal part of the disk's rate beside
+    /// each transfer in flight (a lane's own go one after another, whole). Those placed
+    /// before keep their times (the replay has gone on from them), and the bytes' own
+    /// stretch, kept later, is what they would have lost: whoever meets it shares the
+    /// disk with it. The disk moves no more bytes than its rate allows.
+    pub fn take(&mut self, ready: f64, transfer: Transfer, lane: usize) -> (f64, f64) {
+        let seconds = transfer.disk;
+        if seconds <= 0.0 {
+            return (ready, ready + transfer.latency);
+        }
+        let start = self.free(ready, seconds, Some(lane));
+        let fifo = (start, start + seconds);
+        let data = self.shared(ready, seconds, lane, fifo.1).unwrap_or(fifo);
+        self.occupy(start, seconds);
+        self.hold(data.0, data.1, lane);
+        // the disk's time the bytes took that their data did not span: owed
+        if fifo.0 < data.0 {
+            self.hold(fifo.0, fifo.1.min(data.0), OWED);
+        }
+        if fifo.1 > data.1 {
+            self.hold(fifo.0.max(data.1), fifo.1, OWED);
+        }
+        (data.0, data.1 + transfer.latency)
+    }
+
+    fn hold(&mut self, start: f64, end: f64, lane: usize) {
+        if end <= start {
+            return;
+        }
+        let at = self.held.partition_point(|h| h.start <= start);
+        self.held.insert(at, Held { start, end, lane });
+        self.longest = self.longest.max(end - start);
+        if self.held.len() > 2 * KEPT {
+            self.held.drain(..KEPT);
+        }
+    }
+
+    /// When `seconds` of the disk's time for `lane`, ready at `ready`, would be in,
+    /// sharing the disk equally with what holds it, if before `until`; a lane's own
+    /// transfers are waited for whole.
+    fn shared(&self, ready: f64, seconds: f64, lane: usize, until: f64) -> Option<(f64, f64)> {
+        let near = self.near(ready);
+        let near = &near[..near.partition_point(|h| h.start < until)];
+        if !near.iter().any(|h| h.lane != lane && h.end > ready) {
+            return None;
+        }
+        let mut from = ready;
+        'start: while from < until {
+            // what holds the disk at `from`, and when that changes: (time, +1 or −1,
+            // the lane's own, its end)
+            let (mut others, mut own) = (0, None);
+            let mut changes = Vec::new();
+            for h in near.iter().filter(|h| h.end > from) {
+                let mine = h.lane == lane;
+                if h.start > from {
+                    changes.push((h.start, 1, mine, h.end));
+                } else if mine {
+                    own = Some(h.end);
+                } else {
+                    others += 1;
+                }
+                if !mine {
+                    changes.push((h.end, -1, false, h.end));
+                }
+            }
+            changes.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let (mut at, mut left) = (from, seconds);
+            for (time, change, mine, end) in changes.into_iter().chain([(until, 0, false, until)]) {
+                if let Some(end) = own {
+                    from = end;
+                    continue 'start;
+                }
+                let share = 1.0 / f64::from(1 + others);
+                let next = time.min(until);
+                if (next - at) * share >= left {
+                    return Some((from, at + left / share));
+                }
+                left -= (next - at) * share;
+                at = next;
+                if mine {
+                    own = Some(end);
+                } else {
+                    others += change;
+                }
+                if at >= until {
+                    break;
+                }
+            }
+            return None;
+        }
+        None
     }
 }
 
@@ -108,7 +249,7 @@ pub fn schedule(
     start: f64,
     legs: &[Legs],
     how: PipelineConfig,
-    disk: &mut Disk,
+    (disk, lane): (&mut Disk, usize),
     ahead: &[f64],
 ) -> Vec<Timed> {
     let n = legs.len();
@@ -164,11 +305,11 @@ pub fn schedule(
             let after = writes
                 .checked_sub(1)
                 .map_or(ready, |j| ready.max(timed[j].write.0));
-            timed[writes].write = disk.take(after, legs[writes].write);
+            timed[writes].write = disk.take(after, legs[writes].write, lane);
             writes += 1;
         } else {
             let after = reads.checked_sub(1).map_or(ready, |j| ready.max(timed[j].read.0));
-            timed[reads].read = disk.take(after, legs[reads].read);
+            timed[reads].read = disk.take(after, legs[reads].read, lane);
             reads += 1;
         }
     }
@@ -229,7 +370,7 @@ mod tests {
                 pipeline_write: true,
             },
         ] {
-            let t = schedule(10.0, &[LEG; 6], how, &mut Disk::default(), &[]);
+            let t = schedule(10.0, &[LEG; 6], how, (&mut Disk::default(), 0), &[]);
             let disk: Vec<_> = t.iter().flat_map(|t| [t.read, t.write]).collect();
             for (i, a) in disk.iter().enumerate() {
                 assert!(a.0 >= 10.0);
@@ -280,7 +421,7 @@ mod tests {
             pipeline_read: false,
             pipeline_write: false,
         };
-        let t = schedule(0.0, &[LEG; 3], how, &mut Disk::default(), &[]);
+        let t = schedule(0.0, &[LEG; 3], how, (&mut Disk::default(), 0), &[]);
         let expect = |i: f64| Timed {
             read: (6.0 * i, 6.0 * i + 3.0),
             update: (6.0 * i + 3.0, 6.0 * i + 4.0),
@@ -296,7 +437,7 @@ mod tests {
             pipeline_read: true,
             pipeline_write: true,
         };
-        let t = schedule(0.0, &[LEG; 4], how, &mut Disk::default(), &[]);
+        let t = schedule(0.0, &[LEG; 4], how, (&mut Disk::default(), 0), &[]);
         // read 0, read 1 (a second set), then write 0 (read 2 waits for its set), then
         // write 1 (ready at 7, before read 2 at 8)
         assert_eq!(t[0].read, (0.0, 3.0));
@@ -315,9 +456,66 @@ mod tests {
             disk: 2.0,
             latency: 1.0,
         };
-        assert_eq!(disk.take(0.0, t), (0.0, 3.0));
+        assert_eq!(disk.take(0.0, t, 0), (0.0, 3.0));
         // the next starts once the disk is free, before the first's latency is over
-        assert_eq!(disk.take(0.0, t), (2.0, 5.0));
+        assert_eq!(disk.take(0.0, t, 0), (2.0, 5.0));
+    }
+
+    #[test]
+    fn a_transfer_meeting_another_lanes_shares_the_disk_with_them() {
+        let mut disk = Disk::default();
+        let t = |disk| Transfer { disk, latency: 0.0 };
+        assert_eq!(disk.take(0.0, t(10.0), 0), (0.0, 10.0));
+        // lane 1's second of bytes at half the disk's rate beside lane 0's transfer,
+        // not after it; lane 0's keeps its time
+        assert_eq!(disk.take(2.0, t(1.0), 1), (2.0, 4.0));
+        // lane 0's own transfers go one after another, whole: the next after the first
+        let (start, end) = disk.take(2.0, t(2.0), 0);
+        assert_eq!(start, 10.0);
+        // the second lane 1 took beside the first is owed from then: shared
+        assert_eq!(end, 12.5);
+        // beside two other lanes' transfers: a third of the disk's rate
+        let mut disk = Disk::default();
+        disk.take(0.0, t(10.0), 0);
+        disk.take(0.0, t(10.0), 1);
+        assert_eq!(disk.take(1.0, t(1.0), 2), (1.0, 4.0));
+    }
+
+    #[test]
+    fn a_shared_disk_moves_no_more_than_its_rate_and_no_transfer_waits_longer_for_it() {
+        // transfers of three lanes at odd times: each one's data is in no later than the
+        // disk's first free stretch for its bytes (and its lane) would have it, and the
+        // disk's time taken is the bytes' own
+        let mut disk = Disk::default();
+        let mut work = 0.0;
+        for i in 0..60 {
+            let ready = f64::from(i * 7 % 23) * 0.37 + f64::from(i) * 0.1;
+            let seconds = 0.2 + f64::from(i * 5 % 11) * 0.13;
+            let lane = (i % 3) as usize;
+            let alone = disk.free(ready, seconds, Some(lane)) + seconds;
+            let (start, end) = disk.take(
+                ready,
+                Transfer {
+                    disk: seconds,
+                    latency: 0.0,
+                },
+                lane,
+            );
+            assert!(start >= ready && end <= alone, "{i}: {start} {end} {alone}");
+            work += seconds;
+        }
+        let taken: f64 = disk.busy.iter().map(|(a, b)| b - a).sum();
+        assert!((taken - work).abs() < 1e-9, "{taken} {work}");
+        assert!(disk.busy.windows(2).all(|w| w[0].1 <= w[1].0));
+        // a lane's data is in flight one transfer at a time
+        for lane in 0..3 {
+            let mut own: Vec<_> = disk.held.iter().filter(|h| h.lane == lane).collect();
+            own.sort_by(|a, b| a.start.total_cmp(&b.start));
+            assert!(
+                own.windows(2).all(|w| w[0].end <= w[1].start + 1e-9),
+                "lane {lane}"
+            );
+        }
     }
 
     #[test]
@@ -327,11 +525,11 @@ mod tests {
             pipeline_read: true,
             pipeline_write: true,
         };
-        let t = schedule(1.0, &[LEG; 3], how, &mut Disk::default(), &[]);
+        let t = schedule(1.0, &[LEG; 3], how, (&mut Disk::default(), 0), &[]);
         // after the last read was submitted, once the second sub-group's write freed its set
         assert_eq!(next_read_ready(1.0, &t, how), t[2].read.0.max(t[1].write.1));
         // one sub-group of two sets: from the run's start
-        let one = schedule(1.0, &[LEG], how, &mut Disk::default(), &[]);
+        let one = schedule(1.0, &[LEG], how, (&mut Disk::default(), 0), &[]);
         assert_eq!(next_read_ready(1.0, &one, how), 1.0);
     }
 }

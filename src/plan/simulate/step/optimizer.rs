@@ -187,13 +187,14 @@ impl Replay<'_> {
                     && self.aheads.is_empty())
                 .then(|| 3 * round_4k(swap_chunk.min(next_len) * 4));
                 let disk = self.clocks.disk(Track::Optimizer);
-                let timed = schedule(start, &legs, how, disk, &ends);
+                let lane = Track::Optimizer.index();
+                let timed = schedule(start, &legs, how, (&mut *disk, lane), &ends);
                 // the next unit's first state, read ahead once this run's reads are
                 // submitted and a buffer set is free, after this run's legs on the
                 // disk (`pipeline::nvme_adam_step_then`)
                 let next = next_bytes.map(|bytes| {
                     let ready = next_read_ready(start, &timed, how);
-                    (disk.take(ready, self.costs.read_ahead(bytes)), bytes)
+                    (disk.take(ready, self.costs.read_ahead(bytes), lane), bytes)
                 });
                 if let Some((span, bytes)) = next {
                     self.clocks
@@ -255,7 +256,10 @@ impl Replay<'_> {
             .collect();
         for (u, i, bytes) in groups {
             let read = self.costs.read_ahead(bytes);
-            let span = self.clocks.disk(Track::Optimizer).take(at, read);
+            let span = self
+                .clocks
+                .disk(Track::Optimizer)
+                .take(at, read, Track::Optimizer.index());
             self.aheads.push_back((u, i, span.1));
             self.clocks
                 .beside(Track::Optimizer, ("nvme_read", Some(u)), span, bytes);
