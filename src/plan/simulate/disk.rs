@@ -20,8 +20,8 @@
 //! A sub-group's read waits for a free buffer set (the write `sets` sub-groups back) and,
 //! without `pipeline_read`, for the update before it (and, without `pipeline_write`, its
 //! write); its update waits for its read, the update before it and, without
-//! `pipeline_write`, the write before it; its write for its update. Reads and writes
-//! share the disk: it serves one transfer at a time, the one ready first (a write on a
+//! `pipeline_write`, the write before it; its write for its update. Its reads and writes
+//! take the disk in turn (one lane): one transfer at a time, the one ready first (a write on a
 //! tie: it frees a buffer set), as a drive's mixed load measured here does within a few
 //! per cent (`fio` on this VM's disk, 1 MiB at depth 32: read alone 1.49 GB/s, write
 //! alone 4.05; together 1.46 and 0.59, 1.12 of the disk's time in all).
@@ -58,14 +58,14 @@ pub struct Disk {
 }
 
 impl Disk {
-    /// The first stretch of `seconds` from `ready` on that the disk has free and, for
-    /// `lane` (when given), that none of the lane's own transfers is in flight.
-    fn free(&self, ready: f64, seconds: f64, lane: Option<usize>) -> f64 {
+    /// The first stretch of `seconds` from `ready` on that the disk has free and in
+    /// which none of `lane`'s own transfers is in flight.
+    fn free(&self, ready: f64, seconds: f64, lane: usize) -> f64 {
         let near = self.near(ready);
         let own = |from: f64, to: f64| {
-            let lane = lane?;
             near.iter()
-                .filter(|h| h.lane == lane && h.start < to && h.end > from)
+                .take_while(|h| h.start < to)
+                .filter(|h| h.lane == lane && h.end > from)
                 .map(|h| h.end)
                 .reduce(f64::max)
         };
@@ -86,19 +86,10 @@ impl Disk {
         }
     }
 
-    /// What holds the disk from `from` on (and a little before).
+    /// What holds the disk from `from` on: every holder from the first that can still be
+    /// in flight then (one starting the longest hold before it) to the last.
     fn near(&self, from: f64) -> &[Held] {
         &self.held[self.held.partition_point(|h| h.start < from - self.longest)..]
-    }
-
-    /// Places a transfer of `seconds` that is ready at `ready` in the first stretch from
-    /// then on that the disk has free; returns its (start, end).
-    pub fn place(&mut self, ready: f64, seconds: f64) -> (f64, f64) {
-        if seconds <= 0.0 {
-            return (ready, ready);
-        }
-        let start = self.free(ready, seconds, None);
-        self.occupy(start, seconds)
     }
 
     fn occupy(&mut self, start: f64, seconds: f64) -> (f64, f64) {
@@ -112,28 +103,28 @@ impl Disk {
     }
 
     /// Places `transfer` of `lane`, ready at `ready`; returns when its data was in
-    /// flight, its latency included. Its bytes take the disk's first free stretch from
-    /// then on, as [`Disk::place`]. Where that stretch is later than the data would be in
-    /// by sharing the disk with other lanes' transfers, as a drive serves several queues
-    /// at once, the data comes in as shared: an equal part of the disk's rate beside
-    /// each transfer in flight (a lane's own go one after another, whole). Those placed
-    /// before keep their times (the replay has gone on from them), and the bytes' own
-    /// stretch, kept later, is what they would have lost: whoever meets it shares the
-    /// disk with it. The disk moves no more bytes than its rate allows.
+    /// flight, its latency included. Its bytes take the disk's first stretch from then
+    /// on that is free and that none of the lane's own transfers holds (a lane's go one
+    /// after another, whole). Where that stretch is later than the data would be in by
+    /// sharing the disk with other lanes' transfers, as a drive serves several queues at
+    /// once, the data comes in as shared: an equal part of the disk's rate beside each
+    /// transfer in flight. Those placed before keep their times (the replay has gone on
+    /// from them), and the bytes' own stretch, kept later, is what they would have lost:
+    /// whoever meets it shares the disk with it. Over a step the disk moves no more
+    /// bytes than its rate allows; while a transfer shares it, more.
     pub fn take(&mut self, ready: f64, transfer: Transfer, lane: usize) -> (f64, f64) {
         let seconds = transfer.disk;
-        if seconds <= 0.0 {
+        if seconds.is_nan() || seconds <= 0.0 {
             return (ready, ready + transfer.latency);
         }
-        let start = self.free(ready, seconds, Some(lane));
+        debug_assert!(seconds.is_finite(), "a transfer of {seconds} s on the disk");
+        let start = self.free(ready, seconds, lane);
         let fifo = (start, start + seconds);
         let data = self.shared(ready, seconds, lane, fifo.1).unwrap_or(fifo);
         self.occupy(start, seconds);
         self.hold(data.0, data.1, lane);
-        // the disk's time the bytes took that their data did not span: owed
-        if fifo.0 < data.0 {
-            self.hold(fifo.0, fifo.1.min(data.0), OWED);
-        }
+        // the disk's time the bytes took that their data did not span (its data ends
+        // no later and spans at least as long: what is owed follows it): owed
         if fifo.1 > data.1 {
             self.hold(fifo.0.max(data.1), fifo.1, OWED);
         }
@@ -147,14 +138,15 @@ impl Disk {
         let at = self.held.partition_point(|h| h.start <= start);
         self.held.insert(at, Held { start, end, lane });
         self.longest = self.longest.max(end - start);
-        if self.held.len() > 2 * KEPT {
-            self.held.drain(..KEPT);
+        // up to three holders a transfer: as many transfers as the disk's stretches
+        if self.held.len() > 6 * KEPT {
+            self.held.drain(..3 * KEPT);
         }
     }
 
     /// When `seconds` of the disk's time for `lane`, ready at `ready`, would be in,
-    /// sharing the disk equally with what holds it, if before `until`; a lane's own
-    /// transfers are waited for whole.
+    /// sharing the disk equally with what holds it, if no later than `until`; a lane's
+    /// own transfers are waited for whole.
     fn shared(&self, ready: f64, seconds: f64, lane: usize, until: f64) -> Option<(f64, f64)> {
         let near = self.near(ready);
         let near = &near[..near.partition_point(|h| h.start < until)];
@@ -190,7 +182,7 @@ impl Disk {
                 let share = 1.0 / f64::from(1 + others);
                 let next = time.min(until);
                 if (next - at) * share >= left {
-                    return Some((from, at + left / share));
+                    return Some((from, (at + left / share).min(until)));
                 }
                 left -= (next - at) * share;
                 at = next;
@@ -399,15 +391,25 @@ mod tests {
     #[test]
     fn a_transfer_takes_the_first_free_stretch_of_the_disk_from_when_it_is_ready() {
         let mut disk = Disk::default();
-        assert_eq!(disk.place(0.0, 2.0), (0.0, 2.0));
-        assert_eq!(disk.place(5.0, 1.0), (5.0, 6.0));
+        let mut place = |ready, disk_s| {
+            disk.take(
+                ready,
+                Transfer {
+                    disk: disk_s,
+                    latency: 0.0,
+                },
+                0,
+            )
+        };
+        assert_eq!(place(0.0, 2.0), (0.0, 2.0));
+        assert_eq!(place(5.0, 1.0), (5.0, 6.0));
         // ready before the first ends: after it, in the gap that holds it
-        assert_eq!(disk.place(1.0, 2.0), (2.0, 4.0));
+        assert_eq!(place(1.0, 2.0), (2.0, 4.0));
         // the gap left (4 to 5) is too short: after the last
-        assert_eq!(disk.place(3.0, 1.5), (6.0, 7.5));
-        assert_eq!(disk.place(4.0, 1.0), (4.0, 5.0));
+        assert_eq!(place(3.0, 1.5), (6.0, 7.5));
+        assert_eq!(place(4.0, 1.0), (4.0, 5.0));
         // no time for nothing
-        assert_eq!(disk.place(1.5, 0.0), (1.5, 1.5));
+        assert_eq!(place(1.5, 0.0), (1.5, 1.5));
         // nothing overlaps
         let mut spans = disk.busy.clone();
         spans.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -492,7 +494,7 @@ mod tests {
             let ready = f64::from(i * 7 % 23) * 0.37 + f64::from(i) * 0.1;
             let seconds = 0.2 + f64::from(i * 5 % 11) * 0.13;
             let lane = (i % 3) as usize;
-            let alone = disk.free(ready, seconds, Some(lane)) + seconds;
+            let alone = disk.free(ready, seconds, lane) + seconds;
             let (start, end) = disk.take(
                 ready,
                 Transfer {
