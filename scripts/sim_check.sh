@@ -5,7 +5,8 @@
 # the mean of the two profiles) beside the measurement: step time and each phase's busy
 # time (medians of the steps after the warm-up); each run also times itself on the
 # clocks of the profile measured before it (`train --simulate`, the simulated device
-# running the engine).
+# running the engine), and the disk's rates in the profiles before and after it (this
+# machine's disk drifts by 2-3x within the hour: a gap in the NVMe phases often is that).
 #
 #   scripts/sim_check.sh [STEPS]          (default 6; the first 2 are warm-up)
 #
@@ -125,6 +126,17 @@ print(f"{name}: step {sim['step_s']:.4f} s predicted, {real:.4f} s measured ({si
 if all("simulated" in s for s in steps):
     device = med([s["simulated"]["step_seconds"] for s in steps])
     print(f"  the same run on the simulated device: {device:.4f} s ({device / real - 1:+.0%})")
+# the disk as measured around the run, by file size: this machine's drifts
+def disk(which):
+    try:
+        nvme = json.load(open(f"{work}/profile-{name}-{which}.json"))["nvme"]
+    except (OSError, KeyError, ValueError):
+        return {}
+    return {r["file_bytes"] >> 20: (r["read_gb_s"]["value"], r["write_gb_s"]["value"]) for r in nvme.get("by_file_size", [])}
+before, after = disk("before"), disk("after")
+rows = [f"{mib} MiB read {before[mib][0]:.2f} -> {after[mib][0]:.2f}, write {before[mib][1]:.2f} -> {after[mib][1]:.2f}" for mib in sorted(before) if mib in after]
+if rows:
+    print("  the disk before -> after the run (GB/s): " + "; ".join(rows))
 for phase in ("forward", "backward", "all_gather", "reduce", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer"):
     r = med([s["breakdown"]["seconds"].get(phase, 0.0) for s in steps])
     p = sim["phases"].get(phase, 0.0)
