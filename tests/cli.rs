@@ -110,6 +110,20 @@ fn bench_adam_reports_against_its_roofline() {
     }
     assert_eq!(v["bytes_per_param"], 28);
     assert_eq!(v["grad_dtype"], "bf16");
+    assert_eq!(v["copy_dtype"], "bf16");
+    // an fp32 run's update writes its parameters' copy in fp32: with the fp32 gradient,
+    // 4 × 4 read and 4 × 4 written a parameter
+    let out = tierzero()
+        .args(["bench", "adam", "--params", "300000", "--repeats", "1", "--json"])
+        .args(["--copy-dtype", "fp32"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (v["bytes_per_param"].as_u64(), v["copy_dtype"].as_str()),
+        (Some(32), Some("fp32"))
+    );
 }
 
 /// `bench unit` times a block as the engine computes it beside torch with a tensor per

@@ -2,7 +2,8 @@
 //!
 //! The limit is measured in the same run, with the same threads and arrays: a sweep that
 //! makes exactly the AdamW kernel's memory traffic (read master, exp_avg, exp_avg_sq and
-//! the gradient; write master, both moments and the low-precision copy) with trivial
+//! the gradient; write master, both moments and the parameters' copy, bf16 or, as an
+//! fp32 run's update writes it, fp32) with trivial
 //! arithmetic ([`tierzero_offload::adam::roofline_sweep`]). Roofline and AdamW sweeps
 //! alternate so that both see the same machine state; medians are reported.
 
@@ -18,6 +19,8 @@ pub struct AdamBenchArgs {
     pub params: usize,
     pub threads: usize,
     pub grad_bf16: bool,
+    /// The new parameters' copy in fp32, as an fp32 run's update writes it (else bf16).
+    pub copy_fp32: bool,
     pub kernel: Kernel,
     pub repeats: usize,
 }
@@ -26,6 +29,7 @@ pub struct AdamBenchArgs {
 pub struct AdamBenchReport {
     pub kernel: String,
     pub grad_dtype: String,
+    pub copy_dtype: String,
     pub params: usize,
     pub threads: usize,
     pub repeats: usize,
@@ -52,6 +56,7 @@ struct Arrays {
     grad_f32: AlignedBuf<f32>,
     grad_bf16: AlignedBuf<u16>,
     low: AlignedBuf<u16>,
+    low_f32: AlignedBuf<f32>,
 }
 
 impl Arrays {
@@ -65,7 +70,11 @@ impl Arrays {
             } else {
                 GradSlice::F32(&self.grad_f32)
             },
-            low: LowPrecisionOut::Bf16(&mut self.low),
+            low: if self.low.is_empty() {
+                LowPrecisionOut::F32(&mut self.low_f32)
+            } else {
+                LowPrecisionOut::Bf16(&mut self.low)
+            },
         }
     }
 }
@@ -89,7 +98,8 @@ pub fn run(args: &AdamBenchArgs) -> anyhow::Result<AdamBenchReport> {
         exp_avg_sq: AlignedBuf::zeroed(n)?,
         grad_f32: AlignedBuf::zeroed(grad_f32_len)?,
         grad_bf16: AlignedBuf::zeroed(grad_bf16_len)?,
-        low: AlignedBuf::zeroed(n)?,
+        low: AlignedBuf::zeroed(if args.copy_fp32 { 0 } else { n })?,
+        low_f32: AlignedBuf::zeroed(if args.copy_fp32 { n } else { 0 })?,
     };
     // first touch from the pool's threads; positive gradients keep exp_avg_sq positive
     // under the roofline's adds
@@ -154,10 +164,11 @@ pub fn run(args: &AdamBenchArgs) -> anyhow::Result<AdamBenchReport> {
             passes_times.push(passes);
         }
     }
+    let copy = if args.copy_fp32 { 4 } else { 2 };
     let bytes_per_param = if args.grad_bf16 {
-        4 * 3 + 2 + 4 * 3 + 2
+        4 * 3 + 2 + 4 * 3 + copy
     } else {
-        4 * 4 + 4 * 3 + 2
+        4 * 4 + 4 * 3 + copy
     };
     let adam_seconds = median(adam_times);
     let roofline_seconds = median(roofline_times);
@@ -165,6 +176,7 @@ pub fn run(args: &AdamBenchArgs) -> anyhow::Result<AdamBenchReport> {
     Ok(AdamBenchReport {
         kernel: args.kernel.name().into(),
         grad_dtype: if args.grad_bf16 { "bf16" } else { "fp32" }.into(),
+        copy_dtype: if args.copy_fp32 { "fp32" } else { "bf16" }.into(),
         params: n,
         threads: args.threads,
         repeats: args.repeats,
@@ -183,9 +195,10 @@ pub fn run(args: &AdamBenchArgs) -> anyhow::Result<AdamBenchReport> {
 impl AdamBenchReport {
     pub fn human(&self) -> String {
         format!(
-            "adam  kernel {:<8} grad {:<4} params {:>11} threads {:>2}  {:>8.3} Gparams/s  {:>6.2} GB/s  roofline {:>6.2} GB/s  ratio {:.3}",
+            "adam  kernel {:<8} grad {:<4} copy {:<4} params {:>11} threads {:>2}  {:>8.3} Gparams/s  {:>6.2} GB/s  roofline {:>6.2} GB/s  ratio {:.3}",
             self.kernel,
             self.grad_dtype,
+            self.copy_dtype,
             self.params,
             self.threads,
             self.params_per_s / 1e9,

@@ -444,10 +444,17 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
         )?),
         ..nvme
     };
+    // the parameters' copy as the first config's update writes it
+    let copy_fp32 = plans[0].precision == crate::plan::Precision::Fp32;
+    let adam_flags = format!(
+        "--params 2e7 --threads {cores}{}",
+        if copy_fp32 { " --copy-dtype fp32" } else { "" }
+    );
     let adam = adam_bench(&AdamBenchArgs {
         params: 20_000_000,
         threads: cores,
         grad_bf16: false,
+        copy_fp32,
         kernel: tierzero_offload::adam::Kernel::detect(),
         repeats: 3,
     })?;
@@ -475,12 +482,12 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
         cpu_adam: CpuAdam {
             params_per_s: Figure::new(
                 adam.params_per_s,
-                format!("`tierzero bench adam --params 20M --threads {cores}`, kernel {}", adam.kernel),
+                format!("`tierzero bench adam {adam_flags}`, kernel {}", adam.kernel),
             ),
             summed_params_per_s: Some(Figure::new(
                 adam.params as f64 / adam.summed_seconds,
                 format!(
-                    "`tierzero bench adam --params 20M --threads {cores}`, kernel {}: the sweep summing its state (the NVMe pipeline's)",
+                    "`tierzero bench adam {adam_flags}`, kernel {}: the sweep summing its state (the NVMe pipeline's)",
                     adam.kernel
                 ),
             )),

@@ -35,6 +35,9 @@ pub enum Bench {
         threads: Option<usize>,
         #[arg(long, value_enum, default_value = "fp32")]
         grad_dtype: GradDtype,
+        /// The new parameters' copy the update writes (an fp32 run's is fp32).
+        #[arg(long, value_enum, default_value = "bf16")]
+        copy_dtype: GradDtype,
         #[arg(long, value_enum, default_value = "auto")]
         kernel: KernelChoice,
         /// Timed repeats after one warm-up round.
@@ -183,6 +186,7 @@ pub fn run(which: Bench) -> Result<(), Failure> {
             params,
             threads,
             grad_dtype,
+            copy_dtype,
             kernel,
             repeats,
             json,
@@ -199,6 +203,7 @@ pub fn run(which: Bench) -> Result<(), Failure> {
                 threads: threads
                     .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
                 grad_bf16: matches!(grad_dtype, GradDtype::Bf16),
+                copy_fp32: matches!(copy_dtype, GradDtype::Fp32),
                 kernel,
                 repeats: repeats.max(1),
             };
