@@ -60,17 +60,18 @@ struct Arrays {
 }
 
 impl Arrays {
-    fn sweep(&mut self, grad_bf16: bool) -> Sweep<'_> {
+    /// The arrays as the sweep of `args`'s gradient and copy types takes them.
+    fn sweep(&mut self, args: &AdamBenchArgs) -> Sweep<'_> {
         Sweep {
             master: &mut self.master,
             exp_avg: &mut self.exp_avg,
             exp_avg_sq: &mut self.exp_avg_sq,
-            grad: if grad_bf16 {
+            grad: if args.grad_bf16 {
                 GradSlice::Bf16(&self.grad_bf16)
             } else {
                 GradSlice::F32(&self.grad_f32)
             },
-            low: if self.low.is_empty() {
+            low: if args.copy_fp32 {
                 LowPrecisionOut::F32(&mut self.low_f32)
             } else {
                 LowPrecisionOut::Bf16(&mut self.low)
@@ -129,19 +130,17 @@ pub fn run(args: &AdamBenchArgs) -> anyhow::Result<AdamBenchReport> {
     let (mut summed_times, mut passes_times) = (Vec::new(), Vec::new());
     for step in 0..=args.repeats {
         let start = Instant::now();
-        pool.install(|| adam::roofline_sweep(args.kernel, arrays.sweep(args.grad_bf16)))?;
+        pool.install(|| adam::roofline_sweep(args.kernel, arrays.sweep(args)))?;
         let roofline = start.elapsed().as_secs_f64();
         let coefficients = hyper.coefficients(step as u64 + 1, 1.0);
         let start = Instant::now();
-        pool.install(|| adam::step_with(args.kernel, &coefficients, arrays.sweep(args.grad_bf16)))?;
+        pool.install(|| adam::step_with(args.kernel, &coefficients, arrays.sweep(args)))?;
         let adam = start.elapsed().as_secs_f64();
         let start = Instant::now();
-        pool.install(|| {
-            adam::step_summed_with(args.kernel, &coefficients, arrays.sweep(args.grad_bf16), true)
-        })?;
+        pool.install(|| adam::step_summed_with(args.kernel, &coefficients, arrays.sweep(args), true))?;
         let summed = start.elapsed().as_secs_f64();
         let start = Instant::now();
-        let sweep = arrays.sweep(args.grad_bf16);
+        let sweep = arrays.sweep(args);
         let read: Vec<u32> = sweep
             .state_bytes()
             .into_iter()
@@ -149,11 +148,7 @@ pub fn run(args: &AdamBenchArgs) -> anyhow::Result<AdamBenchReport> {
             .map(crc32c::crc32c)
             .collect();
         pool.install(|| adam::step_with(args.kernel, &coefficients, sweep))?;
-        let written: Vec<u32> = arrays
-            .sweep(args.grad_bf16)
-            .state_bytes()
-            .map(crc32c::crc32c)
-            .into();
+        let written: Vec<u32> = arrays.sweep(args).state_bytes().map(crc32c::crc32c).into();
         std::hint::black_box((read, written));
         let passes = start.elapsed().as_secs_f64();
         // the first round warms caches, page tables and the pool

@@ -9,8 +9,9 @@ use std::path::PathBuf;
 use tierzero::bench::adam::{AdamBenchArgs, AdamBenchReport};
 use tierzero_offload::adam::Kernel;
 
+/// The gradient's and the parameters' copy's type in `bench adam`.
 #[derive(Clone, Copy, ValueEnum)]
-pub enum GradDtype {
+pub enum Dtype {
     Fp32,
     Bf16,
 }
@@ -34,10 +35,10 @@ pub enum Bench {
         #[arg(long)]
         threads: Option<usize>,
         #[arg(long, value_enum, default_value = "fp32")]
-        grad_dtype: GradDtype,
+        grad_dtype: Dtype,
         /// The new parameters' copy the update writes (an fp32 run's is fp32).
         #[arg(long, value_enum, default_value = "bf16")]
-        copy_dtype: GradDtype,
+        copy_dtype: Dtype,
         #[arg(long, value_enum, default_value = "auto")]
         kernel: KernelChoice,
         /// Timed repeats after one warm-up round.
@@ -202,8 +203,8 @@ pub fn run(which: Bench) -> Result<(), Failure> {
                 params: params as usize,
                 threads: threads
                     .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
-                grad_bf16: matches!(grad_dtype, GradDtype::Bf16),
-                copy_fp32: matches!(copy_dtype, GradDtype::Fp32),
+                grad_bf16: matches!(grad_dtype, Dtype::Bf16),
+                copy_fp32: matches!(copy_dtype, Dtype::Fp32),
                 kernel,
                 repeats: repeats.max(1),
             };

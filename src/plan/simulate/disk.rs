@@ -92,14 +92,13 @@ impl Disk {
         &self.held[self.held.partition_point(|h| h.start < from - self.longest)..]
     }
 
-    fn occupy(&mut self, start: f64, seconds: f64) -> (f64, f64) {
-        let end = start + seconds;
+    /// Takes the disk's time from `start` to `end` for a transfer's bytes.
+    fn occupy(&mut self, start: f64, end: f64) {
         let at = self.busy.partition_point(|&(a, _)| a < start);
         self.busy.insert(at, (start, end));
         if self.busy.len() > 2 * KEPT {
             self.busy.drain(..KEPT);
         }
-        (start, end)
     }
 
     /// Places `transfer` of `lane`, ready at `ready`; returns when its data was in
@@ -121,7 +120,7 @@ impl Disk {
         let start = self.free(ready, seconds, lane);
         let fifo = (start, start + seconds);
         let data = self.shared(ready, seconds, lane, fifo.1).unwrap_or(fifo);
-        self.occupy(start, seconds);
+        self.occupy(fifo.0, fifo.1);
         self.hold(data.0, data.1, lane);
         // the disk's time the bytes took that their data did not span (its data ends
         // no later and spans at least as long: what is owed follows it): owed
@@ -138,9 +137,10 @@ impl Disk {
         let at = self.held.partition_point(|h| h.start <= start);
         self.held.insert(at, Held { start, end, lane });
         self.longest = self.longest.max(end - start);
-        // up to three holders a transfer: as many transfers as the disk's stretches
-        if self.held.len() > 6 * KEPT {
-            self.held.drain(..3 * KEPT);
+        // up to two holders a transfer (its data, what it owes): as many transfers as
+        // the disk's stretches
+        if self.held.len() > 4 * KEPT {
+            self.held.drain(..2 * KEPT);
         }
     }
 
