@@ -127,6 +127,31 @@ fn prefetch_hides_gathers_that_no_prefetch_exposes() {
     assert!(ahead.step_s < none.step_s);
 }
 
+/// The ranks' compute drifts apart between their meetings: a profile that measured each
+/// rank's own compute faster than the pace the ranks keep together (`bench profile`'s
+/// `own_flops_per_s`) prices compute at the own rate, and the rank ahead waits for the
+/// others inside the next collective, as a run times it: less compute, more collective
+/// time. One rank meets nobody: its pace is its own.
+#[test]
+fn the_rank_ahead_waits_for_the_others_inside_the_collectives() {
+    let gpu = Profile::load("h100-pcie5").unwrap();
+    let mut drifting = gpu.clone();
+    for rate in &mut drifting.compute.rates {
+        rate.own_flops_per_s = Some(1.25 * rate.flops_per_s);
+    }
+    let phase = |s: &Simulation, name: &str| s.phases.get(name).copied().unwrap_or(0.0);
+    let two = plan_on("llama-13b-2gpu-cpu.json", &[], &gpu);
+    let (paced, own) = (simulate(&two, &gpu), simulate(&two, &drifting));
+    for compute in ["forward", "backward"] {
+        assert!(phase(&own, compute) < phase(&paced, compute), "{compute}");
+    }
+    // a gather here waits for its shard's copy longer than for the others (`ready`)
+    assert!(phase(&own, "all_gather") >= phase(&paced, "all_gather"));
+    assert!(phase(&own, "reduce") > phase(&paced, "reduce"));
+    let one = plan_on("llama-1b-1gpu-cpu.json", &[], &gpu);
+    assert_eq!(simulate(&one, &drifting).step_s, simulate(&one, &gpu).step_s);
+}
+
 /// `plan --simulate` on the 70B config over 8 GPUs: a whole step replayed without a GPU,
 /// its figures finite, its trace a track per lane.
 #[test]
@@ -339,6 +364,11 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     let gpu = Profile::load("h100-pcie5").unwrap();
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
+    // each rank's own compute a fifth faster than the ranks' pace: the rank ahead waits
+    // at each collective (`Costs::lag`), on the device's streams as in the replay
+    for rate in &mut cpu.compute.rates {
+        rate.own_flops_per_s = Some(1.25 * rate.flops_per_s);
+    }
     let variants: [&[&str]; 31] = [
         &[],
         &[

@@ -43,7 +43,19 @@ fn compute_rates(plan: &Plan, overhead: f64) -> anyhow::Result<Vec<Rate>> {
         let device = plan.train.compute_device(plan.train.local_ranks().start + r);
         one_rank_rates(plan, (threads, device), overhead, meeting)
     });
-    results.into_iter().next().unwrap_or_else(|| Ok(Vec::new()))
+    // the pace is every rank's; each rank's own time is its own: their mean
+    let all = results.into_iter().collect::<anyhow::Result<Vec<Vec<Rate>>>>()?;
+    let mut rates = all.first().cloned().unwrap_or_default();
+    for (i, rate) in rates.iter_mut().enumerate() {
+        let per_flop: Vec<f64> = all
+            .iter()
+            .filter_map(|r| r.get(i)?.own_flops_per_s.map(|own| 1.0 / own))
+            .collect();
+        if !per_flop.is_empty() {
+            rate.own_flops_per_s = Some(per_flop.len() as f64 / per_flop.iter().sum::<f64>());
+        }
+    }
+    Ok(rates)
 }
 
 /// A rank's inputs to its measured pieces: block 1's parameters, an input and an output
@@ -100,24 +112,27 @@ fn one_rank_rates(
     })?;
     let block = model.units[1].numel;
     let seq_len = seq as usize;
+    let ranks = plan.train.devices.max(1);
     let source = |what: &str| {
         format!(
-            "{what} of {} ({} tokens = {rows} × {seq}, hidden {h}) timed by `tierzero bench profile` on {}, {threads} torch threads per rank, {} ranks at once meeting after each run (the slowest sets the pace, as at a run's collectives), the mean of at least {REPEATS} runs and 0.3 s",
+            "{what} of {} ({} tokens = {rows} × {seq}, hidden {h}) timed by `tierzero bench profile` on {}, {threads} torch threads per rank, {} ranks at once meeting after each run (the slowest sets the pace, as at a run's collectives; `own_flops_per_s`: each rank's own runs without its waits, the ranks' mean), the mean of at least {REPEATS} runs and 0.3 s",
             plan.model.source,
             tokens,
             if device.is_cuda() { "the GPU" } else { "the CPU" },
             plan.train.devices
         )
     };
-    let rate = |work: Work, dtype: &str, flops: f64, seconds: f64, what: &str| Rate {
+    // the simulation adds the fixed overhead to every piece: the rate is the rest
+    let rate_of = |flops: f64, seconds: f64| flops / (seconds - overhead).max(0.1 * seconds);
+    let rate = |work: Work, dtype: &str, flops: f64, seconds: Paced, what: &str| Rate {
         work,
         dtype: dtype.to_string(),
         tokens,
         hidden: config.hidden_size,
         vocab: if work == Work::Head { config.vocab_size } else { 0 },
         seq_len,
-        // the simulation adds the fixed overhead to every piece: the rate is the rest
-        flops_per_s: flops / (seconds - overhead).max(0.1 * seconds),
+        flops_per_s: rate_of(flops, seconds.pace),
+        own_flops_per_s: (ranks > 1).then(|| rate_of(flops, seconds.own)),
         source: source(what),
     };
     let dtype = plan.precision.name();
@@ -188,7 +203,7 @@ fn lost_beside_a_thread(plan: &Plan, device: Device) -> anyhow::Result<Option<Fi
 /// their `runs` ([`Meeting::mean_of`]).
 fn ranks_forward(plan: &Plan, device: Device, (ranks, runs): (usize, usize)) -> anyhow::Result<f64> {
     tch::set_num_threads(rank_threads(plan) as i32);
-    let times = on_every_rank(ranks, |_, meeting| -> anyhow::Result<f64> {
+    let times = on_every_rank(ranks, |_, meeting| -> anyhow::Result<Paced> {
         let kind = crate::torch::compute_kind(&plan.precision);
         let model = Model::new(plan.model.config.clone(), kind);
         let (rows, seq) = (plan.batch.micro_batch_per_gpu as i64, plan.data.seq_len as i64);
@@ -211,7 +226,7 @@ fn ranks_forward(plan: &Plan, device: Device, (ranks, runs): (usize, usize)) -> 
     });
     times
         .into_iter()
-        .try_fold(0.0_f64, |slowest, t| Ok(slowest.max(t?)))
+        .try_fold(0.0_f64, |slowest, t| Ok(slowest.max(t?.pace)))
 }
 
 /// Where the measuring ranks' threads meet: a barrier, and a slot to agree on how many
@@ -242,33 +257,52 @@ impl Meeting {
 
     /// The mean seconds of `f` between meetings: every rank runs it `runs` times, meeting
     /// the others after each, as a run's ranks meet at every unit's collectives, so the
-    /// slowest sets the pace. A mean, not a median: a step sums its pieces, the ones the
+    /// slowest sets the pace; beside it, the mean of this rank's own runs, without its
+    /// waits for the others. Means, not medians: a step sums its pieces, the ones the
     /// scheduler cut included. A rank whose `f` fails still meets the others at every
     /// wait, so none waits for it forever, and reports after.
-    fn mean_of(&self, runs: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    fn mean_of(&self, runs: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<Paced> {
         let mut failed = None;
+        let mut own = std::time::Duration::ZERO;
         self.wait();
         let start = std::time::Instant::now();
         for _ in 0..runs {
             if failed.is_none() {
+                let run = std::time::Instant::now();
                 failed = f().err();
+                own += run.elapsed();
             }
             self.wait();
         }
-        failed.map_or(Ok(start.elapsed().as_secs_f64() / runs.max(1) as f64), Err)
+        let runs = runs.max(1) as f64;
+        failed.map_or(
+            Ok(Paced {
+                pace: start.elapsed().as_secs_f64() / runs,
+                own: own.as_secs_f64() / runs,
+            }),
+            Err,
+        )
     }
 
     /// [`Self::mean_of`] after a warm-up, with runs enough for [`super::MIN_SECONDS`]
     /// (at least [`REPEATS`], at most [`super::MAX_REPEATS`]).
-    fn mean_seconds(&self, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    fn mean_seconds(&self, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<Paced> {
         let once = self.mean_of(1, &mut f);
-        let runs = once
-            .as_ref()
-            .map_or(REPEATS, |&t| (super::MIN_SECONDS / t.max(1e-9)).ceil() as usize);
+        let runs = once.as_ref().map_or(REPEATS, |t| {
+            (super::MIN_SECONDS / t.pace.max(1e-9)).ceil() as usize
+        });
         let runs = self.agree(runs.clamp(REPEATS, super::MAX_REPEATS));
         let mean = self.mean_of(runs, &mut f);
         once.and(mean)
     }
+}
+
+/// Mean seconds of a piece the ranks run at once: between their meetings (the pace the
+/// slowest sets) and of one rank's own runs (`own` ≤ `pace`; equal with one rank).
+#[derive(Clone, Copy, Debug)]
+struct Paced {
+    pace: f64,
+    own: f64,
 }
 
 /// `f(rank, meeting)` on a thread of its own for each of `ranks` ranks, the meeting
@@ -705,6 +739,10 @@ mod tests {
         });
         let results: Vec<_> = results.into_iter().map(Result::unwrap).collect();
         assert!(results[0].0.is_ok() && results[2].0.is_ok());
+        for paced in [&results[0].0, &results[2].0].map(|r| r.as_ref().unwrap()) {
+            // a rank's own runs lie within the stretches between the meetings
+            assert!(paced.own <= paced.pace, "{paced:?}");
+        }
         assert_eq!(results[0].1, results[2].1);
         assert!(results[0].1 > REPEATS, "a warm-up and at least {REPEATS} runs");
         let failed = results[1].0.as_ref().unwrap_err().to_string();

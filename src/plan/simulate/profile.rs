@@ -54,8 +54,13 @@ pub struct Rate {
     /// Sequence length the rate was measured at (attention's share grows with it).
     #[serde(default)]
     pub seq_len: usize,
-    /// FLOP/s as `simulate::flops` counts the work.
+    /// FLOP/s as `simulate::flops` counts the work: with several ranks, at the pace they
+    /// keep meeting after each run (the slowest of them each time).
     pub flops_per_s: f64,
+    /// With several ranks, FLOP/s of a rank's own runs, without its waits for the others
+    /// (the ranks' mean): the rest of the pace is what a rank waits at a meeting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub own_flops_per_s: Option<f64>,
     pub source: String,
 }
 
@@ -308,8 +313,20 @@ impl Profile {
     /// The rate of `work` in `dtype` nearest to the shape (tokens, hidden, vocab, seq) in
     /// log space; rates of the other dtype only when the profile has none of this one.
     pub fn rate(&self, work: Work, dtype: &str, shape: Shape) -> f64 {
+        self.nearest(work, dtype, shape).map_or(1.0, |r| r.flops_per_s)
+    }
+
+    /// [`Self::rate`]'s own FLOP/s of one rank (`Rate::own_flops_per_s`, its pace
+    /// where the profile has none).
+    pub fn own_rate(&self, work: Work, dtype: &str, shape: Shape) -> f64 {
+        self.nearest(work, dtype, shape)
+            .map_or(1.0, |r| r.own_flops_per_s.unwrap_or(r.flops_per_s))
+    }
+
+    /// The rate [`Self::rate`] takes.
+    fn nearest<'a>(&'a self, work: Work, dtype: &str, shape: Shape) -> Option<&'a Rate> {
         let dtype = if dtype == "fp16" { "bf16" } else { dtype };
-        let of = |d: &str| -> Vec<&Rate> {
+        let of = |d: &str| -> Vec<&'a Rate> {
             self.compute
                 .rates
                 .iter()
@@ -331,15 +348,12 @@ impl Profile {
                     0.0
                 }
         };
-        let nearest = |rates: Vec<&Rate>| {
+        let nearest = |rates: Vec<&'a Rate>| {
             rates
                 .into_iter()
                 .min_by(|a, b| distance(a).total_cmp(&distance(b)))
-                .map(|r| r.flops_per_s)
         };
-        nearest(of(dtype))
-            .or_else(|| nearest(of(if dtype == "fp32" { "bf16" } else { "fp32" })))
-            .unwrap_or(1.0)
+        nearest(of(dtype)).or_else(|| nearest(of(if dtype == "fp32" { "bf16" } else { "fp32" })))
     }
 
     /// The dense peak MFU is measured against, in the training precision: the profile's

@@ -202,12 +202,15 @@ impl<'a> Replay<'a> {
         if let Some(m) = after {
             self.clocks.wait(Track::Compute, m);
         }
-        let seconds = self.costs.seconds(match work {
+        let work = match work {
             Work::Forward => Cost::Forward(u),
             Work::Backward => Cost::Backward(u),
             Work::Head => Cost::Head,
-        });
-        let phase = if work == Work::Forward {
+        };
+        let seconds = self.costs.seconds(work);
+        self.clocks
+            .behind(Track::Compute, self.costs.lag(work).unwrap_or(0.0));
+        let phase = if matches!(work, Cost::Forward(_)) {
             "forward"
         } else {
             "backward"
@@ -294,7 +297,7 @@ impl<'a> Replay<'a> {
         let bytes = part.padded as u64 * self.p();
         let seconds = self.costs.seconds(Cost::Gather(bytes));
         self.clocks
-            .run(Track::Collectives, "all_gather", Some(u), seconds, bytes)
+            .meeting(Track::Collectives, "all_gather", Some(u), seconds, bytes)
     }
 
     /// The gradient of unit `u` added into its sum over a layered step's micro-batches
@@ -432,7 +435,7 @@ impl<'a> Replay<'a> {
             let bytes = self.parts[u].padded as u64 * self.p();
             let seconds = self.costs.seconds(Cost::Gather(bytes));
             self.clocks
-                .run(Track::Compute, "all_gather", Some(u), seconds, bytes);
+                .meeting(Track::Compute, "all_gather", Some(u), seconds, bytes);
         }
         None
     }
