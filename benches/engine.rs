@@ -10,7 +10,7 @@ use tierzero::comm::local::Local;
 use tierzero::comm::{Collective, ReduceOp};
 use tierzero_offload::adam::{self, AdamHyper, GradSlice, Kernel, LowPrecisionOut, Sweep};
 use tierzero_offload::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
-use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
+use tierzero_offload::nvme::swap::{SwapStore, TensorSpec};
 use tierzero_offload::nvme::{open_engine, EngineChoice, EngineConfig};
 use tierzero_offload::pipeline::{self, PipelineConfig};
 
@@ -131,18 +131,7 @@ fn nvme_pipeline(c: &mut Criterion) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
     let (engine, _) =
         open_engine(dir.path(), EngineConfig::default(), None, EngineChoice::Auto).expect("an engine");
-    let specs: Vec<TensorSpec> = State::OPTIMIZER
-        .into_iter()
-        .map(|state| TensorSpec {
-            key: TensorKey {
-                unit: 0,
-                rank: 0,
-                state,
-            },
-            numel: PARAMS,
-            elem_bytes: 4,
-        })
-        .collect();
+    let specs: Vec<TensorSpec> = TensorSpec::optimizer(0, 0, PARAMS).collect();
     let chunk = PARAMS / 4;
     let store = SwapStore::create(dir.path(), "bench", engine, &specs, chunk).expect("a swap store");
     let pool = pipeline::buffer_pool_for(&store, 2, false).expect("buffers");

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 use tierzero_offload::adam::{self, AdamHyper, GradSlice, LowPrecisionOut, Sweep};
 use tierzero_offload::host::AlignedBuf;
-use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
+use tierzero_offload::nvme::swap::{SwapStore, TensorSpec};
 use tierzero_offload::nvme::{open_engine, EngineChoice, EngineConfig};
 use tierzero_offload::pipeline::{self, PipelineConfig};
 
@@ -58,13 +58,7 @@ pub fn run(args: &SwapBenchArgs) -> anyhow::Result<SwapReport> {
     // is read
     let specs: Vec<TensorSpec> = [0, 1]
         .into_iter()
-        .flat_map(|unit| {
-            State::OPTIMIZER.into_iter().map(move |state| TensorSpec {
-                key: TensorKey { unit, rank: 0, state },
-                numel: n,
-                elem_bytes: 4,
-            })
-        })
+        .flat_map(|unit| TensorSpec::optimizer(unit, 0, n))
         .collect();
     let name = format!(".tierzero-bench-swap-{}", std::process::id());
     let store = SwapStore::create(&args.dir, &name, engine.clone(), &specs, args.sub_group_size)?;
@@ -206,13 +200,7 @@ pub fn transfer_latency(
 ) -> anyhow::Result<TransferLatency> {
     let (io, _) = open_engine(dir, engine, None, EngineChoice::Auto)?;
     let specs: Vec<TensorSpec> = (0..ranks as u32)
-        .flat_map(|rank| {
-            State::OPTIMIZER.into_iter().map(move |state| TensorSpec {
-                key: TensorKey { unit: 0, rank, state },
-                numel: elements,
-                elem_bytes: 4,
-            })
-        })
+        .flat_map(|rank| TensorSpec::optimizer(0, rank, elements))
         .collect();
     let name = format!(".tierzero-bench-latency-{}", std::process::id());
     let store = SwapStore::create(dir, &name, io, &specs, elements)?;
@@ -292,18 +280,7 @@ pub fn pipelined_update(
     calls: usize,
 ) -> anyhow::Result<f64> {
     let (io, _) = open_engine(dir, engine, None, EngineChoice::Auto)?;
-    let specs: Vec<TensorSpec> = State::OPTIMIZER
-        .into_iter()
-        .map(|state| TensorSpec {
-            key: TensorKey {
-                unit: 0,
-                rank: 0,
-                state,
-            },
-            numel: elements,
-            elem_bytes: 4,
-        })
-        .collect();
+    let specs: Vec<TensorSpec> = TensorSpec::optimizer(0, 0, elements).collect();
     let name = format!(".tierzero-bench-update-{}", std::process::id());
     let store = SwapStore::create(dir, &name, io, &specs, chunk)?;
     let pool = pipeline::buffer_pool_for(&store, config.sets, false)?;

@@ -81,6 +81,18 @@ pub struct TensorSpec {
     pub elem_bytes: usize,
 }
 
+impl TensorSpec {
+    /// The fp32 optimizer states ([`State::OPTIMIZER`]) of `numel` elements each of
+    /// (`unit`, `rank`).
+    pub fn optimizer(unit: u32, rank: u32, numel: usize) -> impl Iterator<Item = TensorSpec> {
+        State::OPTIMIZER.into_iter().map(move |state| TensorSpec {
+            key: TensorKey { unit, rank, state },
+            numel,
+            elem_bytes: 4,
+        })
+    }
+}
+
 #[derive(Debug)]
 struct Extent {
     file: Arc<BlockFile>,

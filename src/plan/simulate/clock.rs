@@ -161,8 +161,7 @@ impl Clocks {
     pub fn meeting(
         &mut self,
         track: Track,
-        what: &'static str,
-        unit: Option<usize>,
+        (what, unit): (&'static str, Option<usize>),
         seconds: f64,
         bytes: u64,
     ) -> Mark {
@@ -336,17 +335,17 @@ mod tests {
         assert_eq!((issued.at, issued.lag), (2.0, 0.5));
         // the lane's gather waits for them inside the collective, not before it
         c.wait(Track::Collectives, issued);
-        let gathered = c.meeting(Track::Collectives, "all_gather", Some(2), 1.0, 8);
+        let gathered = c.meeting(Track::Collectives, ("all_gather", Some(2)), 1.0, 8);
         assert_eq!((gathered.at, gathered.lag), (3.5, 0.0));
         let gather = c.spans().iter().find(|s| s.what == "all_gather").unwrap();
         assert_eq!((gather.start, gather.end), (2.0, 3.5));
         // the next one on the lane meets them where it is
-        assert_eq!(c.meeting(Track::Collectives, "reduce", Some(2), 1.0, 8).at, 4.5);
+        assert_eq!(c.meeting(Track::Collectives, ("reduce", Some(2)), 1.0, 8).at, 4.5);
         // work that is not a collective does not wait for them
         c.wait(Track::H2d, issued);
         assert_eq!(c.run(Track::H2d, "h2d", Some(2), 1.0, 8).at, 3.0);
         // a collective on the compute track itself meets them its lag later, once
-        assert_eq!(c.meeting(Track::Compute, "reduce", None, 1.0, 0).at, 3.5);
-        assert_eq!(c.meeting(Track::Compute, "reduce", None, 1.0, 0).at, 4.5);
+        assert_eq!(c.meeting(Track::Compute, ("reduce", None), 1.0, 0).at, 3.5);
+        assert_eq!(c.meeting(Track::Compute, ("reduce", None), 1.0, 0).at, 4.5);
     }
 }

@@ -297,7 +297,7 @@ impl<'a> Replay<'a> {
         let bytes = part.padded as u64 * self.p();
         let seconds = self.costs.seconds(Cost::Gather(bytes));
         self.clocks
-            .meeting(Track::Collectives, "all_gather", Some(u), seconds, bytes)
+            .meeting(Track::Collectives, ("all_gather", Some(u)), seconds, bytes)
     }
 
     /// The gradient of unit `u` added into its sum over a layered step's micro-batches
@@ -435,7 +435,7 @@ impl<'a> Replay<'a> {
             let bytes = self.parts[u].padded as u64 * self.p();
             let seconds = self.costs.seconds(Cost::Gather(bytes));
             self.clocks
-                .meeting(Track::Compute, "all_gather", Some(u), seconds, bytes);
+                .meeting(Track::Compute, ("all_gather", Some(u)), seconds, bytes);
         }
         None
     }

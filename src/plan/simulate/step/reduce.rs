@@ -93,7 +93,7 @@ impl Replay<'_> {
                 self.clocks.run(Track::Collectives, "d2h", Some(u), pack, bucket);
                 let rs = self.costs.seconds(Cost::Collective(bucket));
                 self.clocks
-                    .meeting(Track::Collectives, "reduce", Some(u), rs, bucket);
+                    .meeting(Track::Collectives, ("reduce", Some(u)), rs, bucket);
             }
             if on_device {
                 let add = self.costs.seconds(Cost::OnDevice(out));
@@ -238,7 +238,7 @@ impl Replay<'_> {
         }
         if self.world() > 1 {
             // the losses' all-reduce meets the other ranks first
-            self.clocks.meeting(Track::Compute, "reduce", None, seconds, 0);
+            self.clocks.meeting(Track::Compute, ("reduce", None), seconds, 0);
         } else {
             self.clocks.run(Track::Compute, "reduce", None, seconds, 0);
         }
