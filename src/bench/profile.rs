@@ -402,11 +402,11 @@ fn copies(threads: usize) -> anyhow::Result<Copies> {
     })
 }
 
-/// Measures this machine: compute at each plan's shapes, copies, collectives between
-/// `ranks` threads, NVMe in `nvme_dir`, the CPU AdamW.
 /// Pipelined NVMe AdamW steps the profile times its update legs over.
 const PIPELINED_CALLS: usize = 3;
 
+/// Measures this machine: compute at each plan's shapes, copies, collectives between
+/// `ranks` threads, NVMe in `nvme_dir`, the CPU AdamW.
 /// `quick` measures the disk on a 256 MiB file (tests) instead of 2 GiB.
 pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::Result<Profile> {
     anyhow::ensure!(

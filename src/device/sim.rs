@@ -84,12 +84,6 @@ struct Clock {
     busy: BTreeMap<&'static str, f64>,
     /// Seconds spent waiting for other streams' marks.
     waited: f64,
-    /// What the other ranks are behind this stream by after its last piece of compute
-    /// (`Costs::lag`; 0 once a collective met them).
-    lag: f64,
-    /// When the other ranks reach this stream's next collective: the latest mark it
-    /// waited for, taken where they were behind, plus that lag.
-    meet: f64,
     /// Every piece of work and wait, when the run writes a trace.
     spans: Option<Vec<Span>>,
 }
@@ -156,24 +150,11 @@ impl SimStream {
     /// Advances the clock by what `work` costs. (A stream's NVMe transfers go one at a
     /// time in its order; streams share no disk, or the clocks would depend on the order
     /// the threads run in: `Clocks::disk_per_track`.)
-    /// A collective starts when the other ranks reach it too (they may be behind this
-    /// one, [`Costs::lag`]): the rank ahead waits inside it, and that is the
-    /// collective's time as a run measures it.
     pub fn run(&self, work: Work) {
         let seconds = self.0.costs.seconds(work);
         let mut clock = self.clock();
         let start = clock.now;
-        let waiting = if Costs::meets(work) {
-            let met = clock.meet.max(start + clock.lag);
-            clock.lag = 0.0;
-            met - start
-        } else {
-            if let Some(lag) = self.0.costs.lag(work) {
-                clock.lag = lag;
-            }
-            0.0
-        };
-        clock.busy_with(work, start, start + waiting + seconds);
+        clock.busy_with(work, start, start + seconds);
     }
 
     /// Seconds `work` takes on this stream's machine.
@@ -219,14 +200,6 @@ impl SimStream {
         }
     }
 
-    /// Later work starts no earlier than `at`, and its next collective no earlier than
-    /// the other ranks reach `at` (`at + lag`).
-    fn wait_until_behind(&self, (at, lag): (f64, f64)) {
-        self.wait_until(at);
-        let mut clock = self.clock();
-        clock.meet = clock.meet.max(at + lag);
-    }
-
     /// Later work starts no earlier than `at`.
     fn wait_until(&self, at: f64) {
         let mut clock = self.clock();
@@ -244,20 +217,14 @@ impl SimStream {
 
     /// A mark of the stream's time now.
     fn point(&self) -> SimMark {
-        let clock = self.clock();
-        SimMark {
-            at: clock.now,
-            lag: clock.lag,
-        }
+        SimMark { at: self.now() }
     }
 }
 
-/// A point in a simulated stream: its virtual time when the mark was taken, and how far
-/// the other ranks were behind it then.
+/// A point in a simulated stream: its virtual time when the mark was taken.
 #[derive(Clone, Copy, Debug)]
 pub struct SimMark {
     at: f64,
-    lag: f64,
 }
 
 impl SimMark {
@@ -265,7 +232,7 @@ impl SimMark {
     /// handed over outside the lanes, as the optimizer thread's updates are).
     pub fn wait_here(self) {
         if let Some(stream) = entered() {
-            stream.wait_until_behind((self.at, self.lag));
+            stream.wait_until(self.at);
         }
     }
 }
@@ -305,7 +272,7 @@ impl Stream for SimStream {
             .as_any()
             .downcast_ref::<SimMark>()
             .ok_or(DeviceError::ForeignMark)?;
-        self.wait_until_behind((mark.at, mark.lag));
+        self.wait_until(mark.at);
         Ok(())
     }
 
@@ -497,10 +464,7 @@ mod tests {
         sim.current().unwrap().wait(&mark).unwrap();
         assert_eq!(sim.now(), copy.now());
         // a host wait on the compute thread does the same
-        let later = SimMark {
-            at: sim.now() + 1.0,
-            lag: 0.0,
-        };
+        let later = SimMark { at: sim.now() + 1.0 };
         later.synchronize().unwrap();
         assert_eq!(sim.now(), copy.now() + 1.0);
     }

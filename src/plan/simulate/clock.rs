@@ -68,9 +68,6 @@ impl Track {
 pub struct Mark {
     pub at: f64,
     pub track: Track,
-    /// How far the other ranks were behind the track when the mark was taken (the
-    /// track's lag, [`Clocks::behind`]).
-    pub lag: f64,
 }
 
 /// A piece of work or a wait on a track, in virtual seconds.
@@ -92,12 +89,6 @@ pub struct Span {
 #[derive(Clone, Debug)]
 pub struct Clocks {
     now: [f64; 7],
-    /// Each track's lag: what the other ranks are behind it by after its last piece of
-    /// compute (`Costs::lag`; 0 once a collective met them).
-    lag: [f64; 7],
-    /// When the other ranks reach each track's next collective: the latest mark the
-    /// track waited for plus that mark's lag.
-    meet: [f64; 7],
     spans: Vec<Span>,
     /// The disk every track's NVMe transfers share, each track's one at a time
     /// (`disk::Disk`, the track its lane); or,
@@ -109,8 +100,6 @@ impl Default for Clocks {
     fn default() -> Clocks {
         Clocks {
             now: [0.0; 7],
-            lag: [0.0; 7],
-            meet: [0.0; 7],
             spans: Vec::new(),
             disks: vec![Disk::default()],
         }
@@ -144,32 +133,7 @@ impl Clocks {
         Mark {
             at: self.now(track),
             track,
-            lag: self.lag[track.index()],
         }
-    }
-
-    /// The other ranks are `lag` behind `track` from here (its next piece of compute's
-    /// `Costs::lag`), until a collective meets them.
-    pub fn behind(&mut self, track: Track, lag: f64) {
-        self.lag[track.index()] = lag;
-    }
-
-    /// Queues a collective on `track`: it starts when the other ranks reach it too,
-    /// which may be later than the track (they were behind the mark it waited for, or
-    /// behind the track itself); the rank ahead waits inside it, and that is the
-    /// collective's time, as a run measures it. Returns the mark of its end.
-    pub fn meeting(
-        &mut self,
-        track: Track,
-        (what, unit): (&'static str, Option<usize>),
-        seconds: f64,
-        bytes: u64,
-    ) -> Mark {
-        let i = track.index();
-        let start = self.now[i];
-        let met = self.meet[i].max(start + self.lag[i]);
-        self.lag[i] = 0.0;
-        self.run(track, what, unit, met - start + seconds, bytes)
     }
 
     /// Queues `seconds` of work on `track`; returns the mark of its end.
@@ -236,11 +200,7 @@ impl Clocks {
                 ahead,
             });
         }
-        Mark {
-            at: end,
-            track,
-            lag: self.lag[i],
-        }
+        Mark { at: end, track }
     }
 
     /// Work of `track`'s from `start` to `end` that the track does not wait for (reads
@@ -260,7 +220,6 @@ impl Clocks {
     /// Later work on `track` starts no earlier than `mark`.
     pub fn wait(&mut self, track: Track, mark: Mark) {
         let i = track.index();
-        self.meet[i] = self.meet[i].max(mark.at + mark.lag);
         if mark.at > self.now[i] {
             self.spans.push(Span {
                 track,
@@ -323,29 +282,5 @@ mod tests {
         c.wait(Track::Compute, copied);
         assert_eq!(c.now(Track::Compute), 3.0);
         assert_eq!(c.end(), 3.0);
-    }
-
-    #[test]
-    fn a_collective_starts_when_the_ranks_behind_reach_it() {
-        let mut c = Clocks::default();
-        // the other ranks end this forward 0.5 s after this one
-        c.behind(Track::Compute, 0.5);
-        c.run(Track::Compute, "forward", Some(1), 2.0, 0);
-        let issued = c.mark(Track::Compute);
-        assert_eq!((issued.at, issued.lag), (2.0, 0.5));
-        // the lane's gather waits for them inside the collective, not before it
-        c.wait(Track::Collectives, issued);
-        let gathered = c.meeting(Track::Collectives, ("all_gather", Some(2)), 1.0, 8);
-        assert_eq!((gathered.at, gathered.lag), (3.5, 0.0));
-        let gather = c.spans().iter().find(|s| s.what == "all_gather").unwrap();
-        assert_eq!((gather.start, gather.end), (2.0, 3.5));
-        // the next one on the lane meets them where it is
-        assert_eq!(c.meeting(Track::Collectives, ("reduce", Some(2)), 1.0, 8).at, 4.5);
-        // work that is not a collective does not wait for them
-        c.wait(Track::H2d, issued);
-        assert_eq!(c.run(Track::H2d, "h2d", Some(2), 1.0, 8).at, 3.0);
-        // a collective on the compute track itself meets them its lag later, once
-        assert_eq!(c.meeting(Track::Compute, ("reduce", None), 1.0, 0).at, 3.5);
-        assert_eq!(c.meeting(Track::Compute, ("reduce", None), 1.0, 0).at, 4.5);
     }
 }

@@ -353,17 +353,12 @@ impl Costs {
         }
     }
 
-    /// Seconds of a unit's forward or backward, or the head, on the compute stream.
-    /// Unit `u`'s `kernel` on one rank: its own time (the ranks' pace less what a rank
-    /// waits at the next meeting, [`Costs::lag`]).
+    /// Seconds of a unit's forward or backward, or the head, on the compute stream. With
+    /// several ranks, at a rank's own rate (`Rate::own_flops_per_s`, where the profile
+    /// has it): a run's ranks do not meet after every piece as the profile's do, where
+    /// the slowest sets each piece's pace (see `bench profile`; their drift at a run's
+    /// collectives is not priced).
     fn compute(&self, u: usize, kernel: Kernel) -> f64 {
-        self.compute_at(u, kernel).0
-    }
-
-    /// Unit `u`'s `kernel`: (one rank's own seconds, the seconds at the pace the ranks
-    /// keep, the slowest of them setting it each time; equal with one rank or where the
-    /// profile measured no rank's own time).
-    fn compute_at(&self, u: usize, kernel: Kernel) -> (f64, f64) {
         let c = &self.plan.model.config;
         let (tokens, seq) = (self.tokens(), self.plan.data.seq_len);
         let dtype = self.plan.precision.name();
@@ -381,9 +376,8 @@ impl Costs {
             } else {
                 0
             };
-            let seconds = (overhead + Self::seconds_at(bytes, self.profile.copies.device_to_device.value))
+            return (overhead + Self::seconds_at(bytes, self.profile.copies.device_to_device.value))
                 * self.stretch(u, kernel);
-            return (seconds, seconds);
         } else if kernel == Kernel::Forward {
             (flops::block_forward(c, numel, tokens, seq), kernel, dtype)
         } else if rules::keeps_activations(&self.plan, u) {
@@ -392,33 +386,12 @@ impl Costs {
             (flops::block_backward(c, numel, tokens, seq), kernel, dtype)
         };
         let shape = self.shape(tokens);
-        let at = |rate: f64| (overhead + flops / rate) * self.stretch(u, kernel);
-        let pace = at(self.profile.rate(kernel, dtype, shape));
-        if self.plan.world_size < 2 {
-            return (pace, pace);
-        }
-        let own = at(self.profile.own_rate(kernel, dtype, shape)).min(pace);
-        (own, pace)
-    }
-
-    /// What a rank waits at its next meeting with the others (a collective) after
-    /// `work`, a piece of compute: the pace the ranks keep less its own time, as
-    /// `bench profile` measured them (the ranks' compute drifts apart between meetings,
-    /// and the rank ahead waits inside the collective).
-    /// None for other work.
-    pub fn lag(&self, work: Work) -> Option<f64> {
-        let (own, pace) = match work {
-            Work::Forward(u) => self.compute_at(u, Kernel::Forward),
-            Work::Backward(u) => self.compute_at(u, Kernel::Backward),
-            Work::Head => self.compute_at(self.numels.len() - 1, Kernel::Head),
-            _ => return None,
+        let rate = if self.plan.world_size < 2 {
+            self.profile.rate(kernel, dtype, shape)
+        } else {
+            self.profile.own_rate(kernel, dtype, shape)
         };
-        Some(pace - own)
-    }
-
-    /// Whether `work` is a meeting of the ranks: a collective over the link.
-    pub fn meets(work: Work) -> bool {
-        matches!(work, Work::Collective(_) | Work::Gather(_) | Work::Latency)
+        (overhead + flops / rate) * self.stretch(u, kernel)
     }
 
     /// How much longer unit `u`'s `kernel` takes for the lanes' host work beside it.

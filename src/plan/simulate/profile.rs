@@ -58,7 +58,8 @@ pub struct Rate {
     /// keep meeting after each run (the slowest of them each time).
     pub flops_per_s: f64,
     /// With several ranks, FLOP/s of a rank's own runs, without its waits for the others
-    /// (the ranks' mean): the rest of the pace is what a rank waits at a meeting.
+    /// (the ranks' mean): what compute is priced at, as a run's ranks do not meet after
+    /// every piece.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub own_flops_per_s: Option<f64>,
     pub source: String,
@@ -277,15 +278,15 @@ impl Profile {
                 return Err(invalid(format!("compute.rates has no {work:?} rate")));
             }
         }
-        if let Some(r) = profile
-            .compute
-            .rates
-            .iter()
-            .find(|r| r.flops_per_s.is_nan() || r.flops_per_s <= 0.0)
-        {
+        if let Some(r) = profile.compute.rates.iter().find(|r| {
+            [Some(r.flops_per_s), r.own_flops_per_s]
+                .into_iter()
+                .flatten()
+                .any(|f| f.is_nan() || f <= 0.0)
+        }) {
             return Err(invalid(format!(
-                "compute.rates: {:?} at {} tokens × hidden {} has flops_per_s {} (must be > 0)",
-                r.work, r.tokens, r.hidden, r.flops_per_s
+                "compute.rates: {:?} at {} tokens × hidden {} has flops_per_s {} and own_flops_per_s {:?} (each must be > 0)",
+                r.work, r.tokens, r.hidden, r.flops_per_s, r.own_flops_per_s
             )));
         }
         Ok(profile)

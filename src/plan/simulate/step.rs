@@ -202,15 +202,12 @@ impl<'a> Replay<'a> {
         if let Some(m) = after {
             self.clocks.wait(Track::Compute, m);
         }
-        let work = match work {
+        let seconds = self.costs.seconds(match work {
             Work::Forward => Cost::Forward(u),
             Work::Backward => Cost::Backward(u),
             Work::Head => Cost::Head,
-        };
-        let seconds = self.costs.seconds(work);
-        self.clocks
-            .behind(Track::Compute, self.costs.lag(work).unwrap_or(0.0));
-        let phase = if matches!(work, Cost::Forward(_)) {
+        });
+        let phase = if work == Work::Forward {
             "forward"
         } else {
             "backward"
@@ -297,7 +294,7 @@ impl<'a> Replay<'a> {
         let bytes = part.padded as u64 * self.p();
         let seconds = self.costs.seconds(Cost::Gather(bytes));
         self.clocks
-            .meeting(Track::Collectives, ("all_gather", Some(u)), seconds, bytes)
+            .run(Track::Collectives, "all_gather", Some(u), seconds, bytes)
     }
 
     /// The gradient of unit `u` added into its sum over a layered step's micro-batches
@@ -435,7 +432,7 @@ impl<'a> Replay<'a> {
             let bytes = self.parts[u].padded as u64 * self.p();
             let seconds = self.costs.seconds(Cost::Gather(bytes));
             self.clocks
-                .meeting(Track::Compute, ("all_gather", Some(u)), seconds, bytes);
+                .run(Track::Compute, "all_gather", Some(u), seconds, bytes);
         }
         None
     }

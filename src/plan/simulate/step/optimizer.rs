@@ -88,7 +88,6 @@ impl Replay<'_> {
                 let woken = Mark {
                     at: landed + self.costs.d2h_wait(),
                     track: Track::D2h,
-                    lag: 0.0,
                 };
                 self.clocks.wait(Track::Optimizer, woken);
             }

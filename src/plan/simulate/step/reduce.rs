@@ -92,8 +92,7 @@ impl Replay<'_> {
                 let pack = self.costs.seconds(Cost::OnDevice(bucket));
                 self.clocks.run(Track::Collectives, "d2h", Some(u), pack, bucket);
                 let rs = self.costs.seconds(Cost::Collective(bucket));
-                self.clocks
-                    .meeting(Track::Collectives, ("reduce", Some(u)), rs, bucket);
+                self.clocks.run(Track::Collectives, "reduce", Some(u), rs, bucket);
             }
             if on_device {
                 let add = self.costs.seconds(Cost::OnDevice(out));
@@ -181,7 +180,6 @@ impl Replay<'_> {
             let woken = Mark {
                 at: landed.at + self.costs.d2h_wait(),
                 track: Track::D2h,
-                lag: 0.0,
             };
             self.clocks.wait(track, woken);
         }
@@ -236,12 +234,7 @@ impl Replay<'_> {
             // a gradient that stayed on the device: its Σ g² taken there
             seconds += self.costs.seconds(Cost::OnDevice(4 * self.optimizer_len(u)));
         }
-        if self.world() > 1 {
-            // the losses' all-reduce meets the other ranks first
-            self.clocks.meeting(Track::Compute, ("reduce", None), seconds, 0);
-        } else {
-            self.clocks.run(Track::Compute, "reduce", None, seconds, 0);
-        }
+        self.clocks.run(Track::Compute, "reduce", None, seconds, 0);
         // install_all: every update of the last step is in before this step's goes out
         for u in 0..self.parts.len() {
             self.install(u);
