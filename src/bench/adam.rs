@@ -55,8 +55,38 @@ struct Arrays {
     exp_avg_sq: AlignedBuf<f32>,
     grad_f32: AlignedBuf<f32>,
     grad_bf16: AlignedBuf<u16>,
-    low: AlignedBuf<u16>,
-    low_f32: AlignedBuf<f32>,
+    copy: ParamsCopy,
+}
+
+/// The new parameters' copy an update writes: bf16, or fp32 as an fp32 run's update
+/// writes it (the other buffer empty).
+pub(super) struct ParamsCopy {
+    bf16: AlignedBuf<u16>,
+    f32: AlignedBuf<f32>,
+}
+
+impl ParamsCopy {
+    pub(super) fn zeroed(n: usize, fp32: bool) -> anyhow::Result<ParamsCopy> {
+        Ok(ParamsCopy {
+            bf16: AlignedBuf::zeroed(if fp32 { 0 } else { n })?,
+            f32: AlignedBuf::zeroed(if fp32 { n } else { 0 })?,
+        })
+    }
+
+    /// The copy as a sweep writes it.
+    pub(super) fn out(&mut self) -> LowPrecisionOut<'_> {
+        if self.f32.is_empty() {
+            LowPrecisionOut::Bf16(&mut self.bf16)
+        } else {
+            LowPrecisionOut::F32(&mut self.f32)
+        }
+    }
+}
+
+/// The benches' gradient: small, positive (exp_avg_sq stays positive under the
+/// roofline's adds) and varied.
+pub(super) fn gradient(i: usize) -> f32 {
+    1e-3 + (i % 13) as f32 * 1e-4
 }
 
 impl Arrays {
@@ -71,11 +101,7 @@ impl Arrays {
             } else {
                 GradSlice::F32(&self.grad_f32)
             },
-            low: if args.copy_fp32 {
-                LowPrecisionOut::F32(&mut self.low_f32)
-            } else {
-                LowPrecisionOut::Bf16(&mut self.low)
-            },
+            low: self.copy.out(),
         }
     }
 }
@@ -99,8 +125,7 @@ pub fn run(args: &AdamBenchArgs) -> anyhow::Result<AdamBenchReport> {
         exp_avg_sq: AlignedBuf::zeroed(n)?,
         grad_f32: AlignedBuf::zeroed(grad_f32_len)?,
         grad_bf16: AlignedBuf::zeroed(grad_bf16_len)?,
-        low: AlignedBuf::zeroed(if args.copy_fp32 { 0 } else { n })?,
-        low_f32: AlignedBuf::zeroed(if args.copy_fp32 { n } else { 0 })?,
+        copy: ParamsCopy::zeroed(n, args.copy_fp32)?,
     };
     // first touch from the pool's threads; positive gradients keep exp_avg_sq positive
     // under the roofline's adds
@@ -117,12 +142,12 @@ pub fn run(args: &AdamBenchArgs) -> anyhow::Result<AdamBenchReport> {
             .grad_f32
             .par_iter_mut()
             .enumerate()
-            .for_each(|(i, g)| *g = 1e-3 + (i % 13) as f32 * 1e-4);
+            .for_each(|(i, g)| *g = gradient(i));
         arrays
             .grad_bf16
             .par_iter_mut()
             .enumerate()
-            .for_each(|(i, g)| *g = f32_to_bf16(1e-3 + (i % 13) as f32 * 1e-4));
+            .for_each(|(i, g)| *g = f32_to_bf16(gradient(i)));
     });
     let hyper = AdamHyper::default();
     let mut roofline_times = Vec::new();

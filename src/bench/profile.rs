@@ -497,8 +497,8 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
         kernel: tierzero_offload::adam::Kernel::detect(),
         repeats: 3,
     })?;
-    // the sweep as the NVMe pipeline runs it, on sub-groups just read into its buffers:
-    // 10-30% slower here than `bench adam`'s over in-memory arrays
+    // the sweep as the NVMe pipeline runs it, on sub-groups just read into its buffers
+    // (slower here than `bench adam`'s summed sweep over in-memory arrays: `swap.rs`)
     let chunk = crate::plan::rules::optimizer_swap_chunk(&plans[0]);
     let pipelined_elements = if quick { 4_000_000 } else { 20_000_000 }.max(2 * chunk);
     let pipelined = super::swap::pipelined_update(

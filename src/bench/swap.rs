@@ -40,8 +40,9 @@ pub struct SwapReport {
     /// Read leg and write leg running at the same time (disjoint extents).
     pub read_write_seconds: f64,
     pub pipeline_seconds: f64,
-    /// The pipeline's update legs summed: the same AdamW as `adam_seconds`, each sweep
-    /// on a sub-group just read into the I/O buffers.
+    /// The pipeline's update legs summed: the AdamW of `adam_seconds` summing the state
+    /// it reads and writes (the checksums of its transfers), each sweep on a sub-group
+    /// just read into the I/O buffers.
     pub update_seconds: f64,
     pub read_gbps: f64,
     pub write_gbps: f64,
@@ -270,8 +271,8 @@ pub fn transfer_latency(
 /// pipeline's I/O buffers). `calls` pipelined steps of `elements` fp32 parameters in
 /// sub-groups of `chunk`, the gradient in host memory in fp32 and the parameters' copy
 /// written in fp32 (`copy_fp32`, an fp32 run's) or bf16, through one store and engine
-/// (`engine`), pipelined as `config` says; the median call's rate. The same sweep
-/// runs 10–30% slower here than over in-memory arrays (`bench swap` prints both).
+/// (`engine`), pipelined as `config` says; the median call's rate. Here it ran 0.35–0.39
+/// G parameters/s where `bench adam`'s summed sweep over in-memory arrays ran 0.48–0.52.
 pub fn pipelined_update(
     dir: &std::path::Path,
     (engine, config): (EngineConfig, PipelineConfig),
@@ -289,23 +290,17 @@ pub fn pipelined_update(
     let mut grad = AlignedBuf::<f32>::zeroed(elements)?;
     grad.iter_mut()
         .enumerate()
-        .for_each(|(i, g)| *g = 1e-3 + (i % 13) as f32 * 1e-4);
-    let mut low_bf16 = AlignedBuf::<u16>::zeroed(if copy_fp32 { 0 } else { elements })?;
-    let mut low_f32 = AlignedBuf::<f32>::zeroed(if copy_fp32 { elements } else { 0 })?;
+        .for_each(|(i, g)| *g = super::adam::gradient(i));
+    let mut copy = super::adam::ParamsCopy::zeroed(elements, copy_fp32)?;
     let hyper = AdamHyper::default();
     let mut rates = Vec::with_capacity(calls);
     for step in 1..=calls.max(1) as u64 {
-        let low = if copy_fp32 {
-            LowPrecisionOut::F32(&mut low_f32)
-        } else {
-            LowPrecisionOut::Bf16(&mut low_bf16)
-        };
         let groups = pipeline::sub_groups(
             0,
             0,
             store.chunk_elems(),
             pipeline::GradIn::Host(GradSlice::F32(&grad)),
-            low,
+            copy.out(),
         );
         let report = pipeline::nvme_adam_step(&store, &pool, groups, &hyper.coefficients(step, 1.0), config)?;
         rates.push(elements as f64 / report.update.as_secs_f64().max(1e-9));
