@@ -367,7 +367,7 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
     }
     let mut cpu = gpu.clone();
     cpu.device = "cpu".into();
-    let variants: [&[&str]; 31] = [
+    let variants: [&[&str]; 32] = [
         &[],
         &[
             "zero_optimization.stage=0",
@@ -378,6 +378,14 @@ fn the_simulated_device_trains_the_cpu_runs_bits_on_the_replays_clock() {
             "zero_optimization.offload_param.device=nvme",
             "zero_optimization.offload_param.max_in_cpu=62592",
             "(the parameters' NVMe directory)",
+        ],
+        // in chunks of 8192 elements: each rank's parameter read takes its turn at the
+        // disk whole, the optimizer's sub-groups one by one
+        &[
+            "zero_optimization.offload_param.device=nvme",
+            "zero_optimization.offload_param.max_in_cpu=62592",
+            "(the parameters' NVMe directory)",
+            "zero_optimization.sub_group_size=8192",
         ],
         &["bf16.enabled=true"],
         // the NVMe optimizer's pipeline: reads ahead and writes behind, or writes only

@@ -84,6 +84,13 @@ struct Clock {
     busy: BTreeMap<&'static str, f64>,
     /// Seconds spent waiting for other streams' marks.
     waited: f64,
+    /// When every rank has done what the stream's work so far waited for (the other
+    /// ranks' turns at the disk after this rank's transfers), which its collectives wait
+    /// for (`Clocks::meet`).
+    peers: f64,
+    /// When the disk is through with the stream's last NVMe transfer, the other ranks'
+    /// turns included: its next one starts no earlier.
+    disk_free: f64,
     /// Every piece of work and wait, when the run writes a trace.
     spans: Option<Vec<Span>>,
 }
@@ -150,11 +157,38 @@ impl SimStream {
     /// Advances the clock by what `work` costs. (A stream's NVMe transfers go one at a
     /// time in its order; streams share no disk, or the clocks would depend on the order
     /// the threads run in: `Clocks::disk_per_track`.)
+    /// An NVMe transfer takes its turn on the disk (`disk::Disk::take`: the stream goes
+    /// on once the rank's own bytes are in); a collective ends its time after every rank
+    /// has reached it (`Clocks::meet`).
     pub fn run(&self, work: Work) {
-        let seconds = self.0.costs.seconds(work);
         let mut clock = self.clock();
         let start = clock.now;
-        clock.busy_with(work, start, start + seconds);
+        match work {
+            Work::NvmeRead(_) | Work::NvmeWrite(_) => {
+                let transfer = self.0.costs.transfer(work);
+                let start = start.max(clock.disk_free);
+                let bytes_in = start + transfer.disk;
+                clock.disk_free = bytes_in;
+                clock.peers = clock.peers.max(bytes_in + transfer.latency);
+                let own = bytes_in - transfer.others * transfer.disk + transfer.latency;
+                clock.busy_with(work, start, own);
+            }
+            Work::Collective(_) | Work::Gather(_) | Work::Latency => {
+                let end = start.max(clock.peers) + self.0.costs.seconds(work);
+                clock.busy_with(work, start, end);
+            }
+            _ => {
+                let seconds = self.0.costs.seconds(work);
+                clock.busy_with(work, start, start + seconds);
+            }
+        }
+    }
+
+    /// Later collectives on the stream end no earlier than every rank's work up to `at`
+    /// (transfers the stream's thread placed on a disk of its own).
+    pub fn after_peers(&self, at: f64) {
+        let mut clock = self.clock();
+        clock.peers = clock.peers.max(at);
     }
 
     /// Seconds `work` takes on this stream's machine.
@@ -200,6 +234,12 @@ impl SimStream {
         }
     }
 
+    /// Later work starts no earlier than `at`, its collectives than `peers`.
+    fn wait_for(&self, SimMark { at, peers }: SimMark) {
+        self.after_peers(peers);
+        self.wait_until(at);
+    }
+
     /// Later work starts no earlier than `at`.
     fn wait_until(&self, at: f64) {
         let mut clock = self.clock();
@@ -217,14 +257,20 @@ impl SimStream {
 
     /// A mark of the stream's time now.
     fn point(&self) -> SimMark {
-        SimMark { at: self.now() }
+        let clock = self.clock();
+        SimMark {
+            at: clock.now,
+            peers: clock.peers,
+        }
     }
 }
 
-/// A point in a simulated stream: its virtual time when the mark was taken.
+/// A point in a simulated stream: its virtual time when the mark was taken, and when
+/// every rank had done the same.
 #[derive(Clone, Copy, Debug)]
 pub struct SimMark {
     at: f64,
+    peers: f64,
 }
 
 impl SimMark {
@@ -232,7 +278,7 @@ impl SimMark {
     /// handed over outside the lanes, as the optimizer thread's updates are).
     pub fn wait_here(self) {
         if let Some(stream) = entered() {
-            stream.wait_until(self.at);
+            stream.wait_for(self);
         }
     }
 }
@@ -272,7 +318,7 @@ impl Stream for SimStream {
             .as_any()
             .downcast_ref::<SimMark>()
             .ok_or(DeviceError::ForeignMark)?;
-        self.wait_until(mark.at);
+        self.wait_for(*mark);
         Ok(())
     }
 
@@ -464,7 +510,10 @@ mod tests {
         sim.current().unwrap().wait(&mark).unwrap();
         assert_eq!(sim.now(), copy.now());
         // a host wait on the compute thread does the same
-        let later = SimMark { at: sim.now() + 1.0 };
+        let later = SimMark {
+            at: sim.now() + 1.0,
+            peers: 0.0,
+        };
         later.synchronize().unwrap();
         assert_eq!(sim.now(), copy.now() + 1.0);
     }

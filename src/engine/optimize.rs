@@ -393,10 +393,12 @@ impl LegClock {
             self.stream.overlapped(self.updates[i], t.update.0, t.update.1);
             self.stream.overlapped(self.writes[i], t.write.0, t.write.1);
         }
+        let all = timed.iter().map(|t| t.read_all.max(t.write_all));
+        self.stream.after_peers(all.fold(start, f64::max));
         let bytes = next?;
         let work = Work::NvmeRead(bytes);
         let ready = disk::next_read_ready(start, &timed, self.config);
-        let (start, end) = disk.take(ready, self.stream.read_ahead(bytes), 0);
+        let (start, end) = disk.take(ready, self.stream.read_ahead(bytes), 0).own;
         self.stream.beside(work, start, end);
         Some(end)
     }
@@ -417,7 +419,7 @@ fn place_aheads(
         .filter_map(|((group, bytes), at)| match at? {
             AheadClock::Submitted(at) => {
                 let work = Work::NvmeRead(bytes);
-                let (start, end) = disk.take(at, stream.read_ahead(bytes), 0);
+                let (start, end) = disk.take(at, stream.read_ahead(bytes), 0).own;
                 stream.beside(work, start, end);
                 Some((group, end))
             }
@@ -525,8 +527,9 @@ impl OptimizerContext {
             // submitted
             let work = Work::NvmeWrite(bytes.len() as u64);
             let mut disk = self.disk.lock().unwrap_or_else(|e| e.into_inner());
-            let (start, end) = disk.take(stream.now(), stream.transfer(work), 0);
-            stream.overlapped(work, start, end);
+            let turn = disk.take(stream.now(), stream.transfer(work), 0);
+            stream.overlapped(work, turn.own.0, turn.own.1);
+            stream.after_peers(turn.all);
         }
         self.tracks.nvme_write.record_between(
             Phase::NvmeWrite,

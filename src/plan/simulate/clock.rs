@@ -9,7 +9,7 @@
 //! run it (in order, one piece at a time).
 
 use super::costs::Transfer;
-use super::disk::Disk;
+use super::disk::{Disk, Turn};
 use serde::Serialize;
 
 /// A track of the simulated machine.
@@ -63,11 +63,21 @@ impl Track {
     }
 }
 
-/// A point on a track's clock: done once the track has run what was queued before it.
+/// A point on a track's clock: done once the track has run what was queued before it;
+/// `peers`, when every rank has done the same (the other ranks' turns at the disk after
+/// this rank's transfers: [`Transfer::others`]), which a collective waits for.
 #[derive(Clone, Copy, Debug, PartialEq, PartialOrd)]
 pub struct Mark {
     pub at: f64,
     pub track: Track,
+    pub peers: f64,
+}
+
+impl Mark {
+    /// A point at `at` of `track` that every rank reaches then too.
+    pub fn at(at: f64, track: Track) -> Mark {
+        Mark { at, track, peers: at }
+    }
 }
 
 /// A piece of work or a wait on a track, in virtual seconds.
@@ -78,6 +88,9 @@ pub struct Span {
     pub unit: Option<usize>,
     pub start: f64,
     pub end: f64,
+    /// An NVMe transfer's: when every rank's turn at the disk for it was in (the disk's
+    /// own work for the rank's bytes falls anywhere up to then); other work's `end`.
+    pub all: f64,
     pub bytes: u64,
     /// The track this span waited for (None: work).
     pub waited_for: Option<Track>,
@@ -89,6 +102,8 @@ pub struct Span {
 #[derive(Clone, Debug)]
 pub struct Clocks {
     now: [f64; 7],
+    /// Per track, when every rank has done what the track's work so far waited for.
+    peers: [f64; 7],
     spans: Vec<Span>,
     /// The disk every track's NVMe transfers share, each track's one at a time
     /// (`disk::Disk`, the track its lane); or,
@@ -100,6 +115,7 @@ impl Default for Clocks {
     fn default() -> Clocks {
         Clocks {
             now: [0.0; 7],
+            peers: [0.0; 7],
             spans: Vec::new(),
             disks: vec![Disk::default()],
         }
@@ -133,6 +149,7 @@ impl Clocks {
         Mark {
             at: self.now(track),
             track,
+            peers: self.peers[track.index()],
         }
     }
 
@@ -150,7 +167,9 @@ impl Clocks {
     }
 
     /// Queues an NVMe transfer on `track`: it starts once the track has run what was
-    /// queued before it, sharing the disk with other tracks' transfers (`Disk::take`).
+    /// queued before it, sharing the disk with other tracks' transfers (`Disk::take`);
+    /// the track goes on once the rank's own bytes are in, its collectives once every
+    /// rank's are.
     pub fn run_on_disk(
         &mut self,
         track: Track,
@@ -159,8 +178,81 @@ impl Clocks {
         bytes: u64,
     ) -> Mark {
         let ready = self.now(track);
-        let span = self.disk(track).take(ready, transfer, track.index());
-        self.place(track, (what, unit), span, bytes)
+        let turn = self.disk(track).take(ready, transfer, track.index());
+        self.place_turn(track, (what, unit), turn, bytes)
+    }
+
+    /// Queues an NVMe transfer on `track` in `pieces`, one after another, each taking its
+    /// turn on the disk beside other tracks' transfers, where the ranks take their turns
+    /// at the transfer whole: the rank's bytes are in the other ranks' share of all the
+    /// pieces' disk time before the last piece is.
+    pub fn run_pieces_on_disk(
+        &mut self,
+        track: Track,
+        what: (&'static str, Option<usize>),
+        pieces: &[Transfer],
+        bytes: u64,
+    ) -> Mark {
+        let (mut start, mut ready) = (None, self.now(track));
+        let (mut disk, mut others) = (0.0, 0.0);
+        for piece in pieces {
+            let whole = Transfer {
+                others: 0.0,
+                ..*piece
+            };
+            let turn = self.disk(track).take(ready, whole, track.index());
+            start.get_or_insert(turn.own.0);
+            ready = turn.all;
+            disk += piece.disk;
+            others = piece.others;
+        }
+        let start = start.unwrap_or(ready);
+        let own = (ready - others * disk).max(start);
+        self.place_turn(
+            track,
+            what,
+            Turn {
+                own: (start, own),
+                all: ready,
+            },
+            bytes,
+        )
+    }
+
+    /// An NVMe transfer of `track`'s placed on a disk: the track busy for the rank's own
+    /// span, its collectives after every rank's turn.
+    pub fn place_turn(
+        &mut self,
+        track: Track,
+        what: (&'static str, Option<usize>),
+        turn: Turn,
+        bytes: u64,
+    ) -> Mark {
+        self.after_peers(track, turn.all);
+        self.push(track, what, turn, bytes, false)
+    }
+
+    /// Queues a collective of `seconds` on `track`: it starts once the track has run what
+    /// was queued before it and ends `seconds` after every rank has reached it too (a
+    /// rank ahead waits inside the collective for the others).
+    pub fn meet(
+        &mut self,
+        track: Track,
+        (what, unit): (&'static str, Option<usize>),
+        seconds: f64,
+        bytes: u64,
+    ) -> Mark {
+        let i = track.index();
+        let start = self.now[i];
+        let end = start.max(self.peers[i]) + seconds.max(0.0);
+        self.place(track, (what, unit), (start, end), bytes)
+    }
+
+    /// Later collectives on `track` end no earlier than every rank's work up to `at`
+    /// (transfers placed on a disk outside [`Clocks::run_on_disk`]).
+    pub fn after_peers(&mut self, track: Track, at: f64) {
+        let i = track.index();
+        self.peers[i] = self.peers[i].max(at);
     }
 
     /// Work on `track` from `start` to `end` beside the track's own order (a pipeline of
@@ -172,7 +264,11 @@ impl Clocks {
         span: (f64, f64),
         bytes: u64,
     ) -> Mark {
-        self.push(track, what, span, bytes, false)
+        let turn = Turn {
+            own: span,
+            all: span.1,
+        };
+        self.push(track, what, turn, bytes, false)
     }
 
     /// [`Clocks::place`], the span marked as work the track does not wait for or not.
@@ -180,7 +276,10 @@ impl Clocks {
         &mut self,
         track: Track,
         (what, unit): (&'static str, Option<usize>),
-        (start, end): (f64, f64),
+        Turn {
+            own: (start, end),
+            all,
+        }: Turn,
         bytes: u64,
         ahead: bool,
     ) -> Mark {
@@ -195,31 +294,31 @@ impl Clocks {
                 unit,
                 start,
                 end,
+                all: all.max(end),
                 bytes,
                 waited_for: None,
                 ahead,
             });
         }
-        Mark { at: end, track }
+        Mark {
+            at: end,
+            track,
+            peers: self.peers[i],
+        }
     }
 
     /// Work of `track`'s from `start` to `end` that the track does not wait for (reads
     /// a pipeline submits for the track's next run): counted, the track's clock unmoved.
-    pub fn beside(
-        &mut self,
-        track: Track,
-        what: (&'static str, Option<usize>),
-        span: (f64, f64),
-        bytes: u64,
-    ) {
+    pub fn beside(&mut self, track: Track, what: (&'static str, Option<usize>), turn: Turn, bytes: u64) {
         let now = self.now(track);
-        self.push(track, what, span, bytes, true);
+        self.push(track, what, turn, bytes, true);
         self.now[track.index()] = now;
     }
 
     /// Later work on `track` starts no earlier than `mark`.
     pub fn wait(&mut self, track: Track, mark: Mark) {
         let i = track.index();
+        self.peers[i] = self.peers[i].max(mark.peers);
         if mark.at > self.now[i] {
             self.spans.push(Span {
                 track,
@@ -227,6 +326,7 @@ impl Clocks {
                 unit: None,
                 start: self.now[i],
                 end: mark.at,
+                all: mark.at,
                 bytes: 0,
                 waited_for: Some(mark.track),
                 ahead: false,
@@ -282,5 +382,29 @@ mod tests {
         c.wait(Track::Compute, copied);
         assert_eq!(c.now(Track::Compute), 3.0);
         assert_eq!(c.end(), 3.0);
+    }
+
+    #[test]
+    fn a_collective_after_a_turn_at_the_disk_waits_inside_for_the_other_ranks() {
+        let mut c = Clocks::default();
+        let read = Transfer {
+            disk: 4.0,
+            latency: 0.0,
+            others: 0.25,
+        };
+        let shard = c.run_on_disk(Track::H2d, ("nvme_read", Some(0)), read, 8);
+        assert_eq!((shard.at, shard.peers), (3.0, 4.0));
+        // the gather starts when this rank's shard is in and ends its second after the
+        // last rank's is
+        c.wait(Track::Collectives, shard);
+        let gathered = c.meet(Track::Collectives, ("all_gather", Some(0)), 1.0, 16);
+        assert_eq!(gathered.at, 5.0);
+        let gather = c.spans().iter().find(|s| s.what == "all_gather");
+        assert_eq!(gather.map(|s| (s.start, s.end)), Some((3.0, 5.0)));
+        // work that is no collective goes on from the rank's own time
+        let mut c = Clocks::default();
+        c.run_on_disk(Track::H2d, ("nvme_read", Some(0)), read, 8);
+        let copied = c.run(Track::H2d, "h2d", Some(0), 1.0, 8);
+        assert_eq!(copied.at, 4.0);
     }
 }

@@ -14,7 +14,9 @@
 //! transfer, its crc32c and the cores the disk's own work takes while it moves the
 //! transfer's bytes (`nvme.cores`, which `bench profile` measures: the kernel's
 //! submissions and completions, and a virtual machine's hypervisor's, which its guest
-//! sees as steal).
+//! sees as steal), spread over the stretch every rank's turn at the disk for it takes
+//! (`Span::all`: the ranks' transfers go one after another, each rank's demand where
+//! its own turn falls, on average over the stretch).
 //! Torch's threads work in step, so one core taken holds them all back: compute runs at
 //! 1 − `compute.lost_beside_a_thread` of its rate while the lanes take a core or more
 //! (`bench profile` measures it: a block's forward beside a busy thread), in proportion
@@ -133,6 +135,7 @@ impl Pass {
             .map(move |s| Span {
                 start: s.start.max(start),
                 end: s.end.min(end),
+                all: s.all.min(end),
                 ..s.clone()
             })
             .filter(|s| s.end > s.start)
@@ -173,8 +176,8 @@ impl Pass {
             self.spans.iter().filter(|s| s.track != Track::Compute).map(|s| {
                 (
                     s.start,
-                    s.end,
-                    self.host_core_seconds(s, costs) / (s.end - s.start),
+                    s.all,
+                    self.host_core_seconds(s, costs) / (s.all - s.start),
                 )
             }),
             |demand| (1.0 - lost * (ranks * demand - spare).clamp(0.0, most)).max(0.05),
@@ -217,7 +220,7 @@ impl Pass {
             self.spans
                 .iter()
                 .filter(|s| !self.host_sweep(s))
-                .map(|s| (s.start, s.end, asked(s) / (s.end - s.start))),
+                .map(|s| (s.start, s.all, asked(s) / (s.all - s.start))),
             |demand| cores / (cores + ranks * demand),
         );
         let (taken, alone) = self
@@ -390,6 +393,7 @@ mod tests {
             unit: Some(0),
             start,
             end,
+            all: end,
             bytes,
             waited_for: None,
             ahead: false,

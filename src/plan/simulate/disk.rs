@@ -17,6 +17,12 @@
 //! the next unit's first state once its own reads are submitted and a buffer set is free
 //! ([`next_read_ready`]), after its own legs on the disk.
 //!
+//! The ranks of a process run the same schedule and take the drive in turn, transfer by
+//! transfer: a transfer's stretch is all ranks' time for the piece (the shared price),
+//! and the rank's own bytes are in before the turns queued behind them
+//! ([`Transfer::others`]). What follows on the rank goes on from then (an update after
+//! its read); a collective waits for every rank's ([`Turn::all`], `Clocks::meet`).
+//!
 //! A sub-group's read waits for a free buffer set (the write `sets` sub-groups back) and,
 //! without `pipeline_read`, for the update before it (and, without `pipeline_write`, its
 //! write); its update waits for its read, the update before it and, without
@@ -102,7 +108,7 @@ impl Disk {
     }
 
     /// Places `transfer` of `lane`, ready at `ready`; returns when its data was in
-    /// flight, its latency included. Its bytes take the disk's first stretch from then
+    /// flight for this rank, its latency included, and when every rank's was. Its bytes take the disk's first stretch from then
     /// on that is free and that none of the lane's own transfers holds (a lane's go one
     /// after another, whole). Where that stretch is later than the data would be in by
     /// sharing the disk with other lanes' transfers, as a drive serves several queues at
@@ -111,10 +117,16 @@ impl Disk {
     /// from them), and the bytes' own stretch, kept later, is what they would have lost:
     /// whoever meets it shares the disk with it. Over a step the disk moves no more
     /// bytes than its rate allows; while a transfer shares it, more.
-    pub fn take(&mut self, ready: f64, transfer: Transfer, lane: usize) -> (f64, f64) {
+    /// The other ranks' turns ([`Transfer::others`]) hold the disk after the rank's own
+    /// bytes are in: its data's span ends earlier by their share, the disk stays theirs.
+    pub fn take(&mut self, ready: f64, transfer: Transfer, lane: usize) -> Turn {
         let seconds = transfer.disk;
         if seconds.is_nan() || seconds <= 0.0 {
-            return (ready, ready + transfer.latency);
+            let end = ready + transfer.latency;
+            return Turn {
+                own: (ready, end),
+                all: end,
+            };
         }
         debug_assert!(seconds.is_finite(), "a transfer of {seconds} s on the disk");
         let start = self.free(ready, seconds, lane);
@@ -127,7 +139,11 @@ impl Disk {
         if fifo.1 > data.1 {
             self.hold(fifo.0.max(data.1), fifo.1, OWED);
         }
-        (data.0, data.1 + transfer.latency)
+        let own = data.1 - transfer.others * (data.1 - data.0);
+        Turn {
+            own: (data.0, own + transfer.latency),
+            all: data.1 + transfer.latency,
+        }
     }
 
     fn hold(&mut self, start: f64, end: f64, lane: usize) {
@@ -201,6 +217,15 @@ impl Disk {
     }
 }
 
+/// When a transfer's bytes were in flight for its rank (from its start to when they
+/// were in, latency included), and when every rank's turn at the disk for the same
+/// piece was in: what a collective after it waits for.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Turn {
+    pub own: (f64, f64),
+    pub all: f64,
+}
+
 /// The seconds of one sub-group's legs on the profiled machine.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Legs {
@@ -209,12 +234,33 @@ pub struct Legs {
     pub write: Transfer,
 }
 
-/// When one sub-group's legs ran: (start, end) of its read, update and write.
+/// When one sub-group's legs ran: (start, end) of its read, update and write, and when
+/// every rank's turn at the disk for its read and for its write was in.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Timed {
     pub read: (f64, f64),
     pub update: (f64, f64),
     pub write: (f64, f64),
+    pub read_all: f64,
+    pub write_all: f64,
+}
+
+impl Timed {
+    /// Its read's turn at the disk.
+    pub fn read_turn(&self) -> Turn {
+        Turn {
+            own: self.read,
+            all: self.read_all,
+        }
+    }
+
+    /// Its write's turn at the disk.
+    pub fn write_turn(&self) -> Turn {
+        Turn {
+            own: self.write,
+            all: self.write_all,
+        }
+    }
 }
 
 /// The end of leg `i − back` of a kind whose first `done` legs are timed (`start` before
@@ -297,11 +343,13 @@ pub fn schedule(
             let after = writes
                 .checked_sub(1)
                 .map_or(ready, |j| ready.max(timed[j].write.0));
-            timed[writes].write = disk.take(after, legs[writes].write, lane);
+            let turn = disk.take(after, legs[writes].write, lane);
+            (timed[writes].write, timed[writes].write_all) = (turn.own, turn.all);
             writes += 1;
         } else {
             let after = reads.checked_sub(1).map_or(ready, |j| ready.max(timed[j].read.0));
-            timed[reads].read = disk.take(after, legs[reads].read, lane);
+            let turn = disk.take(after, legs[reads].read, lane);
+            (timed[reads].read, timed[reads].read_all) = (turn.own, turn.all);
             reads += 1;
         }
     }
@@ -326,11 +374,13 @@ mod tests {
         read: Transfer {
             disk: 3.0,
             latency: 0.0,
+            others: 0.0,
         },
         update: 1.0,
         write: Transfer {
             disk: 2.0,
             latency: 0.0,
+            others: 0.0,
         },
     };
 
@@ -397,9 +447,11 @@ mod tests {
                 Transfer {
                     disk: disk_s,
                     latency: 0.0,
+                    others: 0.0,
                 },
                 0,
             )
+            .own
         };
         assert_eq!(place(0.0, 2.0), (0.0, 2.0));
         assert_eq!(place(5.0, 1.0), (5.0, 6.0));
@@ -428,6 +480,8 @@ mod tests {
             read: (6.0 * i, 6.0 * i + 3.0),
             update: (6.0 * i + 3.0, 6.0 * i + 4.0),
             write: (6.0 * i + 4.0, 6.0 * i + 6.0),
+            read_all: 6.0 * i + 3.0,
+            write_all: 6.0 * i + 6.0,
         };
         assert_eq!(t, vec![expect(0.0), expect(1.0), expect(2.0)]);
     }
@@ -457,22 +511,71 @@ mod tests {
         let t = Transfer {
             disk: 2.0,
             latency: 1.0,
+            others: 0.0,
         };
-        assert_eq!(disk.take(0.0, t, 0), (0.0, 3.0));
+        assert_eq!(disk.take(0.0, t, 0).own, (0.0, 3.0));
         // the next starts once the disk is free, before the first's latency is over
-        assert_eq!(disk.take(0.0, t, 0), (2.0, 5.0));
+        assert_eq!(disk.take(0.0, t, 0).own, (2.0, 5.0));
+    }
+
+    #[test]
+    fn a_ranks_bytes_are_in_before_the_turns_queued_behind_them() {
+        // two ranks' reads of 2 s each, first come first served: the disk's 4 s hold
+        // both, a rank's own are in after 3 s on average, every rank's after 4
+        let mut disk = Disk::default();
+        let t = Transfer {
+            disk: 4.0,
+            latency: 0.5,
+            others: 0.25,
+        };
+        let first = disk.take(1.0, t, 0);
+        assert_eq!(
+            first,
+            Turn {
+                own: (1.0, 4.5),
+                all: 5.5
+            }
+        );
+        // the rank's next transfer waits for the others' turns
+        let next = disk.take(first.own.1, t, 0);
+        assert_eq!(
+            next,
+            Turn {
+                own: (5.0, 8.5),
+                all: 9.5
+            }
+        );
+        // an update between reads starts once its own bytes are in
+        let how = PipelineConfig {
+            sets: 2,
+            pipeline_read: true,
+            pipeline_write: true,
+        };
+        let legs = [Legs {
+            read: t,
+            update: 1.0,
+            write: Transfer { latency: 0.0, ..t },
+        }];
+        let timed = schedule(0.0, &legs, how, (&mut Disk::default(), 0), &[]);
+        assert_eq!(timed[0].read, (0.0, 3.5));
+        assert_eq!(timed[0].update, (3.5, 4.5));
+        assert_eq!(timed[0].write, (4.5, 7.5));
+        assert_eq!((timed[0].read_all, timed[0].write_all), (4.5, 8.5));
     }
 
     #[test]
     fn a_transfer_meeting_another_lanes_shares_the_disk_with_them() {
         let mut disk = Disk::default();
-        let t = |disk| Transfer { disk, latency: 0.0 };
-        assert_eq!(disk.take(0.0, t(10.0), 0), (0.0, 10.0));
+        let t = |disk| Transfer {
+            disk,
+            ..Transfer::default()
+        };
+        assert_eq!(disk.take(0.0, t(10.0), 0).own, (0.0, 10.0));
         // lane 1's second of bytes at half the disk's rate beside lane 0's transfer,
         // not after it; lane 0's keeps its time
-        assert_eq!(disk.take(2.0, t(1.0), 1), (2.0, 4.0));
+        assert_eq!(disk.take(2.0, t(1.0), 1).own, (2.0, 4.0));
         // lane 0's own transfers go one after another, whole: the next after the first
-        let (start, end) = disk.take(2.0, t(2.0), 0);
+        let (start, end) = disk.take(2.0, t(2.0), 0).own;
         assert_eq!(start, 10.0);
         // the second lane 1 took beside the first is owed from then: shared
         assert_eq!(end, 12.5);
@@ -480,7 +583,7 @@ mod tests {
         let mut disk = Disk::default();
         disk.take(0.0, t(10.0), 0);
         disk.take(0.0, t(10.0), 1);
-        assert_eq!(disk.take(1.0, t(1.0), 2), (1.0, 4.0));
+        assert_eq!(disk.take(1.0, t(1.0), 2).own, (1.0, 4.0));
     }
 
     #[test]
@@ -495,14 +598,17 @@ mod tests {
             let seconds = 0.2 + f64::from(i * 5 % 11) * 0.13;
             let lane = (i % 3) as usize;
             let alone = disk.free(ready, seconds, lane) + seconds;
-            let (start, end) = disk.take(
-                ready,
-                Transfer {
-                    disk: seconds,
-                    latency: 0.0,
-                },
-                lane,
-            );
+            let (start, end) = disk
+                .take(
+                    ready,
+                    Transfer {
+                        disk: seconds,
+                        latency: 0.0,
+                        others: 0.0,
+                    },
+                    lane,
+                )
+                .own;
             assert!(start >= ready && end <= alone, "{i}: {start} {end} {alone}");
             work += seconds;
         }

@@ -250,17 +250,18 @@ impl<'a> Replay<'a> {
                     // chunk by chunk, as the parameter store reads them: each chunk takes
                     // its turn on the disk beside the other tracks' transfers
                     // (the read is one transfer the lane waits for: the last chunk
-                    // pays its latency)
+                    // pays its latency, and the ranks take their turns at it whole)
                     let chunk = self.param_chunk() * self.p();
+                    let mut pieces = Vec::new();
                     let mut left = shard_bytes;
                     while left > 0 {
                         let bytes = chunk.min(left);
                         let read = self.costs.transfer(Cost::NvmeRead(bytes));
-                        let read = if bytes < left { read.bytes_only() } else { read };
-                        self.clocks
-                            .run_on_disk(Track::H2d, ("nvme_read", Some(u)), read, bytes);
+                        pieces.push(if bytes < left { read.bytes_only() } else { read });
                         left -= bytes;
                     }
+                    self.clocks
+                        .run_pieces_on_disk(Track::H2d, ("nvme_read", Some(u)), &pieces, shard_bytes);
                     let bounce = self.costs.seconds(Cost::Fill {
                         bytes: shard_bytes,
                         parallel: false,
@@ -294,7 +295,7 @@ impl<'a> Replay<'a> {
         let bytes = part.padded as u64 * self.p();
         let seconds = self.costs.seconds(Cost::Gather(bytes));
         self.clocks
-            .run(Track::Collectives, "all_gather", Some(u), seconds, bytes)
+            .meet(Track::Collectives, ("all_gather", Some(u)), seconds, bytes)
     }
 
     /// The gradient of unit `u` added into its sum over a layered step's micro-batches
@@ -432,7 +433,7 @@ impl<'a> Replay<'a> {
             let bytes = self.parts[u].padded as u64 * self.p();
             let seconds = self.costs.seconds(Cost::Gather(bytes));
             self.clocks
-                .run(Track::Compute, "all_gather", Some(u), seconds, bytes);
+                .meet(Track::Compute, ("all_gather", Some(u)), seconds, bytes);
         }
         None
     }

@@ -85,10 +85,7 @@ impl Replay<'_> {
         if let Some(i) = held.queued.iter().position(|q| q.0 == u) {
             let (_, landed) = held.queued.remove(i);
             if landed > self.clocks.now(Track::Optimizer) {
-                let woken = Mark {
-                    at: landed + self.costs.d2h_wait(),
-                    track: Track::D2h,
-                };
+                let woken = Mark::at(landed + self.costs.d2h_wait(), Track::D2h);
                 self.clocks.wait(Track::Optimizer, woken);
             }
         }
@@ -196,19 +193,18 @@ impl Replay<'_> {
                     let ready = next_read_ready(start, &timed, how);
                     (disk.take(ready, self.costs.read_ahead(bytes), lane), bytes)
                 });
-                if let Some((span, bytes)) = next {
+                if let Some((turn, bytes)) = next {
                     self.clocks
-                        .beside(Track::Optimizer, ("nvme_read", Some(u + 1)), span, bytes);
-                    self.done_ahead = Some(span.1);
+                        .beside(Track::Optimizer, ("nvme_read", Some(u + 1)), turn, bytes);
+                    self.done_ahead = Some(turn.own.1);
                 }
                 for (t, (read, update, write)) in timed.into_iter().zip(bytes) {
-                    for (what, span, bytes) in [
-                        ("nvme_read", t.read, read),
-                        ("optimizer", t.update, update),
-                        ("nvme_write", t.write, write),
-                    ] {
-                        self.clocks.place(Track::Optimizer, (what, Some(u)), span, bytes);
-                    }
+                    let track = Track::Optimizer;
+                    self.clocks
+                        .place_turn(track, ("nvme_read", Some(u)), t.read_turn(), read);
+                    self.clocks.place(track, ("optimizer", Some(u)), t.update, update);
+                    self.clocks
+                        .place_turn(track, ("nvme_write", Some(u)), t.write_turn(), write);
                 }
             }
         }
@@ -256,13 +252,13 @@ impl Replay<'_> {
             .collect();
         for (u, i, bytes) in groups {
             let read = self.costs.read_ahead(bytes);
-            let span = self
+            let turn = self
                 .clocks
                 .disk(Track::Optimizer)
                 .take(at, read, Track::Optimizer.index());
-            self.aheads.push_back((u, i, span.1));
+            self.aheads.push_back((u, i, turn.own.1));
             self.clocks
-                .beside(Track::Optimizer, ("nvme_read", Some(u)), span, bytes);
+                .beside(Track::Optimizer, ("nvme_read", Some(u)), turn, bytes);
             self.ahead_bytes += bytes;
         }
     }

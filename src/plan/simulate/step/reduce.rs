@@ -92,7 +92,8 @@ impl Replay<'_> {
                 let pack = self.costs.seconds(Cost::OnDevice(bucket));
                 self.clocks.run(Track::Collectives, "d2h", Some(u), pack, bucket);
                 let rs = self.costs.seconds(Cost::Collective(bucket));
-                self.clocks.run(Track::Collectives, "reduce", Some(u), rs, bucket);
+                self.clocks
+                    .meet(Track::Collectives, ("reduce", Some(u)), rs, bucket);
             }
             if on_device {
                 let add = self.costs.seconds(Cost::OnDevice(out));
@@ -180,6 +181,7 @@ impl Replay<'_> {
             let woken = Mark {
                 at: landed.at + self.costs.d2h_wait(),
                 track: Track::D2h,
+                peers: landed.peers,
             };
             self.clocks.wait(track, woken);
         }
@@ -234,7 +236,11 @@ impl Replay<'_> {
             // a gradient that stayed on the device: its Σ g² taken there
             seconds += self.costs.seconds(Cost::OnDevice(4 * self.optimizer_len(u)));
         }
-        self.clocks.run(Track::Compute, "reduce", None, seconds, 0);
+        if self.world() > 1 {
+            self.clocks.meet(Track::Compute, ("reduce", None), seconds, 0);
+        } else {
+            self.clocks.run(Track::Compute, "reduce", None, seconds, 0);
+        }
         // install_all: every update of the last step is in before this step's goes out
         for u in 0..self.parts.len() {
             self.install(u);
