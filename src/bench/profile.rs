@@ -501,6 +501,9 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
     // (slower here than `bench adam`'s summed sweep over in-memory arrays: `swap.rs`)
     let chunk = crate::plan::rules::optimizer_swap_chunk(&plans[0]);
     let pipelined_elements = if quick { 4_000_000 } else { 20_000_000 }.max(2 * chunk);
+    // the gradient where the config's update reads it: beside the state, in its type
+    let stored =
+        crate::plan::rules::nvme_gradients(&plans[0]).then(|| crate::plan::rules::stored_bf16(&plans[0]));
     let pipelined = super::swap::pipelined_update(
         nvme_dir,
         (
@@ -508,7 +511,7 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
             crate::plan::rules::pipeline(&plans[0]),
         ),
         (pipelined_elements, chunk),
-        copy_fp32,
+        (copy_fp32, stored),
         PIPELINED_CALLS,
     )?;
     Ok(Profile {
@@ -540,8 +543,12 @@ pub fn run(plans: &[Plan], nvme_dir: &Path, name: &str, quick: bool) -> anyhow::
             summed_params_per_s: Some(Figure::new(
                 pipelined,
                 format!(
-                    "`tierzero bench profile`: the update legs of {PIPELINED_CALLS} NVMe AdamW steps of {} parameters in sub-groups of {chunk} through one store, as the config runs them (the sweep summing its state, on each sub-group just read; the gradient in fp32 in host memory, the parameters' copy in {}), the median step's; kernel {}",
+                    "`tierzero bench profile`: the update legs of {PIPELINED_CALLS} NVMe AdamW steps of {} parameters in sub-groups of {chunk} through one store, as the config runs them (the sweep summing its state, on each sub-group just read; the gradient {}, the parameters' copy in {}), the median step's; kernel {}",
                     pipelined_elements,
+                    match stored {
+                        Some(bf16) => format!("read beside the state in {} and summed", if bf16 { "bf16" } else { "fp32" }),
+                        None => "in fp32 in host memory".into(),
+                    },
                     if copy_fp32 { "fp32" } else { "bf16" },
                     adam.kernel
                 ),

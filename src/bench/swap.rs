@@ -13,8 +13,10 @@ use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;
 use tierzero_offload::adam::{self, AdamHyper, GradSlice, LowPrecisionOut, Sweep};
+use tierzero_offload::convert::f32_to_bf16;
+use tierzero_offload::crc;
 use tierzero_offload::host::AlignedBuf;
-use tierzero_offload::nvme::swap::{SwapStore, TensorSpec};
+use tierzero_offload::nvme::swap::{State, SwapStore, TensorKey, TensorSpec};
 use tierzero_offload::nvme::{open_engine, EngineChoice, EngineConfig};
 use tierzero_offload::pipeline::{self, PipelineConfig};
 
@@ -269,39 +271,60 @@ pub fn transfer_latency(
 /// The NVMe pipeline's AdamW as a run's step sweeps it: parameters per second of its
 /// update legs (the sweep summing its state, on each sub-group just read into the
 /// pipeline's I/O buffers). `calls` pipelined steps of `elements` fp32 parameters in
-/// sub-groups of `chunk`, the gradient in host memory in fp32 and the parameters' copy
-/// written in fp32 (`copy_fp32`, an fp32 run's) or bf16, through one store and engine
-/// (`engine`), pipelined as `config` says; the median call's rate. Here it ran 0.35–0.39
-/// G parameters/s where `bench adam`'s summed sweep over in-memory arrays ran 0.48–0.52.
+/// sub-groups of `chunk`, the parameters' copy written in fp32 (`copy_fp32`, an fp32
+/// run's) or bf16, through one store and engine (`engine`), pipelined as `config` says;
+/// the median call's rate. The gradient is in host memory in fp32, or with `stored`
+/// (`Some(bf16)`, a run whose gradients live beside the state: `rules::stored_gradients`)
+/// in the store in that type, read with the state and summed in the sweep as a run's
+/// is. Here it ran 0.35–0.39 G parameters/s (the gradient in host memory) where `bench
+/// adam`'s summed sweep over in-memory arrays ran 0.48–0.52.
 pub fn pipelined_update(
     dir: &std::path::Path,
     (engine, config): (EngineConfig, PipelineConfig),
     (elements, chunk): (usize, usize),
-    copy_fp32: bool,
+    (copy_fp32, stored): (bool, Option<bool>),
     calls: usize,
 ) -> anyhow::Result<f64> {
     let (io, _) = open_engine(dir, engine, None, EngineChoice::Auto)?;
-    let specs: Vec<TensorSpec> = TensorSpec::optimizer(0, 0, elements).collect();
+    let grad_key = TensorKey {
+        unit: 0,
+        rank: 0,
+        state: State::Grad,
+    };
+    let mut specs: Vec<TensorSpec> = TensorSpec::optimizer(0, 0, elements).collect();
+    specs.extend(stored.map(|bf16| TensorSpec {
+        key: grad_key,
+        numel: elements,
+        elem_bytes: if bf16 { 2 } else { 4 },
+    }));
     let name = format!(".tierzero-bench-update-{}", std::process::id());
     let store = SwapStore::create(dir, &name, io, &specs, chunk)?;
-    let pool = pipeline::buffer_pool_for(&store, config.sets, false)?;
+    let pool = pipeline::buffer_pool_for(&store, config.sets, stored.is_some())?;
     let groups: Vec<(u32, u32, usize)> = (0..store.chunks(specs[0].key)?).map(|c| (0, 0, c)).collect();
     pipeline::write_only(&store, &pool, &groups)?;
     let mut grad = AlignedBuf::<f32>::zeroed(elements)?;
     grad.iter_mut()
         .enumerate()
         .for_each(|(i, g)| *g = super::adam::gradient(i));
+    if let Some(bf16) = stored {
+        let bytes = if bf16 {
+            let bits: Vec<u16> = grad.iter().map(|&g| f32_to_bf16(g)).collect();
+            bits.iter().flat_map(|b| b.to_ne_bytes()).collect()
+        } else {
+            crc::bytes_of(&grad).to_vec()
+        };
+        let scratch = store.scratch(store.chunk_bytes(4))?;
+        store.write_tensor(grad_key, &bytes, scratch)?;
+    }
     let mut copy = super::adam::ParamsCopy::zeroed(elements, copy_fp32)?;
     let hyper = AdamHyper::default();
     let mut rates = Vec::with_capacity(calls);
     for step in 1..=calls.max(1) as u64 {
-        let groups = pipeline::sub_groups(
-            0,
-            0,
-            store.chunk_elems(),
-            pipeline::GradIn::Host(GradSlice::F32(&grad)),
-            copy.out(),
-        );
+        let grad = match stored {
+            Some(bf16) => pipeline::GradIn::Stored { len: elements, bf16 },
+            None => pipeline::GradIn::Host(GradSlice::F32(&grad)),
+        };
+        let groups = pipeline::sub_groups(0, 0, store.chunk_elems(), grad, copy.out());
         let report = pipeline::nvme_adam_step(&store, &pool, groups, &hyper.coefficients(step, 1.0), config)?;
         rates.push(elements as f64 / report.update.as_secs_f64().max(1e-9));
     }
@@ -320,16 +343,21 @@ mod tests {
             pipeline_read: true,
             pipeline_write: true,
         };
-        for copy_fp32 in [false, true] {
+        for how in [
+            (false, None),
+            (true, None),
+            (true, Some(false)),
+            (false, Some(true)),
+        ] {
             let rate = pipelined_update(
                 dir.path(),
                 (EngineConfig::default(), config),
                 (300_000, 65_536),
-                copy_fp32,
+                how,
                 2,
             )
             .unwrap();
-            assert!(rate.is_finite() && rate > 0.0, "{rate}");
+            assert!(rate.is_finite() && rate > 0.0, "{how:?}: {rate}");
         }
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
