@@ -158,13 +158,13 @@ impl SimStream {
     /// time in its order; streams share no disk, or the clocks would depend on the order
     /// the threads run in: `Clocks::disk_per_track`.)
     /// An NVMe transfer takes its turn on the disk (`disk::Disk::take`: the stream goes
-    /// on once the rank's own bytes are in); a collective ends its time after every rank
-    /// has reached it (`Clocks::meet`).
+    /// on once the rank's own bytes are in); a collective starts once every rank has
+    /// reached it, its wait for them a wait (`Clocks::meet`).
     pub fn run(&self, work: Work) {
         let mut clock = self.clock();
         let start = clock.now;
         match work {
-            Work::NvmeRead(_) | Work::NvmeWrite(_) => {
+            Work::NvmeRead(_) | Work::NvmeWrite(_) if self.0.costs.transfer(work).disk > 0.0 => {
                 let transfer = self.0.costs.transfer(work);
                 let start = start.max(clock.disk_free);
                 let bytes_in = start + transfer.disk;
@@ -174,8 +174,13 @@ impl SimStream {
                 clock.busy_with(work, start, own);
             }
             Work::Collective(_) | Work::Gather(_) | Work::Latency => {
-                let end = start.max(clock.peers) + self.0.costs.seconds(work);
-                clock.busy_with(work, start, end);
+                // the wait for the other ranks' turns is a wait, as the engine records it
+                let at = start.max(clock.peers);
+                if at > start {
+                    clock.waited += at - start;
+                    clock.span("wait", None, start, at);
+                }
+                clock.busy_with(work, at, at + self.0.costs.seconds(work));
             }
             _ => {
                 let seconds = self.0.costs.seconds(work);

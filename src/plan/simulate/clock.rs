@@ -233,8 +233,9 @@ impl Clocks {
     }
 
     /// Queues a collective of `seconds` on `track`: it starts once the track has run what
-    /// was queued before it and ends `seconds` after every rank has reached it too (a
-    /// rank ahead waits inside the collective for the others).
+    /// was queued before it and every rank has reached it too. A rank ahead waits inside
+    /// the collective for the others' turns at the disk: a wait (for the NVMe track), as
+    /// the engine records a collective's wait for its peers (`comm::record_collective`).
     pub fn meet(
         &mut self,
         track: Track,
@@ -242,10 +243,9 @@ impl Clocks {
         seconds: f64,
         bytes: u64,
     ) -> Mark {
-        let i = track.index();
-        let start = self.now[i];
-        let end = start.max(self.peers[i]) + seconds.max(0.0);
-        self.place(track, (what, unit), (start, end), bytes)
+        let peers = Mark::at(self.peers[track.index()], Track::Nvme);
+        self.wait(track, peers);
+        self.run(track, what, unit, seconds, bytes)
     }
 
     /// Later collectives on `track` end no earlier than every rank's work up to `at`
@@ -394,13 +394,18 @@ mod tests {
         };
         let shard = c.run_on_disk(Track::H2d, ("nvme_read", Some(0)), read, 8);
         assert_eq!((shard.at, shard.peers), (3.0, 4.0));
-        // the gather starts when this rank's shard is in and ends its second after the
-        // last rank's is
+        // the gather waits from when this rank's shard is in for the last rank's, and
+        // ends its second after that
         c.wait(Track::Collectives, shard);
         let gathered = c.meet(Track::Collectives, ("all_gather", Some(0)), 1.0, 16);
         assert_eq!(gathered.at, 5.0);
         let gather = c.spans().iter().find(|s| s.what == "all_gather");
-        assert_eq!(gather.map(|s| (s.start, s.end)), Some((3.0, 5.0)));
+        assert_eq!(gather.map(|s| (s.start, s.end)), Some((4.0, 5.0)));
+        let peers = c.spans().iter().find(|s| s.waited_for == Some(Track::Nvme));
+        assert_eq!(
+            peers.map(|s| (s.track, s.start, s.end)),
+            Some((Track::Collectives, 3.0, 4.0))
+        );
         // work that is no collective goes on from the rank's own time
         let mut c = Clocks::default();
         c.run_on_disk(Track::H2d, ("nvme_read", Some(0)), read, 8);

@@ -196,8 +196,10 @@ impl Nvme {
 pub struct CpuAdam {
     /// Parameters per second of the CPU AdamW with every core (fp32 master and moments).
     pub params_per_s: Figure,
-    /// The same sweep summing (crc32c) the state it reads and writes as it passes it,
-    /// as the NVMe pipeline's update does: `params_per_s` where a profile does not say.
+    /// The same sweep as the NVMe pipeline's update runs it, on sub-groups just read,
+    /// summing (crc32c) the state it reads and writes as it passes it, and the gradient
+    /// where the profiled config stores it beside the state (`bench profile`):
+    /// `params_per_s` where a profile does not say.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub summed_params_per_s: Option<Figure>,
 }

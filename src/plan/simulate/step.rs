@@ -510,9 +510,13 @@ struct Queue {
     limits: Limits,
 }
 
+/// The later of two marks, with every rank through both.
 fn later(a: Option<Mark>, b: Option<Mark>) -> Option<Mark> {
     match (a, b) {
-        (Some(a), Some(b)) => Some(if a.at >= b.at { a } else { b }),
+        (Some(a), Some(b)) => Some(Mark {
+            peers: a.peers.max(b.peers),
+            ..if a.at >= b.at { a } else { b }
+        }),
         (a, None) => a,
         (None, b) => b,
     }
