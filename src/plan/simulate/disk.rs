@@ -108,9 +108,9 @@ impl Disk {
     }
 
     /// Places `transfer` of `lane`, ready at `ready`; returns when its data was in
-    /// flight for this rank, its latency included, and when every rank's was. Its bytes take the disk's first stretch from then
-    /// on that is free and that none of the lane's own transfers holds (a lane's go one
-    /// after another, whole). Where that stretch is later than the data would be in by
+    /// flight for this rank, its latency included, and when every rank's was. Its bytes
+    /// take the disk's first stretch from then on that is free and that none of the
+    /// lane's own transfers holds (a lane's go one after another, whole). Where that stretch is later than the data would be in by
     /// sharing the disk with other lanes' transfers, as a drive serves several queues at
     /// once, the data comes in as shared: an equal part of the disk's rate beside each
     /// transfer in flight. Those placed before keep their times (the replay has gone on
