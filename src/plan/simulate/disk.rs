@@ -230,8 +230,23 @@ pub struct Turn {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Legs {
     pub read: Transfer,
+    /// The sweep's price with the ranks' sweeps sharing the cores.
     pub update: f64,
     pub write: Transfer,
+}
+
+impl Legs {
+    /// The sweep's time where the ranks take the disk in turn. Its price shares the
+    /// cores among n ranks sweeping at once; after a read taken in turn each rank's sweep
+    /// starts a rank's turn at the disk after the one before it, and meets the others'
+    /// only for what outlasts that: the shared price less n − 1 turns, at least its time
+    /// alone. Measured: in a traced 2-rank run of the 134M config here the ranks' 64
+    /// sweeps overlapped 0.000 s of 0.59 s, their reads 2.4 s of 4.1.
+    pub fn update_in_turn(&self) -> f64 {
+        // (n − 1)/n of n ranks, from the share the other ranks' turns take
+        let others = 2.0 * self.write.others;
+        (self.update - others * self.read.disk).max((1.0 - others) * self.update)
+    }
 }
 
 /// When one sub-group's legs ran: (start, end) of its read, update and write, and when
@@ -311,7 +326,7 @@ pub fn schedule(
                     None => break,
                 }
             }
-            timed[i].update = (ready, ready + legs[i].update);
+            timed[i].update = (ready, ready + legs[i].update_in_turn());
             updates += 1;
         }
         let read_ready = (reads < n)
@@ -558,9 +573,35 @@ mod tests {
         }];
         let timed = schedule(0.0, &legs, how, (&mut Disk::default(), 0), &[]);
         assert_eq!(timed[0].read, (0.0, 3.5));
-        assert_eq!(timed[0].update, (3.5, 4.5));
-        assert_eq!(timed[0].write, (4.5, 7.5));
-        assert_eq!((timed[0].read_all, timed[0].write_all), (4.5, 8.5));
+        // the sweep alone, the other rank's a turn later (`Legs::update_in_turn`)
+        assert_eq!(timed[0].update, (3.5, 4.0));
+        assert_eq!(timed[0].write, (4.0, 7.0));
+        assert_eq!((timed[0].read_all, timed[0].write_all), (4.5, 8.0));
+    }
+
+    #[test]
+    fn a_sweep_after_a_read_in_turn_meets_the_other_ranks_sweeps_only_past_their_turns() {
+        // two ranks: a 4 s read (a 2 s turn each), a 2 s sweep shared (1 s alone)
+        let turn = |disk| Transfer {
+            disk,
+            latency: 0.0,
+            others: 0.25,
+        };
+        let legs = |read, update| Legs {
+            read: turn(read),
+            update,
+            write: turn(1.0),
+        };
+        assert_eq!(legs(4.0, 2.0).update_in_turn(), 1.0);
+        // a sweep longer than a turn meets the other's for the rest
+        assert_eq!(legs(1.0, 2.0).update_in_turn(), 1.5);
+        // one rank: its price
+        let alone = Legs {
+            read: LEG.read,
+            update: 2.0,
+            write: LEG.write,
+        };
+        assert_eq!(alone.update_in_turn(), 2.0);
     }
 
     #[test]
