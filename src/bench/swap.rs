@@ -307,14 +307,18 @@ pub fn pipelined_update(
         .enumerate()
         .for_each(|(i, g)| *g = super::adam::gradient(i));
     if let Some(bf16) = stored {
-        let bytes = if bf16 {
-            let bits: Vec<u16> = grad.iter().map(|&g| f32_to_bf16(g)).collect();
-            bits.iter().flat_map(|b| b.to_ne_bytes()).collect()
+        let bits: Vec<u16> = if bf16 {
+            grad.iter().map(|&g| f32_to_bf16(g)).collect()
         } else {
-            crc::bytes_of(&grad).to_vec()
+            Vec::new()
+        };
+        let bytes = if bf16 {
+            crc::bytes_of(&bits)
+        } else {
+            crc::bytes_of(&grad)
         };
         let scratch = store.scratch(store.chunk_bytes(4))?;
-        store.write_tensor(grad_key, &bytes, scratch)?;
+        store.write_tensor(grad_key, bytes, scratch)?;
     }
     let mut copy = super::adam::ParamsCopy::zeroed(elements, copy_fp32)?;
     let hyper = AdamHyper::default();

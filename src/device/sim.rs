@@ -88,9 +88,9 @@ struct Clock {
     /// ranks' turns at the disk after this rank's transfers), which its collectives wait
     /// for (`Clocks::meet`).
     peers: f64,
-    /// When the disk is through with the stream's last NVMe transfer, the other ranks'
-    /// turns included: its next one starts no earlier.
-    disk_free: f64,
+    /// The stream's disk: its NVMe transfers one at a time, each rank's in turn (the
+    /// replay's `Clocks::disk_per_track`).
+    disk: crate::plan::simulate::disk::Disk,
     /// Every piece of work and wait, when the run writes a trace.
     spans: Option<Vec<Span>>,
 }
@@ -154,24 +154,20 @@ impl SimStream {
         self.0.clock.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Advances the clock by what `work` costs. (A stream's NVMe transfers go one at a
-    /// time in its order; streams share no disk, or the clocks would depend on the order
-    /// the threads run in: `Clocks::disk_per_track`.)
-    /// An NVMe transfer takes its turn on the disk (`disk::Disk::take`: the stream goes
-    /// on once the rank's own bytes are in); a collective starts once every rank has
-    /// reached it, its wait for them a wait (`Clocks::meet`).
+    /// Advances the clock by what `work` costs. A stream's NVMe transfers go one at a
+    /// time in its order on a disk of its own (streams share none, or the clocks would
+    /// depend on the order the threads run in: `Clocks::disk_per_track`), each taking its
+    /// turn there (`disk::Disk::take`: the stream goes on once the rank's own bytes are
+    /// in); a collective starts once every rank has reached it, its wait for them a wait
+    /// (`Clocks::meet`).
     pub fn run(&self, work: Work) {
         let mut clock = self.clock();
         let start = clock.now;
         match work {
-            Work::NvmeRead(_) | Work::NvmeWrite(_) if self.0.costs.transfer(work).disk > 0.0 => {
-                let transfer = self.0.costs.transfer(work);
-                let start = start.max(clock.disk_free);
-                let bytes_in = start + transfer.disk;
-                clock.disk_free = bytes_in;
-                clock.peers = clock.peers.max(bytes_in + transfer.latency);
-                let own = bytes_in - transfer.others * transfer.disk + transfer.latency;
-                clock.busy_with(work, start, own);
+            Work::NvmeRead(_) | Work::NvmeWrite(_) => {
+                let turn = clock.disk.take(start, self.0.costs.transfer(work), 0);
+                clock.peers = clock.peers.max(turn.all);
+                clock.busy_with(work, turn.own.0, turn.own.1);
             }
             Work::Collective(_) | Work::Gather(_) | Work::Latency => {
                 // the wait for the other ranks' turns is a wait, as the engine records it
