@@ -66,11 +66,16 @@ pub(super) fn open_store(
     SwapStore::create(path, name, engine, specs, chunk).map_err(swap)
 }
 
-/// The NVMe engine of the plan's `aio` section.
+/// The NVMe engine of the plan's `aio` section, shared by this process's ranks.
+/// DeepSpeed gives each rank, a process of its own, an aio handle with `queue_depth`
+/// requests in flight; the one engine of ranks that share a process keeps that many for
+/// each of them, so that two ranks in one process have the disk's queue that two
+/// processes have.
 pub fn engine_config(plan: &Plan) -> EngineConfig {
+    let ranks = plan.train.local_ranks().len().max(1);
     EngineConfig {
         block_size: plan.aio.block_size,
-        queue_depth: plan.aio.queue_depth,
+        queue_depth: plan.aio.queue_depth * ranks,
         parallelism: plan.aio.intra_op_parallelism,
         single_submit: plan.aio.single_submit,
         overlap_events: plan.aio.overlap_events,
