@@ -7,7 +7,14 @@
 #
 #   scripts/side_by_side/run.sh [ROUNDS]          (environment: WORK, default runs/side_by_side;
 #                                                  BF16=false trains both in fp32;
-#                                                  DSVENV, default .dsvenv; SEQ, STEPS, WARMUP)
+#                                                  DSVENV, default .dsvenv; SEQ, STEPS, WARMUP;
+#                                                  PAUSE, seconds of rest before each run)
+#
+# Each run starts after PAUSE seconds (default 120) with the disk at rest: on a virtual
+# disk a run that follows another's gigabytes of writes pays for their flush (README,
+# "tierzero beside DeepSpeed": tierzero's bf16 step 3.60 s right after DeepSpeed's run,
+# 2.46-2.91 s after a 150 s rest), and without the rest the trainer that runs second in
+# each round pays it every round.
 #
 # DeepSpeed lives in its own virtualenv ($DSVENV) that reuses the project's torch:
 #   python3 -m venv $DSVENV
@@ -20,6 +27,7 @@ rounds=${1:-3}
 work=${WORK:-$repo/runs/side_by_side}
 dsvenv=${DSVENV:-$repo/.dsvenv}
 seq=${SEQ:-256}
+pause=${PAUSE:-120}
 steps=${STEPS:-4}
 warmup=${WARMUP:-2}
 mkdir -p "$work/nvme-tz" "$work/nvme-ds"
@@ -78,7 +86,9 @@ print(json.dumps({'trainer': d['trainer'], 'tokens_per_s': d['tokens_per_s'], 'm
 
 : > "$work/runs.jsonl"
 for r in $(seq 1 "$rounds"); do
+  sleep "$pause"
   tierzero_run | tee -a "$work/runs.jsonl"
+  sleep "$pause"
   deepspeed_run | tee -a "$work/runs.jsonl"
 done
 python3 - "$work/runs.jsonl" <<'PY'
