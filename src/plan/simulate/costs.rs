@@ -100,9 +100,10 @@ impl Work {
 /// serves them first come, first served): `disk` is the time all ranks' transfers of
 /// the schedule's piece take together, and a rank's own bytes are in `others` of it
 /// before that on average, the turns queued behind its own ((n − 1)/2n of n ranks', 0
-/// for one rank). Measured on a 2-rank run here: the ranks' parameter reads overlapped
-/// 0.07 s of 3.3 s, and the rank whose read came first waited in the gather after it
-/// for the other's.
+/// for one rank) where the ranks submit together; a turn, 1/n of it, where they go a
+/// turn apart ([`Disk::take`](super::disk::Disk::take)). Measured on a 2-rank run here:
+/// the ranks' parameter reads overlapped 0.07 s of 3.3 s, and the rank whose read came
+/// first waited in the gather after it for the other's.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Transfer {
     pub disk: f64,
@@ -119,6 +120,11 @@ impl Transfer {
     /// the last piece pays.
     pub fn bytes_only(self) -> Transfer {
         Transfer { latency: 0.0, ..self }
+    }
+
+    /// The ranks taking their turns at the transfer: n of `others` = (n − 1)/2n.
+    pub fn ranks(self) -> f64 {
+        1.0 / (1.0 - 2.0 * self.others)
     }
 }
 
