@@ -131,7 +131,8 @@ impl Disk {
     /// bytes are in: its data's span ends earlier by their share, the disk stays theirs.
     /// Ready before every rank was through the lane's last transfer, the ranks go a turn
     /// apart: the rank's bytes are in a turn after the disk starts on them, and its span
-    /// starts when it was ready (or when the lane's last ended), as the engine times it.
+    /// starts when it was ready (or when the rank's own data of the lane's last transfer
+    /// was in), as the engine times it.
     pub fn take(&mut self, ready: f64, transfer: Transfer, lane: usize) -> Turn {
         let seconds = transfer.disk;
         if seconds.is_nan() || seconds <= 0.0 {
@@ -154,15 +155,21 @@ impl Disk {
         }
         // ready before the other ranks were through the lane's last transfer: the ranks
         // go staggered, a turn apart, each submitting as the turn before it ends
-        // (its span, as the engine times one: from its submission or the end of the
-        // lane's transfer before it, whichever is later)
+        // (its span, as the engine times one: from its submission or when the rank's own
+        // data of the lane's transfer before it was in, whichever is later)
         let (all, mine) = self.through(lane);
-        let staggered = transfer.others > 0.0 && ready < all;
+        // (only where the disk takes it after those turns: one that fits in a gap before
+        // them is not behind them)
+        let staggered = transfer.others > 0.0 && ready < all && data.0 >= all;
         let (start, own) = if staggered {
-            (ready.max(mine), data.0 + (data.1 - data.0) / transfer.ranks())
+            (
+                ready.max(mine).min(data.0),
+                data.0 + (data.1 - data.0) / transfer.ranks(),
+            )
         } else {
             (data.0, data.1 - transfer.others * (data.1 - data.0))
         };
+        debug_assert!(start <= own, "a span from {start} to {own}");
         self.set_through(lane, data.1, own);
         Turn {
             own: (start, own + transfer.latency),
@@ -633,6 +640,34 @@ mod tests {
         assert_eq!(timed[0].update, (3.5, 3.75));
         assert_eq!(timed[0].write, (3.75, 6.0));
         assert_eq!(timed[0].write_all, 8.0);
+    }
+
+    #[test]
+    fn a_read_ahead_in_a_gap_before_the_others_turns_is_not_behind_them() {
+        // a long sweep leaves the disk idle before the write: the next run's read, ahead
+        // from the last read's start, takes that gap, before the other rank's write turn
+        let turn = |disk| Transfer {
+            disk,
+            latency: 0.0,
+            others: 0.25,
+        };
+        let how = PipelineConfig {
+            sets: 2,
+            pipeline_read: true,
+            pipeline_write: true,
+        };
+        let legs = [Legs {
+            read: turn(3.0),
+            update: 8.0,
+            write: turn(2.0),
+        }];
+        let mut disk = Disk::default();
+        let timed = schedule(0.0, &legs, how, (&mut disk, 0), &[]);
+        let ahead = disk.take(next_read_ready(0.0, &timed, how), turn(2.0), 0);
+        assert!(
+            ahead.own.0 <= ahead.own.1 && ahead.own.1 <= ahead.all,
+            "{ahead:?}"
+        );
     }
 
     #[test]
