@@ -101,9 +101,9 @@ impl Work {
 /// the schedule's piece take together, and a rank's own bytes are in `others` of it
 /// before that on average, the turns queued behind its own ((n − 1)/2n of n ranks', 0
 /// for one rank) where the ranks submit together; in a turn, 1/n of it, after the disk
-/// starts on them where they go a turn apart ([`Disk::take`](super::disk::Disk::take)). Measured on a 2-rank run here:
-/// the ranks' parameter reads overlapped 0.07 s of 3.3 s, and the rank whose read came
-/// first waited in the gather after it for the other's.
+/// starts on them where they go a turn apart ([`Disk::take`](super::disk::Disk::take)).
+/// Measured on a 2-rank run here: the ranks' parameter reads overlapped 0.07 s of 3.3 s,
+/// and the rank whose read came first waited in the gather after it for the other's.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Transfer {
     pub disk: f64,

@@ -153,13 +153,12 @@ impl Disk {
         if fifo.1 > data.1 {
             self.hold(fifo.0.max(data.1), fifo.1, OWED);
         }
-        // ready before the other ranks were through the lane's last transfer: the ranks
-        // go staggered, a turn apart, each submitting as the turn before it ends
-        // (its span, as the engine times one: from its submission or when the rank's own
-        // data of the lane's transfer before it was in, whichever is later)
+        // ready before the other ranks were through the lane's last transfer, and taken
+        // after their turns (one in a gap before them is not behind them): the ranks go a
+        // turn apart, each submitting as the turn before it ends. Its span is the
+        // engine's: from its submission, or from when the rank's own data of the lane's
+        // last transfer was in, whichever is later.
         let (all, mine) = self.through(lane);
-        // (only where the disk takes it after those turns: one that fits in a gap before
-        // them is not behind them)
         let staggered = transfer.others > 0.0 && ready < all && data.0 >= all;
         let (start, own) = if staggered {
             (
